@@ -1,0 +1,41 @@
+"""jax_kvalloc: SGLang's KV-cache slot allocators as pure, jit-compiled JAX functions.
+
+Functional core (no host sync; composes with jit, vmap, scan and donation):
+  init, alloc, alloc_extend, alloc_decode, free, merge_and_sort_free, available_size,
+  over an `AllocatorState` pytree configured by a static `AllocatorConfig`.
+SGLang-compatible classes on top:
+  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator.
+"""
+from jax_kvalloc.allocation import alloc
+from jax_kvalloc.allocation import alloc_decode
+from jax_kvalloc.allocation import alloc_extend
+from jax_kvalloc.base import AllocatorSnapshot
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.freeing import free
+from jax_kvalloc.freeing import merge_and_sort_free
+from jax_kvalloc.paged import PagedTokenToKVPoolAllocator
+from jax_kvalloc.state import AllocatorState
+from jax_kvalloc.state import available_size
+from jax_kvalloc.state import init
+from jax_kvalloc.state import live_free_pages
+from jax_kvalloc.state import live_release_pages
+from jax_kvalloc.token import TokenToKVPoolAllocator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocatorConfig",
+    "AllocatorSnapshot",
+    "AllocatorState",
+    "PagedTokenToKVPoolAllocator",
+    "TokenToKVPoolAllocator",
+    "alloc",
+    "alloc_decode",
+    "alloc_extend",
+    "available_size",
+    "free",
+    "init",
+    "live_free_pages",
+    "live_release_pages",
+    "merge_and_sort_free",
+]

@@ -1,0 +1,187 @@
+"""Handing slots out: `alloc` (SPEC 3, 4.1), `alloc_extend` (4.2), `alloc_decode` (4.3).
+
+Every function is pure and traceable: it takes the static config and a state, and returns
+`(new_state, indices, ok)`. Shapes are static (padded); counts are traced, so a serving
+loop compiles once per shape bucket (jax_kvalloc.buckets). On failure `ok` is False,
+`indices` is all 0 and nothing is allocated; the only change kept is a merge of
+release_pages that the shortfall triggered (need_sort), exactly as in SGLang.
+
+Capacity is checked before any index is computed, and every read of the free list goes
+through a masked window of it, so nothing ever reads past the free list (SGLang issue
+34399).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_kvalloc import kernels
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.freeing import maybe_merge
+from jax_kvalloc.index_jnp import cdiv
+from jax_kvalloc.state import AllocatorState
+
+Array = jax.Array
+AllocResult = Tuple[AllocatorState, Array, Array]
+
+
+def _as_i32(x, name: str) -> Array:
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+  return x.astype(jnp.int32)
+
+
+def _take_pages(state: AllocatorState, num_pages: Array, ok: Array) -> AllocatorState:
+  """Drops `num_pages` from the front of the free list when ok. No array is written."""
+  n = state.free_ring.shape[0]
+  taken = jnp.where(ok, num_pages, 0)
+  return state._replace(free_head=(state.free_head + taken) % max(n, 1),
+                        free_len=state.free_len - taken)
+
+
+def _window_len(config: AllocatorConfig, pages_needed_at_most: int) -> int:
+  """Static length of the free-list window a call may read: no more than the pool."""
+  return max(1, min(config.num_pages, pages_needed_at_most))
+
+
+def _row_mask(num_rows: int, num_reqs: Optional[Array]) -> Tuple[Array, Array]:
+  """(bool[B] real rows, i32[] their count): rows at index >= num_reqs are padding."""
+  if num_reqs is None:
+    return jnp.ones((num_rows,), bool), jnp.full((), num_rows, jnp.int32)
+  num_reqs = jnp.clip(_as_i32(num_reqs, "num_reqs"), 0, num_rows)
+  return jnp.arange(num_rows) < num_reqs, num_reqs
+
+
+def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
+          max_size: int) -> AllocResult:
+  """Takes `need_size` slots from the front of the free list (SPEC 3 and 4.1).
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    need_size: i32[] slots wanted; for the paged allocator a multiple of page_size.
+    max_size: static length of the returned index array.
+
+  Returns:
+    (state, i32[max_size] slots, bool[] ok). Paged: whole pages p give p*ps .. p*ps+ps-1,
+    in free-list order. Entries past need_size are 0. ok is False (nothing allocated) when
+    the pool is short even after a need_sort merge, when need_size is negative, larger
+    than max_size, or not a multiple of page_size.
+  """
+  ps = config.page_size
+  need_size = _as_i32(need_size, "need_size")
+  valid = (need_size >= 0) & (need_size <= max_size) & (need_size % ps == 0)
+  num_pages = need_size // ps
+  state = maybe_merge(config, state, valid & (num_pages > state.free_len))
+  ok = valid & (num_pages <= state.free_len)
+
+  t = jnp.arange(max_size, dtype=jnp.int32)
+  window = st.ring_window(state.free_ring, state.free_head, jnp.where(ok, state.free_len, 0),
+                          _window_len(config, -(-max_size // ps)))
+  page = window[jnp.clip(t // ps, 0, window.shape[0] - 1)]
+  out = jnp.where(ok & (t < need_size), page * ps + t % ps, 0)
+  return _take_pages(state, num_pages, ok), out, ok
+
+
+def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
+                 seq_lens: Array, last_loc: Array, *, max_tokens: int,
+                 num_reqs: Optional[Array] = None) -> AllocResult:
+  """Allocates the slots of a prefill (extend) batch (SPEC 4.2).
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    prefix_lens: i32[B] tokens each request already has in the cache.
+    seq_lens: i32[B] tokens each request has after this extend (>= prefix_lens).
+    last_loc: i32[B] slot of each request's last prefix token, -1 when prefix_lens is 0;
+      SPEC requires (last_loc + 1) % page_size == prefix_lens % page_size.
+    max_tokens: static length of the returned index array (a bucket of the batch's
+      extend_num_tokens = sum(seq_lens - prefix_lens)).
+    num_reqs: optional i32[], the number of real rows; rows at index >= num_reqs are
+      padding and allocate nothing. Default: all B rows are real. It also sets `bs` in
+      the need_sort merge trigger `extend_num_tokens // ps + bs + 1 > len(free_pages)`.
+
+  Returns:
+    (state, i32[max_tokens] slots, bool[] ok). The first extend_num_tokens entries are
+    the new tokens' slots in batch order (SPEC 4.2 Parts 1-3), the rest 0. ok is False
+    (nothing allocated; only a triggered merge kept) when the new pages do not fit in the
+    free list, when extend_num_tokens > max_tokens, or when a real row has
+    prefix_lens < 0 or seq_lens < prefix_lens.
+  """
+  ps = config.page_size
+  prefix_lens = _as_i32(prefix_lens, "prefix_lens")
+  seq_lens = _as_i32(seq_lens, "seq_lens")
+  last_loc = _as_i32(last_loc, "last_loc")
+  num_rows = prefix_lens.shape[0]
+  real, bs = _row_mask(num_rows, num_reqs)
+  pre = jnp.where(real, prefix_lens, 0)
+  seq = jnp.where(real, seq_lens, 0)
+  rows_valid = jnp.all((pre >= 0) & (seq >= pre))
+  pre = jnp.where(rows_valid, pre, 0)
+  seq = jnp.where(rows_valid, seq, 0)
+
+  ext = seq - pre
+  new_pages = cdiv(seq, ps) - cdiv(pre, ps)
+  tok_start = jnp.cumsum(ext) - ext
+  page_start = jnp.cumsum(new_pages) - new_pages
+  total_tokens = jnp.sum(ext)
+  total_pages = jnp.sum(new_pages)
+  valid = rows_valid & (total_tokens <= max_tokens)
+  state = maybe_merge(config, state, valid & (total_tokens // ps + bs + 1 > state.free_len))
+  ok = valid & (total_pages <= state.free_len)
+
+  # Enough pages for any batch of at most max_tokens tokens: sum(ceil(ext_i / ps)).
+  window = st.ring_window(state.free_ring, state.free_head,
+                          jnp.where(ok, state.free_len, 0),
+                          _window_len(config, max_tokens // ps + num_rows + 1))
+  out = kernels.extend_indices(config.kernel, window, pre, seq, last_loc, tok_start,
+                               page_start, page_size=ps, out_len=max_tokens)
+  out = jnp.where(ok, out, 0)
+  return _take_pages(state, total_pages, ok), out, ok
+
+
+def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
+                 last_loc: Array, *, num_reqs: Optional[Array] = None) -> AllocResult:
+  """Allocates one new token's slot per request (SPEC 4.3).
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    seq_lens: i32[B] sequence lengths that already count the new token (>= 1).
+    last_loc: i32[B] slot of each request's previous token (token seq_lens - 2);
+      SPEC requires (last_loc + 2) % page_size == seq_lens % page_size.
+    num_reqs: optional i32[], the number of real rows; rows at index >= num_reqs are
+      padding (output 0, nothing allocated). Default: all B rows. It is `bs` in the
+      need_sort merge trigger `bs > len(free_pages)`.
+
+  Returns:
+    (state, i32[B] slots, bool[] ok). A request whose new token starts a page
+    (ceil(seq/ps) > ceil((seq-1)/ps)) gets the next free page's first slot, in batch
+    order; the others get last_loc + 1. ok is False (nothing allocated; only a triggered
+    merge kept) when the pages needed exceed the free list or a real row has seq_lens < 1.
+  """
+  ps = config.page_size
+  seq_lens = _as_i32(seq_lens, "seq_lens")
+  last_loc = _as_i32(last_loc, "last_loc")
+  num_rows = seq_lens.shape[0]
+  real, bs = _row_mask(num_rows, num_reqs)
+  seq = jnp.where(real, seq_lens, 1)
+  rows_valid = jnp.all(seq >= 1)
+  needs_page = real & (cdiv(seq, ps) > cdiv(seq - 1, ps))
+  needs_page = needs_page.astype(jnp.int32)
+  page_start = jnp.cumsum(needs_page) - needs_page
+  total_pages = jnp.sum(needs_page)
+  state = maybe_merge(config, state, rows_valid & (bs > state.free_len))
+  ok = rows_valid & (total_pages <= state.free_len)
+
+  window = st.ring_window(state.free_ring, state.free_head,
+                          jnp.where(ok, state.free_len, 0), _window_len(config, num_rows))
+  seq_for_kernel = jnp.where(real, seq, 0)  # padded rows need no page
+  out = kernels.decode_indices(config.kernel, window, seq_for_kernel, last_loc, page_start,
+                               page_size=ps)
+  out = jnp.where(ok & real, out, 0)
+  return _take_pages(state, total_pages, ok), out, ok

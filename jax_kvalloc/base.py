@@ -1,0 +1,243 @@
+"""Shared mechanics of the SGLang-compatible classes: state holding, free groups,
+snapshots, input conversion and the jitted operations they call.
+
+Each class holds one `AllocatorState`; every method is one call of a jitted function of
+the functional core followed by a reassignment of the state. Inputs are padded to shape
+buckets (jax_kvalloc.buckets) so that the class compiles once per bucket.
+
+Donation: the state is donated to each call (the frees then scatter in place), except
+right after `backup_state`/`restore_state`, when a snapshot may still refer to the
+current arrays; that one call copies, and the arrays it returns are fresh again.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, List, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import allocation as _alloc
+from jax_kvalloc import buckets
+from jax_kvalloc import freeing as _free
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.state import AllocatorState
+
+
+def _jit_pair(fn, static_argnames):
+  """(copying, donating) jitted versions of fn(config, state, ...)."""
+  return (jax.jit(fn, static_argnames=static_argnames),
+          jax.jit(fn, static_argnames=static_argnames, donate_argnames=("state",)))
+
+
+_ALLOC = _jit_pair(_alloc.alloc, ("config", "max_size"))
+_ALLOC_EXTEND = _jit_pair(_alloc.alloc_extend, ("config", "max_tokens"))
+_ALLOC_DECODE = _jit_pair(_alloc.alloc_decode, ("config",))
+_FREE = _jit_pair(_free.free, ("config",))
+_MERGE = _jit_pair(_free.merge_and_sort_free, ("config",))
+_INIT = jax.jit(st.init, static_argnames=("config",))
+
+
+class AllocatorSnapshot(NamedTuple):
+  """What `backup_state` returns: the (immutable) state and the config it belongs to."""
+  config: AllocatorConfig
+  state: AllocatorState
+
+
+def resolve_device(device: Any) -> Optional[jax.Device]:
+  """A jax.Device for SGLang-style device arguments ("cuda", "cuda:1", "cpu", "tpu",
+  a jax.Device, or None for jax's default device)."""
+  if device is None or isinstance(device, jax.Device):
+    return device
+  name = str(device)
+  platform, _, index = name.partition(":")
+  platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError as e:
+    raise ValueError(f"device={device!r}: no {platform!r} devices are available "
+                     f"(jax sees {jax.devices()})") from e
+  i = int(index) if index else 0
+  if not 0 <= i < len(devices):
+    raise ValueError(f"device={device!r}: only {len(devices)} {platform} device(s)")
+  return devices[i]
+
+
+def host_ints(x: Any, name: str) -> np.ndarray:
+  """A 1-D int64 numpy copy of an index argument (list, numpy, jax or torch array).
+
+  Raises TypeError naming `name` for non-integer dtypes and ValueError for other ranks.
+  """
+  if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
+    x = x.detach().cpu().numpy()
+  arr = np.asarray(x)
+  if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+    raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+  if arr.ndim == 0:
+    arr = arr.reshape(1)
+  if arr.ndim != 1:
+    raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+  return arr.astype(np.int64)
+
+
+class BaseAllocator:
+  """SGLang's allocator interface over one functional state (see TokenToKVPoolAllocator
+  and PagedTokenToKVPoolAllocator)."""
+
+  def __init__(self, config: AllocatorConfig, dtype: Any = None, device: Any = None,
+               kvcache: Any = None):
+    self.config = config
+    self.dtype = dtype
+    self.device = device
+    self._jax_device = resolve_device(device)
+    self._kvcache = kvcache
+    self.clear()
+
+  # -- attributes SGLang exposes -----------------------------------------------------
+  @property
+  def size(self) -> int:
+    return self.config.size
+
+  @property
+  def page_size(self) -> int:
+    return self.config.page_size
+
+  @property
+  def need_sort(self) -> bool:
+    return self.config.need_sort
+
+  @property
+  def state(self) -> AllocatorState:
+    """The functional state (for handing the pool to jitted code)."""
+    return self._state
+
+  @property
+  def free_pages(self) -> np.ndarray:
+    """The free list in order (slot ids for the token allocator), i32[len]."""
+    return st.live_free_pages(self._state)
+
+  @property
+  def release_pages(self) -> np.ndarray:
+    """The release list in order (need_sort), i32[len]."""
+    return st.live_release_pages(self._state)
+
+  @property
+  def is_not_in_free_group(self) -> bool:
+    return self._free_group is None
+
+  def get_kvcache(self) -> Any:
+    return self._kvcache
+
+  def available_size(self) -> int:
+    """Free slots, released ones included (syncs)."""
+    return int(st.available_size(self.config, self._state))
+
+  # -- state ---------------------------------------------------------------------------
+  def clear(self) -> None:
+    """Back to the initial state (SPEC 2); closes any open free group."""
+    state = _INIT(self.config)
+    if self._jax_device is not None:
+      state = jax.device_put(state, self._jax_device)
+    self._state = state
+    self._shared = False
+    self._free_group: Optional[List[np.ndarray]] = None
+
+  def backup_state(self) -> AllocatorSnapshot:
+    """A snapshot that `restore_state` puts back exactly (SPEC 8). Free: states are
+    immutable, so the snapshot is the current state."""
+    self._shared = True
+    return AllocatorSnapshot(self.config, self._state)
+
+  def restore_state(self, state: AllocatorSnapshot) -> None:
+    """Puts a snapshot from `backup_state` of an allocator of the same config back."""
+    if not isinstance(state, AllocatorSnapshot):
+      raise TypeError(f"state must be an AllocatorSnapshot from backup_state(), "
+                      f"got {type(state).__name__}")
+    if state.config != self.config:
+      raise ValueError(f"state was taken from an allocator with config {state.config}, "
+                       f"this one has {self.config}")
+    self._state = state.state
+    self._shared = True
+
+  def _call(self, pair, *args, **kwargs):
+    """Runs one jitted operation on the state; returns its outputs after the state."""
+    fn = pair[0] if self._shared else pair[1]
+    result = fn(self.config, self._state, *args, **kwargs)
+    self._shared = False
+    if isinstance(result, AllocatorState):
+      self._state = result
+      return None
+    self._state, *rest = result
+    return rest
+
+  # -- operations ----------------------------------------------------------------------
+  def alloc(self, need_size: int):
+    """`need_size` slots from the front of the free list, or None if they do not fit.
+
+    Returns i32[need_size] (a jax array). Paged: need_size must be a multiple of
+    page_size (ValueError otherwise; SGLang floors silently outside its debug mode).
+    """
+    if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)):
+      raise TypeError(f"need_size must be an int, got {type(need_size).__name__}")
+    need_size = int(need_size)
+    if need_size < 0:
+      raise ValueError(f"need_size must be >= 0, got {need_size}")
+    if need_size % self.page_size:
+      raise ValueError(f"need_size={need_size} must be a multiple of "
+                       f"page_size={self.page_size}")
+    if need_size == 0:
+      return jnp.zeros((0,), jnp.int32)
+    out, ok = self._call(_ALLOC, np.int32(need_size),
+                         max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
+    if not bool(ok):
+      return None
+    return out[:need_size]
+
+  def free(self, free_index) -> None:
+    """Returns slots to the pool (queued while a free group is open)."""
+    idx = host_ints(free_index, "free_index")
+    if idx.size == 0:
+      return
+    self._check_free_index(idx)
+    if self._free_group is not None:
+      self._free_group.append(idx)  # host_ints copied it: later changes to the caller's
+      return                        # buffer do not reach the queue
+    self._free_now(idx)
+
+  def _free_now(self, idx: np.ndarray) -> None:
+    n = buckets.bucket(idx.shape[0], buckets.MIN_FREE)
+    self._call(_FREE, buckets.pad(idx.astype(np.int32), n))
+
+  def _check_free_index(self, idx: np.ndarray) -> None:
+    """Eager checks on free input; the state is untouched when they raise."""
+    bad = (idx < self.page_size) | (idx >= self.config.num_slots)
+    if bad.any():
+      i = int(np.argmax(bad))
+      raise ValueError(
+          f"free_index[{i}]={int(idx[i])} is not an allocatable slot: valid slots are "
+          f"{self.page_size}..{self.config.num_slots - 1} (page 0 is reserved)")
+
+  def free_group_begin(self) -> None:
+    """Opens a free group: frees are queued until free_group_end (SPEC 7)."""
+    if self._free_group is not None:
+      raise RuntimeError("free_group_begin() called while a free group is already open")
+    self._free_group = []
+
+  def free_group_end(self) -> None:
+    """Closes the free group and frees everything queued in one call (SPEC 7)."""
+    if self._free_group is None:
+      raise RuntimeError("free_group_end() called without free_group_begin()")
+    queued, self._free_group = self._free_group, None
+    if queued:
+      self._free_now(np.concatenate(queued))
+
+  def merge_and_sort_free(self) -> None:
+    """release_pages merged, sorted, into free_pages (SPEC 6)."""
+    self._call(_MERGE)
+
+  def __repr__(self) -> str:
+    c = self.config
+    return (f"{type(self).__name__}(size={c.size}, page_size={c.page_size}, "
+            f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug})")

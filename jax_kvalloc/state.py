@@ -1,0 +1,142 @@
+"""The allocator state pytree and the fixed-capacity ring buffers it is made of.
+
+Layout. `free_pages` and `release_pages` are each a ring buffer (a fixed-capacity deque)
+of capacity `num_pages` with a head and a length, because SGLang's lists are used as
+deques: allocation takes from the front, the paged `free` prepends (LIFO), the token
+`free` appends (FIFO). On a ring every one of those is O(work):
+
+  take k from the front    head += k, len -= k            no array write at all
+  prepend m                head -= m, write m entries      O(m) scatter
+  append m                 write m entries, len += m       O(m) scatter
+  merge_and_sort_free      sort both lists into one        O(num_pages log num_pages)
+
+Nothing scans the pool, and an allocation never writes the lists. Under `jax.jit` with the
+state donated, XLA performs the scatters in place. A flat array with a moving head would
+need room on both sides of it; the ring needs none and is never longer than the pool.
+Indices into a ring are always taken modulo its capacity, so no read or write of the
+state can leave its arrays, whatever the lengths say.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc.config import AllocatorConfig
+
+Array = jax.Array
+
+# Sorts after every page id; fills the unused tail of sorted scratch arrays.
+SENTINEL = np.int32(2**31 - 1)
+
+
+class AllocatorState(NamedTuple):
+  """State of one pool. Capacities come from the array shapes; nothing static lives here.
+
+  The free list is `free_ring[(free_head + i) % num_pages]` for i < free_len; likewise the
+  release list. `debug` is None unless the config has debug=True (see jax_kvalloc.debug).
+  """
+  free_ring: Array      # i32[num_pages] ring buffer of free page ids
+  free_head: Array      # i32[] index of the first free page in free_ring
+  free_len: Array       # i32[] number of free pages
+  release_ring: Array   # i32[num_pages] ring buffer of released pages (need_sort)
+  release_head: Array   # i32[]
+  release_len: Array    # i32[]
+  debug: Optional[object] = None  # debug-mode bookkeeping, a pytree; None when off
+
+
+def init(config: AllocatorConfig) -> AllocatorState:
+  """The initial state (SPEC 2): free_pages = [1, ..., num_pages], release_pages = []."""
+  n = config.num_pages
+  zero = jnp.zeros((), jnp.int32)
+  return AllocatorState(
+      free_ring=jnp.arange(1, n + 1, dtype=jnp.int32),
+      free_head=zero,
+      free_len=jnp.full((), n, jnp.int32),
+      release_ring=jnp.zeros((n,), jnp.int32),
+      release_head=zero,
+      release_len=zero,
+  )
+
+
+def available_size(config: AllocatorConfig, state: AllocatorState) -> Array:
+  """Free slots, released ones included: (len(free) + len(release)) * page_size. i32[]."""
+  return (state.free_len + state.release_len) * config.page_size
+
+
+# ---------------------------------------------------------------------------------------
+# Ring buffer primitives. `ring` is i32[C]; head and length are i32[] scalars.
+# ---------------------------------------------------------------------------------------
+
+def ring_window(ring: Array, head: Array, length: Array, n: int,
+                fill: int | np.integer = 0) -> Array:
+  """The first `n` (static) entries of a ring, in order; entries at i >= length are `fill`.
+
+  Returns i32[n]. O(n) gather; every read index is inside the ring.
+  """
+  cap = ring.shape[0]
+  i = jnp.arange(n, dtype=jnp.int32)
+  if cap == 0:
+    return jnp.full((n,), fill, jnp.int32)
+  vals = ring[(head + i) % cap]
+  return jnp.where(i < length, vals, jnp.asarray(fill, jnp.int32))
+
+
+def ring_push_front(ring: Array, head: Array, values: Array, count: Array):
+  """Prepends values[:count] (in order) to the ring. Returns (ring, new_head).
+
+  values is i32[M]; entries at j >= count are not written. O(M) scatter.
+  """
+  cap = ring.shape[0]
+  new_head = (head - count) % cap
+  j = jnp.arange(values.shape[0], dtype=jnp.int32)
+  pos = jnp.where(j < count, (new_head + j) % cap, cap)  # cap is out of range: dropped
+  return ring.at[pos].set(values, mode="drop"), new_head
+
+
+def ring_push_back(ring: Array, head: Array, length: Array, values: Array, count: Array):
+  """Appends values[:count] (in order) after the ring's last entry. Returns the ring."""
+  cap = ring.shape[0]
+  j = jnp.arange(values.shape[0], dtype=jnp.int32)
+  pos = jnp.where(j < count, (head + length + j) % cap, cap)
+  return ring.at[pos].set(values, mode="drop")
+
+
+def compact(values: Array, keep: Array):
+  """Moves values[keep] to the front, in order. Returns (i32[M] compacted, i32[] count).
+
+  Entries past the count are 0. O(M): an exclusive prefix sum gives each kept entry its
+  place.
+  """
+  keep = keep.astype(jnp.int32)
+  pos = jnp.cumsum(keep) - keep
+  pos = jnp.where(keep > 0, pos, values.shape[0])
+  out = jnp.zeros_like(values).at[pos].set(values, mode="drop")
+  return out, jnp.sum(keep)
+
+
+# ---------------------------------------------------------------------------------------
+# Host-side views, for the SGLang-compatible classes and for tests.
+# ---------------------------------------------------------------------------------------
+
+def live_free_pages(state: AllocatorState) -> np.ndarray:
+  """The free list in order, as a host numpy int32 array (syncs)."""
+  return _live(state.free_ring, state.free_head, state.free_len)
+
+
+def live_release_pages(state: AllocatorState) -> np.ndarray:
+  """The release list in order, as a host numpy int32 array (syncs)."""
+  return _live(state.release_ring, state.release_head, state.release_len)
+
+
+def _live(ring, head, length) -> np.ndarray:
+  ring = np.asarray(ring)
+  cap = ring.shape[-1]
+  if ring.ndim != 1:
+    raise ValueError(f"expected the state of a single pool, got a ring of shape {ring.shape}")
+  h, n = int(head), int(length)
+  if cap == 0:
+    return np.zeros((0,), np.int32)
+  return np.array(ring[(h + np.arange(n)) % cap], dtype=np.int32)
