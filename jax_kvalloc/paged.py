@@ -57,9 +57,10 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     if int(extend_num_tokens) != total:
       raise ValueError(f"extend_num_tokens={int(extend_num_tokens)} != "
                        f"sum(seq_lens - prefix_lens)={total}")
-    if total == 0:
-      return jnp.zeros((0,), jnp.int32)
     bs = pre.shape[0]
+    if bs == 0:
+      return jnp.zeros((0,), jnp.int32)
+    # A batch of zero-extension rows still runs: its need_sort merge trigger counts bs.
     rows = buckets.bucket(bs, buckets.MIN_BATCH)
     out, ok = self._call(
         _ALLOC_EXTEND, buckets.pad(pre, rows), buckets.pad(seq, rows),
