@@ -28,13 +28,12 @@ def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState) -> Alloc
   total = state.free_len + state.release_len
   merged = jnp.where(jnp.arange(n) < total, merged, 0)
   has_released = state.release_len > 0
-  zero = jnp.zeros((), jnp.int32)
   return state._replace(
       free_ring=jnp.where(has_released, merged, state.free_ring),
-      free_head=jnp.where(has_released, zero, state.free_head),
+      free_head=jnp.where(has_released, 0, state.free_head),
       free_len=total,
-      release_head=zero,
-      release_len=zero,
+      release_head=jnp.zeros((), jnp.int32),  # separate buffers, so that they can be
+      release_len=jnp.zeros((), jnp.int32),   # donated when this runs eagerly
   )
 
 

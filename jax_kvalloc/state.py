@@ -50,14 +50,14 @@ class AllocatorState(NamedTuple):
 def init(config: AllocatorConfig) -> AllocatorState:
   """The initial state (SPEC 2): free_pages = [1, ..., num_pages], release_pages = []."""
   n = config.num_pages
-  zero = jnp.zeros((), jnp.int32)
+  # Every field gets its own buffer: aliased leaves could not be donated.
   return AllocatorState(
       free_ring=jnp.arange(1, n + 1, dtype=jnp.int32),
-      free_head=zero,
+      free_head=jnp.zeros((), jnp.int32),
       free_len=jnp.full((), n, jnp.int32),
       release_ring=jnp.zeros((n,), jnp.int32),
-      release_head=zero,
-      release_len=zero,
+      release_head=jnp.zeros((), jnp.int32),
+      release_len=jnp.zeros((), jnp.int32),
   )
 
 
