@@ -267,3 +267,14 @@ class FunctionalTest(chex.TestCase):
       new, out, ok = alloc(cfg, state, jnp.int32(bad), max_size=32)
       assert not bool(ok)
       chex.assert_trees_all_equal(new, state)
+
+
+@pytest.mark.parametrize("convert", [list, np.asarray, jnp.asarray], ids=["list", "numpy", "jax"])
+def test_classes_accept_lists_numpy_and_jax_arrays(convert):
+  a = _paged()
+  first = a.alloc_extend(convert([0, 0]), None, convert([6, 3]), None, convert([-1, -1]), 9)
+  assert _np(first) == [4, 5, 6, 7, 8, 9, 12, 13, 14]
+  out = a.alloc_decode(convert([7, 4]), convert([7, 4]), convert([9, 14]))
+  assert _np(out) == [10, 15]
+  a.free(convert(np.asarray(first)))
+  assert a.free_pages[:3].tolist() == [1, 2, 3]
