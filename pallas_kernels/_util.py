@@ -1,0 +1,125 @@
+"""Small helpers shared by the Triton and Mosaic kernels.
+
+- Integer arithmetic by a static page size: shifts and masks when it is a power of two
+  (they equal jnp's floor `//` and `%` for every sign), jnp's `//`/`%` otherwise.
+- `quiet_triton`: runs a Pallas-Triton call so that jax's "Pallas Triton backend is
+  deprecated" DeprecationWarning (jax >= 0.11, emitted when the call is lowered) is
+  silenced for our kernels only. The call is wrapped in a private primitive whose lowering
+  rule installs the filter around the Pallas lowering, so the filter is active exactly
+  while our kernel is lowered: users' own Pallas-Triton kernels still warn, and no other
+  warning is touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+from jax.interpreters import mlir
+
+Array = jax.Array
+INT32_MAX = 2**31 - 1
+
+# The text jax's deprecation starts with (jax/_src/pallas/triton/pallas_call_registration.py).
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+def next_pow2(n: int) -> int:
+  """The smallest power of two >= max(n, 1)."""
+  return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def floordiv(x: Array, ps: int) -> Array:
+  """x // ps (floor, any sign) for a static ps >= 1."""
+  if ps == 1:
+    return x
+  if is_pow2(ps):
+    return x >> (ps.bit_length() - 1)
+  return x // ps
+
+
+def mod(x: Array, ps: int) -> Array:
+  """x % ps (floor, any sign) for a static ps >= 1."""
+  if ps == 1:
+    return jnp.zeros_like(x)
+  if is_pow2(ps):
+    return x & (ps - 1)
+  return x % ps
+
+
+def cdiv(x: Array, ps: int) -> Array:
+  """ceil(x / ps) as index_jnp.cdiv: -((-x) // ps)."""
+  return -floordiv(-x, ps)
+
+
+def highest_pow2_at_most(n: Array) -> Array:
+  """The largest power of two <= n for an int32 scalar n >= 1 (bit smearing)."""
+  for s in (1, 2, 4, 8, 16):
+    n = n | (n >> s)
+  return n - (n >> 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Scoped silencing of the Pallas-Triton deprecation warning.
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Vmapped:
+  """fn vmapped over the given input axes (outputs batched on axis 0); hashable."""
+  fn: Callable[..., Any]
+  in_axes: Tuple[Any, ...]
+
+  def __call__(self, *args):
+    return jax.vmap(self.fn, in_axes=self.in_axes, out_axes=0)(*args)
+
+
+_quiet_p = Primitive("jax_kvalloc_triton_call")
+_quiet_p.multiple_results = True
+
+
+def _silenced(thunk):
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION,
+                            category=DeprecationWarning)
+    return thunk()
+
+
+def _quiet_impl(*args, fn):
+  return _silenced(lambda: tuple(fn(*args)))
+
+
+def _quiet_abstract_eval(*avals, fn):
+  outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+  return [jax.core.ShapedArray(o.shape, o.dtype) for o in outs]
+
+
+def _quiet_lowering(ctx, *args, fn):
+  return _silenced(lambda: mlir.lower_fun(lambda *a: tuple(fn(*a)),
+                                          multiple_results=True)(ctx, *args))
+
+
+def _quiet_batching(args, dims, *, fn):
+  in_axes = tuple(None if d is batching.not_mapped else d for d in dims)
+  outs = _quiet_p.bind(*args, fn=_Vmapped(fn, in_axes))
+  return outs, [0] * len(outs)
+
+
+_quiet_p.def_impl(_quiet_impl)
+_quiet_p.def_abstract_eval(_quiet_abstract_eval)
+mlir.register_lowering(_quiet_p, _quiet_lowering)
+batching.primitive_batchers[_quiet_p] = _quiet_batching
+
+
+def quiet_triton(fn: Callable[..., Sequence[Array]], *args: Array) -> Tuple[Array, ...]:
+  """fn(*args) (a Pallas-Triton call returning a tuple of arrays), lowered with jax's
+  Triton deprecation warning silenced for this call only. `fn` must be hashable (a
+  frozen dataclass or a module-level function), since it is a primitive parameter."""
+  return tuple(_quiet_p.bind(*args, fn=fn))

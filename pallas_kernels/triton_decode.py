@@ -1,0 +1,209 @@
+"""alloc_decode slot indices on GPU: a Pallas kernel through the Triton lowering.
+
+Reference: jax_kvalloc.index_jnp.decode_indices (the contract, SPEC 4.3). As for extend,
+two entry points share the kernel file:
+
+- `decode_indices_triton`: the contract (window and page_start from the caller); each
+  program handles a block of rows, elementwise plus one gather.
+- `alloc_decode_triton`: the whole allocation in one launch. Row i needs a page iff
+  ceil(seq/ps) > ceil((seq-1)/ps); the pages go out in batch order, so row i's page is
+  ring[head + #(rows before i that need one)]. Each program takes a block of RB rows; it
+  counts the pages of all earlier rows itself (one masked reduction over every row), so
+  no program waits for another. With one program (B <= RB) that count is its own scan.
+  Ring reads are masked by the capacity check and wrapped into the ring.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _util
+from pallas_kernels._util import cdiv
+
+Array = jax.Array
+
+DEFAULT_ROW_BLOCK = 2048      # rows per program
+
+
+@dataclasses.dataclass(frozen=True)
+class _Params:
+  fused: bool
+  num_rows: int       # B
+  rows_pad: int       # next power of two >= B
+  row_block: int      # RB, rows per program (power of two, <= rows_pad)
+  page_size: int
+  src_len: int        # ring (fused) or window (contract) length
+
+
+def _load(ref, idx, mask, other=0):
+  """Masked gather of ref[idx]; idx is clamped into ref, so no lane ever leaves it."""
+  n = ref.shape[0]
+  return pltriton.load(ref.at[jnp.clip(idx, 0, n - 1)], mask=mask, other=other)
+
+
+def _store(ref, idx, value, mask):
+  """Masked scatter; masked-off lanes point past the end (see triton_extend._store)."""
+  n = ref.shape[0]
+  pltriton.store(ref.at[jnp.where(mask, jnp.clip(idx, 0, n - 1), n)], value, mask=mask)
+
+
+def _needs_page(seq: Array, ps: int) -> Array:
+  return cdiv(seq, ps) > cdiv(seq - 1, ps)
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel bodies.
+# ---------------------------------------------------------------------------------------
+
+def _contract_kernel(win_ref, seq_ref, last_ref, pst_ref,   # inputs: i32[P], i32[B] x3
+                     out_ref,                               # output: i32[B]
+                     *, p: _Params):
+  ps = p.page_size
+  rows = pl.program_id(0) * p.row_block + jnp.arange(p.row_block, dtype=jnp.int32)
+  lane = rows < p.num_rows
+  seq = _load(seq_ref, rows, lane)
+  last = _load(last_ref, rows, lane)
+  page_start = _load(pst_ref, rows, lane)
+  needs = _needs_page(seq, ps)
+  page = _load(win_ref, page_start, lane & needs)  # clamped into the window
+  _store(out_ref, rows, jnp.where(needs, page * ps, last + 1), lane)
+
+
+def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[n], i32[1] x3
+                  seq_ref, last_ref,                        # inputs: batch i32[B] x2
+                  out_ref, head_out, len_out, ok_out,       # outputs: i32[B], i32[1] x2, bool[1]
+                  *, p: _Params):
+  ps, n = p.page_size, p.src_len
+  pid = pl.program_id(0)
+  head = head_ref[0]
+  flen = flen_ref[0]
+  nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
+  rows = pid * p.row_block + jnp.arange(p.row_block, dtype=jnp.int32)
+  real = rows < nrows
+  seq = _load(seq_ref, rows, real, 1)
+  last = _load(last_ref, rows, rows < p.num_rows)
+  needs = (real & _needs_page(seq, ps)).astype(jnp.int32)
+  if p.row_block == p.rows_pad:  # one program: the block is the batch
+    bad = jnp.sum((real & (seq < 1)).astype(jnp.int32))
+    total_pages = jnp.sum(needs)
+    before = 0
+  else:
+    r = jnp.arange(p.rows_pad, dtype=jnp.int32)
+    real_all = r < nrows
+    seq_all = _load(seq_ref, r, real_all, 1)
+    bad = jnp.sum((real_all & (seq_all < 1)).astype(jnp.int32))
+    needs_all = (real_all & _needs_page(seq_all, ps)).astype(jnp.int32)
+    total_pages = jnp.sum(needs_all)
+    before = jnp.sum(jnp.where(r < pid * p.row_block, needs_all, 0))
+  ok = (bad == 0) & (total_pages <= flen)
+  k = before + jnp.cumsum(needs) - needs
+  i = head + k
+  i = jnp.where(i >= n, i - n, i)
+  page = _load(ring_ref, i, (needs > 0) & ok & (k < flen))
+  out = jnp.where(needs > 0, page * ps, last + 1)
+  _store(out_ref, rows, jnp.where(ok & real, out, 0), rows < p.num_rows)
+
+  @pl.when(pid == 0)
+  def _():
+    taken = jnp.where(ok, total_pages, 0)
+    new_head = head + taken
+    head_out[0] = jnp.where(new_head >= n, new_head - n, new_head)
+    len_out[0] = flen - taken
+    ok_out[0] = ok
+
+
+# ---------------------------------------------------------------------------------------
+# Grid, shapes and wrappers.
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """The pallas_call of one kernel configuration (hashable: a primitive parameter)."""
+  p: _Params
+  num_warps: int
+  interpret: bool
+
+  def __call__(self, *args):
+    p = self.p
+    out = jax.ShapeDtypeStruct((p.num_rows,), jnp.int32)
+    if p.fused:
+      one = jax.ShapeDtypeStruct((1,), jnp.int32)
+      out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_))
+      body, name = _fused_kernel, "jax_kvalloc_alloc_decode_triton"
+    else:
+      out_shape = (out,)
+      body, name = _contract_kernel, "jax_kvalloc_decode_indices_triton"
+    return pl.pallas_call(
+        functools.partial(body, p=p), out_shape=out_shape,
+        grid=(p.rows_pad // p.row_block,),
+        compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
+        interpret=self.interpret, name=name)(*args)
+
+
+def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interpret):
+  rows_pad = _util.next_pow2(num_rows)
+  row_block = min(rows_pad, row_block or DEFAULT_ROW_BLOCK)
+  if not _util.is_pow2(row_block):
+    raise ValueError(f"row_block={row_block} must be a power of two")
+  p = _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, row_block=row_block,
+              page_size=page_size, src_len=src_len)
+  if num_warps is None:
+    num_warps = 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
+  return _Call(p, num_warps, interpret)
+
+
+def _run(call: _Call, *args):
+  args = tuple(jnp.asarray(a, jnp.int32) for a in args)
+  if call.interpret:
+    return tuple(call(*args))
+  return _util.quiet_triton(call, *args)
+
+
+def decode_indices_triton(free_window: Array, seq_lens: Array, last_loc: Array,
+                          page_start: Array, *, page_size: int, interpret: bool = False,
+                          row_block: int | None = None,
+                          num_warps: int | None = None) -> Array:
+  """index_jnp.decode_indices (same arguments, same i32[B] result) on GPU."""
+  b = seq_lens.shape[0]
+  if b == 0:
+    return jnp.zeros((0,), jnp.int32)
+  call = _make_call(False, b, page_size, free_window.shape[0], row_block or 1024,
+                    num_warps, interpret)
+  (out,) = _run(call, free_window, seq_lens, last_loc, page_start)
+  return out
+
+
+def alloc_decode_triton(free_ring: Array, free_head: Array, free_len: Array,
+                        num_reqs: Array, seq_lens: Array, last_loc: Array, *,
+                        page_size: int, interpret: bool = False,
+                        row_block: int | None = None,
+                        num_warps: int | None = None) -> Tuple[Array, Array, Array, Array]:
+  """A whole alloc_decode (SPEC 4.3, no need_sort merge) in one kernel launch.
+
+  Args:
+    free_ring: i32[n] the state's free ring; free_head, free_len: i32[] its head/length.
+    num_reqs: i32[] real rows (rows at index >= num_reqs are padding, output 0).
+    seq_lens, last_loc: i32[B].
+    page_size: static.
+
+  Returns:
+    (i32[B] slots, i32[] new free_head, i32[] new free_len, bool[] ok), equal to
+    jax_kvalloc.allocation.alloc_decode on the jnp path: ok is False (indices all 0, head
+    and length unchanged) when a real row has seq_lens < 1 or the pages needed exceed
+    free_len.
+  """
+  b = seq_lens.shape[0]
+  n = free_ring.shape[0]
+  if b == 0 or n == 0:
+    raise ValueError(f"alloc_decode_triton needs rows and a ring: {b=}, ring length {n}")
+  call = _make_call(True, b, page_size, n, row_block, num_warps, interpret)
+  out, head, length, ok = _run(call, free_ring, jnp.reshape(free_head, (1,)),
+                               jnp.reshape(free_len, (1,)), jnp.reshape(num_reqs, (1,)),
+                               seq_lens, last_loc)
+  return out, head.reshape(()), length.reshape(()), ok.reshape(())
