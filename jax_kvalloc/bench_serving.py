@@ -1,0 +1,256 @@
+"""The serving-loop benchmark of `jax-kvalloc bench`: N decode steps of a running batch,
+each step freeing the requests that finished in the previous one (one free group) and
+allocating one slot per request (alloc_decode), with the token table (SGLang's
+req_to_token) on the device: last_loc is gathered from it, new slots are written to it,
+and finished rows are freed from it.
+
+Every row is a request with a fixed target length that restarts (as a new request)
+after it finishes, so the batch stays full and the pool never runs out. Three ways:
+
+  jit/step   one jitted call per step (state and table donated), as a scheduler would
+             call it; per-step wall time with async dispatch, and blocking every step;
+  scan       all steps inside one `fori_loop` (device time per step), and the same loop
+             with the allocator calls replaced by stand-ins: the difference is what the
+             allocator adds per step;
+  torch_ref  eager, the way SGLang calls it: host seq_lens, free_group_begin, free of the
+             finished rows' slots, free_group_end, last_loc gather, alloc_decode, write.
+
+Both sides run the same steps from the same state; their final tables, lengths and free
+lists must be identical (a parity check of the whole loop).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import allocation
+from jax_kvalloc import bench_timing as bt
+from jax_kvalloc import freeing
+from jax_kvalloc import state as st
+from jax_kvalloc.buckets import bucket
+from jax_kvalloc.config import AllocatorConfig
+
+
+@dataclasses.dataclass
+class ServingCase:
+  bs: int
+  page_size: int
+  num_pages: int
+  max_frees: int
+  target: np.ndarray      # i32[bs] length at which each row's request finishes
+  seq0: np.ndarray        # i32[bs] initial lengths
+  table0: np.ndarray      # i32[bs, ctx] initial token table
+  free0: np.ndarray       # i32[num_free] initial free list, in order
+
+
+def make_case(bs: int, page_size: int, steps: int, seed: int, len_lo: int = 64,
+              len_hi: int = 1024) -> ServingCase:
+  """Rows at random points of their lives, holding exactly the pages their tokens need."""
+  if page_size < 2:
+    raise ValueError("the serving-loop benchmark needs page_size >= 2 (alloc_decode)")
+  rng = np.random.default_rng([seed, bs, page_size])
+  ps = page_size
+  target = rng.integers(len_lo, len_hi + 1, bs)
+  seq0 = rng.integers(1, target)
+  per_row = -(-len_hi // ps)
+  num_pages = bs * per_row + 1024
+  perm = (rng.permutation(num_pages) + 1).astype(np.int64)
+  ctx = per_row * ps
+  table = np.zeros((bs, ctx), np.int64)
+  at = 0
+  j = np.arange(ctx)
+  for r in range(bs):
+    k = -(-int(seq0[r]) // ps)
+    pages = perm[at:at + k]
+    at += k
+    table[r, :k * ps] = pages[j[:k * ps] // ps] * ps + j[:k * ps] % ps
+  # The most rows that finish in one step over the run sizes the free group.
+  seq, pending, most = seq0.copy(), np.zeros(bs, bool), 1
+  for _ in range(steps + 64):
+    seq[pending] = 0
+    pending[:] = False
+    seq += 1
+    pending = seq >= target
+    most = max(most, int(pending.sum()))
+  return ServingCase(bs, ps, num_pages, bucket(most, 8), target.astype(np.int32),
+                     seq0.astype(np.int32), table.astype(np.int32),
+                     perm[at:].astype(np.int32))
+
+
+def _config(case: ServingCase) -> AllocatorConfig:
+  return AllocatorConfig(size=case.num_pages * case.page_size, page_size=case.page_size)
+
+
+def initial_carry(case: ServingCase):
+  cfg = _config(case)
+  s = jax.jit(st.init, static_argnums=0)(cfg)
+  n = case.num_pages
+  ring = np.zeros(n, np.int32)
+  ring[:case.free0.size] = case.free0
+  s = s._replace(free_ring=jnp.asarray(ring), free_len=jnp.asarray(case.free0.size,
+                                                                  jnp.int32))
+  return (s, jnp.asarray(case.table0), jnp.asarray(case.seq0), jnp.asarray(case.target),
+          jnp.zeros(case.bs, bool), jnp.ones((), bool))
+
+
+def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: bool = True):
+  """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
+  ok_so_far). With allocator=False the free and alloc_decode calls are replaced by
+  stand-ins (state unchanged, slot = last_loc + 1): the bookkeeping-only baseline."""
+  state, table, seq, target, pending, ok_all = carry
+  bs, ctx = table.shape
+  ps = config.page_size
+  rows = jnp.arange(bs, dtype=jnp.int32)
+  # Free group: up to max_frees rows that finished last step, one slot per page.
+  rank = jnp.cumsum(pending) - pending
+  sel = pending & (rank < max_frees)
+  picked = jnp.zeros(max_frees, jnp.int32).at[jnp.where(sel, rank, max_frees)].set(
+      rows, mode="drop")
+  n_free = jnp.sum(sel)
+  if allocator:
+    k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
+    live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
+    idx = jnp.where(live, table[picked[:, None], jnp.minimum(k, ctx - 1)], 0).reshape(-1)
+    state = jax.lax.cond(n_free > 0, lambda s: freeing.free(config, s, idx), lambda s: s,
+                         state)
+  seq = jnp.where(sel, 0, seq)
+  pending = pending & ~sel
+  active = ~pending
+  seq_new = jnp.where(active, seq + 1, 2)       # 2: needs no page (ps >= 2)
+  last = table[rows, jnp.maximum(seq - 1, 0)]
+  if allocator:
+    state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
+  else:
+    out, ok = last + 1, jnp.ones((), bool)
+  table = table.at[jnp.where(active, rows, bs), seq_new - 1].set(out, mode="drop")
+  seq = jnp.where(active, seq_new, seq)
+  pending = pending | (active & (seq >= target))
+  return state, table, seq, target, pending, ok_all & ok
+
+
+def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time: float,
+            reps: int) -> Dict[str, Any]:
+  cfg = _config(case)
+  step = functools.partial(serve_step, cfg, case.max_frees)
+  jit_step = jax.jit(step, donate_argnums=0)
+  carry = initial_carry(case)
+  t0 = time.perf_counter()
+  carry = jit_step(carry)
+  jax.block_until_ready(carry)
+  compile_s = time.perf_counter() - t0
+  for _ in range(warmup - 1):
+    carry = jit_step(carry)
+  jax.block_until_ready(carry)
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    carry = jit_step(carry)
+  jax.block_until_ready(carry)
+  async_s = (time.perf_counter() - t0) / steps
+  final = jax.device_get(carry)
+  # Blocking each step: the latency of one step as seen by the host.
+  probe = jax.tree_util.tree_map(jnp.copy, carry)
+  t0 = time.perf_counter()
+  n_block = min(steps, 200)
+  for _ in range(n_block):
+    probe = jit_step(probe)
+    jax.block_until_ready(probe)
+  block_s = (time.perf_counter() - t0) / n_block
+  scan = bt.jax_loop_time(step, initial_carry(case), unroll=unroll, min_time=min_time,
+                          reps=reps)
+  base = bt.jax_loop_time(functools.partial(serve_step, cfg, case.max_frees,
+                                            allocator=False),
+                          initial_carry(case), unroll=unroll, min_time=min_time, reps=reps)
+  state = final[0]
+  return {"jit_step_us": async_s * 1e6, "jit_step_blocking_us": block_s * 1e6,
+          "scan_us": scan["s"] * 1e6, "scan_spread": scan["spread"],
+          "scan_baseline_us": base["s"] * 1e6,
+          "scan_alloc_us": (scan["s"] - base["s"]) * 1e6, "compile_s": compile_s,
+          "ok": bool(final[5]), "table": final[1], "seq": final[2],
+          "free_pages": st.live_free_pages(state)}
+
+
+def run_torch(case: ServingCase, steps: int, warmup: int) -> Dict[str, Any]:
+  """The same loop through torch_ref, eager, as SGLang's scheduler drives its allocator."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch_ref  # pylint: disable=g-import-not-at-top
+  cuda = torch.cuda.is_available()
+  dev = torch.device("cuda" if cuda else "cpu")
+  ps = case.page_size
+  alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
+                                                False)
+  alloc.free_pages = torch.as_tensor(case.free0.astype(np.int64), device=dev)
+  table = torch.as_tensor(case.table0, device=dev)
+  seq_cpu = torch.as_tensor(case.seq0.astype(np.int64))
+  seq = seq_cpu.to(dev, copy=True)
+  target = case.target.astype(np.int64)
+  pending = np.zeros(case.bs, bool)
+  rows = torch.arange(case.bs, device=dev)
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+  def step():
+    nonlocal seq, pending
+    done = np.flatnonzero(pending)
+    if done.size:
+      alloc.free_group_begin()
+      alloc.free(torch.cat([table[int(r), :int(seq_cpu[r])] for r in done]))
+      alloc.free_group_end()
+      seq_cpu[done] = 0
+      seq = seq_cpu.to(dev, copy=True)
+      pending[done] = False
+    seq_cpu.add_(1)
+    seq.add_(1)
+    last = table[rows, (seq - 2).clamp_(min=0)]
+    out = alloc.alloc_decode(seq, seq_cpu, last)
+    if out is None:
+      raise RuntimeError("torch_ref alloc_decode failed in the serving loop")
+    table[rows, seq - 1] = out.to(torch.int32)
+    pending = seq_cpu.numpy() >= target
+
+  for _ in range(warmup):
+    step()
+  sync()
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    step()
+  sync()
+  per = (time.perf_counter() - t0) / steps
+  return {"torch_step_us": per * 1e6, "table": table.cpu().numpy(),
+          "seq": seq_cpu.numpy().astype(np.int32),
+          "free_pages": alloc.free_pages.cpu().numpy(),
+          "method": "eager torch_ref calls" + (" (Triton kernels)" if cuda else " (CPU)")}
+
+
+def run(*, batch_sizes, page_size: int, steps: int, warmup: int, unroll: int,
+        min_time: float, reps: int, seed: int, torch_on: bool, progress=None):
+  rows = []
+  for bs in batch_sizes:
+    case = make_case(bs, page_size, steps + warmup, seed)
+    if progress:
+      progress(f"serving bs={bs} jax")
+    row: Dict[str, Any] = {"bs": bs, "page_size": page_size, "steps": steps,
+                           "max_frees": case.max_frees, "num_pages": case.num_pages}
+    jx = run_jax(case, steps, warmup, unroll=unroll, min_time=min_time, reps=reps)
+    row.update({k: v for k, v in jx.items() if k not in ("table", "seq", "free_pages")})
+    row["parity"] = "jax only"
+    if torch_on:
+      if progress:
+        progress(f"serving bs={bs} torch_ref")
+      try:
+        tr = run_torch(case, steps, warmup)
+        row["torch_step_us"] = tr["torch_step_us"]
+        row["torch_method"] = tr["method"]
+        same = (np.array_equal(jx["table"], tr["table"]) and
+                np.array_equal(jx["seq"], tr["seq"]) and
+                np.array_equal(np.asarray(jx["free_pages"], np.int64),
+                               np.asarray(tr["free_pages"], np.int64)))
+        row["parity"] = "identical" if same else "MISMATCH"
+      except Exception as e:  # pylint: disable=broad-except
+        row["torch_error"] = f"{type(e).__name__}: {e}"[:300]
+    rows.append(row)
+  return rows
