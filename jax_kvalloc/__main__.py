@@ -112,12 +112,14 @@ def run_simulate(args) -> int:
   except simulate.LeakCheckError as e:
     print(f"\nLEAK CHECK FAILED: {e}", file=sys.stderr)
     return 2
+  except AssertionError as e:  # traces.TraceMismatch: a replayed op disagreed
+    print(f"\nTRACE MISMATCH: {e}", file=sys.stderr)
+    return 3
   what = f"trace {args.trace}" if args.trace else (
       f"{cfg.num_requests} requests, {cfg.arrival} arrivals at {cfg.rate}/step, pool "
       f"{cfg.pool_size} slots, prompt {cfg.prompt_len} (+ shared prefix {cfg.prefix_len}"
       f" with p={cfg.share_prob} over {cfg.num_prefixes} groups), output {cfg.output_len}"
       f", need_sort={cfg.need_sort}, seed {cfg.seed}")
-    # pylint: disable=bad-continuation
   v = result.versions
   print(f"jax-kvalloc simulate: {what}")
   print(f"device {result.device}; kernel={cfg.kernel}; jax {v['jax']}, python {v['python']}")

@@ -74,23 +74,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--ops", type=name_list(OPS), default=list(OPS), help="microbenchmarked operations")
   a("--paths", type=name_list(PATHS), default=None,
     help="columns (default: pallas on GPU/TPU, jnp, torch if torch_ref imports)")
-  a("--batch-sizes", type=int_list, default=list(DECODE_BS), help="decode batch sizes")
-  a("--extend-cases", type=_pairs,
-    default=list(EXTEND_CASES), help="extend/free cases BSxTOKENS,...",
-    metavar="BSxTOKENS,...")
+  a("--batch-sizes", type=int_list, default=None,
+    help=f"decode batch sizes (default {','.join(map(str, DECODE_BS))})")
+  a("--extend-cases", type=_pairs, default=None, metavar="BSxTOKENS,...",
+    help="extend/free cases (default "
+    + ",".join(f"{b}x{t}" for b, t in EXTEND_CASES) + ")")
   a("--page-size", type=int, default=64)
   a("--unroll", type=int, default=None,
     help="dependent calls per loop iteration (default 32 on GPU/TPU, 8 on CPU)")
   a("--min-time", type=float, default=None,
     help="seconds per measurement (default 0.05 on GPU/TPU, 0.02 on CPU)")
-  a("--reps", type=int, default=5, help="measurements per number (median)")
-  a("--serving-bs", type=int_list, default=[64, 256, 1024],
-    help="serving-loop batch sizes")
-  a("--serving-steps", type=int, default=1000, help="timed decode steps per way")
+  a("--reps", type=int, default=None, help="measurements per number (default 5)")
+  a("--serving-bs", type=int_list, default=None,
+    help="serving-loop batch sizes (default 64,256,1024)")
+  a("--serving-steps", type=int, default=None,
+    help="timed decode steps per way (default 1000)")
   a("--no-micro", action="store_true", help="skip the microbenchmarks")
   a("--no-serving", action="store_true", help="skip the serving loop")
   a("--quick", action="store_true",
-    help="a tiny grid (decode bs 1,64; extend 4x512; serving bs 16, 50 steps)")
+    help="a tiny, noisy smoke run (decode bs 1,64; extend 4x512; serving bs 16, 50 "
+    "steps); explicit options still win")
   a("--seed", type=int, default=0)
   a("--json", metavar="FILE", help="write all numbers as JSON")
   a("--plot", metavar="FILE.png", help="time against batch size, log-log (matplotlib)")
@@ -139,18 +142,20 @@ def resolve(args) -> Tuple[BenchConfig, List[str]]:
     if why:
       paths.remove("torch")
       notes.append(f"torch column skipped: {why}")
+  q = args.quick
+  pick = lambda given, quick, full: tuple(given) if given else (quick if q else full)
   cfg = BenchConfig(
-      ops=tuple(args.ops), paths=tuple(paths), batch_sizes=tuple(args.batch_sizes),
-      extend_cases=tuple(args.extend_cases), page_size=args.page_size,
-      unroll=args.unroll or (32 if accel else 8),
-      min_time=args.min_time or (0.05 if accel else 0.02), reps=args.reps,
-      serving_bs=tuple(args.serving_bs), serving_steps=args.serving_steps,
-      serving_warmup=20, seed=args.seed, micro=not args.no_micro,
+      ops=tuple(args.ops), paths=tuple(paths),
+      batch_sizes=pick(args.batch_sizes, (1, 64), bench_micro.DECODE_BS),
+      extend_cases=pick(args.extend_cases, ((4, 512),), bench_micro.EXTEND_CASES),
+      page_size=args.page_size,
+      unroll=args.unroll or (4 if q else 32 if accel else 8),
+      min_time=args.min_time or (0.005 if q else 0.05 if accel else 0.02),
+      reps=args.reps or (3 if q else 5),
+      serving_bs=pick(args.serving_bs, (16,), (64, 256, 1024)),
+      serving_steps=args.serving_steps or (50 if q else 1000),
+      serving_warmup=5 if q else 20, seed=args.seed, micro=not args.no_micro,
       serving=not args.no_serving)
-  if args.quick:
-    cfg = dataclasses.replace(cfg, batch_sizes=(1, 64), extend_cases=((4, 512),),
-                              serving_bs=(16,), serving_steps=50, serving_warmup=5,
-                              unroll=4, min_time=0.005, reps=3)
   return cfg, notes
 
 

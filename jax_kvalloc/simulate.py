@@ -138,7 +138,8 @@ class _Simulation:
     self.T = bucket(cfg.max_prefill_tokens, 1)
     self.F = max(cfg.max_frees, 1)
     self.ctx = _cdiv(max(wl.max_context, 1), 64) * 64
-    self.copy_width = max(int(wl.prefix_len.max()) if wl.prefix_len.size else 1, 1)
+    longest_prefix = int(wl.prefix_len.max()) if wl.prefix_len.size else 1
+    self.copy_width = _cdiv(max(longest_prefix, 1), 64) * 64
     need = _cdiv(wl.prompt + wl.output, page_size)
     if need.size and int(need.max()) > self.num_pages:
       i = int(np.argmax(need))

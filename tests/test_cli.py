@@ -1,0 +1,198 @@
+"""The `jax-kvalloc` command: tiny runs of simulate and bench, their JSON/plot outputs,
+and the leak check firing on deliberately broken runs."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jax_kvalloc import __main__ as cli
+from jax_kvalloc import bench_timing
+from jax_kvalloc import report
+from jax_kvalloc import simulate
+from jax_kvalloc import simulate_steps
+from jax_kvalloc import workload
+
+# One set of static shapes for every simulate run here, so the step functions compile
+# once per page size for the whole module.
+TINY = ["--pool-size", "4096", "--max-running", "16", "--max-prefill-tokens", "256",
+        "--max-prefill-reqs", "4", "--max-frees", "4", "--prompt-len", "uniform:8:120",
+        "--output-len", "uniform:1:40", "--prefix-len", "uniform:16:60",
+        "--num-prefixes", "3", "--rate", "1.5", "--no-progress"]
+TINY_CFG = simulate.SimConfig(
+    num_requests=40, pool_size=4096, page_sizes=(16,), max_running=16,
+    max_prefill_tokens=256, max_prefill_reqs=4, max_frees=4, prompt_len="uniform:8:120",
+    output_len="uniform:1:40", prefix_len="uniform:16:60", num_prefixes=3, rate=1.5)
+
+
+def _has_matplotlib():
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+def test_simulate_json_plot_and_table(tmp_path, capsys):
+  out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
+  args = ["simulate", "--num-requests", "40", "--page-size", "1,16", "--json",
+          str(out_json)] + TINY
+  if _has_matplotlib():
+    args += ["--plot", str(out_png)]
+  assert cli.main(args) == 0
+  text = capsys.readouterr().out
+  assert "page_size=1 |" in text and "page_size=16" in text and "leak check" in text
+  data = json.loads(out_json.read_text())
+  assert [r["page_size"] for r in data["results"]] == [1, 16]
+  wl = TINY_CFG.workload()
+  for r in data["results"]:
+    assert r["leak_check"].startswith("ok"), r["leak_check"]
+    assert r["alloc_failures"] == 0 and r["requests_done"] == 40
+    assert r["prefix_hits"] > 0
+    assert len(r["usage"]) == r["steps"] == len(r["step_us"])
+    assert 0 < r["peak_usage"] <= 1 and r["mean_usage"] <= r["peak_usage"]
+    # Whole pages only: the table's pages match the request count's page total minus
+    # what the prefix cache saved.
+    assert r["pages_allocated"] <= int(np.sum(-(-(wl.prompt + wl.output) // r["page_size"])))
+  assert data["results"][0]["waste_mean"] == 0      # page size 1 wastes nothing
+  if _has_matplotlib():
+    assert out_png.stat().st_size > 1000
+
+
+def test_simulate_exact_page_accounting_without_sharing():
+  # No shared prefixes: every request allocates exactly its prompt + output tokens, in
+  # exactly ceil(total / page_size) pages however its prefill was chunked.
+  cfg = dataclasses.replace(TINY_CFG, num_prefixes=0)
+  res = simulate.run(cfg, progress=False).results[0]
+  wl = cfg.workload()
+  assert res.tokens_allocated == int(np.sum(wl.prompt + wl.output))
+  assert res.pages_allocated == int(np.sum(-(-(wl.prompt + wl.output) // 16)))
+  assert res.in_use_final == 0 and res.free_pages_final == 4096 // 16
+  # Chunking happened (prompts up to 120 tokens, 256-token prefill budget, 4 requests).
+  assert res.prefill_steps > 0 and res.waste_peak_slots > 0
+
+
+def test_leak_check_fires_on_a_dropped_free(capsys):
+  args = ["--num-requests", "40", "--page-size", "16", "--inject-leak"] + TINY
+  assert cli.main(args) == 2  # no command given: simulate is the default
+  err = capsys.readouterr().err
+  assert "LEAK CHECK FAILED" in err and "page_size=16" in err
+
+
+def test_leak_check_fires_when_the_device_free_loses_pages(monkeypatch):
+  # A broken free group (the device frees one page too few per request) must be caught
+  # even though the scheduler's own bookkeeping is right.
+  real = simulate_steps.free_group_indices
+
+  def lossy(config, table, frees):
+    idx = real(config, table, frees)
+    return idx.at[0].set(0)
+
+  steps = (simulate_steps.prefill_step, simulate_steps.decode_step)
+  monkeypatch.setattr(simulate_steps, "free_group_indices", lossy)
+  for fn in steps:   # drop compiled steps that traced the real free group
+    fn.clear_cache()
+  cfg = dataclasses.replace(TINY_CFG, num_requests=12)
+  try:
+    with pytest.raises(simulate.LeakCheckError, match="leak check failed"):
+      simulate.run(cfg, progress=False)
+  finally:
+    for fn in steps:  # and the lossy ones, for the tests that follow
+      fn.clear_cache()
+
+
+def test_free_list_runs():
+  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
+  cfg = kv.AllocatorConfig(size=64, page_size=8)
+  s = kv.init(cfg)
+  assert int(simulate_steps.free_list_runs(s)) == 1
+  # The free list [6, 7, 2, 5] wraps around the ring's end: three runs.
+  ring = np.array([2, 5, 0, 0, 0, 0, 6, 7], np.int32)
+  s = s._replace(free_ring=ring, free_head=np.int32(6), free_len=np.int32(4))
+  assert list(kv.live_free_pages(s)) == [6, 7, 2, 5]
+  assert int(simulate_steps.free_list_runs(s)) == 3
+  assert int(simulate_steps.free_list_runs(s._replace(free_len=np.int32(0)))) == 0
+
+
+def test_distributions():
+  rng = np.random.default_rng(0)
+  for spec, lo, hi in [("const:7", 7, 7), ("uniform:3:9", 3, 9),
+                       ("lognormal:100:0.5:300", 1, 300), ("exp:20:50", 1, 50)]:
+    d = workload.parse_dist(spec)
+    x = d.sample(rng, 500)
+    assert x.min() >= lo and x.max() <= hi, spec
+  for bad in ("foo:1", "uniform:9:3", "const:x", "lognormal:-1:1"):
+    with pytest.raises(ValueError, match="length distribution"):
+      workload.parse_dist(bad)
+  with pytest.raises(ValueError, match="pool has only"):
+    simulate.run(dataclasses.replace(TINY_CFG, pool_size=64), progress=False)
+
+
+def test_trace_replay(tmp_path, capsys, golden_path):
+  traces = pytest.importorskip("jax_kvalloc.traces")
+  recs = traces.read(str(golden_path))
+  tids = [t for t in recs if recs[t][0]["args"]["page_size"] == 4][:1]
+  picked = [r for t in tids for r in recs[t]]
+  path = tmp_path / "t.jsonl"
+  traces.write(str(path), picked)
+  assert cli.main(["simulate", "--trace", str(path), "--no-progress"]) == 0
+  out = capsys.readouterr().out
+  assert "page_size=4" in out and "traces replayed" in out and "ok: free" in out
+  # A recorded result that the allocator does not reproduce is reported, loudly.
+  bad = [dict(r) for r in picked]
+  i = next(i for i, r in enumerate(bad) if r["op"] == "alloc_extend" and r["result"])
+  bad[i]["result"] = [x + 1 for x in bad[i]["result"]]
+  traces.write(str(path), bad)
+  assert cli.main(["simulate", "--trace", str(path), "--no-progress"]) == 3
+  assert "TRACE MISMATCH" in capsys.readouterr().err
+
+
+def test_bench_quick(tmp_path, capsys):
+  out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+  args = ["bench", "--quick", "--ops", "free", "--no-progress", "--json",
+          str(out_json)]
+  if _has_matplotlib():
+    args += ["--plot", str(out_png)]
+  assert cli.main(args) == 0
+  text = capsys.readouterr().out
+  assert "free (page_size 64" in text and "serving loop" in text and "targets" in text
+  data = json.loads(out_json.read_text())
+  assert {r["op"] for r in data["micro"]} == {"free"}
+  for r in data["micro"]:
+    assert r["check"] == "ok" and r["jax"]["jnp"]["us"] >= 0
+  (serv,) = data["serving"]
+  assert serv["ok"] and serv["jit_step_us"] > 0 and serv["scan_us"] > 0
+  if "torch" in data["config"]["paths"]:
+    assert serv["parity"] == "identical"
+    assert all(r["torch"]["us"] > 0 for r in data["micro"])
+  if _has_matplotlib():
+    assert out_png.stat().st_size > 1000
+
+
+def test_bench_degrades_without_torch_or_accelerator(monkeypatch, capsys):
+  from jax_kvalloc import bench_micro  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bench_micro, "torch_available", lambda: "torch_ref unavailable (test)")
+  args = ["bench", "--quick", "--ops", "decode", "--batch-sizes", "8", "--no-serving",
+          "--paths", "pallas,jnp,torch", "--no-progress"]
+  assert cli.main(args) == 0
+  text = capsys.readouterr().out
+  assert "torch column skipped" in text and "torch_ref (us)" not in text
+  assert "| 8  |      8 |" in text  # --batch-sizes wins over --quick's grid
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == "cpu":
+    assert "pallas column skipped" in text and "pallas (us)" not in text
+
+
+def test_plot_without_matplotlib(monkeypatch):
+  import sys  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  with pytest.raises(RuntimeError, match="pip install"):
+    report.pyplot()
+
+
+def test_helpers():
+  assert bench_timing.loglog_slope([1, 4, 16], [2, 8, 32]) == pytest.approx(1.0)
+  assert bench_timing.loglog_slope([1, 4, 16], [1, 16, 256]) == pytest.approx(2.0)
+  assert cli.int_list("1, 16,64") == [1, 16, 64]
+  t = report.table(["a", "b"], [["x", 1], ["yy", 22]])
+  assert t.splitlines()[0] == "| a  |  b |" and t.splitlines()[1] == "|----|---:|"
