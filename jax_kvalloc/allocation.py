@@ -8,7 +8,11 @@ release_pages that the shortfall triggered (need_sort), exactly as in SGLang.
 
 Capacity is checked before any index is computed, and every read of the free list goes
 through a masked window of it, so nothing ever reads past the free list (SGLang issue
-34399).
+34399). Lengths are summed without int32 overflow (`_prefix_sums`), so no batch, however
+long its requests, can wrap into one that looks small.
+
+Debug mode (config.debug; see jax_kvalloc.debug) refuses misuse the same way (ok=False,
+nothing allocated) and records the first error in `state.debug`.
 """
 from __future__ import annotations
 
@@ -17,8 +21,11 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from jax_kvalloc import debug
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
+from jax_kvalloc import validate
+from jax_kvalloc.config import INT32_MAX
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.freeing import maybe_merge
 from jax_kvalloc.index_jnp import cdiv
@@ -26,13 +33,6 @@ from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 AllocResult = Tuple[AllocatorState, Array, Array]
-
-
-def _as_i32(x, name: str) -> Array:
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
-  return x.astype(jnp.int32)
 
 
 def _take_pages(state: AllocatorState, num_pages: Array, ok: Array) -> AllocatorState:
@@ -52,8 +52,27 @@ def _row_mask(num_rows: int, num_reqs: Optional[Array]) -> Tuple[Array, Array]:
   """(bool[B] real rows, i32[] their count): rows at index >= num_reqs are padding."""
   if num_reqs is None:
     return jnp.ones((num_rows,), bool), jnp.full((), num_rows, jnp.int32)
-  num_reqs = jnp.clip(_as_i32(num_reqs, "num_reqs"), 0, num_rows)
+  num_reqs = jnp.clip(validate.as_i32(num_reqs, "num_reqs"), 0, num_rows)
   return jnp.arange(num_rows) < num_reqs, num_reqs
+
+
+def _prefix_sums(x: Array, cap: int) -> Tuple[Array, Array]:
+  """(exclusive prefix sums, total) of x >= 0 (i32[B]); exact whenever the total is <= cap.
+
+  int32 sums of large lengths would wrap and could make an impossible batch look small;
+  here every entry is first clipped to cap + 1 and, when B * (cap + 1) could overflow
+  int32 (a static check), the scan saturates at cap + 1 instead. Either way a total
+  beyond cap stays beyond cap, and the caller refuses the call.
+  """
+  lim = min(cap + 1, INT32_MAX)
+  x = jnp.minimum(x, lim)
+  if x.shape[0] == 0:
+    return x, jnp.zeros((), jnp.int32)
+  if x.shape[0] * lim <= INT32_MAX:
+    incl = jnp.cumsum(x)
+  else:
+    incl = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, lim - a), x)
+  return incl - x, incl[-1]
 
 
 def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
@@ -73,9 +92,11 @@ def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
     than max_size, or not a multiple of page_size.
   """
   ps = config.page_size
-  need_size = _as_i32(need_size, "need_size")
+  need_size = validate.as_i32(need_size, "need_size")
   valid = (need_size >= 0) & (need_size <= max_size) & (need_size % ps == 0)
   num_pages = need_size // ps
+  if config.debug:
+    err = debug.alloc_args(~valid, need_size)
   state = maybe_merge(config, state, valid & (num_pages > state.free_len))
   ok = valid & (num_pages <= state.free_len)
 
@@ -84,6 +105,10 @@ def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
                           _window_len(config, -(-max_size // ps)))
   page = window[jnp.clip(t // ps, 0, window.shape[0] - 1)]
   out = jnp.where(ok & (t < need_size), page * ps + t % ps, 0)
+  if config.debug:
+    state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC, err, ok, window,
+                                   num_pages, out, t < need_size)
+    out = jnp.where(ok, out, 0)
   return _take_pages(state, num_pages, ok), out, ok
 
 
@@ -113,10 +138,11 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
     prefix_lens < 0 or seq_lens < prefix_lens.
   """
   ps = config.page_size
-  prefix_lens = _as_i32(prefix_lens, "prefix_lens")
-  seq_lens = _as_i32(seq_lens, "seq_lens")
-  last_loc = _as_i32(last_loc, "last_loc")
-  num_rows = prefix_lens.shape[0]
+  prefix_lens = validate.as_i32(prefix_lens, "prefix_lens")
+  seq_lens = validate.as_i32(seq_lens, "seq_lens")
+  last_loc = validate.as_i32(last_loc, "last_loc")
+  num_rows = validate.static_rows(prefix_lens=prefix_lens, seq_lens=seq_lens,
+                                  last_loc=last_loc)
   real, bs = _row_mask(num_rows, num_reqs)
   pre = jnp.where(real, prefix_lens, 0)
   seq = jnp.where(real, seq_lens, 0)
@@ -126,12 +152,18 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
 
   ext = seq - pre
   new_pages = cdiv(seq, ps) - cdiv(pre, ps)
-  tok_start = jnp.cumsum(ext) - ext
-  page_start = jnp.cumsum(new_pages) - new_pages
-  total_tokens = jnp.sum(ext)
-  total_pages = jnp.sum(new_pages)
+  tok_start, total_tokens = _prefix_sums(ext, max_tokens)
+  page_start, total_pages = _prefix_sums(new_pages, config.num_pages)
   valid = rows_valid & (total_tokens <= max_tokens)
+  if config.debug:
+    err = debug.extend_args(config, state, real, prefix_lens, seq_lens, last_loc,
+                            total_tokens, max_tokens)
+    valid = valid & (err[0] == 0)
   state = maybe_merge(config, state, valid & (total_tokens // ps + bs + 1 > state.free_len))
+  fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
+                                     num_reqs, max_tokens=max_tokens)
+  if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
+    return fused
   ok = valid & (total_pages <= state.free_len)
 
   # Enough pages for any batch of at most max_tokens tokens: sum(ceil(ext_i / ps)).
@@ -140,6 +172,9 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
                           _window_len(config, max_tokens // ps + num_rows + 1))
   out = kernels.extend_indices(config.kernel, window, pre, seq, last_loc, tok_start,
                                page_start, page_size=ps, out_len=max_tokens)
+  if config.debug:
+    state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC_EXTEND, err, ok, window,
+                                   total_pages, out, jnp.arange(max_tokens) < total_tokens)
   out = jnp.where(ok, out, 0)
   return _take_pages(state, total_pages, ok), out, ok
 
@@ -165,17 +200,23 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
     merge kept) when the pages needed exceed the free list or a real row has seq_lens < 1.
   """
   ps = config.page_size
-  seq_lens = _as_i32(seq_lens, "seq_lens")
-  last_loc = _as_i32(last_loc, "last_loc")
-  num_rows = seq_lens.shape[0]
+  seq_lens = validate.as_i32(seq_lens, "seq_lens")
+  last_loc = validate.as_i32(last_loc, "last_loc")
+  num_rows = validate.static_rows(seq_lens=seq_lens, last_loc=last_loc)
   real, bs = _row_mask(num_rows, num_reqs)
   seq = jnp.where(real, seq_lens, 1)
   rows_valid = jnp.all(seq >= 1)
+  if config.debug:
+    err = debug.decode_args(config, state, real, seq_lens, last_loc)
+    rows_valid = rows_valid & (err[0] == 0)
   needs_page = real & (cdiv(seq, ps) > cdiv(seq - 1, ps))
   needs_page = needs_page.astype(jnp.int32)
   page_start = jnp.cumsum(needs_page) - needs_page
   total_pages = jnp.sum(needs_page)
   state = maybe_merge(config, state, rows_valid & (bs > state.free_len))
+  fused = kernels.alloc_decode_fused(config, state, seq_lens, last_loc, num_reqs)
+  if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
+    return fused
   ok = rows_valid & (total_pages <= state.free_len)
 
   window = st.ring_window(state.free_ring, state.free_head,
@@ -183,5 +224,8 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
   seq_for_kernel = jnp.where(real, seq, 0)  # padded rows need no page
   out = kernels.decode_indices(config.kernel, window, seq_for_kernel, last_loc, page_start,
                                page_size=ps)
+  if config.debug:
+    state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC_DECODE, err, ok, window,
+                                   total_pages, out, real)
   out = jnp.where(ok & real, out, 0)
   return _take_pages(state, total_pages, ok), out, ok

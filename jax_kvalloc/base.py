@@ -5,6 +5,12 @@ Each class holds one `AllocatorState`; every method is one call of a jitted func
 the functional core followed by a reassignment of the state. Inputs are padded to shape
 buckets (jax_kvalloc.buckets) so that the class compiles once per bucket.
 
+Bad input raises before anything changes (jax_kvalloc.validate: TypeError, ValueError or
+RuntimeError naming the argument and value), so after an exception the allocator is as it
+was. In debug mode (`debug=True`, default JAX_KVALLOC_DEBUG) each call also reads the
+state's error record and raises `AllocatorDebugError` at the first misuse (a double free,
+say); the call was refused inside, so the state is again as it was.
+
 Donation: the state is donated to each call (the frees then scatter in place), except
 right after `backup_state`/`restore_state`, when a snapshot may still refer to the
 current arrays; that one call copies, and the arrays it returns are fresh again.
@@ -20,8 +26,10 @@ import numpy as np
 
 from jax_kvalloc import allocation as _alloc
 from jax_kvalloc import buckets
+from jax_kvalloc import debug as _debug
 from jax_kvalloc import freeing as _free
 from jax_kvalloc import state as st
+from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.state import AllocatorState
 
@@ -63,23 +71,6 @@ def resolve_device(device: Any) -> Optional[jax.Device]:
   if not 0 <= i < len(devices):
     raise ValueError(f"device={device!r}: only {len(devices)} {platform} device(s)")
   return devices[i]
-
-
-def host_ints(x: Any, name: str) -> np.ndarray:
-  """A 1-D int64 numpy copy of an index argument (list, numpy, jax or torch array).
-
-  Raises TypeError naming `name` for non-integer dtypes and ValueError for other ranks.
-  """
-  if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
-    x = x.detach().cpu().numpy()
-  arr = np.asarray(x)
-  if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-    raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-  if arr.ndim == 0:
-    arr = arr.reshape(1)
-  if arr.ndim != 1:
-    raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-  return arr.astype(np.int64)
 
 
 class BaseAllocator:
@@ -152,12 +143,7 @@ class BaseAllocator:
 
   def restore_state(self, state: AllocatorSnapshot) -> None:
     """Puts a snapshot from `backup_state` of an allocator of the same config back."""
-    if not isinstance(state, AllocatorSnapshot):
-      raise TypeError(f"state must be an AllocatorSnapshot from backup_state(), "
-                      f"got {type(state).__name__}")
-    if state.config != self.config:
-      raise ValueError(f"state was taken from an allocator with config {state.config}, "
-                       f"this one has {self.config}")
+    validate.snapshot(state, self.config, AllocatorSnapshot)
     self._state = state.state
     self._shared = True
 
@@ -167,10 +153,20 @@ class BaseAllocator:
     result = fn(self.config, self._state, *args, **kwargs)
     self._shared = False
     if isinstance(result, AllocatorState):
-      self._state = result
-      return None
-    self._state, *rest = result
+      self._state, rest = result, None
+    else:
+      self._state, *rest = result
+    if self.config.debug:
+      self._raise_debug_error()
     return rest
+
+  def _raise_debug_error(self) -> None:
+    """Debug mode: raises the misuse the last call recorded (it was refused, so only the
+    record changed; it is cleared so that the allocator stays usable). Syncs."""
+    err = _debug.get_error(self._state)
+    if err is not None:
+      self._state = _debug.clear_error(self._state)
+      raise err
 
   # -- operations ----------------------------------------------------------------------
   def alloc(self, need_size: int):
@@ -178,29 +174,36 @@ class BaseAllocator:
 
     Returns i32[need_size] (a jax array). Paged: need_size must be a multiple of
     page_size (ValueError otherwise; SGLang floors silently outside its debug mode).
+    TypeError for non-ints, ValueError for negative sizes and sizes beyond int32.
     """
-    if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)):
-      raise TypeError(f"need_size must be an int, got {type(need_size).__name__}")
-    need_size = int(need_size)
-    if need_size < 0:
-      raise ValueError(f"need_size must be >= 0, got {need_size}")
-    if need_size % self.page_size:
-      raise ValueError(f"need_size={need_size} must be a multiple of "
-                       f"page_size={self.page_size}")
+    need_size = validate.need_size(need_size, self.page_size)
     if need_size == 0:
       return jnp.zeros((0,), jnp.int32)
+    if need_size > self.config.num_pages * self.page_size:
+      return self._never_fits()
     out, ok = self._call(_ALLOC, np.int32(need_size),
                          max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
     if not bool(ok):
       return None
     return out[:need_size]
 
+  def _never_fits(self) -> None:
+    """A request larger than the whole pool: the shortfall's need_sort merge, then None
+    (what the jitted call would do, without building outputs the size of the request)."""
+    if self.need_sort:
+      self.merge_and_sort_free()
+    return None
+
   def free(self, free_index) -> None:
-    """Returns slots to the pool (queued while a free group is open)."""
-    idx = host_ints(free_index, "free_index")
+    """Returns slots to the pool (queued while a free group is open).
+
+    free_index: integer slots, each in page_size..num_slots-1 (ValueError otherwise:
+    page 0 is reserved); TypeError for floats.
+    """
+    idx = validate.host_ints(free_index, "free_index")
     if idx.size == 0:
       return
-    self._check_free_index(idx)
+    validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
     if self._free_group is not None:
       self._free_group.append(idx)  # host_ints copied it: later changes to the caller's
       return                        # buffer do not reach the queue
@@ -210,25 +213,14 @@ class BaseAllocator:
     n = buckets.bucket(idx.shape[0], buckets.MIN_FREE)
     self._call(_FREE, buckets.pad(idx.astype(np.int32), n))
 
-  def _check_free_index(self, idx: np.ndarray) -> None:
-    """Eager checks on free input; the state is untouched when they raise."""
-    bad = (idx < self.page_size) | (idx >= self.config.num_slots)
-    if bad.any():
-      i = int(np.argmax(bad))
-      raise ValueError(
-          f"free_index[{i}]={int(idx[i])} is not an allocatable slot: valid slots are "
-          f"{self.page_size}..{self.config.num_slots - 1} (page 0 is reserved)")
-
   def free_group_begin(self) -> None:
     """Opens a free group: frees are queued until free_group_end (SPEC 7)."""
-    if self._free_group is not None:
-      raise RuntimeError("free_group_begin() called while a free group is already open")
+    validate.group_begin(self._free_group)
     self._free_group = []
 
   def free_group_end(self) -> None:
     """Closes the free group and frees everything queued in one call (SPEC 7)."""
-    if self._free_group is None:
-      raise RuntimeError("free_group_end() called without free_group_begin()")
+    validate.group_end(self._free_group)
     queued, self._free_group = self._free_group, None
     if queued:
       self._free_now(np.concatenate(queued))

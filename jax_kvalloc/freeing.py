@@ -4,7 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_kvalloc import debug
 from jax_kvalloc import state as st
+from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.state import AllocatorState
 
@@ -57,15 +59,17 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> A
   Args:
     config: static configuration.
     state: the pool.
-    free_index: i32[M] slot indices. Entries that name page 0 (the padding sink, so 0 is
-      the padding value) or lie outside the pool are ignored.
+    free_index: i32[M] slot indices (an integer dtype; TypeError otherwise). Entries that
+      name page 0 (the padding sink, so 0 is the padding value) or lie outside the pool
+      are ignored; in debug mode any such entry other than 0, or a double free, is an
+      error (recorded in state.debug) and the call frees nothing.
 
   Returns:
     The new state. An all-padding `free_index` returns an equal state. Frees that would
     overflow the pool (only possible through double frees, which debug mode reports) are
     cut to fit, so the lists never overwrite one another's entries.
   """
-  free_index = jnp.asarray(free_index, jnp.int32).reshape(-1)
+  free_index = validate.as_i32(free_index, "free_index").reshape(-1)
   ps = config.page_size
   n = config.num_pages
   if config.kind == "paged":
@@ -77,6 +81,8 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> A
   else:
     valid = (free_index >= 1) & (free_index <= n)
     values, count = st.compact(free_index, valid)
+  if config.debug:
+    state, count = debug.finish_free(config, state, free_index, values, count)
   room = n - state.free_len - state.release_len
   count = jnp.minimum(count, room)
 

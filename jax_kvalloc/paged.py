@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import buckets
-from jax_kvalloc.base import BaseAllocator, _ALLOC_DECODE, _ALLOC_EXTEND, host_ints
+from jax_kvalloc import validate
+from jax_kvalloc.base import BaseAllocator, _ALLOC_DECODE, _ALLOC_EXTEND
 from jax_kvalloc.config import AllocatorConfig
 
 
@@ -42,24 +43,25 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     Returns:
       i32[extend_num_tokens] jax array, in batch order, or None (nothing allocated).
+
+    Raises:
+      TypeError for non-integer arrays; ValueError (naming the request and value) for
+      arrays of different lengths, values beyond int32, prefix_lens < 0,
+      seq_lens < prefix_lens, a last_loc outside the pool or breaking SPEC's alignment
+      (last_loc + 1) % page_size == prefix_lens % page_size, or a wrong extend_num_tokens.
     """
-    pre = host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
-                    "prefix_lens")
-    seq = host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
-    last = host_ints(last_loc, "last_loc")
-    self._check_batch(prefix_lens=pre, seq_lens=seq, last_loc=last)
-    bad = (pre < 0) | (seq < pre)
-    if bad.any():
-      i = int(np.argmax(bad))
-      raise ValueError(f"request {i}: need 0 <= prefix_lens <= seq_lens, got "
-                       f"prefix_lens[{i}]={int(pre[i])}, seq_lens[{i}]={int(seq[i])}")
-    total = int((seq - pre).sum())
-    if int(extend_num_tokens) != total:
-      raise ValueError(f"extend_num_tokens={int(extend_num_tokens)} != "
-                       f"sum(seq_lens - prefix_lens)={total}")
+    pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
+                             "prefix_lens")
+    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
+    last = validate.host_ints(last_loc, "last_loc")
+    total, new_pages = validate.extend_args(pre, seq, last, extend_num_tokens,
+                                            page_size=self.page_size,
+                                            num_slots=self.config.num_slots)
     bs = pre.shape[0]
     if bs == 0:
       return jnp.zeros((0,), jnp.int32)
+    if new_pages > self.config.num_pages:
+      return self._never_fits()
     # A batch of zero-extension rows still runs: its need_sort merge trigger counts bs.
     rows = buckets.bucket(bs, buckets.MIN_BATCH)
     out, ok = self._call(
@@ -80,13 +82,16 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     Returns:
       i32[bs] jax array, or None (nothing allocated).
+
+    Raises:
+      TypeError for non-integer arrays; ValueError (naming the request and value) for
+      arrays of different lengths, values beyond int32, seq_lens < 1, or a last_loc
+      outside the pool or breaking (last_loc + 2) % page_size == seq_lens % page_size.
     """
-    seq = host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
-    last = host_ints(last_loc, "last_loc")
-    self._check_batch(seq_lens=seq, last_loc=last)
-    if (seq < 1).any():
-      i = int(np.argmax(seq < 1))
-      raise ValueError(f"seq_lens[{i}]={int(seq[i])} must be >= 1 (it counts the new token)")
+    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
+    last = validate.host_ints(last_loc, "last_loc")
+    validate.decode_args(seq, last, page_size=self.page_size,
+                         num_slots=self.config.num_slots)
     bs = seq.shape[0]
     if bs == 0:
       return jnp.zeros((0,), jnp.int32)
@@ -96,9 +101,3 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     if not bool(ok):
       return None
     return out[:bs]
-
-  def _check_batch(self, **arrays: np.ndarray) -> None:
-    """All per-request arrays must have the same length."""
-    lengths = {name: a.shape[0] for name, a in arrays.items()}
-    if len(set(lengths.values())) > 1:
-      raise ValueError(f"per-request arrays differ in length: {lengths}")

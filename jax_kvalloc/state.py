@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvalloc import debug as _debug
 from jax_kvalloc.config import AllocatorConfig
 
 Array = jax.Array
@@ -44,7 +45,7 @@ class AllocatorState(NamedTuple):
   release_ring: Array   # i32[num_pages] ring buffer of released pages (need_sort)
   release_head: Array   # i32[]
   release_len: Array    # i32[]
-  debug: Optional[object] = None  # debug-mode bookkeeping, a pytree; None when off
+  debug: Optional[_debug.DebugState] = None  # debug-mode bookkeeping; None when off
 
 
 def init(config: AllocatorConfig) -> AllocatorState:
@@ -58,6 +59,7 @@ def init(config: AllocatorConfig) -> AllocatorState:
       release_ring=jnp.zeros((n,), jnp.int32),
       release_head=jnp.zeros((), jnp.int32),
       release_len=jnp.zeros((), jnp.int32),
+      debug=_debug.init(config) if config.debug else None,
   )
 
 

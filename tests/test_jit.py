@@ -65,7 +65,7 @@ def test_jitted_serving_step_needs_no_host_transfer():
   rng = np.random.default_rng(2)
   pre, seq, last, _ = _extend_inputs(rng, 5, 8, 256)
   args = [jnp.asarray(x) for x in (pre, seq, last, np.full(8, 2), np.arange(8) * 4 + 4,
-                                   np.zeros(64))]
+                                   np.zeros(64, np.int32))]
   state = kv.init(CFG)
   serving_step(kv.init(CFG), *args)  # compile outside the guard
   with jax.transfer_guard("disallow"):
