@@ -13,7 +13,7 @@ import datetime
 import os
 import platform
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 PATHS = ("pallas", "jnp", "torch")
 OPS = ("decode", "extend", "free")
@@ -159,8 +159,13 @@ def resolve(args) -> Tuple[BenchConfig, List[str]]:
   return cfg, notes
 
 
-def run(cfg: BenchConfig, *, progress: bool = True) -> Dict[str, Any]:
-  """Runs everything; returns {"env", "config", "loop_overhead_us", "micro", "serving"}."""
+def run(cfg: BenchConfig, *, progress: bool = True,
+        checkpoint: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+  """Runs everything; returns {"env", "config", "loop_overhead_us", "micro", "serving"}.
+
+  `checkpoint(partial_result)`, if given, runs after each operation's microbenchmarks
+  and each serving batch size (so a run cut short still leaves its numbers).
+  """
   import tqdm  # pylint: disable=g-import-not-at-top
   from jax_kvalloc import bench_micro  # pylint: disable=g-import-not-at-top
   from jax_kvalloc import bench_serving  # pylint: disable=g-import-not-at-top
@@ -181,22 +186,24 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> Dict[str, Any]:
   tick("loop overhead")
   overhead = bench_timing.loop_overhead(unroll=cfg.unroll, min_time=cfg.min_time,
                                         reps=cfg.reps)
-  micro = []
-  if cfg.micro:
-    micro = bench_micro.run(ops=cfg.ops, paths=jax_paths, torch_on=torch_on,
-                            batch_sizes=cfg.batch_sizes, extend_cases=cfg.extend_cases,
-                            page_size=cfg.page_size, unroll=cfg.unroll,
-                            min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed,
-                            progress=tick)
-  serving = []
-  if cfg.serving:
-    serving = bench_serving.run(batch_sizes=cfg.serving_bs, page_size=cfg.page_size,
-                                steps=cfg.serving_steps, warmup=cfg.serving_warmup,
-                                unroll=cfg.unroll, min_time=cfg.min_time, reps=cfg.reps,
-                                seed=cfg.seed, torch_on=torch_on, progress=tick)
+  result = {"env": env, "config": dataclasses.asdict(cfg),
+            "loop_overhead_us": overhead * 1e6, "micro": [], "serving": []}
+  save = checkpoint or (lambda r: None)
+  for op in (cfg.ops if cfg.micro else ()):
+    result["micro"] += bench_micro.run(
+        ops=(op,), paths=jax_paths, torch_on=torch_on, batch_sizes=cfg.batch_sizes,
+        extend_cases=cfg.extend_cases, page_size=cfg.page_size, unroll=cfg.unroll,
+        min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, progress=tick)
+    save(result)
+  for bs in (cfg.serving_bs if cfg.serving else ()):
+    # A serving step is tens of kernels: 8 steps per loop iteration amortize the loop.
+    result["serving"] += bench_serving.run(
+        batch_sizes=(bs,), page_size=cfg.page_size, steps=cfg.serving_steps,
+        warmup=cfg.serving_warmup, unroll=min(cfg.unroll, 8), min_time=cfg.min_time,
+        reps=cfg.reps, seed=cfg.seed, torch_on=torch_on, progress=tick)
+    save(result)
   bar.close()
-  return {"env": env, "config": dataclasses.asdict(cfg), "loop_overhead_us":
-          overhead * 1e6, "micro": micro, "serving": serving}
+  return result
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,7 +420,11 @@ def run_cli(args) -> int:
   cfg, notes = resolve(args)
   if args.plot:
     report.pyplot()
-  result = run(cfg, progress=not args.no_progress)
+  save = None
+  if args.json:
+    save = lambda partial: report.write_json(args.json, dict(partial, notes=notes,
+                                                              partial=True))
+  result = run(cfg, progress=not args.no_progress, checkpoint=save)
   result["notes"] = list(notes)
   text = render(result, notes)
   print(text)
