@@ -1,0 +1,120 @@
+"""The installed SGLang allocator (`pip install sglang`) as a second oracle for parity.
+
+Nothing of SGLang is copied here: `SGLangAllocator` imports the installed package and
+wraps its TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator, smoothing over what newer
+releases changed:
+- The paged allocator keeps need_sort's freed pages in `staged_pages`, a list of tensors
+  in no meaningful order, not in `release_pages`: `release_pages` here is their
+  concatenation, to be compared as a sorted set (`release_unordered`).
+- There is no backup_state/restore_state any more: when missing, a snapshot is emulated
+  by saving the list attributes (SGLang never writes them in place).
+SGLang builds the paged allocator only for page sizes > 1, and its decode page count is
+wrong at page size 1 (SPEC 4.3's fix), so `unsupported_reason` declines that config.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional
+
+import torch
+
+_STATE_ATTRS = ("free_pages", "release_pages", "staged_pages", "num_staged_pages",
+                "free_page_ids_group")
+
+
+def import_error() -> Optional[str]:
+  """None when sglang's allocator module imports, else why not (one line)."""
+  try:
+    import sglang.srt.mem_cache.allocator  # noqa: F401  pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except
+    return f"sglang is not importable ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+  return None
+
+
+def version() -> str:
+  import sglang  # pylint: disable=g-import-not-at-top
+  return getattr(sglang, "__version__", "?")
+
+
+def unsupported_reason(size: int, page_size: int, need_sort: bool, kind: str
+                       ) -> Optional[str]:
+  """None if SGLang can serve as an oracle for this pool, else why not."""
+  del size, need_sort
+  if kind == "paged" and page_size == 1:
+    return ("SGLang never builds the paged allocator at page size 1 and its decode page "
+            "count is 0 there (SPEC 4.3 fix)")
+  return None
+
+
+class SGLangAllocator:
+  """One SGLang allocator behind the interface trace replay uses."""
+
+  def __init__(self, size: int, page_size: int, need_sort: bool, kind: str,
+               device: Any = "cpu"):
+    from sglang.srt.mem_cache import allocator as sgl  # pylint: disable=g-import-not-at-top
+    dev = str(device)
+    if kind == "token":
+      self._a = sgl.TokenToKVPoolAllocator(size, torch.float16, dev, None, need_sort)
+    else:
+      self._a = sgl.PagedTokenToKVPoolAllocator(size, page_size, torch.float16, dev, None,
+                                                need_sort)
+    self.page_size = page_size
+    self.release_unordered = hasattr(self._a, "staged_pages")
+
+  @property
+  def free_pages(self) -> torch.Tensor:
+    return self._a.free_pages
+
+  @property
+  def release_pages(self) -> torch.Tensor:
+    staged = getattr(self._a, "staged_pages", None)
+    if staged is not None:
+      if not staged:
+        return torch.zeros((0,), dtype=torch.int64)
+      return torch.cat([t.reshape(-1).cpu() for t in staged])
+    return self._a.release_pages
+
+  def available_size(self) -> int:
+    return int(self._a.available_size())
+
+  def alloc(self, need_size: int):
+    return self._a.alloc(need_size)
+
+  def alloc_extend(self, *args):
+    return self._a.alloc_extend(*args)
+
+  def alloc_decode(self, *args):
+    return self._a.alloc_decode(*args)
+
+  def free(self, free_index: torch.Tensor) -> None:
+    self._a.free(free_index)
+
+  def free_group_begin(self) -> None:
+    self._a.free_group_begin()
+
+  def free_group_end(self) -> None:
+    self._a.free_group_end()
+
+  def merge_and_sort_free(self) -> None:
+    self._a.merge_and_sort_free()
+
+  def clear(self) -> None:
+    self._a.clear()
+
+  def backup_state(self) -> Any:
+    if hasattr(self._a, "backup_state"):
+      return ("native", self._a.backup_state())
+    saved: Dict[str, Any] = {}
+    for name in _STATE_ATTRS:
+      if hasattr(self._a, name):
+        value = getattr(self._a, name)
+        saved[name] = list(value) if isinstance(value, list) else copy.copy(value)
+    return ("emulated", saved)
+
+  def restore_state(self, snapshot: Any) -> None:
+    how, state = snapshot
+    if how == "native":
+      self._a.restore_state(state)
+      return
+    for name, value in state.items():
+      setattr(self._a, name, list(value) if isinstance(value, list) else value)
