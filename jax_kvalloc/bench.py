@@ -98,6 +98,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--json", metavar="FILE", help="write all numbers as JSON")
   a("--plot", metavar="FILE.png", help="time against batch size, log-log (matplotlib)")
   a("--no-progress", action="store_true")
+  a("--from-json", metavar="FILE", help="measure nothing: print the tables (and --plot) "
+    "of a JSON file an earlier run wrote")
   return p
 
 
@@ -417,6 +419,16 @@ def run_cli(args) -> int:
   # JAX must not take most of the GPU before torch_ref gets any.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   from jax_kvalloc import report  # pylint: disable=g-import-not-at-top
+  if args.from_json:
+    import json  # pylint: disable=g-import-not-at-top
+    with open(args.from_json) as f:
+      result = json.load(f)
+    text = render(result, result.get("notes", ()))
+    print(text)
+    if args.plot:
+      plot(result, args.plot)
+      print(f"wrote {args.plot}")
+    return 1 if "CHECK FAILED" in text else 0
   cfg, notes = resolve(args)
   if args.plot:
     report.pyplot()

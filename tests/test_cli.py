@@ -167,6 +167,10 @@ def test_bench_quick(tmp_path, capsys):
     assert all(r["torch"]["us"] > 0 for r in data["micro"])
   if _has_matplotlib():
     assert out_png.stat().st_size > 1000
+  # The tables can be printed again from the JSON, without measuring.
+  assert cli.main(["bench", "--from-json", str(out_json)]) == 0
+  rows = lambda t: [line for line in t.splitlines() if line.startswith("|")]
+  assert rows(capsys.readouterr().out) == rows(text)
 
 
 def test_bench_degrades_without_torch_or_accelerator(monkeypatch, capsys):
