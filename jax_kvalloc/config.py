@@ -10,6 +10,8 @@ import os
 from typing import Literal
 
 INT32_MAX = 2**31 - 1
+# Ring-buffer positions are head + i with both below num_pages; they must fit int32.
+MAX_PAGES = 2**30
 
 KINDS = ("token", "paged")
 KERNELS = ("auto", "pallas", "jnp", "pallas_interpret")
@@ -69,6 +71,10 @@ class AllocatorConfig:
       raise ValueError(
           f"size={self.size} with page_size={self.page_size} gives slot indices up to "
           f"{(self.num_pages + 1) * self.page_size - 1}, which do not fit in int32")
+    if self.num_pages > MAX_PAGES:
+      raise ValueError(
+          f"size={self.size} with page_size={self.page_size} gives {self.num_pages} pages; "
+          f"at most {MAX_PAGES} (2**30) are supported (free-list positions are int32)")
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
     if self.kind == "token" and self.page_size != 1:
