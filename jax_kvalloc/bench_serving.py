@@ -117,8 +117,9 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: boo
     k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
     live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
     idx = jnp.where(live, table[picked[:, None], jnp.minimum(k, ctx - 1)], 0).reshape(-1)
-    state = jax.lax.cond(n_free > 0, lambda s: freeing.free(config, s, idx), lambda s: s,
-                         state)
+    # Unconditional (an all-padding group frees nothing): a lax.cond may cost a
+    # device-to-host read of its predicate on GPU, more than the free itself.
+    state = freeing.free(config, state, idx)
   seq = jnp.where(sel, 0, seq)
   pending = pending & ~sel
   active = ~pending
