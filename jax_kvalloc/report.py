@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, List, Sequence
+from typing import Any, Sequence
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,

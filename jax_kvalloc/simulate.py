@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import jax
 import numpy as np
