@@ -5,14 +5,31 @@ Pallas kernel for the default backend (Triton lowering on GPU, Mosaic on TPU);
 "pallas_interpret" runs the same kernels in Pallas' interpreter (any backend, for
 testing); "auto" is "pallas" on GPU and TPU and "jnp" on CPU. The name comes from
 `AllocatorConfig.kernel`, whose default is the environment variable JAX_KVALLOC_KERNEL.
+
+Which Pallas kernel: `pallas_kernels.default_backend()`, "mosaic" on TPU and "triton"
+elsewhere (JAX_KVALLOC_PALLAS_BACKEND overrides it).
+
+On the Triton backend the allocator does not call the index kernel alone: the whole
+alloc_extend / alloc_decode (validity and capacity checks, prefix sums, reads of the free
+ring, indices, new head and length) runs as one kernel launch, `alloc_extend_fused` /
+`alloc_decode_fused`, because on a GPU every separate XLA op of the bookkeeping costs a
+launch of its own. They return None where they do not apply (the jnp path, the Mosaic
+backend, debug mode, sizes the kernel does not take); the caller then goes on with the
+index kernel alone. A need_sort merge stays with the caller, before the fused call.
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import jax
+import jax.numpy as jnp
 
 from jax_kvalloc import index_jnp
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
+AllocResult = Tuple[AllocatorState, Array, Array]
 
 
 def resolve(kernel: str) -> str:
@@ -45,3 +62,64 @@ def decode_indices(kernel: str, free_window: Array, seq_lens: Array, last_loc: A
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.decode_indices(*args, page_size=page_size,
                                        interpret=path == "pallas_interpret")
+
+
+def _fused_path(config: AllocatorConfig) -> Optional[str]:
+  """"pallas" or "pallas_interpret" when the one-launch Triton allocation applies."""
+  path = resolve(config.kernel)
+  if path == "jnp" or config.debug:
+    return None
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  if pallas_kernels.default_backend() != "triton":
+    return None
+  return path
+
+
+def _num_reqs(num_reqs: Optional[Array], num_rows: int) -> Array:
+  if num_reqs is None:
+    return jnp.full((), num_rows, jnp.int32)
+  return jnp.asarray(num_reqs, jnp.int32)
+
+
+def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
+                       seq_lens: Array, last_loc: Array, num_reqs: Optional[Array], *,
+                       max_tokens: int) -> Optional[AllocResult]:
+  """allocation.alloc_extend after its need_sort merge, as one Triton kernel launch.
+
+  Args: as allocation.alloc_extend (i32[B] rows, raw: padded rows are masked inside);
+  `state` is the state after any merge. Returns (state, i32[max_tokens], bool[] ok),
+  bit-identical to the jnp path, or None where the fused kernel does not apply.
+  """
+  path = _fused_path(config)
+  if path is None:
+    return None
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  num_rows = prefix_lens.shape[0]
+  if not pallas_kernels.extend_fused_supported(num_rows, max_tokens, config.num_pages):
+    return None
+  out, head, length, ok = pallas_kernels.alloc_extend_triton(
+      state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, num_rows),
+      prefix_lens, seq_lens, last_loc, page_size=config.page_size, out_len=max_tokens,
+      interpret=path == "pallas_interpret")
+  return state._replace(free_head=head, free_len=length), out, ok
+
+
+def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
+                       last_loc: Array, num_reqs: Optional[Array]) -> Optional[AllocResult]:
+  """allocation.alloc_decode after its need_sort merge, as one Triton kernel launch.
+
+  Args: as allocation.alloc_decode (i32[B] rows, raw); `state` is the state after any
+  merge. Returns (state, i32[B], bool[] ok), bit-identical to the jnp path, or None
+  where the fused kernel does not apply.
+  """
+  path = _fused_path(config)
+  if path is None:
+    return None
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  if not pallas_kernels.decode_fused_supported(seq_lens.shape[0], config.num_pages):
+    return None
+  out, head, length, ok = pallas_kernels.alloc_decode_triton(
+      state.free_ring, state.free_head, state.free_len,
+      _num_reqs(num_reqs, seq_lens.shape[0]), seq_lens, last_loc,
+      page_size=config.page_size, interpret=path == "pallas_interpret")
+  return state._replace(free_head=head, free_len=length), out, ok

@@ -125,6 +125,7 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
 @dataclasses.dataclass(frozen=True)
 class _Call:
   """The pallas_call of one kernel configuration (hashable: a primitive parameter)."""
+  name: str        # the pallas_call's name, also shown in jaxprs
   p: _Params
   num_warps: int
   interpret: bool
@@ -135,15 +136,15 @@ class _Call:
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
       out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_))
-      body, name = _fused_kernel, "jax_kvalloc_alloc_decode_triton"
+      body = _fused_kernel
     else:
       out_shape = (out,)
-      body, name = _contract_kernel, "jax_kvalloc_decode_indices_triton"
+      body = _contract_kernel
     return pl.pallas_call(
         functools.partial(body, p=p), out_shape=out_shape,
         grid=(p.rows_pad // p.row_block,),
         compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
-        interpret=self.interpret, name=name)(*args)
+        interpret=self.interpret, name=self.name)(*args)
 
 
 def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interpret):
@@ -155,7 +156,8 @@ def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interp
               page_size=page_size, src_len=src_len)
   if num_warps is None:
     num_warps = 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
-  return _Call(p, num_warps, interpret)
+  name = "jax_kvalloc_alloc_decode_triton" if fused else "jax_kvalloc_decode_indices_triton"
+  return _Call(name, p, num_warps, interpret)
 
 
 def _run(call: _Call, *args):
@@ -163,6 +165,15 @@ def _run(call: _Call, *args):
   if call.interpret:
     return tuple(call(*args))
   return _util.quiet_triton(call, *args)
+
+
+MAX_FUSED_ROWS = 2**16
+
+
+def fused_supported(num_rows: int, ring_len: int) -> bool:
+  """Whether alloc_decode_triton takes these static sizes (every program may hold all
+  rows in registers)."""
+  return 1 <= num_rows and _util.next_pow2(num_rows) <= MAX_FUSED_ROWS and ring_len >= 1
 
 
 def decode_indices_triton(free_window: Array, seq_lens: Array, last_loc: Array,
@@ -200,8 +211,9 @@ def alloc_decode_triton(free_ring: Array, free_head: Array, free_len: Array,
   """
   b = seq_lens.shape[0]
   n = free_ring.shape[0]
-  if b == 0 or n == 0:
-    raise ValueError(f"alloc_decode_triton needs rows and a ring: {b=}, ring length {n}")
+  if not fused_supported(b, n):
+    raise ValueError(f"alloc_decode_triton does not take {b=} rows, ring length {n} "
+                     f"(see fused_supported)")
   call = _make_call(True, b, page_size, n, row_block, num_warps, interpret)
   out, head, length, ok = _run(call, free_ring, jnp.reshape(free_head, (1,)),
                                jnp.reshape(free_len, (1,)), jnp.reshape(num_reqs, (1,)),

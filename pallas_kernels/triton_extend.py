@@ -62,6 +62,7 @@ class _Params:
   out_len: int
   src_len: int         # length of the free ring (fused) or of the window (contract)
   barrier: bool        # False in interpret mode (programs run one after another there)
+  exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
 
 
 # ---------------------------------------------------------------------------------------
@@ -88,6 +89,17 @@ def _scalar(ref):
 def _pick(vec: Array, lane: Array, r: Array) -> Array:
   """vec[lane] for a scalar lane, out of a register vector (0 if lane is out of range)."""
   return jnp.sum(jnp.where(r == lane, vec, 0))
+
+
+def _sum_exceeds(x: Array, cap) -> Array:
+  """sum(x) > cap, exactly, for 0 <= x < 2**31 and at most 2**15 lanes: the sums of the
+  high and low 16-bit halves cannot wrap, and are compared with cap's halves."""
+  hi = jnp.sum(x >> 16)
+  lo = jnp.sum(x & 0xFFFF)
+  hi = hi + (lo >> 16)
+  lo = lo & 0xFFFF
+  cap_hi = cap >> 16
+  return (hi > cap_hi) | ((hi == cap_hi) & (lo > (cap & 0xFFFF)))
 
 
 def _row_table(p: _Params, pre, seq, last, tok_start, page_start, valid_lane):
@@ -197,7 +209,10 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   page_end = jnp.cumsum(new_pages)
   total = jnp.sum(ext)
   total_pages = jnp.sum(new_pages)
-  ok = rows_valid & (total <= p.out_len) & (total_pages <= flen)
+  if p.exact_totals:  # int32 sums could wrap: compare the true sums with the limits
+    ok = rows_valid & ~_sum_exceeds(ext, p.out_len) & ~_sum_exceeds(new_pages, flen)
+  else:
+    ok = rows_valid & (total <= p.out_len) & (total_pages <= flen)
   table = _row_table(p, pre, seq, last, tok_end - ext, page_end - new_pages,
                      jnp.ones_like(real))
 
@@ -229,7 +244,22 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
     raise ValueError(f"tile={tile} and window={window} must be powers of two")
   return _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, tile=tile,
                  window=window, page_size=page_size, out_len=out_len, src_len=src_len,
-                 barrier=not interpret)
+                 barrier=not interpret,
+                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len))
+
+
+def _may_wrap(num_rows: int, out_len: int, ring_len: int) -> bool:
+  return num_rows * (max(out_len, ring_len) + 1) > INT32_MAX
+
+
+MAX_FUSED_ROWS = 2**15
+
+
+def fused_supported(num_rows: int, out_len: int, ring_len: int) -> bool:
+  """Whether alloc_extend_triton takes these static sizes: every program holds all rows
+  in registers, and its exact total check (int32 sums could wrap) needs <= 2**15 lanes."""
+  return (1 <= num_rows and _util.next_pow2(num_rows) <= MAX_FUSED_ROWS
+          and out_len >= 1 and ring_len >= 1)
 
 
 def _default_warps(p: _Params) -> int:
@@ -239,6 +269,7 @@ def _default_warps(p: _Params) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Call:
   """The pallas_call of one kernel configuration (hashable: a primitive parameter)."""
+  name: str        # the pallas_call's name, also shown in jaxprs
   p: _Params
   num_warps: int
   interpret: bool
@@ -251,14 +282,14 @@ class _Call:
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
       out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch)
-      body, name = _fused_kernel, "jax_kvalloc_alloc_extend_triton"
+      body = _fused_kernel
     else:
       out_shape = (out, scratch)
-      body, name = _contract_kernel, "jax_kvalloc_extend_indices_triton"
+      body = _contract_kernel
     return pl.pallas_call(
         functools.partial(body, p=p), out_shape=out_shape, grid=(grid,),
         compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
-        interpret=self.interpret, name=name)(*args)
+        interpret=self.interpret, name=self.name)(*args)
 
 
 def _run(call: _Call, *args):
@@ -286,7 +317,8 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
   if b == 0:
     return jnp.zeros((out_len,), jnp.int32)
   p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret)
-  call = _Call(p, num_warps or _default_warps(p), interpret)
+  call = _Call("jax_kvalloc_extend_indices_triton", p, num_warps or _default_warps(p),
+               interpret)
   out, _ = _run(call, *map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
                                   page_start)))
   return out
@@ -314,11 +346,12 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
   """
   b = prefix_lens.shape[0]
   n = free_ring.shape[0]
-  if out_len == 0 or b == 0 or n == 0:
-    raise ValueError(f"alloc_extend_triton needs rows, tokens and a ring: {b=}, "
-                     f"{out_len=}, ring length {n}")
+  if not fused_supported(b, out_len, n):
+    raise ValueError(f"alloc_extend_triton does not take {b=} rows, {out_len=}, ring "
+                     f"length {n} (see fused_supported)")
   p = _params(True, b, page_size, out_len, n, tile, window, interpret)
-  call = _Call(p, num_warps or _default_warps(p), interpret)
+  call = _Call("jax_kvalloc_alloc_extend_triton", p, num_warps or _default_warps(p),
+               interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),
           _i32(num_reqs).reshape(1), prefix_lens, seq_lens, last_loc)
   out, head, length, ok, _ = _run(call, *map(_i32, args))

@@ -1,0 +1,313 @@
+"""The allocator with the Pallas kernels in place, on CPU (interpret mode).
+
+On the Triton backend alloc_extend/alloc_decode run as one fused kernel launch
+(jax_kvalloc.kernels); these tests check that the whole call (new state, indices, ok)
+is bit-identical to the jnp path and agrees with the independent model, on random pools
+(shuffled rings, any head, free lengths that are plenty, exact, one page short or 0),
+for every page size; that the Mosaic backend works behind the same API; that the
+kernel is chosen by config, environment and backend; and that vmap over several pools
+and donation of the state work with the kernels in place.
+"""
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvalloc as kv
+import pallas_kernels
+from jax_kvalloc import kernels
+from jax_kvalloc import state as st
+from model import ModelAllocator
+from pallas_kernels import testing
+
+NUM_PAGES = 96
+ROWS = 8
+MAX_TOKENS = 128
+NUM_CASES = 16
+
+
+def _rng(*key):
+  return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _configs(ps, need_sort=False):
+  jnp_cfg = kv.AllocatorConfig(size=NUM_PAGES * ps, page_size=ps, need_sort=need_sort,
+                               kernel="jnp", debug=False)
+  return jnp_cfg, dataclasses.replace(jnp_cfg, kernel="pallas_interpret")
+
+
+def _state(cfg, ring, head, length, release=None):
+  s = kv.init(cfg)._replace(free_ring=jnp.asarray(ring), free_head=jnp.asarray(head),
+                            free_len=jnp.asarray(length))
+  if release is not None:
+    s = s._replace(release_ring=jnp.asarray(release[0]), release_len=jnp.asarray(release[1]))
+  return s
+
+
+def _assert_same(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _extend_cases(rng, ps, n):
+  cases, states = [], []
+  for _ in range(n):
+    pre, seq, last, nreq = testing.extend_rows(rng, ps, ROWS, MAX_TOKENS)
+    real = np.arange(ROWS) < nreq
+    pages = int(np.sum(np.where(real, testing.cdiv(seq, ps) - testing.cdiv(pre, ps), 0)))
+    cases.append((pre, seq, last, nreq))
+    states.append(testing.pool(rng, NUM_PAGES, pages))
+  return testing.stack(cases), testing.stack(states)
+
+
+def _decode_cases(rng, ps, n):
+  cases, states = [], []
+  for _ in range(n):
+    seq, last, nreq = testing.decode_rows(rng, ps, ROWS)
+    real = np.arange(ROWS) < nreq
+    pages = int(np.sum(real & (testing.cdiv(seq, ps) > testing.cdiv(seq - 1, ps))))
+    cases.append((seq, last, nreq))
+    states.append(testing.pool(rng, NUM_PAGES, pages))
+  return testing.stack(cases), testing.stack(states)
+
+
+def _model(ps, ring, head, length):
+  m = ModelAllocator(size=NUM_PAGES * ps, page_size=ps, kind="paged")
+  m.free_pages = testing.window(ring, head, length, int(length)).tolist()
+  return m
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_alloc_extend_matches_jnp_and_model(ps):
+  jnp_cfg, pallas_cfg = _configs(ps)
+  (pre, seq, last, nreq), (ring, head, length) = _extend_cases(_rng("extend", ps), ps,
+                                                               NUM_CASES)
+
+  def run(cfg, ring, head, length, pre, seq, last, nreq):
+    return kv.alloc_extend(cfg, _state(cfg, ring, head, length), pre, seq, last,
+                           max_tokens=MAX_TOKENS, num_reqs=nreq)
+
+  args = (ring, head, length, pre, seq, last, nreq)
+  want = jax.jit(jax.vmap(functools.partial(run, jnp_cfg)))(*args)
+  got = jax.jit(jax.vmap(functools.partial(run, pallas_cfg)))(*args)
+  _assert_same(got, want)
+  new_state, out, ok = got
+  for i in range(NUM_CASES):
+    n = int(nreq[i])
+    m = _model(ps, ring[i], head[i], length[i])
+    expect = m.alloc_extend(pre[i, :n].tolist(), seq[i, :n].tolist(), last[i, :n].tolist())
+    assert bool(ok[i]) == (expect is not None)
+    if expect is None:
+      assert not np.asarray(out[i]).any()
+      expect = []
+    np.testing.assert_array_equal(out[i, :len(expect)], expect)
+    assert not np.asarray(out[i, len(expect):]).any()
+    live = st.live_free_pages(jax.tree_util.tree_map(lambda x: x[i], new_state))
+    assert live.tolist() == m.free_pages
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_alloc_decode_matches_jnp_and_model(ps):
+  jnp_cfg, pallas_cfg = _configs(ps)
+  (seq, last, nreq), (ring, head, length) = _decode_cases(_rng("decode", ps), ps, NUM_CASES)
+
+  def run(cfg, ring, head, length, seq, last, nreq):
+    return kv.alloc_decode(cfg, _state(cfg, ring, head, length), seq, last, num_reqs=nreq)
+
+  args = (ring, head, length, seq, last, nreq)
+  want = jax.jit(jax.vmap(functools.partial(run, jnp_cfg)))(*args)
+  got = jax.jit(jax.vmap(functools.partial(run, pallas_cfg)))(*args)
+  _assert_same(got, want)
+  new_state, out, ok = got
+  for i in range(NUM_CASES):
+    n = int(nreq[i])
+    m = _model(ps, ring[i], head[i], length[i])
+    expect = m.alloc_decode(seq[i, :n].tolist(), last[i, :n].tolist())
+    assert bool(ok[i]) == (expect is not None)
+    np.testing.assert_array_equal(out[i, :n], expect if expect is not None else 0)
+    assert not np.asarray(out[i, n:]).any()
+    live = st.live_free_pages(jax.tree_util.tree_map(lambda x: x[i], new_state))
+    assert live.tolist() == m.free_pages
+
+
+def test_refusals_match_jnp():
+  # A row with seq < prefix, more tokens than max_tokens, an empty pool: all refused,
+  # indices 0, state unchanged; the same on both paths.
+  ps = 4
+  ring = np.arange(1, NUM_PAGES + 1, dtype=np.int32)
+  head = np.int32([12, 0, 3])
+  length = np.int32([NUM_PAGES, NUM_PAGES, 0])
+  pre = np.int32([[0, 5], [0, 0], [0, 0]])
+  seq = np.int32([[9, 4], [40, 40], [1, 0]])
+  last = np.int32([[-1, 20], [-1, -1], [-1, -1]])
+  dseq = np.int32([[3, 0], [3, 4], [1, 5]])
+  dlast = np.int32([[1, 2], [1, 2], [-1, 2]])
+
+  def run(cfg, head, length, pre, seq, last, dseq, dlast):
+    s0 = _state(cfg, ring, head, length)
+    s1, out, ok = kv.alloc_extend(cfg, s0, pre, seq, last, max_tokens=64)
+    d1, dout, dok = kv.alloc_decode(cfg, s0, dseq, dlast)
+    return s0, s1, out, ok, d1, dout, dok
+
+  args = (head, length, pre, seq, last, dseq, dlast)
+  for cfg in _configs(ps):
+    s0, s1, out, ok, d1, dout, dok = jax.jit(jax.vmap(functools.partial(run, cfg)))(*args)
+    assert not np.asarray(ok).any() and not np.asarray(out).any()
+    _assert_same(s1, s0)
+    np.testing.assert_array_equal(dok, [False, True, False])
+    assert not np.asarray(dout[0]).any() and not np.asarray(dout[2]).any()
+    _assert_same(jax.tree_util.tree_map(lambda x: x[::2], d1),
+                 jax.tree_util.tree_map(lambda x: x[::2], s0))
+
+
+def test_need_sort_merge_then_fused_kernel():
+  # need_sort: a shortfall merges release_pages first (in XLA), then the kernel runs on
+  # the merged list.
+  ps = 2
+  rng = _rng("need_sort")
+  cases = []
+  for _ in range(4):
+    ring = (rng.permutation(NUM_PAGES) + 1).astype(np.int32)
+    cases.append((ring, np.int32(rng.integers(0, 10)), np.roll(ring, -10),
+                  np.int32(rng.integers(1, 40)))
+                 + testing.extend_rows(rng, ps, ROWS, MAX_TOKENS)
+                 + testing.decode_rows(rng, ps, ROWS))
+
+  def run(cfg, ring, free_len, release, release_len, pre, seq, last, nreq, dseq, dlast,
+          dnreq):
+    s = _state(cfg, ring, np.int32(0), free_len, (release, release_len))
+    s, out, ok = kv.alloc_extend(cfg, s, pre, seq, last, max_tokens=MAX_TOKENS,
+                                 num_reqs=nreq)
+    return (s, out, ok) + kv.alloc_decode(cfg, s, dseq, dlast, num_reqs=dnreq)
+
+  args = testing.stack(cases)
+  want, got = (jax.jit(jax.vmap(functools.partial(run, cfg)))(*args)
+               for cfg in _configs(ps, need_sort=True))
+  _assert_same(got, want)
+  assert np.asarray(want[0].release_len == 0).any()  # some merged
+
+
+def test_vmap_over_pools_and_donation():
+  ps = 16
+  jnp_cfg, pallas_cfg = _configs(ps)
+  (pre, seq, last, nreq), (ring, head, length) = _extend_cases(_rng("vmap"), ps, 4)
+
+  def step(cfg, state, pre, seq, last, nreq):
+    state, out, ok = kv.alloc_extend(cfg, state, pre, seq, last, max_tokens=MAX_TOKENS,
+                                     num_reqs=nreq)
+    state, dout, dok = kv.alloc_decode(cfg, state, seq + 1, out[:ROWS], num_reqs=nreq)
+    return state, out, ok, dout, dok
+
+  results = []
+  for cfg in (jnp_cfg, pallas_cfg):
+    states = jax.vmap(functools.partial(_state, cfg))(ring, head, length)
+    states = jax.tree_util.tree_map(jnp.array, states)  # fresh device arrays to donate
+    fn = jax.jit(jax.vmap(functools.partial(step, cfg)), donate_argnums=0)
+    leaves = jax.tree_util.tree_leaves(states)
+    results.append(fn(states, pre, seq, last, nreq))
+    assert all(x.is_deleted() for x in leaves)  # donated
+  _assert_same(results[1], results[0])
+
+
+def test_mosaic_backend_behind_the_allocator(monkeypatch):
+  # The TPU kernel serves the allocator through the contract path (no fused kernel).
+  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "mosaic")
+  ps = 4
+  jnp_cfg, pallas_cfg = _configs(ps)
+  (pre, seq, last, nreq), (ring, head, length) = _extend_cases(_rng("mosaic"), ps, 4)
+  (dseq, dlast, dnreq), _ = _decode_cases(_rng("mosaic-d"), ps, 4)
+
+  def run(cfg, ring, head, length, pre, seq, last, nreq, dseq, dlast, dnreq):
+    s = _state(cfg, ring, head, length)
+    s, out, ok = kv.alloc_extend(cfg, s, pre, seq, last, max_tokens=MAX_TOKENS,
+                                 num_reqs=nreq)
+    return (s, out, ok) + kv.alloc_decode(cfg, s, dseq, dlast, num_reqs=dnreq)
+
+  args = (ring, head, length, pre, seq, last, nreq, dseq, dlast, dnreq)
+  jaxpr = str(jax.make_jaxpr(functools.partial(run, pallas_cfg))(*[a[0] for a in args]))
+  assert "jax_kvalloc_extend_indices_mosaic" in jaxpr and "triton" not in jaxpr
+  want = jax.jit(jax.vmap(functools.partial(run, jnp_cfg)))(*args)
+  got = jax.jit(jax.vmap(functools.partial(run, pallas_cfg)))(*args)
+  _assert_same(got, want)
+
+
+def _kernel_names(cfg):
+  s = kv.init(cfg)
+  rows = jnp.ones((ROWS,), jnp.int32)
+  text = str(jax.make_jaxpr(lambda s: (
+      kv.alloc_extend(cfg, s, rows, rows + 3, rows, max_tokens=64),
+      kv.alloc_decode(cfg, s, rows + 1, rows)))(s))
+  return {name for name in ("jax_kvalloc_alloc_extend_triton", "jax_kvalloc_alloc_decode_triton",
+                            "jax_kvalloc_extend_indices_triton",
+                            "jax_kvalloc_decode_indices_triton",
+                            "jax_kvalloc_extend_indices_mosaic") if name in text}
+
+
+def test_kernel_choice(monkeypatch):
+  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
+  base = kv.AllocatorConfig(size=64, page_size=4, kernel="jnp", debug=False)
+  fused = {"jax_kvalloc_alloc_extend_triton", "jax_kvalloc_alloc_decode_triton"}
+  on_accelerator = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+  assert kernels.resolve("auto") == ("pallas" if on_accelerator else "jnp")
+  assert _kernel_names(base) == set()
+  if jax.default_backend() != "tpu":
+    assert _kernel_names(dataclasses.replace(base, kernel="pallas_interpret")) == fused
+    assert _kernel_names(dataclasses.replace(base, kernel="pallas")) == fused
+    # Debug mode keeps the jnp bookkeeping and calls the index kernels alone.
+    debug = dataclasses.replace(base, kernel="pallas_interpret", debug=True)
+    assert _kernel_names(debug) == {"jax_kvalloc_extend_indices_triton",
+                                    "jax_kvalloc_decode_indices_triton"}
+  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "mosaic")
+  assert _kernel_names(dataclasses.replace(base, kernel="pallas_interpret")) == {
+      "jax_kvalloc_extend_indices_mosaic"}
+
+
+def test_kernel_from_environment_and_keyword(monkeypatch):
+  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "pallas_interpret")
+  assert kv.AllocatorConfig(size=64, page_size=4).kernel == "pallas_interpret"
+  assert kv.PagedTokenToKVPoolAllocator(64, 4).config.kernel == "pallas_interpret"
+  assert kv.TokenToKVPoolAllocator(64, None, None).config.kernel == "pallas_interpret"
+  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "jnp")
+  assert kv.PagedTokenToKVPoolAllocator(64, 4, kernel="pallas").config.kernel == "pallas"
+  assert kv.TokenToKVPoolAllocator(64, None, None, kernel="pallas").config.kernel == "pallas"
+  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "triton")
+  with pytest.raises(ValueError, match="JAX_KVALLOC_KERNEL"):
+    kv.AllocatorConfig(size=64, page_size=4)
+
+
+def test_classes_with_pallas_interpret_follow_the_model():
+  rng = _rng("classes")
+  ps = 4
+  a = kv.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="pallas_interpret")
+  m = ModelAllocator(size=64 * ps, page_size=ps, kind="paged")
+  held = []
+  for step in range(12):
+    bs = int(rng.integers(1, 5))
+    if step % 3 == 2 and held:
+      idx = held.pop(int(rng.integers(len(held))))
+      a.free(idx)
+      m.free(idx.tolist())
+      continue
+    # Page-aligned prefixes: every slot returned is in a page this call took, so freeing
+    # an output later frees exactly those pages.
+    pre = rng.integers(0, 3, bs) * ps
+    seq = pre + rng.integers(0, 20, bs)
+    last = np.where(pre > 0, rng.integers(1, 60, bs) * ps + ps - 1, -1)
+    out = a.alloc_extend(pre, None, seq, None, last, int((seq - pre).sum()))
+    want = m.alloc_extend(pre.tolist(), seq.tolist(), last.tolist())
+    assert (out is None) == (want is None)
+    if out is not None:
+      assert np.asarray(out).tolist() == want
+      held.append(np.asarray(out))
+    dseq = rng.integers(1, 30, bs)
+    dlast = np.where(dseq > 1, rng.integers(1, 60, bs) * ps + (dseq - 2) % ps, -1)
+    out = a.alloc_decode(dseq, None, dlast)
+    want = m.alloc_decode(dseq.tolist(), dlast.tolist())
+    assert (out is None) == (want is None)
+    if out is not None:
+      assert np.asarray(out).tolist() == want
+    assert a.free_pages.tolist() == m.free_pages
