@@ -9,11 +9,10 @@ replay of a CUDA graph of its Triton kernel (alloc_extend/alloc_decode) or its e
 
 Before timing, every path's output for the case is checked against the jnp path.
 
-Dependence between calls: each call's inputs get `dep` added, a scalar that is 0 at run
-time but is computed from the previous call's output (its first index shifted right by 31
-bits, behind an optimization barrier), and the state's head/length are moved back by what
-the call took (so the pool never runs out and each call does the same work). XLA can then
-neither hoist a call out of the loop nor drop any part of its output.
+Dependence between calls (jax_call_and_body): each call takes the free-list head the
+previous one returned, with the free length held fixed (the pool never runs out and
+every call does the same work), and its indices are loop-carried, so XLA can neither
+hoist a call out of the loop nor drop any part of its output.
 """
 from __future__ import annotations
 
@@ -120,65 +119,67 @@ def _state(case: Case, taken: int = 0) -> st.AllocatorState:
                     free_len=jnp.asarray(case.num_pages - taken, jnp.int32))
 
 
-def _dep(x: jax.Array) -> jax.Array:
-  """0 at run time (x >= 0), but XLA cannot tell: x's sign bit."""
-  return jnp.right_shift(x, 31)
+def _needs_dep(case: Case, path: str) -> bool:
+  """Whether the call's per-request inputs must be made loop-variant.
 
-
-def _rewind(state: st.AllocatorState, before: st.AllocatorState) -> st.AllocatorState:
-  """Moves head/len back by what an allocation took (the ring itself is unchanged)."""
-  n = state.free_ring.shape[0]
-  taken = before.free_len - state.free_len
-  return state._replace(free_head=(state.free_head - taken) % n,
-                        free_len=state.free_len + taken)
+  A call that is one Pallas kernel launch (the fused Triton allocation) reads the
+  loop-carried free-list head, so XLA cannot hoist any of it, and an extra input op
+  would cost a launch of its own. Anything else (the jnp path, the index kernel with
+  XLA bookkeeping) has parts that depend on the inputs alone, which XLA would hoist.
+  """
+  if path not in ("pallas", "pallas_interpret") or case.op == "free":
+    return True
+  try:
+    import pallas_kernels  # pylint: disable=g-import-not-at-top
+    if case.op == "decode":
+      return not pallas_kernels.decode_fused_supported(case.bs, case.num_pages)
+    return not pallas_kernels.extend_fused_supported(case.bs, case.tokens, case.num_pages)
+  except (ImportError, AttributeError, TypeError):
+    return True
 
 
 def jax_call_and_body(case: Case, path: str):
-  """(one call: () -> indices, loop body, initial carry) for a JAX path."""
+  """(one call: () -> outputs, loop body, initial carry) for a JAX path.
+
+  The loop carries the state. Each call's new free-list head (and, for free, ring)
+  feeds the next call, while the free length stays at its initial value: the pool is a
+  full ring (or, for free, holds exactly the pages being freed), so every call does the
+  same work and the pool never runs out. The indices are carried too (the loop returns
+  the last ones), so XLA must compute them in every call. Where `_needs_dep`, the inputs
+  get `head >> 31` added (0 at run time, unknown to XLA; fused into their first use).
+  """
   cfg = _config(case, path)
-  n = case.num_pages
+  dep_on = _needs_dep(case, path)
+  dep = (lambda s: jnp.right_shift(s.free_head, 31)) if dep_on else (lambda s: 0)
   if case.op == "decode":
     fn = functools.partial(allocation.alloc_decode, cfg)
-
-    def body(c):
-      state, seq, last, dep = c
-      s2, out, _ = fn(state, seq + dep, last + dep)
-      s2, out = jax.lax.optimization_barrier((_rewind(s2, state), out))
-      return s2, seq, last, _dep(out[0])
-
-    carry = (_state(case), case.seq, case.last, np.int32(0))
-    once = lambda: jax.jit(fn)(_state(case), case.seq, case.last)
+    args = (case.seq, case.last)
   elif case.op == "extend":
     fn = functools.partial(allocation.alloc_extend, cfg, max_tokens=case.tokens)
-
-    def body(c):
-      state, pre, seq, last, dep = c
-      s2, out, _ = fn(state, pre + dep, seq + dep, last + dep)
-      s2, out = jax.lax.optimization_barrier((_rewind(s2, state), out))
-      return s2, pre, seq, last, _dep(out[0])
-
-    carry = (_state(case), case.pre, case.seq, case.last, np.int32(0))
-    once = lambda: jax.jit(fn)(_state(case), case.pre, case.seq, case.last)
+    args = (case.pre, case.seq, case.last)
   else:
     fn = functools.partial(freeing.free, cfg)
+    args = (case.free_index,)
 
-    def body(c):
-      state, idx, dep = c
-      s2 = fn(state, idx + dep)
-      freed = s2.free_len - state.free_len
-      s2 = s2._replace(free_head=(s2.free_head + freed) % n, free_len=s2.free_len - freed)
-      s2 = jax.lax.optimization_barrier(s2)
-      return s2, idx, _dep(s2.free_ring[s2.free_head])
+  def body(c):
+    state, inputs, _ = c
+    d = dep(state)
+    res = fn(state, *(x + d for x in inputs))
+    if case.op == "free":
+      return state._replace(free_ring=res.free_ring, free_head=res.free_head), inputs, ()
+    return state._replace(free_head=res[0].free_head), inputs, res[1]
 
-    carry = (_state(case, case.used_pages), case.free_index, np.int32(0))
-    once = lambda: (jax.jit(fn)(_state(case, case.used_pages), case.free_index),)
-  return once, body, carry
+  state0 = _state(case, case.used_pages)
+  once = lambda: jax.jit(fn)(state0, *args)
+  out0 = () if case.op == "free" else jnp.zeros(jax.eval_shape(fn, state0, *args)[1].shape,
+                                                jnp.int32)
+  return once, body, (state0, args, out0)
 
 
 def _jax_output(case: Case, once) -> np.ndarray:
   res = once()
   if case.op == "free":
-    return np.asarray(st.live_free_pages(res[0]))
+    return np.asarray(st.live_free_pages(res))
   state, out, ok = res
   if not bool(ok):
     raise RuntimeError(f"{case.op} bs={case.bs}: the allocation did not fit")
