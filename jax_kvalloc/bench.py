@@ -191,12 +191,18 @@ def run(cfg: BenchConfig, *, progress: bool = True,
   result = {"env": env, "config": dataclasses.asdict(cfg),
             "loop_overhead_us": overhead * 1e6, "micro": [], "serving": []}
   save = checkpoint or (lambda r: None)
-  for op in (cfg.ops if cfg.micro else ()):
+
+  def micro(op):
     result["micro"] += bench_micro.run(
         ops=(op,), paths=jax_paths, torch_on=torch_on, batch_sizes=cfg.batch_sizes,
         extend_cases=cfg.extend_cases, page_size=cfg.page_size, unroll=cfg.unroll,
         min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, progress=tick)
     save(result)
+
+  ops = list(cfg.ops if cfg.micro else ())
+  for op in ops:
+    if op != "free":
+      micro(op)
   for bs in (cfg.serving_bs if cfg.serving else ()):
     # A serving step is tens of kernels: 8 steps per loop iteration amortize the loop.
     result["serving"] += bench_serving.run(
@@ -204,6 +210,8 @@ def run(cfg: BenchConfig, *, progress: bool = True,
         warmup=cfg.serving_warmup, unroll=min(cfg.unroll, 8), min_time=cfg.min_time,
         reps=cfg.reps, seed=cfg.seed, torch_on=torch_on, progress=tick)
     save(result)
+  if "free" in ops:  # last: the least telling of the three (a run cut short loses it)
+    micro("free")
   bar.close()
   return result
 
