@@ -317,7 +317,9 @@ class WorkloadConfig:
     cache_prob: chance that a finished request's tokens go into the prefix cache.
     spec_prob: chance that a decode iteration is speculative.
     evict_prob: chance that the scheduler evicts cached prefixes before an allocation
-      that would not fit (otherwise it lets the allocation fail).
+      that would not fit.
+    oom_prob: chance that the scheduler issues an allocation it knows will not fit
+      (otherwise it admits fewer requests, or retracts one before a decode).
   """
 
   seed: int
@@ -333,6 +335,7 @@ class WorkloadConfig:
   cache_prob: float = 0.4
   spec_prob: float = 0.25
   evict_prob: float = 0.8
+  oom_prob: float = 0.15
 
   @property
   def resolved_kind(self) -> str:
@@ -372,7 +375,8 @@ def random_config(seed: int, *, steps: int = 200, page_sizes: Sequence[int] = (1
       steps=steps, max_prefill_batch=rng.randint(1, prefill_bs),
       max_decode_batch=rng.randint(2, decode_bs),
       arrival_rate=rng.uniform(0.3, 1.2), share_prob=rng.uniform(0.2, 0.8),
-      cache_prob=rng.uniform(0.1, 0.7), spec_prob=rng.uniform(0.0, 0.5))
+      cache_prob=rng.uniform(0.1, 0.7), spec_prob=rng.uniform(0.0, 0.5),
+      oom_prob=rng.uniform(0.1, 0.6))
 
 
 class _Node:
@@ -394,14 +398,25 @@ class _Node:
 
 
 class _Req:
-  """A request: `slots[i]` is the slot of token i; the first `shared` come from `node`."""
+  """A request: `slots[i]` is the slot of token i; the first `shared` come from `node`,
+  which it holds a reference on from its first prefill on (`started`)."""
 
   def __init__(self, rid: int, node: Optional[_Node], shared: int, prompt: int,
                output: int):
     self.rid, self.node, self.shared = rid, node, shared
     self.prompt, self.output = prompt, output
-    self.slots: List[int] = node.prefix_slots(shared) if node else []
+    self.started = False
+    self.slots: List[int] = []
     self.extra: List[int] = []   # slots past the last token in its last page (spec)
+
+  def start(self, cache: List[_Node]) -> None:
+    """Scheduled for the first time: match the prefix cache (the node may be gone)."""
+    self.started = True
+    if self.node is not None and self.node in cache:
+      self.node.refs += 1
+      self.slots = self.node.prefix_slots(self.shared)
+    else:
+      self.node, self.shared = None, 0
 
   @property
   def owned(self) -> List[int]:
@@ -512,11 +527,8 @@ class Workload:
           node = None
       new = int(min(max(1, rng.lognormvariate(0, 1.0) * cap / 20), cap / 3))
       output = rng.randint(1, max(2, cap // 12))
-      req = _Req(self._next_rid, node, shared, shared + new, output)
+      self.waiting.append(_Req(self._next_rid, node, shared, shared + new, output))
       self._next_rid += 1
-      if node:
-        node.refs += 1
-      self.waiting.append(req)
 
   def _evict_for(self, need_slots: int) -> None:
     """Evicts unreferenced cached prefixes (oldest first) until need_slots fit."""
@@ -537,6 +549,9 @@ class Workload:
   def _prefill(self) -> None:
     rng, ps = self.rng, self.ps
     batch = self.waiting[: rng.randint(1, self.cfg.max_prefill_batch)]
+    for r in batch:
+      if not r.started:
+        r.start(self.cache)
     cap = self.num_pages * ps
     chunk = rng.randint(max(1, cap // 16), max(2, cap // 4))
     pre = [len(r.slots) for r in batch]
@@ -544,6 +559,13 @@ class Workload:
     last = [r.slots[-1] if r.slots else -1 for r in batch]
     total = sum(s - p for p, s in zip(pre, seq))
     self._evict_for(total + len(batch) * ps)
+    if rng.random() >= self.cfg.oom_prob:   # admission control: only what fits
+      while batch and not self._fits(sum(map(self._pages_needed, pre, seq))):
+        batch, pre, seq, last = batch[:-1], pre[:-1], seq[:-1], last[:-1]
+      total = sum(s - p for p, s in zip(pre, seq))
+      if not batch:
+        self._stalled()
+        return
     if self.paged:
       out = self._do("alloc_extend", {"prefix_lens": pre, "seq_lens": seq, "last_loc": last})
     else:
@@ -561,16 +583,19 @@ class Workload:
         self.waiting.remove(r)
         self.running.append(r)
 
+  def _fits(self, pages: int) -> bool:
+    return pages * self.ps <= self.expected_available()
+
   def _stalled(self) -> None:
-    """An allocation failed. After a few in a row, abort a request to make room (a
-    retraction)."""
+    """An allocation failed or was not tried. After a few in a row, abort a request to
+    make room (a retraction)."""
     self._stall += 1
     if self._stall < 3:
       return
     self._stall = 0
-    pool = self.running or self.waiting
-    if pool:
-      self._finish(self.rng.choice(pool), cache=False)
+    holders = self.running + [r for r in self.waiting if r.started]
+    if holders:
+      self._finish(self.rng.choice(holders), cache=False)
 
   def _prealloc(self) -> None:
     """PD disaggregation: whole pages for a transferred prompt, via alloc(n)."""
@@ -584,6 +609,7 @@ class Workload:
       return
     self._take(out)
     req = _Req(self._next_rid, None, 0, tokens, rng.randint(1, max(2, self.num_pages)))
+    req.started = True
     self._next_rid += 1
     req.slots, req.extra = out[:tokens], out[tokens:]
     self.running.append(req)
@@ -594,6 +620,13 @@ class Workload:
   def _decode(self) -> None:
     batch = self._decode_batch()
     self._evict_for(len(batch) * self.ps)
+    if self.rng.random() >= self.cfg.oom_prob:   # retract requests until the batch fits
+      while batch and not self._fits(
+          sum(self._pages_needed(len(r.slots), len(r.slots) + 1) for r in batch)):
+        self._finish(batch[-1], cache=False)
+        batch = self._decode_batch()
+      if not batch:
+        return
     if self.paged:
       # A request holding slack slots (spec, prealloc) reuses them: its last_loc + 1.
       out = self._do("alloc_decode", {"seq_lens": [len(r.slots) + 1 for r in batch],
@@ -622,6 +655,10 @@ class Workload:
     last = [(r.extra or r.slots)[-1] for r in batch]
     total = sum(k)
     self._evict_for(total + len(batch) * ps)   # before the snapshot, which would undo it
+    if (not self._fits(sum(map(self._pages_needed, pre, seq)))
+        and rng.random() >= self.cfg.oom_prob):
+      self._decode()
+      return
     rollback = rng.random() < 0.5
     if rollback:
       saved = dict(self.in_use)
@@ -666,7 +703,7 @@ class Workload:
           r.node.refs += 1
         self.cache.append(node)
         owned = r.slots[aligned:] + r.extra
-    if r.node:
+    if r.node and r.started:
       r.node.refs -= 1
     if self.paged and owned and self._group is not None and self.rng.random() < 0.3:
       owned = owned + [owned[-1]]   # overlap scheduler: a slot freed twice in one group

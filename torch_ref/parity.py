@@ -52,6 +52,8 @@ class Stats:
   steps: int = 0
   failed_allocs: int = 0
   shortfall_merges: int = 0
+  emptied: int = 0     # successful allocations that took the last free page
+  recorded: int = 0    # steps whose trace record carried expected fields
   compared: Dict[str, int] = dataclasses.field(default_factory=dict)  # impl -> steps
   skipped: Dict[str, str] = dataclasses.field(default_factory=dict)   # impl -> reason
 
@@ -59,6 +61,9 @@ class Stats:
     self.steps += 1
     if rec["op"].startswith("alloc") and rec.get("result", []) is None:
       self.failed_allocs += 1
+    elif (rec["op"].startswith("alloc") and prev is not None and prev.get("free_pages")
+          and rec.get("free_pages") == []):
+      self.emptied += 1
     if (prev is not None and rec["op"].startswith("alloc") and prev.get("release_pages")
         and not rec.get("release_pages")):
       self.shortfall_merges += 1
@@ -168,6 +173,7 @@ def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
   done: List[traces.Record] = []
   prev = None
   for step, want in enumerate(records):
+    stats.recorded += any(f in want for f in traces.STATE_FIELDS)
     got = dict(want, **lead.replayer.step(want["op"], want.get("args")))
     diff = traces.compare(want, got, release_unordered=lead.replayer.release_unordered)
     if diff:
@@ -231,11 +237,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--kernel", default="jnp",
                  choices=("jnp", "pallas", "pallas_interpret", "auto"),
                  help="jax_kvalloc's index kernel")
-  p.add_argument("--torch-kernel", default="triton", choices=("triton", "torch", "auto"),
-                 help="torch_ref's index path (triton on cpu runs Triton's interpreter, "
+  p.add_argument("--torch-kernel", default="triton",
+                 help="torch_ref's index path: triton, torch or auto, or a comma list to "
+                      "compare several (triton on cpu runs Triton's interpreter, "
                       "TRITON_INTERPRET=1, set automatically)")
   p.add_argument("--sglang", choices=("auto", "on", "off"), default="auto",
                  help="compare with the installed SGLang too (auto: when importable)")
+  p.add_argument("--impls", default="jax,torch",
+                 help="implementations to compare besides SGLang, the first leading "
+                      "(default jax,torch; e.g. torch alone checks torch_ref against a "
+                      "trace file's recorded results without compiling any jax)")
   p.add_argument("--write", metavar="OUT.jsonl",
                  help="write the generated traces (or, on a mismatch, the trace so far)")
   p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -243,11 +254,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace) -> List[Impl]:
-  if args.device == "cpu" and args.torch_kernel == "triton":
-    os.environ["TRITON_INTERPRET"] = "1"   # before torch_ref.triton_kernels is imported
-  if args.torch_kernel == "triton":
+  """The implementations the arguments ask for; RuntimeError/ImportError if one is
+  unavailable."""
+  torch_kernels = [k.strip() for k in args.torch_kernel.split(",") if k.strip()]
+  if not torch_kernels or set(torch_kernels) - {"triton", "torch", "auto"}:
+    raise RuntimeError(f"--torch-kernel {args.torch_kernel!r}: use triton, torch, auto "
+                       f"or a comma list of them")
+  makers = {"jax": lambda: [jax_impl(args.kernel, args.device)],
+            "torch": lambda: [torch_impl(k, args.device) for k in torch_kernels]}
+  names = [n.strip() for n in args.impls.split(",") if n.strip()]
+  unknown = [n for n in names if n not in makers]
+  if unknown or not names:
+    raise RuntimeError(f"--impls: unknown {unknown}; choose from {sorted(makers)}")
+  if "torch" in names and "triton" in torch_kernels:
+    if args.device == "cpu":
+      os.environ["TRITON_INTERPRET"] = "1"   # before torch_ref.triton_kernels is imported
     import triton  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  impls = [jax_impl(args.kernel, args.device), torch_impl(args.torch_kernel, args.device)]
+  impls = [impl for n in names for impl in makers[n]()]
   if args.sglang != "off":
     from torch_ref import sglang_oracle  # pylint: disable=g-import-not-at-top
     err = sglang_oracle.import_error()
@@ -305,9 +328,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.write and written:
     traces.write(args.write, written)
   names = ", ".join(f"{name} ({n} steps)" for name, n in stats.compared.items())
-  print(f"parity OK: {stats.traces} traces, {stats.steps} steps of {impls[0].name} "
-        f"matched by {names or 'no other implementation'}; {stats.failed_allocs} failed "
-        f"allocations, {stats.shortfall_merges} shortfall merges; {time.time() - t0:.1f} s")
+  print(f"parity OK: {stats.traces} traces, {stats.steps} steps; {impls[0].name} led "
+        f"(and matched the recorded results of {stats.recorded} steps), matched by "
+        f"{names or 'no other implementation'}; {stats.failed_allocs} failed "
+        f"allocations, {stats.emptied} that emptied the free list, {stats.shortfall_merges} "
+        f"shortfall merges; {time.time() - t0:.1f} s")
   for name, reason in stats.skipped.items():
     print(f"parity: {name} skipped on some traces: {reason}")
   return 0
