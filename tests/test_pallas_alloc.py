@@ -34,10 +34,10 @@ def _rng(*key):
   return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def _configs(ps, need_sort=False):
-  jnp_cfg = kv.AllocatorConfig(size=NUM_PAGES * ps, page_size=ps, need_sort=need_sort,
+def _configs(ps, need_sort=False, kernel="pallas_interpret", num_pages=NUM_PAGES):
+  jnp_cfg = kv.AllocatorConfig(size=num_pages * ps, page_size=ps, need_sort=need_sort,
                                kernel="jnp", debug=False)
-  return jnp_cfg, dataclasses.replace(jnp_cfg, kernel="pallas_interpret")
+  return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
 
 
 def _state(cfg, ring, head, length, release=None):
@@ -53,67 +53,72 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _extend_cases(rng, ps, n):
+def _extend_cases(rng, ps, n, rows=ROWS, max_tokens=MAX_TOKENS, num_pages=NUM_PAGES):
   cases, states = [], []
   for _ in range(n):
-    pre, seq, last, nreq = testing.extend_rows(rng, ps, ROWS, MAX_TOKENS)
-    real = np.arange(ROWS) < nreq
+    pre, seq, last, nreq = testing.extend_rows(rng, ps, rows, max_tokens)
+    real = np.arange(rows) < nreq
     pages = int(np.sum(np.where(real, testing.cdiv(seq, ps) - testing.cdiv(pre, ps), 0)))
     cases.append((pre, seq, last, nreq))
-    states.append(testing.pool(rng, NUM_PAGES, pages))
+    states.append(testing.pool(rng, num_pages, pages))
   return testing.stack(cases), testing.stack(states)
 
 
-def _decode_cases(rng, ps, n):
+def _decode_cases(rng, ps, n, rows=ROWS, num_pages=NUM_PAGES):
   cases, states = [], []
   for _ in range(n):
-    seq, last, nreq = testing.decode_rows(rng, ps, ROWS)
-    real = np.arange(ROWS) < nreq
+    seq, last, nreq = testing.decode_rows(rng, ps, rows)
+    real = np.arange(rows) < nreq
     pages = int(np.sum(real & (testing.cdiv(seq, ps) > testing.cdiv(seq - 1, ps))))
     cases.append((seq, last, nreq))
-    states.append(testing.pool(rng, NUM_PAGES, pages))
+    states.append(testing.pool(rng, num_pages, pages))
   return testing.stack(cases), testing.stack(states)
 
 
 def _model(ps, ring, head, length):
-  m = ModelAllocator(size=NUM_PAGES * ps, page_size=ps, kind="paged")
+  m = ModelAllocator(size=ring.shape[0] * ps, page_size=ps, kind="paged")
   m.free_pages = testing.window(ring, head, length, int(length)).tolist()
   return m
 
 
-@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
-def test_alloc_extend_matches_jnp_and_model(ps):
-  jnp_cfg, pallas_cfg = _configs(ps)
-  (pre, seq, last, nreq), (ring, head, length) = _extend_cases(_rng("extend", ps), ps,
-                                                               NUM_CASES)
+def check_alloc_extend(ps, kernel="pallas_interpret", *, rows=ROWS, max_tokens=MAX_TOKENS,
+                       num_pages=NUM_PAGES, num_cases=NUM_CASES, model_cases=NUM_CASES,
+                       seed=0):
+  """alloc_extend with `kernel` == the jnp path (whole result, vmapped over random pools
+  and batches), and == the model on the first model_cases cases."""
+  jnp_cfg, pallas_cfg = _configs(ps, kernel=kernel, num_pages=num_pages)
+  (pre, seq, last, nreq), (ring, head, length) = _extend_cases(
+      _rng("extend", ps, seed), ps, num_cases, rows, max_tokens, num_pages)
 
   def run(cfg, ring, head, length, pre, seq, last, nreq):
     return kv.alloc_extend(cfg, _state(cfg, ring, head, length), pre, seq, last,
-                           max_tokens=MAX_TOKENS, num_reqs=nreq)
+                           max_tokens=max_tokens, num_reqs=nreq)
 
   args = (ring, head, length, pre, seq, last, nreq)
   want = jax.jit(jax.vmap(functools.partial(run, jnp_cfg)))(*args)
   got = jax.jit(jax.vmap(functools.partial(run, pallas_cfg)))(*args)
   _assert_same(got, want)
-  new_state, out, ok = got
-  for i in range(NUM_CASES):
+  new_state, out, ok = jax.device_get(got)
+  for i in range(model_cases):
     n = int(nreq[i])
     m = _model(ps, ring[i], head[i], length[i])
     expect = m.alloc_extend(pre[i, :n].tolist(), seq[i, :n].tolist(), last[i, :n].tolist())
     assert bool(ok[i]) == (expect is not None)
     if expect is None:
-      assert not np.asarray(out[i]).any()
+      assert not out[i].any()
       expect = []
     np.testing.assert_array_equal(out[i, :len(expect)], expect)
-    assert not np.asarray(out[i, len(expect):]).any()
+    assert not out[i, len(expect):].any()
     live = st.live_free_pages(jax.tree_util.tree_map(lambda x: x[i], new_state))
     assert live.tolist() == m.free_pages
 
 
-@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
-def test_alloc_decode_matches_jnp_and_model(ps):
-  jnp_cfg, pallas_cfg = _configs(ps)
-  (seq, last, nreq), (ring, head, length) = _decode_cases(_rng("decode", ps), ps, NUM_CASES)
+def check_alloc_decode(ps, kernel="pallas_interpret", *, rows=ROWS, num_pages=NUM_PAGES,
+                       num_cases=NUM_CASES, model_cases=NUM_CASES, seed=0):
+  """alloc_decode with `kernel` == the jnp path and the model, as check_alloc_extend."""
+  jnp_cfg, pallas_cfg = _configs(ps, kernel=kernel, num_pages=num_pages)
+  (seq, last, nreq), (ring, head, length) = _decode_cases(
+      _rng("decode", ps, seed), ps, num_cases, rows, num_pages)
 
   def run(cfg, ring, head, length, seq, last, nreq):
     return kv.alloc_decode(cfg, _state(cfg, ring, head, length), seq, last, num_reqs=nreq)
@@ -122,16 +127,26 @@ def test_alloc_decode_matches_jnp_and_model(ps):
   want = jax.jit(jax.vmap(functools.partial(run, jnp_cfg)))(*args)
   got = jax.jit(jax.vmap(functools.partial(run, pallas_cfg)))(*args)
   _assert_same(got, want)
-  new_state, out, ok = got
-  for i in range(NUM_CASES):
+  new_state, out, ok = jax.device_get(got)
+  for i in range(model_cases):
     n = int(nreq[i])
     m = _model(ps, ring[i], head[i], length[i])
     expect = m.alloc_decode(seq[i, :n].tolist(), last[i, :n].tolist())
     assert bool(ok[i]) == (expect is not None)
     np.testing.assert_array_equal(out[i, :n], expect if expect is not None else 0)
-    assert not np.asarray(out[i, n:]).any()
+    assert not out[i, n:].any()
     live = st.live_free_pages(jax.tree_util.tree_map(lambda x: x[i], new_state))
     assert live.tolist() == m.free_pages
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_alloc_extend_matches_jnp_and_model(ps):
+  check_alloc_extend(ps)
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_alloc_decode_matches_jnp_and_model(ps):
+  check_alloc_decode(ps)
 
 
 def test_refusals_match_jnp():

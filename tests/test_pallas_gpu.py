@@ -1,0 +1,135 @@
+"""The Pallas kernels compiled for a real GPU (Triton lowering), bit for bit against the jnp
+path on the same device and against the model. Skipped without a CUDA GPU.
+
+Run: pytest -m gpu tests/test_pallas_gpu.py   (pallas_kernels/gpu_check.py runs it too)
+JAX_KVALLOC_GPU_TEST_KERNEL=pallas_interpret runs the same tests on CPU (slowly), to
+check the tests themselves.
+"""
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jax_kvalloc as kv
+import pallas_kernels
+from model import ModelAllocator
+from pallas_kernels import testing
+from test_pallas_alloc import _assert_same, _configs, _decode_cases, _extend_cases, _rng
+from test_pallas_alloc import _state, check_alloc_decode, check_alloc_extend
+from test_pallas_kernels import _check_decode, _check_extend
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+KERNEL = os.environ.get("JAX_KVALLOC_GPU_TEST_KERNEL", "pallas")
+INTERPRET = KERNEL == "pallas_interpret"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (_has_gpu() or INTERPRET),
+                                 reason="needs a CUDA GPU (jax sees none)")]
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_contract_kernels(ps):
+  _check_extend(functools.partial(pallas_kernels.extend_indices, backend="triton",
+                                  interpret=INTERPRET), ps, out_len=1024 + 96, seed=ps)
+  _check_decode(functools.partial(pallas_kernels.decode_indices, backend="triton",
+                                  interpret=INTERPRET), ps, seed=ps)
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_fused_allocation(ps):
+  check_alloc_extend(ps, KERNEL, num_cases=64, model_cases=16, seed=1)
+  check_alloc_decode(ps, KERNEL, num_cases=64, model_cases=16, seed=1)
+
+
+@pytest.mark.parametrize("ps", (1, 16))
+def test_fused_allocation_large(ps):
+  # Many rows and tokens: several extend tiles, a multi-program decode (rows > 2048).
+  check_alloc_extend(ps, KERNEL, rows=1024, max_tokens=65536, num_pages=70000,
+                     num_cases=4, model_cases=2, seed=2)
+  check_alloc_extend(ps, KERNEL, rows=64, max_tokens=8192, num_pages=9000,
+                     num_cases=8, model_cases=2, seed=3)
+  check_alloc_decode(ps, KERNEL, rows=16384, num_pages=20000, num_cases=4,
+                     model_cases=1, seed=4)
+  check_alloc_decode(ps, KERNEL, rows=256, num_pages=300, num_cases=16,
+                     model_cases=4, seed=5)
+
+
+@pytest.mark.parametrize("tile,window,warps", [(512, 256, 4), (2048, 256, 4),
+                                               (4096, 256, 8), (1024, 16, 4)])
+def test_extend_tunings(tile, window, warps):
+  # Every tuning gpu_check.py times computes the same thing.
+  ps = 16
+  (pre, seq, last, nreq), (ring, head, length) = _extend_cases(
+      _rng("tune", tile), ps, 8, rows=256, max_tokens=16384, num_pages=2000)
+  jnp_cfg, _ = _configs(ps, num_pages=2000)
+
+  def ref(ring, head, length, pre, seq, last, nreq):
+    s, out, ok = kv.alloc_extend(jnp_cfg, _state(jnp_cfg, ring, head, length), pre, seq,
+                                 last, max_tokens=16384, num_reqs=nreq)
+    return out, s.free_head, s.free_len, ok
+
+  fn = functools.partial(pallas_kernels.alloc_extend_triton, page_size=ps, out_len=16384,
+                         tile=tile, window=window, num_warps=warps,
+                         interpret=INTERPRET)
+  got = jax.jit(jax.vmap(lambda r, h, l, p, s, la, n: fn(r, h, l, n, p, s, la)))(
+      ring, head, length, pre, seq, last, nreq)
+  _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, pre, seq, last, nreq))
+
+
+@pytest.mark.parametrize("row_block,warps", [(1024, 4), (4096, 8), (16384, 16)])
+def test_decode_tunings(row_block, warps):
+  ps = 16
+  (seq, last, nreq), (ring, head, length) = _decode_cases(
+      _rng("tune-d", row_block), ps, 4, rows=16384, num_pages=20000)
+  jnp_cfg, _ = _configs(ps, num_pages=20000)
+
+  def ref(ring, head, length, seq, last, nreq):
+    s, out, ok = kv.alloc_decode(jnp_cfg, _state(jnp_cfg, ring, head, length), seq, last,
+                                 num_reqs=nreq)
+    return out, s.free_head, s.free_len, ok
+
+  fn = functools.partial(pallas_kernels.alloc_decode_triton, page_size=ps,
+                         row_block=row_block, num_warps=warps, interpret=INTERPRET)
+  got = jax.jit(jax.vmap(lambda r, h, l, s, la, n: fn(r, h, l, n, s, la)))(
+      ring, head, length, seq, last, nreq)
+  _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, seq, last, nreq))
+
+
+def test_classes_on_gpu_follow_the_model():
+  rng = np.random.default_rng(7)
+  ps = 16
+  a = kv.PagedTokenToKVPoolAllocator(512 * ps, ps, device=None if INTERPRET else "cuda",
+                                     kernel=KERNEL)
+  m = ModelAllocator(size=512 * ps, page_size=ps, kind="paged")
+  held = []
+  for step in range(40):
+    bs = int(rng.integers(1, 40))
+    if step % 3 == 2 and held:
+      idx = held.pop(int(rng.integers(len(held))))
+      a.free(idx)
+      m.free(idx.tolist())
+    pre = rng.integers(0, 3, bs) * ps
+    seq = pre + rng.integers(0, 200, bs)
+    last = np.where(pre > 0, rng.integers(1, 500, bs) * ps + ps - 1, -1)
+    out = a.alloc_extend(pre, None, seq, None, last, int((seq - pre).sum()))
+    want = m.alloc_extend(pre.tolist(), seq.tolist(), last.tolist())
+    assert (out is None) == (want is None)
+    if out is not None:
+      assert np.asarray(out).tolist() == want
+      held.append(np.asarray(out))
+    dseq = rng.integers(1, 300, bs)
+    dlast = np.where(dseq > 1, rng.integers(1, 500, bs) * ps + (dseq - 2) % ps, -1)
+    out = a.alloc_decode(dseq, None, dlast)
+    want = m.alloc_decode(dseq.tolist(), dlast.tolist())
+    assert (out is None) == (want is None)
+    if out is not None:
+      assert np.asarray(out).tolist() == want
+    assert a.free_pages.tolist() == m.free_pages
