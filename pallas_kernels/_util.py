@@ -107,7 +107,7 @@ def _quiet_lowering(ctx, *args, fn):
 
 
 def _quiet_batching(args, dims, *, fn):
-  in_axes = tuple(None if d is batching.not_mapped else d for d in dims)
+  in_axes = tuple(d if isinstance(d, int) else None for d in dims)  # None: not mapped
   outs = _quiet_p.bind(*args, fn=_Vmapped(fn, in_axes))
   return outs, [0] * len(outs)
 

@@ -80,6 +80,11 @@ def test_whole_allocator_lowers(target, backend, monkeypatch):
   e = lowering_check.export_for(target, serve, state, *[i32(64)] * 5, i32())
   want = TRITON if backend == "triton" else "tpu_custom_call"
   assert _targets(e).count(want) == 2
+  # vmapped over 3 pools (the batching rules of the kernels' wrappers).
+  pools = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((3,) + x.shape, x.dtype),
+                                 state)
+  e = lowering_check.export_for(target, jax.vmap(serve), pools, *[i32(3, 64)] * 5, i32(3))
+  assert _targets(e).count(want) == 2
 
 
 def test_lowering_checks_have_teeth():
