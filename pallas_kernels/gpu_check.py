@@ -172,9 +172,9 @@ def _safe(fn, *args, **kwargs):
     return {"us": float("nan"), "error": msg}
 
 
-def run_tests() -> int:
+def run_tests(select: str = "") -> int:
   cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x", "-p", "no:cacheprovider",
-         "tests/test_pallas_gpu.py"]
+         "tests/test_pallas_gpu.py"] + (["-k", select] if select else [])
   print("$", " ".join(cmd), flush=True)
   t0 = time.perf_counter()
   rc = subprocess.call(cmd)
@@ -202,6 +202,7 @@ def _fmt(r) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--no-tests", action="store_true")
+  ap.add_argument("--tests-k", default="", help="pytest -k selection of the GPU tests")
   ap.add_argument("--no-tuning", action="store_true")
   ap.add_argument("--no-jnp", action="store_true", help="skip the jnp-path timings")
   ap.add_argument("--budget", type=float, default=1e9,
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   start = time.perf_counter()
   print(header(), flush=True)
-  rc = 0 if args.no_tests else run_tests()
+  rc = 0 if args.no_tests else run_tests(args.tests_k)
 
   rng = np.random.default_rng(0)
   empty = empty_kernel_us()
