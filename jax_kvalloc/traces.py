@@ -58,8 +58,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import (Any, Callable, Dict, Generator, Iterable, Iterator, List, Optional,
-                    Sequence, Tuple)
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
+                    Set, Tuple)
 
 import numpy as np
 
@@ -425,8 +425,8 @@ class _Req:
 
 class Workload:
   """A seeded serving scheduler that issues allocator operations (see the module
-  docstring). Drive it with `run(config, execute)`, where execute(op, args) applies the
-  op and returns its result (a list of ints, or None)."""
+  docstring). Drive it with `run(execute)`, where execute(op, args) applies the op and
+  returns its result (a list of ints, or None)."""
 
   def __init__(self, config: WorkloadConfig):
     self.cfg = config
@@ -437,12 +437,13 @@ class Workload:
     self.waiting: List[_Req] = []
     self.running: List[_Req] = []
     self.cache: List[_Node] = []
-    self.in_use: Dict[int, int] = {}     # page -> 1 (pages some owner holds)
+    self.in_use: Set[int] = set()   # pages that a request, a cached prefix or a draft holds
     self.ops = 0
     self.iteration = 0
     self._next_rid = 0
     self._group: Optional[List[int]] = None   # slots queued in an open free group
     self._stall = 0
+    self._exec: Callable[[str, Dict[str, Any]], Optional[List[int]]] = lambda op, args: None
 
   # -- bookkeeping ---------------------------------------------------------------------
   def expected_available(self) -> int:
@@ -450,12 +451,10 @@ class Workload:
     return (self.num_pages - len(self.in_use)) * self.ps
 
   def _take(self, slots: Iterable[int]) -> None:
-    for s in slots:
-      self.in_use[s // self.ps] = 1
+    self.in_use.update(s // self.ps for s in slots)
 
   def _release(self, slots: Iterable[int]) -> None:
-    for s in slots:
-      self.in_use.pop(s // self.ps, None)
+    self.in_use.difference_update(s // self.ps for s in slots)
 
   def _pages_needed(self, pre: int, seq: int) -> int:
     return -(-seq // self.ps) - (-(-pre // self.ps))
@@ -526,7 +525,7 @@ class Workload:
         else:
           node = None
       new = int(min(max(1, rng.lognormvariate(0, 1.0) * cap / 20), cap / 3))
-      output = rng.randint(1, max(2, cap // 12))
+      output = rng.randint(1, max(2, min(cap // 12, 600)))
       self.waiting.append(_Req(self._next_rid, node, shared, shared + new, output))
       self._next_rid += 1
 
@@ -661,7 +660,7 @@ class Workload:
       return
     rollback = rng.random() < 0.5
     if rollback:
-      saved = dict(self.in_use)
+      saved = set(self.in_use)
       self._do("backup_state")
     if self.paged:
       out = self._do("alloc_extend", {"prefix_lens": pre, "seq_lens": seq, "last_loc": last})

@@ -29,17 +29,27 @@ groups, evictions; page sizes 1, 4, 16, 64; need_sort on and off; pools that run
 driven by jax_kvalloc, with a leak check at every step.
 
 Options: --device cpu|cuda (default cpu); --kernel jnp|pallas|pallas_interpret|auto
-(jax_kvalloc's index kernel, default jnp); --torch-kernel triton|torch|auto (default
-triton; on cpu it sets TRITON_INTERPRET=1); --sglang auto|on|off; --steps K (default
-300) --page-sizes 1,4,16,64 --scale ci|long (pool/batch sizes, default ci on cpu and
-long on cuda) --need-sort mixed|on|off; --write OUT.jsonl saves the generated traces
-(and, on a mismatch, the trace up to it, for replay); --quiet.
+(jax_kvalloc's index kernel, default jnp); --torch-kernel triton|torch|auto or a comma
+list such as triton,torch to compare both (default triton; on cpu it sets
+TRITON_INTERPRET=1); --impls jax,torch (which to run besides SGLang, the first one
+leading; `--impls torch` checks torch_ref alone against a file's recorded results);
+--sglang auto|on|off; --steps K (default 300) --page-sizes 1,4,16,64 --scale ci|long
+(pool and batch sizes, default ci on cpu and long on cuda) --need-sort mixed|on|off;
+--write OUT.jsonl saves the generated traces (and, on a mismatch, the trace up to it,
+for replay); --quiet.
 
-It prints one line per trace and a summary ("parity OK: ... steps ... matched"), or the
-first mismatch: trace, step, op and arguments, which implementations disagree, and the
-field (result, free_pages, release_pages, available_size) with its first differing
-index. Exit status 0 (all matched), 1 (mismatch), 2 (bad arguments or trace file),
-3 (a requested implementation is unavailable).
+It prints one line per trace and a summary ("parity OK: ... steps ... matched by ..."),
+or the first mismatch: trace, step, op and arguments, which implementations disagree,
+and the field (result, free_pages, release_pages, available_size) with its first
+differing index (or, if one raised, its exception), and saves the trace up to there.
+Exit status 0 (all matched), 1 (mismatch or exception), 2 (bad arguments or trace
+file), 3 (a requested implementation is unavailable).
+
+Examples:
+    python -m torch_ref.parity my_trace.jsonl --torch-kernel torch      # quick, CPU
+    python -m torch_ref.parity --generate 12 --seed 300 --steps 250     # Triton interp.
+    python -m torch_ref.parity --device cuda --kernel pallas --torch-kernel triton,torch
+        --generate 4 --seed 1000 --steps 3000                           # H200, one line
 """
 from torch_ref.base import TorchAllocatorSnapshot
 from torch_ref.paged import PagedTokenToKVPoolAllocator

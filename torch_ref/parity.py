@@ -135,11 +135,21 @@ def _describe(trace_id: Any, step: int, rec: traces.Record) -> str:
   return f"trace {trace_id!r} step {step} ({rec['op']} {args})"
 
 
+def _step(impl: Impl, trace_id: Any, step: int, rec: traces.Record,
+          records: Sequence[traces.Record]) -> traces.Record:
+  """impl.replayer.step, with an exception turned into a report naming the step."""
+  try:
+    return impl.replayer.step(rec["op"], rec.get("args"))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ParityMismatch(f"ERROR {_describe(trace_id, step, rec)}: {impl.name} raised "
+                         f"{type(e).__name__}: {e}", records) from e
+
+
 def _check_step(trace_id: Any, step: int, rec: traces.Record, lead: Impl,
                 others: Sequence[Impl], stats: Stats, records: List[traces.Record]) -> None:
   """Steps every other implementation and compares it with the lead's record."""
   for impl in others:
-    got = impl.replayer.step(rec["op"], rec.get("args"))
+    got = _step(impl, trace_id, step, rec, records)
     diff = traces.compare(rec, got, release_unordered=impl.replayer.release_unordered)
     if diff:
       raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, rec)}: {impl.name} vs "
@@ -174,7 +184,7 @@ def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
   prev = None
   for step, want in enumerate(records):
     stats.recorded += any(f in want for f in traces.STATE_FIELDS)
-    got = dict(want, **lead.replayer.step(want["op"], want.get("args")))
+    got = dict(want, **_step(lead, trace_id, step, want, done + [want]))
     diff = traces.compare(want, got, release_unordered=lead.replayer.release_unordered)
     if diff:
       raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, want)}: {lead.name} vs "
@@ -293,6 +303,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (OSError, ValueError) as e:
     print(f"parity: {e}", file=sys.stderr)
     return 2
+  if args.device == "cuda":
+    # jax and torch share the GPU: keep jax from taking 75% of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   try:
     impls = _build(args)
   except (ImportError, RuntimeError) as e:
@@ -328,10 +341,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.write and written:
     traces.write(args.write, written)
   names = ", ".join(f"{name} ({n} steps)" for name, n in stats.compared.items())
-  print(f"parity OK: {stats.traces} traces, {stats.steps} steps; {impls[0].name} led "
-        f"(and matched the recorded results of {stats.recorded} steps), matched by "
-        f"{names or 'no other implementation'}; {stats.failed_allocs} failed "
-        f"allocations, {stats.emptied} that emptied the free list, {stats.shortfall_merges} "
+  recorded = (f" (and matched the recorded results of {stats.recorded} steps)"
+              if stats.recorded else "")
+  print(f"parity OK: {stats.traces} traces, {stats.steps} steps; {impls[0].name} "
+        f"led{recorded}, matched by {names or 'no other implementation'}; "
+        f"{stats.failed_allocs} failed allocations, {stats.emptied} that emptied the free list, {stats.shortfall_merges} "
         f"shortfall merges; {time.time() - t0:.1f} s")
   for name, reason in stats.skipped.items():
     print(f"parity: {name} skipped on some traces: {reason}")
