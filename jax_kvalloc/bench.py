@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import sys
@@ -277,63 +278,80 @@ def serving_table(result: Dict[str, Any]) -> str:
   if not rows:
     return ""
   torch_on = any("torch_step_us" in r for r in rows)
-  header = ["bs", "jit/step (us)", "jit/step blocking (us)", "scan/step (us)",
-            "scan baseline (us)", "allocator in scan (us)"]
+  header = ["bs", "jit/step", "jit/step, no allocator", "jit/step blocking", "scan/step",
+            "scan, no allocator", "allocator in scan", "alloc_decode in scan",
+            "free in scan"]
   if torch_on:
-    header += ["torch_ref eager/step (us)", "jit vs torch", "parity"]
+    header += ["torch_ref eager/step", "jit vs torch", "parity"]
   body = []
   for r in rows:
-    cells = [r["bs"], fmt_us(r["jit_step_us"]), fmt_us(r["jit_step_blocking_us"]),
-             fmt_us(r["scan_us"]), fmt_us(r["scan_baseline_us"]),
-             fmt_us(r["scan_alloc_us"])]
+    base = r["scan_baseline_us"]
+    part = lambda key: fmt_us(r[key] - base) if key in r else "-"
+    cells = [r["bs"], fmt_us(r["jit_step_us"]), fmt_us(r.get("jit_step_baseline_us")),
+             fmt_us(r["jit_step_blocking_us"]), fmt_us(r["scan_us"]), fmt_us(base),
+             fmt_us(r["scan_alloc_us"]), part("scan_decode_only_us"),
+             part("scan_free_only_us")]
     if torch_on:
       t = r.get("torch_step_us")
       cells += [fmt_us(t) if t else r.get("torch_error", "-")[:40],
                 fmt_ratio(t / r["jit_step_us"]) if t else "-", r.get("parity", "-")]
     body.append(cells)
   r0 = rows[0]
-  return (f"serving loop (page_size {r0['page_size']}, {r0['steps']} decode steps; "
-          f"alloc_decode + free of finished rows + token-table bookkeeping per step)\n"
-          + table(header, body) + "\n")
+  return (f"serving loop (page_size {r0['page_size']}, {r0['steps']} decode steps; us per "
+          f"step; each step: free group of the rows that finished, alloc_decode for every "
+          f"row, last_loc gather and token-table write; 'no allocator' = the same step with "
+          f"free and alloc_decode replaced by stand-ins)\n" + table(header, body) + "\n")
 
 
 def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
-  """(target, measured, verdict) rows; the H200 targets only make sense on a GPU."""
-  from jax_kvalloc.bench_timing import loglog_slope  # pylint: disable=g-import-not-at-top
+  """(target, measured, verdict) rows; the H200 targets only make sense on a GPU.
+
+  Times are judged as measured; "net" numbers subtract the in-jit loop's own cost per
+  call (a property of the measuring loop, not of the allocator) and are shown beside.
+  """
   out = []
   micro = result["micro"]
+  loop = result.get("loop_overhead_us", 0.0)
   main = "pallas" if "pallas" in result["config"]["paths"] else "jnp"
+  t = lambda r: _us(r["jax"].get(main))
   for op in ("decode", "extend"):
-    rows = [r for r in micro if r["op"] == op and _us(r["jax"].get(main)) is not None]
+    rows = [r for r in micro if r["op"] == op and t(r) is not None]
     with_fig = [r for r in rows if r.get("sglang_us")]
     if with_fig:
-      slower = [r for r in with_fig if _us(r["jax"][main]) > r["sglang_us"][1]]
-      worst = max(with_fig, key=lambda r: _us(r["jax"][main]) / r["sglang_us"][1])
+      slower = [r for r in with_fig if t(r) > r["sglang_us"][1]]
+      slower_net = [r for r in with_fig if t(r) - loop > r["sglang_us"][1]]
+      worst = max(with_fig, key=lambda r: t(r) / r["sglang_us"][1])
+      verdict = "met" if not slower else (
+          f"MISSED at {len(slower)}/{len(with_fig)} sizes" +
+          (f" ({len(slower_net)} net)" if len(slower_net) != len(slower) else ""))
       out.append((f"{op}: {main} no slower than SGLang's Triton figure at any size",
-                  f"worst bs={worst['bs']}: {_us(worst['jax'][main]):.2f} us vs "
-                  f"{worst['sglang_us'][1]} us",
-                  "met" if not slower else f"MISSED at {len(slower)}/{len(with_fig)} sizes"))
+                  f"worst bs={worst['bs']}: {t(worst):.2f} us ({t(worst) - loop:.2f} net) "
+                  f"vs {worst['sglang_us'][1]} us", verdict))
     with_torch = [r for r in rows if _us(r.get("torch"))]
     if with_torch:
-      slower = [r for r in with_torch if _us(r["jax"][main]) > _us(r["torch"])]
+      slower = [r for r in with_torch if t(r) > _us(r["torch"])]
+      slower_net = [r for r in with_torch if t(r) - loop > _us(r["torch"])]
       out.append((f"{op}: {main} no slower than torch_ref (same run) at any size",
-                  f"{len(with_torch) - len(slower)}/{len(with_torch)} sizes no slower",
-                  "met" if not slower else "MISSED"))
-    big = [r for r in rows if r["bs"] >= 1024]
+                  f"slower at bs {', '.join(str(r['bs']) for r in slower) or '-'}"
+                  f" (net: {', '.join(str(r['bs']) for r in slower_net) or '-'})",
+                  "met" if not slower else f"MISSED at {len(slower)}/{len(with_torch)}"))
+    big = sorted((r for r in rows if r["bs"] >= 1024), key=lambda r: r["bs"])
     if len(big) >= 2:
-      s = loglog_slope([r["bs"] for r in big], [_us(r["jax"][main]) for r in big])
-      out.append((f"{op}: linear growth in bs (log-log slope over bs >= 1024)",
-                  f"slope {s:.2f}", "met" if s <= 1.25 else "MISSED"))
-  d16 = [r for r in micro if r["op"] == "decode" and r["bs"] == 16384
-         and _us(r["jax"].get(main)) is not None]
+      exps = [(math.log(t(b) / t(a)) / math.log(b["bs"] / a["bs"]), b["bs"])
+              for a, b in zip(big, big[1:])]
+      worst_e, at = max(exps)
+      out.append((f"{op}: linear growth in bs (largest log-log slope between "
+                  f"consecutive sizes from bs 1024)", f"{worst_e:.2f} (up to bs {at})",
+                  "met" if worst_e <= 1.25 else "MISSED"))
+  d16 = [r for r in micro if r["op"] == "decode" and r["bs"] == 16384 and t(r) is not None]
   if d16:
     r = d16[0]
-    sp = 292.0 / _us(r["jax"][main])
+    sp = 292.0 / t(r)
     out.append(("decode bs 16384: >= 20x faster than SGLang's 292 us",
-                f"{_us(r['jax'][main]):.2f} us = {sp:.0f}x",
+                f"{t(r):.2f} us = {sp:.0f}x",
                 "met" if sp >= DECODE_BIG_SPEEDUP else "MISSED"))
     if _us(r.get("torch")):
-      sp = _us(r["torch"]) / _us(r["jax"][main])
+      sp = _us(r["torch"]) / t(r)
       out.append(("decode bs 16384: >= 20x faster than torch_ref (same run)",
                   f"{sp:.0f}x", "met" if sp >= DECODE_BIG_SPEEDUP else "MISSED"))
   half_sglang = 0.5 * (SGLANG_EAGER_US["alloc_decode"][0] + SGLANG_EAGER_US["free"][0])

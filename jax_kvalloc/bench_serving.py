@@ -99,10 +99,11 @@ def initial_carry(case: ServingCase):
           jnp.zeros(case.bs, bool), jnp.ones((), bool))
 
 
-def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: bool = True):
+def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = True,
+               free: bool = True):
   """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
-  ok_so_far). With allocator=False the free and alloc_decode calls are replaced by
-  stand-ins (state unchanged, slot = last_loc + 1): the bookkeeping-only baseline."""
+  ok_so_far). alloc=False / free=False replace alloc_decode / free by stand-ins (slot =
+  last_loc + 1, state unchanged), for the bookkeeping-only baseline and the breakdown."""
   state, table, seq, target, pending, ok_all = carry
   bs, ctx = table.shape
   ps = config.page_size
@@ -113,7 +114,7 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: boo
   picked = jnp.zeros(max_frees, jnp.int32).at[jnp.where(sel, rank, max_frees)].set(
       rows, mode="drop")
   n_free = jnp.sum(sel)
-  if allocator:
+  if free:
     k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
     live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
     idx = jnp.where(live, table[picked[:, None], jnp.minimum(k, ctx - 1)], 0).reshape(-1)
@@ -125,7 +126,7 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: boo
   active = ~pending
   seq_new = jnp.where(active, seq + 1, 2)       # 2: needs no page (ps >= 2)
   last = table[rows, jnp.maximum(seq - 1, 0)]
-  if allocator:
+  if alloc:
     state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
   else:
     out, ok = last + 1, jnp.ones((), bool)
@@ -135,45 +136,58 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: boo
   return state, table, seq, target, pending, ok_all & ok
 
 
-def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time: float,
-            reps: int) -> Dict[str, Any]:
-  cfg = _config(case)
-  step = functools.partial(serve_step, cfg, case.max_frees)
-  jit_step = jax.jit(step, donate_argnums=0)
-  carry = initial_carry(case)
-  t0 = time.perf_counter()
-  carry = jit_step(carry)
-  jax.block_until_ready(carry)
-  compile_s = time.perf_counter() - t0
-  for _ in range(warmup - 1):
-    carry = jit_step(carry)
-  jax.block_until_ready(carry)
+def _per_step_host(jit_step, carry, steps: int, *, block: bool):
+  """(seconds per step, final carry) of `steps` calls from Python, blocking on each or
+  only at the end. The carry is donated: use the one returned."""
   t0 = time.perf_counter()
   for _ in range(steps):
     carry = jit_step(carry)
+    if block:
+      jax.block_until_ready(carry)
   jax.block_until_ready(carry)
-  async_s = (time.perf_counter() - t0) / steps
-  final = jax.device_get(carry)
-  # Blocking each step: the latency of one step as seen by the host.
-  probe = jax.tree_util.tree_map(jnp.copy, carry)
+  return (time.perf_counter() - t0) / steps, carry
+
+
+def _median_per_step(jit_step, carry, steps: int, runs: int = 3) -> float:
+  times = []
+  for _ in range(runs):
+    t, carry = _per_step_host(jit_step, carry, steps, block=False)
+    times.append(t)
+  return sorted(times)[len(times) // 2]
+
+
+def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time: float,
+            reps: int) -> Dict[str, Any]:
+  """jit/step (full and bookkeeping-only), its blocking latency, and the scan variants;
+  also the final table, lengths and free list after warmup + steps steps (parity)."""
+  cfg = _config(case)
+  jit_step = jax.jit(functools.partial(serve_step, cfg, case.max_frees), donate_argnums=0)
   t0 = time.perf_counter()
-  n_block = min(steps, 200)
-  for _ in range(n_block):
-    probe = jit_step(probe)
-    jax.block_until_ready(probe)
-  block_s = (time.perf_counter() - t0) / n_block
-  scan = bt.jax_loop_time(step, initial_carry(case), unroll=unroll, min_time=min_time,
-                          reps=reps)
-  base = bt.jax_loop_time(functools.partial(serve_step, cfg, case.max_frees,
-                                            allocator=False),
-                          initial_carry(case), unroll=unroll, min_time=min_time, reps=reps)
-  state = final[0]
-  return {"jit_step_us": async_s * 1e6, "jit_step_blocking_us": block_s * 1e6,
-          "scan_us": scan["s"] * 1e6, "scan_spread": scan["spread"],
-          "scan_baseline_us": base["s"] * 1e6,
-          "scan_alloc_us": (scan["s"] - base["s"]) * 1e6, "compile_s": compile_s,
-          "ok": bool(final[5]), "table": final[1], "seq": final[2],
-          "free_pages": st.live_free_pages(state)}
+  carry = jax.block_until_ready(jit_step(initial_carry(case)))
+  compile_s = time.perf_counter() - t0
+  for _ in range(warmup - 1):
+    carry = jit_step(carry)
+  async_s, carry = _per_step_host(jit_step, carry, steps, block=False)
+  final = jax.device_get(carry)
+  async_s = sorted([async_s, _median_per_step(jit_step, carry, steps, runs=2)])[0]
+  block_s, _ = _per_step_host(jit_step, initial_carry(case), min(steps, 300), block=True)
+  jit_base = jax.jit(functools.partial(serve_step, cfg, case.max_frees, alloc=False,
+                                       free=False), donate_argnums=0)
+  base_s = _median_per_step(jit_base, jit_base(initial_carry(case)), steps)
+  out = {"jit_step_us": async_s * 1e6, "jit_step_baseline_us": base_s * 1e6,
+         "jit_step_blocking_us": block_s * 1e6, "compile_s": compile_s,
+         "ok": bool(final[5]), "table": final[1], "seq": final[2],
+         "free_pages": st.live_free_pages(final[0])}
+  variants = {"": {}, "_baseline": dict(alloc=False, free=False),
+              "_decode_only": dict(free=False), "_free_only": dict(alloc=False)}
+  for name, flags in variants.items():
+    res = bt.jax_loop_time(functools.partial(serve_step, cfg, case.max_frees, **flags),
+                           initial_carry(case), unroll=unroll, min_time=min_time, reps=reps)
+    out[f"scan{name}_us"] = res["s"] * 1e6
+    if not name:
+      out["scan_spread"] = res["spread"]
+  out["scan_alloc_us"] = out["scan_us"] - out["scan_baseline_us"]
+  return out
 
 
 def run_torch(case: ServingCase, steps: int, warmup: int) -> Dict[str, Any]:

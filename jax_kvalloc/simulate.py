@@ -132,6 +132,9 @@ class _Simulation:
     self.num_pages = self.acfg.num_pages
     self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel)
     self.progress = progress
+    # A lax.cond skips empty copies/free groups on CPU; on GPU reading its predicate
+    # back costs more than the work it skips.
+    self.skip_empty = jax.default_backend() == "cpu"
     r = self.R = bucket(cfg.max_running, 1)
     g = self.G = max(cfg.num_prefixes, 1)
     self.B = bucket(cfg.max_prefill_reqs, 1)
@@ -253,29 +256,42 @@ class _Simulation:
     return frees
 
   # -- device calls -------------------------------------------------------------------
-  def _copies(self, entries) -> steps.Copies:
+  def _copies(self, entries) -> np.ndarray:
     c = np.zeros((3, self.B), np.int32)
     for i, e in enumerate(entries):
       c[:, i] = e
-    return steps.Copies(c[0], c[1], c[2])
+    return c
 
-  def _frees(self, entries) -> steps.Frees:
+  def _frees(self, entries) -> np.ndarray:
     f = np.zeros((3, self.F), np.int32)
     for i, (row, start, end, _) in enumerate(entries):
       f[:, i] = (row, start, end)
-    return steps.Frees(f[0], f[1], f[2])
+    return f
 
-  def _batch(self, rows, pre, seq, size) -> steps.Batch:
-    b = np.zeros((3, size), np.int32)
+  def _batch(self, rows, pre, seq, size) -> np.ndarray:
+    """rows, pre, seq padded to `size`, then the number of real rows."""
+    b = np.zeros(3 * size + 1, np.int32)
     n = len(rows)
-    b[0, :n], b[1, :n], b[2, :n] = rows, pre, seq
-    return steps.Batch(b[0], b[1], b[2], np.int32(n))
+    b[:n], b[size:size + n], b[2 * size:2 * size + n], b[-1] = rows, pre, seq, n
+    return b
 
-  def _run(self, fn, *args, **kw) -> Tuple[bool, int, float]:
+  def _run(self, fn, *parts, **kw) -> Tuple[bool, int, float]:
+    packed = steps.pack(*parts)
     t0 = time.perf_counter()
-    self.state, self.table, ok, pages = fn(self.acfg, self.state, self.table, *args, **kw)
-    ok, pages = jax.device_get((ok, pages))
+    self.state, self.table, status = fn(self.acfg, self.state, self.table, packed,
+                                        copy_width=self.copy_width,
+                                        skip_empty=self.skip_empty, **kw)
+    ok, pages = np.asarray(status)
     return bool(ok), int(pages), (time.perf_counter() - t0) * 1e6
+
+  def _prefill_call(self, copy_out, frees, copy_in, batch) -> Tuple[bool, int, float]:
+    return self._run(steps.prefill_step, self._copies(copy_out), self._frees(frees),
+                     self._copies(copy_in), batch, max_tokens=self.T,
+                     sizes=(self.B, self.F, self.B))
+
+  def _decode_call(self, copy_out, frees, batch) -> Tuple[bool, int, float]:
+    return self._run(steps.decode_step, self._copies(copy_out), self._frees(frees), batch,
+                     sizes=(self.B, self.F, self.R))
 
   def _check_pages(self, step: int, device_pages: int) -> None:
     if device_pages != self.free_pages:
@@ -289,11 +305,8 @@ class _Simulation:
     t0 = time.perf_counter()
     self.state = jax.jit(st.init, static_argnums=0)(self.acfg)
     self.table = jax.numpy.zeros((self.R + self.G, self.ctx), jax.numpy.int32)
-    ok1, p1, _ = self._run(steps.prefill_step, self._copies([]), self._frees([]),
-                           self._copies([]), self._batch([], [], [], self.B),
-                           max_tokens=self.T, copy_width=self.copy_width)
-    ok2, p2, _ = self._run(steps.decode_step, self._copies([]), self._frees([]),
-                           self._batch([], [], [], self.R), copy_width=self.copy_width)
+    ok1, p1, _ = self._prefill_call([], [], [], self._batch([], [], [], self.B))
+    ok2, p2, _ = self._decode_call([], [], self._batch([], [], [], self.R))
     if not (ok1 and ok2 and p1 == p2 == self.num_pages):
       raise RuntimeError(f"warm-up changed the pool: ok={ok1, ok2}, pages={p1, p2}")
     jax.block_until_ready(steps.free_list_runs(self.state))
@@ -375,10 +388,8 @@ class _Simulation:
   def _prefill(self, batch, copy_out, frees, copy_in) -> bool:
     rows, pre, seq = (np.array(c, np.int64) for c in zip(*batch))
     pages = int(np.sum(steps.new_pages(pre, seq, self.ps)))
-    ok, dev_pages, us = self._run(
-        steps.prefill_step, self._copies(copy_out), self._frees(frees),
-        self._copies(copy_in), self._batch(rows, pre, seq, self.B),
-        max_tokens=self.T, copy_width=self.copy_width)
+    ok, dev_pages, us = self._prefill_call(copy_out, frees, copy_in,
+                                           self._batch(rows, pre, seq, self.B))
     self.res.step_us.append(us)
     self.res.step_kind.append("prefill")
     if ok:
@@ -414,9 +425,8 @@ class _Simulation:
   def _decode(self, rows, copy_out, frees, bar) -> bool:
     seq = self.seq[rows] + 1
     pages = int(np.sum(steps.new_pages(self.seq[rows], seq, self.ps)))
-    ok, dev_pages, us = self._run(
-        steps.decode_step, self._copies(copy_out), self._frees(frees),
-        self._batch(rows, seq - 1, seq, self.R), copy_width=self.copy_width)
+    ok, dev_pages, us = self._decode_call(copy_out, frees,
+                                          self._batch(rows, seq - 1, seq, self.R))
     self.res.step_us.append(us)
     self.res.step_kind.append("decode")
     if ok:

@@ -13,8 +13,9 @@ A step runs, in order, what a scheduler iteration does to the KV pool:
 
 The token table (i32[rows + groups, ctx]) lives on the device next to the allocator
 state: `last_loc` is gathered from it and frees read it, so the host never needs an index
-back and only ships lengths. Both state and table are donated. Shapes are fixed for a
-whole run (padded with inert rows), so each step function compiles once per config.
+back and only ships lengths, packed into one i32 vector (one transfer in, one i32[2]
+status back). Both state and table are donated. Shapes are fixed for a whole run (padded
+with inert rows), so each step function compiles once per config.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
@@ -48,31 +50,30 @@ class Frees(NamedTuple):
   end: Array     # i32[F] one past the last owned token
 
 
-class Batch(NamedTuple):
-  """The requests of a prefill (pre -> seq) or decode (seq counts the new token) batch."""
-  rows: Array      # i32[B] table rows, real ones first
-  pre: Array       # i32[B] tokens already in the table (decode: seq - 1)
-  seq: Array       # i32[B] tokens after this step
-  num_reqs: Array  # i32[] real rows
+def _maybe(skip_empty: bool, pred: Array, fn, x):
+  """fn(x), or x when `skip_empty` and not pred. On CPU a lax.cond saves the work; on GPU
+  it would read its predicate back to the host, which costs more than the work."""
+  if not skip_empty:
+    return fn(x)
+  return jax.lax.cond(pred, fn, lambda v: v, x)
 
 
-def _copy(table: Array, copies: Copies, width: int) -> Array:
-  """Applies `copies` (O(C * width) gather + scatter, skipped when there are none)."""
+def _copy(table: Array, copies: Copies, width: int, skip_empty: bool) -> Array:
+  """Applies `copies` (O(C * width) gather + scatter; length-0 entries do nothing)."""
   def apply(table):
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
     vals = table[copies.src[:, None], jnp.minimum(j, table.shape[1] - 1)]
     dst = jnp.where(j < copies.length[:, None], copies.dst[:, None], table.shape[0])
     return table.at[dst, j].set(vals, mode="drop")
-  return jax.lax.cond(jnp.any(copies.length > 0), apply, lambda t: t, table)
+  return _maybe(skip_empty, jnp.any(copies.length > 0), apply, table)
 
 
 def _free_group(config: AllocatorConfig, state: AllocatorState, table: Array,
-                frees: Frees) -> AllocatorState:
-  """One `free` call for the whole group (skipped when the group is empty)."""
-  return jax.lax.cond(
-      jnp.any(frees.end > frees.start),
-      lambda s: freeing.free(config, s, free_group_indices(config, table, frees)),
-      lambda s: s, state)
+                frees: Frees, skip_empty: bool) -> AllocatorState:
+  """One `free` call for the whole group (an empty group frees nothing)."""
+  return _maybe(skip_empty, jnp.any(frees.end > frees.start),
+                lambda s: freeing.free(config, s, free_group_indices(config, table, frees)),
+                state)
 
 
 def free_group_indices(config: AllocatorConfig, table: Array, frees: Frees) -> Array:
@@ -96,61 +97,96 @@ def _write(table: Array, rows: Array, pos: Array, values: Array, valid: Array) -
   return table.at[rows, pos].set(values, mode="drop")
 
 
-def _pages(config: AllocatorConfig, state: AllocatorState) -> Array:
-  del config
-  return state.free_len + state.release_len
+def _status(ok: Array, state: AllocatorState) -> Array:
+  """i32[2]: ok, free + released pages (one transfer back to the host)."""
+  return jnp.stack([ok.astype(jnp.int32), state.free_len + state.release_len])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_tokens", "copy_width"),
+def pack(*parts) -> np.ndarray:
+  """The host side of a step's inputs: everything in one i32 vector, one transfer."""
+  return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+
+
+def _unpack(packed: Array, sizes):
+  """Splits `pack`'s vector back into arrays of the static `sizes`."""
+  out, at = [], 0
+  for n in sizes:
+    out.append(packed[at:at + n])
+    at += n
+  return out
+
+
+def _copies(packed: Array, n: int) -> Copies:
+  return Copies(*_unpack(packed, (n, n, n)))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_tokens", "copy_width",
+                                             "sizes", "skip_empty"),
                    donate_argnames=("state", "table"))
 def prefill_step(config: AllocatorConfig, state: AllocatorState, table: Array,
-                 copy_out: Copies, frees: Frees, copy_in: Copies, batch: Batch, *,
-                 max_tokens: int, copy_width: int) -> Tuple[AllocatorState, Array, Array, Array]:
-  """One prefill iteration. Returns (state, table, ok bool[], free+released pages i32[]).
+                 packed: Array, *, max_tokens: int, copy_width: int,
+                 sizes: Tuple[int, int, int], skip_empty: bool
+                 ) -> Tuple[AllocatorState, Array, Array]:
+  """One prefill iteration. Returns (state, table, i32[2] [ok, free + released pages]).
 
-  On failure (ok False) nothing is allocated or written; the copies and frees stay done.
+  packed = pack(copy_out, frees, copy_in, batch, num_reqs) with sizes = (C, F, B):
+  copy_out and copy_in are Copies of C entries, frees a Frees of F rows, batch the B rows
+  (rows, pre, seq). On failure (ok 0) nothing is allocated or written; the copies and
+  frees stay done.
   """
-  table = _copy(table, copy_out, copy_width)
-  state = _free_group(config, state, table, frees)
-  table = _copy(table, copy_in, copy_width)
-  real = jnp.arange(batch.rows.shape[0]) < batch.num_reqs
-  pre = jnp.where(real, batch.pre, 0)
-  seq = jnp.where(real, batch.seq, 0)
+  c, f, b = sizes
+  copy_out, frees_, copy_in, batch_, n = _unpack(packed, (3 * c, 3 * f, 3 * c, 3 * b, 1))
+  rows, pre_in, seq_in = _unpack(batch_, (b, b, b))
+  num_reqs = n[0]
+  table = _copy(table, _copies(copy_out, c), copy_width, skip_empty)
+  state = _free_group(config, state, table, Frees(*_unpack(frees_, (f, f, f))), skip_empty)
+  table = _copy(table, _copies(copy_in, c), copy_width, skip_empty)
+  real = jnp.arange(b) < num_reqs
+  pre = jnp.where(real, pre_in, 0)
+  seq = jnp.where(real, seq_in, 0)
   ext = seq - pre
   if config.kind == "token":
     state, out, ok = allocation.alloc(config, state, jnp.sum(ext), max_size=max_tokens)
   else:
-    last_loc = jnp.where(pre > 0, table[batch.rows, jnp.maximum(pre - 1, 0)], -1)
+    last_loc = jnp.where(pre > 0, table[rows, jnp.maximum(pre - 1, 0)], -1)
     state, out, ok = allocation.alloc_extend(config, state, pre, seq, last_loc,
-                                             max_tokens=max_tokens, num_reqs=batch.num_reqs)
+                                             max_tokens=max_tokens, num_reqs=num_reqs)
   tok_start = jnp.cumsum(ext) - ext
   t = jnp.arange(max_tokens, dtype=jnp.int32)
   r = jnp.searchsorted(tok_start + ext, t, side="right").astype(jnp.int32)
-  r = jnp.minimum(r, batch.rows.shape[0] - 1)
+  r = jnp.minimum(r, b - 1)
   pos = pre[r] + t - tok_start[r]
-  table = _write(table, batch.rows[r], pos, out, ok & (t < jnp.sum(ext)))
-  return state, table, ok, _pages(config, state)
+  table = _write(table, rows[r], pos, out, ok & (t < jnp.sum(ext)))
+  return state, table, _status(ok, state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "copy_width"),
+@functools.partial(jax.jit, static_argnames=("config", "copy_width", "sizes",
+                                             "skip_empty"),
                    donate_argnames=("state", "table"))
 def decode_step(config: AllocatorConfig, state: AllocatorState, table: Array,
-                copy_out: Copies, frees: Frees, batch: Batch, *,
-                copy_width: int) -> Tuple[AllocatorState, Array, Array, Array]:
-  """One decode iteration (one new token per real row); returns as `prefill_step`."""
-  table = _copy(table, copy_out, copy_width)
-  state = _free_group(config, state, table, frees)
-  real = jnp.arange(batch.rows.shape[0]) < batch.num_reqs
-  seq = jnp.where(real, batch.seq, 1)
+                packed: Array, *, copy_width: int, sizes: Tuple[int, int, int],
+                skip_empty: bool) -> Tuple[AllocatorState, Array, Array]:
+  """One decode iteration (one new token per real row); returns as `prefill_step`.
+
+  packed = pack(copy_out, frees, batch, num_reqs) with sizes = (C, F, R); batch rows are
+  (rows, seq - 1, seq), seq counting the new token.
+  """
+  c, f, r = sizes
+  copy_out, frees_, batch_, n = _unpack(packed, (3 * c, 3 * f, 3 * r, 1))
+  rows, _, seq_in = _unpack(batch_, (r, r, r))
+  num_reqs = n[0]
+  table = _copy(table, _copies(copy_out, c), copy_width, skip_empty)
+  state = _free_group(config, state, table, Frees(*_unpack(frees_, (f, f, f))), skip_empty)
+  real = jnp.arange(r) < num_reqs
+  seq = jnp.where(real, seq_in, 1)
   if config.kind == "token":
-    state, out, ok = allocation.alloc(config, state, batch.num_reqs,
-                                      max_size=batch.rows.shape[0])
+    state, out, ok = allocation.alloc(config, state, num_reqs, max_size=r)
   else:
-    last_loc = jnp.where(seq >= 2, table[batch.rows, jnp.maximum(seq - 2, 0)], -1)
+    last_loc = jnp.where(seq >= 2, table[rows, jnp.maximum(seq - 2, 0)], -1)
     state, out, ok = allocation.alloc_decode(config, state, seq, last_loc,
-                                             num_reqs=batch.num_reqs)
-  table = _write(table, batch.rows, seq - 1, out, ok & real)
-  return state, table, ok, _pages(config, state)
+                                             num_reqs=num_reqs)
+  table = _write(table, rows, seq - 1, out, ok & real)
+  return state, table, _status(ok, state)
 
 
 @jax.jit
