@@ -39,11 +39,16 @@ cached prefixes of varied (page-aligned) length, prefill in batches and in chunk
 prefixes also end mid-page), decode, run speculative steps (draft slots taken under
 backup_state and rolled back with restore_state; over-allocated slots freed after
 verification; rows that extend by zero), finish at random (freed one by one or in free
-groups, duplicates included, or inserted into the prefix cache), and evict cached
-prefixes before allocating, as SGLang does, but not always, so small pools also run out.
+groups, duplicates included, or inserted into the prefix cache). Like SGLang's scheduler
+it evicts cached prefixes before allocating, admits only the prefill rows that fit and
+retracts requests before a decode that would not fit, but not always (`evict_prob`,
+`oom_prob`), so the small pools also run out and allocations fail. PD-style `alloc` of
+whole pages, explicit merges, and need_sort merges forced by shortfalls occur too.
 It asks the allocator it drives for nothing but the results of allocations, and tracks
 which pages are in use itself, so it also predicts `available_size` (a leak check).
-`generate(config, make_allocator)` records a trace in the format above.
+`generate(random_config(seed), Replayer(make_allocator))` records a trace in the format
+above, driving the allocator that make_allocator(size=, page_size=, need_sort=, kind=)
+builds.
 
 Replay
 ------
