@@ -25,7 +25,8 @@ Design. The checks keep their bookkeeping in the state, `AllocatorState.debug`, 
   * O(work): alloc clears is_free at the pages it takes, free sets it at the pages it
     frees (scatters of the call's own size, in place when the state is donated); a merge
     leaves it alone (free + release is the same set). The per-call checks gather is_free
-    at the call's own pages, and duplicate detection sorts the call's outputs (O(T log T)).
+    at the call's own pages. Duplicate outputs cost a one-key sort of the call's outputs
+    (O(T log T)); which entries repeat is worked out only when one does (lax.cond).
   * An erroneous call is refused: an alloc returns ok=False and takes nothing, a free
     frees nothing; only the error record changes. Errors found in the arguments are known
     before the need_sort merge, so a refused call does not merge either; the output checks
@@ -237,17 +238,25 @@ def _record(dbg: DebugState, op: int, err: Err) -> DebugState:
 def _repeats(values: Array, mask: Array) -> Array:
   """bool[N]: entry j is masked in and its value occurs at an earlier masked-in entry.
 
-  O(N log N): a stable sort by (masked out, value) puts equal masked-in values side by
-  side in their original order.
+  A one-key sort finds whether any value repeats (O(N log N), the cheap part); only then
+  (lax.cond) does a stable sort by (masked out, value, position) say which entries.
   """
   n = values.shape[0]
   if n < 2:
     return jnp.zeros((n,), bool)
-  out_key = (~mask).astype(jnp.int32)
-  pos = jnp.arange(n, dtype=jnp.int32)
-  s_out, s_val, s_pos = jax.lax.sort((out_key, values, pos), num_keys=2, is_stable=True)
-  rep = (s_out[1:] == 0) & (s_out[:-1] == 0) & (s_val[1:] == s_val[:-1])
-  return jnp.zeros((n,), bool).at[s_pos[1:]].set(rep)
+  top = jnp.iinfo(jnp.int32).max  # fills masked-out entries; a real `top` is counted apart
+  s = jnp.sort(jnp.where(mask, values, top))
+  maybe = (jnp.any((s[1:] == s[:-1]) & (s[1:] != top))
+           | (jnp.sum(mask & (values == top)) > 1))
+
+  def which(values, mask):
+    out_key = (~mask).astype(jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    s_out, s_val, s_pos = jax.lax.sort((out_key, values, pos), num_keys=2, is_stable=True)
+    rep = (s_out[1:] == 0) & (s_out[:-1] == 0) & (s_val[1:] == s_val[:-1])
+    return jnp.zeros((n,), bool).at[s_pos[1:]].set(rep)
+
+  return jax.lax.cond(maybe, which, lambda v, m: jnp.zeros((n,), bool), values, mask)
 
 
 def _page_of(config: AllocatorConfig, slot: Array) -> Array:

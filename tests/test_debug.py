@@ -375,3 +375,20 @@ def test_environment_variable_sets_the_default(monkeypatch):
   assert not kv.TokenToKVPoolAllocator(8, debug=False).config.debug
   monkeypatch.setenv("JAX_KVALLOC_DEBUG", "0")
   assert kv.TokenToKVPoolAllocator(8).state.debug is None
+
+
+def test_repeat_detection_handles_padding_and_the_largest_slot():
+  """The cheap presence test must not take padding for repeats, nor miss a repeat of the
+  largest int32 slot (the value padding uses inside it)."""
+  top = 2**31 - 1
+  repeats = jax.jit(debug._repeats)  # pylint: disable=protected-access
+  cases = [  # (values, mask, entries that repeat an earlier one)
+      ([5, top, 3, top], [1, 1, 1, 1], [0, 0, 0, 1]),
+      ([5, top, 3, top], [1, 1, 1, 0], [0, 0, 0, 0]),
+      ([0, 0, 7, 7], [0, 0, 1, 1], [0, 0, 0, 1]),
+      ([0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]),
+      ([4, 9, 4, 4], [1, 1, 0, 1], [0, 0, 0, 1]),
+  ]
+  for values, mask, want in cases:
+    got = repeats(jnp.asarray(values, jnp.int32), jnp.asarray(mask, bool))
+    np.testing.assert_array_equal(got, np.asarray(want, bool), err_msg=str(values))
