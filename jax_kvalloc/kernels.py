@@ -14,8 +14,8 @@ alloc_extend / alloc_decode (validity and capacity checks, prefix sums, reads of
 ring, indices, new head and length) runs as one kernel launch, `alloc_extend_fused` /
 `alloc_decode_fused`, because on a GPU every separate XLA op of the bookkeeping costs a
 launch of its own. They return None where they do not apply (the jnp path, the Mosaic
-backend, debug mode, sizes the kernel does not take); the caller then goes on with the
-index kernel alone. A need_sort merge stays with the caller, before the fused call.
+backend, debug mode, and extend batches so large that the fused kernel's per-program
+row work would dominate); the caller then goes on with the index kernel alone. A need_sort merge stays with the caller, before the fused call.
 """
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_le
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   num_rows = prefix_lens.shape[0]
-  if not pallas_kernels.extend_fused_supported(num_rows, max_tokens, config.num_pages):
-    return None
+  if not pallas_kernels.extend_fused_preferred(num_rows, max_tokens, config.num_pages):
+    return None  # large batches: XLA prefix sums + the contract kernel scale better
   out, head, length, ok = pallas_kernels.alloc_extend_triton(
       state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, num_rows),
       prefix_lens, seq_lens, last_loc, page_size=config.page_size, out_len=max_tokens,

@@ -26,6 +26,7 @@ from pallas_kernels.triton_decode import decode_indices_triton
 from pallas_kernels.triton_extend import alloc_extend_triton
 from pallas_kernels.triton_extend import extend_indices_triton
 from pallas_kernels.triton_decode import fused_supported as decode_fused_supported
+from pallas_kernels.triton_extend import fused_preferred as extend_fused_preferred
 from pallas_kernels.triton_extend import fused_supported as extend_fused_supported
 
 Array = jax.Array
@@ -89,6 +90,7 @@ __all__ = [
     "decode_indices_mosaic",
     "decode_indices_triton",
     "default_backend",
+    "extend_fused_preferred",
     "extend_fused_supported",
     "extend_indices",
     "extend_indices_mosaic",

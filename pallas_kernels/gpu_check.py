@@ -8,11 +8,12 @@ Run on a machine with a CUDA GPU, from the repository root:
 1. Runs tests/test_pallas_gpu.py (bit-for-bit against the jnp path on the GPU, and the
    model) unless --no-tests.
 2. Times whole jitted allocator calls, `alloc_decode` and `alloc_extend` with
-   kernel="pallas" (one fused kernel launch) and kernel="jnp" (XLA only): a chain of U
-   dependent calls (each call's state feeds the next) inside one jit, launched R times
-   back to back with one sync at the end; device time per call = wall / (R * U), median
-   over repeats. The pool holds enough pages for one chain, and every launch starts from
-   the same state, so every call does the same work.
+   kernel="pallas" (on GPU: one fused kernel launch, or for very large extend batches
+   XLA prefix sums + the contract kernel) and kernel="jnp" (XLA only): a fori_loop with a
+   traced trip count whose body makes U dependent calls (each call's state feeds the
+   next), timed at 1 and n iterations; device time per call = slope / U, median over
+   repeats (the same method as `jax-kvalloc bench`). Each iteration refills the pool
+   (head and length reset to constants), so every call does the same work.
 3. Times tunings of the fused kernels (tile/window/warps, row block/warps).
 
 Prints a table at the end; --out writes it (and the raw numbers as JSON) to DIR.
@@ -37,21 +38,21 @@ import numpy as np
 import jax_kvalloc as kv
 import pallas_kernels
 
-CHAIN = 16        # dependent calls per jit launch
+UNROLL = 32       # dependent calls per loop iteration
 REPEATS = 5
-MIN_SECONDS = 0.05
+MIN_SECONDS = 0.02
 
 # (bs, ps) and (bs, tokens, ps) of the issue's targets; SGLang's Triton kernel alone on an
 # H200 takes (us) decode 1.3 at bs <= 256, 2.8 at 1024, 22 at 4096, 292 at 16384;
 # extend 2.4-3.4 at bs 1-256 with 8k-65k tokens, 6.4-8.2 at bs 1024 with 65k tokens.
 DECODE = [(bs, ps) for ps in (1, 16) for bs in (1, 64, 256, 1024, 4096, 16384)]
 EXTEND = [(bs, tok, ps) for ps in (1, 16)
-          for bs, tok in ((1, 8192), (1, 65536), (64, 8192), (64, 65536), (256, 8192),
-                          (256, 65536), (1024, 65536))]
+          for bs, tok in ((1, 8192), (1, 65536), (16, 8192), (64, 65536), (256, 8192),
+                          (256, 65536), (1024, 65536), (4096, 262144), (16384, 262144))]
 TARGET_US = {("decode", 1): 1.3, ("decode", 64): 1.3, ("decode", 256): 1.3,
              ("decode", 1024): 2.8, ("decode", 4096): 22.0, ("decode", 16384): 292 / 20,
              ("extend", 1): 3.4, ("extend", 64): 3.4, ("extend", 256): 3.4,
-             ("extend", 1024): 8.2}
+             ("extend", 16): 3.4, ("extend", 1024): 8.2}
 
 
 def _sync_wall(fn) -> float:
@@ -60,32 +61,35 @@ def _sync_wall(fn) -> float:
   return time.perf_counter() - t0
 
 
-def time_chain(step, carry, *, chain=CHAIN, repeats=REPEATS) -> dict:
-  """Device seconds per call of `step` (carry -> carry), `chain` dependent calls per jit."""
+def time_calls(step, carry, reset=lambda c: c, *, unroll=UNROLL, repeats=REPEATS) -> dict:
+  """Device seconds per call of `step` (carry -> carry): a fori_loop with a traced trip
+  count whose body runs `unroll` dependent calls (after `reset`, which refills the pool),
+  timed at 1 and n iterations; the slope removes dispatch and transfers. The loop's own
+  per-iteration cost, divided by `unroll`, stays in (see loop_overhead_us)."""
   @jax.jit
-  def run(c):
-    for _ in range(chain):
-      c = step(c)
-    return c
+  def run(c, n):
+    def body(_, c):
+      c = reset(c)
+      for _ in range(unroll):
+        c = step(c)
+      return c
+    return jax.lax.fori_loop(0, n, body, c)
 
+  one = np.int32(1)
   t0 = time.perf_counter()
-  jax.block_until_ready(run(carry))
+  jax.block_until_ready(run(carry, one))
   compile_s = time.perf_counter() - t0
-  one = _sync_wall(lambda: run(carry))
-  launches = max(2, min(2000, int(MIN_SECONDS / max(one, 1e-6))))
-
-  def many():
-    out = None
-    for _ in range(launches):
-      out = run(carry)
-    return out
-
+  n = 2
+  while n < 4096 and _sync_wall(lambda: run(carry, np.int32(n))) < MIN_SECONDS:
+    n *= 2
   per_call = []
   for _ in range(repeats):
-    per_call.append(_sync_wall(many) / (launches * chain))
+    ta = _sync_wall(lambda: run(carry, one))
+    tb = _sync_wall(lambda: run(carry, np.int32(n)))
+    per_call.append(max(tb - ta, 0.0) / ((n - 1) * unroll))
   med = statistics.median(per_call)
-  return {"us": med * 1e6, "spread": (max(per_call) - min(per_call)) / med,
-          "launches": launches, "compile_s": compile_s}
+  return {"us": med * 1e6, "spread": (max(per_call) - min(per_call)) / max(med, 1e-12),
+          "iters": n, "compile_s": compile_s}
 
 
 def _chained(call, kernel):
@@ -97,6 +101,17 @@ def _chained(call, kernel):
     state, out, _ = call(state)
     return state, (jnp.maximum(sink, out) if kernel == "jnp" else sink)
   return step
+
+
+def _refill(cfg):
+  """reset(): the initial free list's head (0) and length (all pages) at each iteration,
+  written as functions of the carried values that XLA cannot fold to constants: with
+  constants the loop body would be loop-invariant and hoisted out of the loop."""
+  def reset(c):
+    state, sink = c
+    return state._replace(free_head=jnp.minimum(state.free_head, 0),
+                          free_len=jnp.maximum(state.free_len, cfg.num_pages)), sink
+  return reset
 
 
 def _decode_inputs(rng, bs, ps):
@@ -119,7 +134,7 @@ def _extend_inputs(rng, bs, tokens, ps):
 
 
 def _config(ps, pages, kernel):
-  return kv.AllocatorConfig(size=(pages * CHAIN + 16) * ps, page_size=ps, kernel=kernel,
+  return kv.AllocatorConfig(size=(pages * UNROLL + 16) * ps, page_size=ps, kernel=kernel,
                             debug=False)
 
 
@@ -135,7 +150,8 @@ def bench_decode(bs, ps, kernel, rng, **tuning):
       return s._replace(free_head=head, free_len=length), out, ok
   else:
     call = lambda s: kv.alloc_decode(cfg, s, seq, last)
-  return time_chain(_chained(call, kernel), (kv.init(cfg), jnp.zeros((bs,), jnp.int32)))
+  return time_calls(_chained(call, kernel), (kv.init(cfg), jnp.zeros((bs,), jnp.int32)),
+                    _refill(cfg))
 
 
 def bench_extend(bs, tokens, ps, kernel, rng, **tuning):
@@ -152,15 +168,16 @@ def bench_extend(bs, tokens, ps, kernel, rng, **tuning):
       return s._replace(free_head=head, free_len=length), out, ok
   else:
     call = lambda s: kv.alloc_extend(cfg, s, pre, seq, last, max_tokens=tokens)
-  return time_chain(_chained(call, kernel), (kv.init(cfg), jnp.zeros((tokens,), jnp.int32)))
+  return time_calls(_chained(call, kernel),
+                    (kv.init(cfg), jnp.zeros((tokens,), jnp.int32)), _refill(cfg))
 
 
-def empty_kernel_us() -> float:
-  """A chain of trivial XLA kernels (a scalar add each, kept apart by an optimization
-  barrier so XLA cannot fuse them): the launch floor of one kernel in a chain."""
+def loop_overhead_us() -> float:
+  """Per call: one tiny XLA kernel (a scalar add kept apart by an optimization barrier)
+  plus 1/UNROLL of the loop's per-iteration cost: the floor of these numbers."""
   def step(c):
     return jax.lax.optimization_barrier(c + 1)
-  return time_chain(step, jnp.zeros((), jnp.int32))["us"]
+  return time_calls(step, jnp.zeros((), jnp.int32))["us"]
 
 
 def _safe(fn, *args, **kwargs):
@@ -214,8 +231,8 @@ def main(argv=None) -> int:
   rc = 0 if args.no_tests else run_tests(args.tests_k)
 
   rng = np.random.default_rng(0)
-  empty = empty_kernel_us()
-  print(f"empty XLA kernel in a chain: {empty:.2f} us/call", flush=True)
+  empty = loop_overhead_us()
+  print(f"loop floor (tiny kernel + loop share): {empty:.2f} us/call", flush=True)
   # Most important first: the fused kernels at the target sizes (ps 16), tunings, the
   # jnp path, then ps 1; stop when the budget is spent.
   def sizes(ps, kernel):
@@ -224,17 +241,17 @@ def main(argv=None) -> int:
 
   jobs = sizes(16, "pallas")
   if not args.no_tuning:
-    for bs, tok in ((1, 65536), (256, 65536), (1024, 65536)):
-      for tile, warps in ((512, 4), (2048, 4), (4096, 8), (2048, 8)):
+    for bs, tok in ((1, 8192), (16, 65536), (256, 65536), (1024, 65536)):
+      for tile, warps in ((256, 1), (512, 2), (2048, 8)):
         jobs.append(("extend", bs, tok, 16, "pallas", dict(tile=tile, num_warps=warps)))
-    for bs in (4096, 16384):
-      for rb, warps in ((1024, 4), (4096, 8), (16384, 16), (16384, 32)):
-        if rb <= bs:
-          jobs.append(("decode", bs, "-", 16, "pallas", dict(row_block=rb, num_warps=warps)))
-  if not args.no_jnp:
-    jobs += sizes(16, "jnp")
+    for bs in (1, 64, 256):
+      for warps in (2, 4):
+        jobs.append(("decode", bs, "-", 16, "pallas", dict(num_warps=warps)))
+    for rb, warps in ((4096, 8), (16384, 16)):
+      jobs.append(("decode", 16384, "-", 16, "pallas", dict(row_block=rb, num_warps=warps)))
   jobs += sizes(1, "pallas")
   if not args.no_jnp:
+    jobs += sizes(16, "jnp")
     jobs += sizes(1, "jnp")
 
   results = {}
@@ -252,9 +269,9 @@ def main(argv=None) -> int:
     results[key] = r
     print(op, f"bs={bs} tokens={tok} ps={ps} {kernel} {tuning or ''}:", _fmt(r), flush=True)
 
-  lines = [header(), f"chain of {CHAIN} dependent calls per jit launch, median of "
-           f"{REPEATS}; empty XLA kernel {empty:.2f} us/call; target = SGLang's Triton "
-           "kernel alone (decode 16384: /20)", "",
+  lines = [header(), f"fori_loop of {UNROLL} dependent calls per iteration, slope, median "
+           f"of {REPEATS}; floor (tiny kernel + loop share) {empty:.2f} us/call; target = "
+           "SGLang's Triton kernel alone (decode 16384: /20)", "",
            f"{'op':7} {'bs':>6} {'tokens':>6} {'ps':>3} {'pallas us':>10} {'jnp us':>9} "
            f"{'target us':>9}"]
   for key, r in results.items():

@@ -154,8 +154,9 @@ def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interp
     raise ValueError(f"row_block={row_block} must be a power of two")
   p = _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, row_block=row_block,
               page_size=page_size, src_len=src_len)
-  if num_warps is None:
-    num_warps = 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
+  if num_warps is None:  # one warp for small batches: no cross-warp scan or reduction
+    num_warps = (1 if rows_pad <= 256 else 4 if rows_pad <= 1024 else
+                 8 if rows_pad <= 4096 else 16)
   name = "jax_kvalloc_alloc_decode_triton" if fused else "jax_kvalloc_decode_indices_triton"
   return _Call(name, p, num_warps, interpret)
 

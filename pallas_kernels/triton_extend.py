@@ -1,30 +1,34 @@
 """alloc_extend slot indices on GPU: a Pallas kernel through the Triton lowering.
 
-Reference: jax_kvalloc.index_jnp.extend_indices (the contract, SPEC 4.2). Two entry points
-share one kernel body:
-
-- `extend_indices_triton`: the contract itself. The caller passes the free-list window and
-  the prefix sums tok_start/page_start; reads of the window are clamped into it.
-- `alloc_extend_triton`: the whole allocation in one launch (what the GPU allocator runs).
-  It reads the free ring of the state directly, computes the prefix sums, the validity and
-  capacity checks, the indices (all 0 on failure) and the new head/length of the free list.
-  Every read of the ring is masked by the capacity check and wrapped into the ring, so no
-  read leaves it (SGLang issue 34399).
-
-Tiling (output-stationary). Program p owns the output tile [p*T, p*T + T). Every program
-loads all rows (a power-of-two vector; rows are few next to tokens), forms the prefix sums
-in registers (`jnp.cumsum` lowers to tt.scan), and finds the rows that overlap its tile:
-r_lo = #rows ending at or before the tile's first token, r_hi likewise for its last. Those
-rows' per-row constants go to a per-program scratch window in global memory; after a CTA
-barrier every token finds its row there by binary lifting over tok_end (a few L1-resident
-gathers: one row per tile needs none) and computes its slot from SPEC's three parts:
+Reference: jax_kvalloc.index_jnp.extend_indices (the contract, SPEC 4.2). Both entry
+points tile the output (program p owns tokens [p*T, p*T + T)) and compute each token's
+slot from its row's constants, SPEC's three parts in one formula:
 
   pos = t + A                     sequence position of token t       (A = pre - tok_start)
   Part 1 (t < E):  t + C          rest of the prefix's last page     (C = last_loc+1-tok_start)
   Parts 2/3:       free[k]*ps + pos % ps,  k = Bp + pos // ps        (Bp = page_start - fnp)
 
-where fnp = ceil(pre/ps) and E = fnp*ps - A. If more than W rows overlap a tile (many tiny
-or empty rows), the tile takes several passes of W rows each.
+where fnp = ceil(pre/ps) and E = fnp*ps - A. They differ in how a token finds its row:
+
+- `extend_indices_triton`, the contract: the caller passes the prefix sums, so every
+  token binary-searches tok_start in global memory (log2(B) L1/L2 gathers, statically
+  unrolled) and gathers its row's four inputs. Cost grows with tokens * log(rows).
+- `alloc_extend_triton`, a whole alloc_extend in one launch: it reads the state's free
+  ring directly and computes the validity and capacity checks, the prefix sums, the
+  indices (all 0 on failure) and the new head/length of the free list. Every program
+  loads all rows (one power-of-two vector), forms the prefix sums in registers
+  (`jnp.cumsum` lowers to tt.scan) and finds the rows overlapping its tile (r_lo = #rows
+  ending at or before its first token, r_hi likewise for its last). Those rows'
+  constants go to a per-program scratch in global memory, one 32-byte line per row;
+  after a CTA barrier each token finds its row there by binary lifting over tok_end
+  (one line per probe, L1-resident; none when one row covers the tile). If more than W
+  rows overlap a tile (many tiny or empty rows), the tile takes several passes. The row
+  work is repeated by every program, so `fused_supported` limits rows * programs; beyond
+  it the allocator computes the prefix sums in XLA and calls the contract kernel.
+
+Every read of the free list is masked by the capacity check (fused) or clamped into the
+window (contract), and every index is clamped into its array: no read leaves its buffer
+(SGLang issue 34399).
 """
 from __future__ import annotations
 
@@ -43,12 +47,15 @@ from pallas_kernels._util import INT32_MAX, cdiv, floordiv, mod
 
 Array = jax.Array
 
-# Per-row values kept in the search scratch, in this order.
+# Per-row values kept in the fused kernel's search scratch: one 8-int (32-byte) line per
+# row, so the probe that reads a row's tok_end brings its other values into L1.
 _TOK_END, _A, _E, _C, _BP = range(5)
-_NUM_VALUES = 5
+_LINE = 8
 
 DEFAULT_TILE = 1024          # output tokens per program
-DEFAULT_WINDOW = 256         # rows per search pass
+DEFAULT_WINDOW = 256         # rows per search pass (fused)
+MAX_FUSED_ROWS = 2**15       # the exact total check needs <= 2**15 lanes
+MAX_FUSED_ROW_WORK = 2**17   # rows_pad * programs: beyond, the contract path scales better
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +64,7 @@ class _Params:
   num_rows: int        # B
   rows_pad: int        # next power of two >= B
   tile: int            # T, output tokens per program (power of two)
-  window: int          # W, rows per search pass (power of two)
+  window: int          # W, rows per search pass (power of two; fused)
   page_size: int
   out_len: int
   src_len: int         # length of the free ring (fused) or of the window (contract)
@@ -66,7 +73,7 @@ class _Params:
 
 
 # ---------------------------------------------------------------------------------------
-# Kernel body.
+# Kernel bodies.
 # ---------------------------------------------------------------------------------------
 
 def _load(ref, idx, mask, other=0):
@@ -82,15 +89,6 @@ def _store(ref, idx, value, mask):
   pltriton.store(ref.at[jnp.where(mask, jnp.clip(idx, 0, n - 1), n)], value, mask=mask)
 
 
-def _scalar(ref):
-  return ref[0]
-
-
-def _pick(vec: Array, lane: Array, r: Array) -> Array:
-  """vec[lane] for a scalar lane, out of a register vector (0 if lane is out of range)."""
-  return jnp.sum(jnp.where(r == lane, vec, 0))
-
-
 def _sum_exceeds(x: Array, cap) -> Array:
   """sum(x) > cap, exactly, for 0 <= x < 2**31 and at most 2**15 lanes: the sums of the
   high and low 16-bit halves cannot wrap, and are compared with cap's halves."""
@@ -102,34 +100,70 @@ def _sum_exceeds(x: Array, cap) -> Array:
   return (hi > cap_hi) | ((hi == cap_hi) & (lo > (cap & 0xFFFF)))
 
 
-def _row_table(p: _Params, pre, seq, last, tok_start, page_start, valid_lane):
-  """Per-row constants (each i32[rows_pad]); lanes that are not rows get tok_end = MAX."""
-  ps = p.page_size
-  ext = seq - pre
+def _slot(ps, t, a, e, c, bp, read_page, mask):
+  """Slots of tokens t from their rows' constants (see the module docstring)."""
+  pos = t + a
+  part1 = t < e
+  page = read_page(bp + floordiv(pos, ps), mask & ~part1)
+  return jnp.where(part1, t + c, page * ps + mod(pos, ps))
+
+
+def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # inputs
+                     out_ref,                                               # output
+                     *, p: _Params):
+  """win_ref i32[P]; row refs i32[B]; out_ref i32[out_len]."""
+  ps, b = p.page_size, p.num_rows
+  t = pl.program_id(0) * p.tile + jnp.arange(p.tile, dtype=jnp.int32)
+  total = ts_ref[b - 1] + seq_ref[b - 1] - pre_ref[b - 1]
+  live = t < total
+  # count = #rows with tok_start <= t; the row holding t is count - 1 (an empty row
+  # shares its tok_start with a later one, so it never ends the count).
+  count = jnp.zeros_like(t)
+  step = 1 << (b.bit_length() - 1)
+  while step:
+    cand = count + step
+    inside = cand <= b
+    ts = _load(ts_ref, cand - 1, live & inside, INT32_MAX)
+    count = jnp.where(inside & (ts <= t), cand, count)
+    step >>= 1
+  row = jnp.clip(count - 1, 0, b - 1)
+  pre = _load(pre_ref, row, live)
+  tok_start = _load(ts_ref, row, live)
+  last = _load(last_ref, row, live)
+  page_start = _load(pst_ref, row, live)
   fnp = cdiv(pre, ps)
-  tok_end = jnp.where(valid_lane, tok_start + ext, INT32_MAX)
   a = pre - tok_start
-  return (tok_end, a, fnp * ps - a, last + 1 - tok_start, page_start - fnp)
+
+  def read_page(k, mask):
+    return _load(win_ref, k, mask)  # clamped into the window, as the contract says
+
+  slot = _slot(ps, t, a, fnp * ps - a, last + 1 - tok_start, page_start - fnp, read_page,
+               live)
+  _store(out_ref, t, jnp.where(live, slot, 0), t < p.out_len)
 
 
 def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
-  """Writes the output tile of program `pid`: slots of tokens t < limit, 0 after."""
-  ps, tile, win = p.page_size, p.tile, p.window
+  """Writes the output tile of program `pid` (fused kernel): slots of tokens t < limit,
+  0 after. table: per-row constants, each i32[rows_pad], tok_end non-decreasing."""
+  tile, win = p.tile, p.window
   r = jnp.arange(p.rows_pad, dtype=jnp.int32)
   t0 = pid * tile
   t = t0 + jnp.arange(tile, dtype=jnp.int32)
   tok_end = table[_TOK_END]
   ntok = jnp.clip(limit - t0, 0, tile)
-  r_lo = jnp.sum((tok_end <= t0).astype(jnp.int32))
-  r_hi = jnp.sum((tok_end <= t0 + ntok - 1).astype(jnp.int32))
-  base = pid * (_NUM_VALUES * win)
+  # r_lo and r_hi (each < 2**15) in one reduction.
+  both = jnp.sum(jnp.where(tok_end <= t0, 1, 0) + jnp.where(tok_end <= t0 + ntok - 1,
+                                                              1 << 16, 0))
+  r_lo = both & 0xFFFF
+  r_hi = both >> 16
+  base = pid * (win * _LINE)
 
   def one_pass(carry):
     w0, acc, done = carry
     nw = jnp.minimum(win, r_hi - w0 + 1)
     sel = (r >= w0) & (r < w0 + nw)
     for v, vec in enumerate(table):
-      _store(scr_ref, base + v * win + (r - w0), vec, sel)
+      _store(scr_ref, base + (r - w0) * _LINE + v, vec, sel)
     if p.barrier:
       pltriton.debug_barrier()
 
@@ -138,21 +172,15 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
       step, pos = c
       cand = pos + step
       inside = cand <= nw
-      te = _load(scr_ref, base + cand - 1, inside, INT32_MAX)
+      te = _load(scr_ref, base + (cand - 1) * _LINE + _TOK_END, inside, INT32_MAX)
       return step >> 1, jnp.where(inside & (te <= t), cand, pos)
 
     _, pos = lax.while_loop(lambda c: c[0] > 0, lift,
                             (_util.highest_pow2_at_most(nw), jnp.zeros_like(t)))
     mine = (done == 0) & (pos < nw) & (t < limit)
-    at = base + jnp.minimum(pos, win - 1)
-    a = _load(scr_ref, at + _A * win, mine)
-    e = _load(scr_ref, at + _E * win, mine)
-    c = _load(scr_ref, at + _C * win, mine)
-    bp = _load(scr_ref, at + _BP * win, mine)
-    seqpos = t + a
-    part1 = t < e
-    page = read_page(bp + floordiv(seqpos, ps), mine & ~part1)
-    slot = jnp.where(part1, t + c, page * ps + mod(seqpos, ps))
+    at = base + jnp.minimum(pos, win - 1) * _LINE
+    a, e, c, bp = (_load(scr_ref, at + v, mine) for v in (_A, _E, _C, _BP))
+    slot = _slot(p.page_size, t, a, e, c, bp, read_page, mine)
     if p.barrier:
       pltriton.debug_barrier()  # everyone has read the scratch before it is rewritten
     return (w0 + nw, jnp.where(mine, slot, acc), jnp.where(mine, 1, done))
@@ -163,58 +191,38 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
   _store(out_ref, t, jnp.where(t < limit, acc, 0), t < p.out_len)
 
 
-def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # inputs
-                     out_ref, scr_ref,                                      # outputs
-                     *, p: _Params):
-  """Contract mode. win_ref i32[P]; row refs i32[B]; out_ref i32[out_len];
-  scr_ref i32[grid * 5 * W] (search scratch)."""
-  r = jnp.arange(p.rows_pad, dtype=jnp.int32)
-  lane = r < p.num_rows
-  pre = _load(pre_ref, r, lane)
-  seq = _load(seq_ref, r, lane)
-  last = _load(last_ref, r, lane)
-  tok_start = _load(ts_ref, r, lane)
-  page_start = _load(pst_ref, r, lane)
-  table = _row_table(p, pre, seq, last, tok_start, page_start, lane)
-  total = _pick(table[_TOK_END], p.num_rows - 1, r)
-
-  def read_page(k, mask):
-    return _load(win_ref, k, mask)  # clamped into the window, as the contract says
-
-  _fill_tile(p, pl.program_id(0), table, total, read_page, out_ref, scr_ref)
-
-
 def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
                   pre_ref, seq_ref, last_ref,                              # inputs: batch
                   out_ref, head_out, len_out, ok_out, scr_ref,            # outputs
                   *, p: _Params):
-  """Fused mode. ring_ref i32[n]; head/flen/nreq i32[1]; row refs i32[B];
-  out_ref i32[out_len]; head_out/len_out i32[1]; ok_out bool[1]; scr_ref as above."""
+  """ring_ref i32[n]; head/flen/nreq i32[1]; row refs i32[B]; out_ref i32[out_len];
+  head_out/len_out i32[1]; ok_out bool[1]; scr_ref i32[grid * W * 8] (search scratch)."""
   ps, n = p.page_size, p.src_len
   pid = pl.program_id(0)
-  head = _scalar(head_ref)
-  flen = _scalar(flen_ref)
-  nrows = jnp.clip(_scalar(nreq_ref), 0, p.num_rows)
+  head = head_ref[0]
+  flen = flen_ref[0]
+  nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
   r = jnp.arange(p.rows_pad, dtype=jnp.int32)
   real = r < nrows
   pre = _load(pre_ref, r, real)
   seq = _load(seq_ref, r, real)
   last = _load(last_ref, r, r < p.num_rows)
-  rows_valid = jnp.sum((real & ((pre < 0) | (seq < pre))).astype(jnp.int32)) == 0
+  rows_valid = jnp.sum(jnp.where(real & ((pre < 0) | (seq < pre)), 1, 0)) == 0
   pre = jnp.where(rows_valid, pre, 0)
   seq = jnp.where(rows_valid, seq, 0)
   ext = seq - pre
-  new_pages = cdiv(seq, ps) - cdiv(pre, ps)
+  fnp = cdiv(pre, ps)
+  new_pages = cdiv(seq, ps) - fnp
   tok_end = jnp.cumsum(ext)
-  page_end = jnp.cumsum(new_pages)
+  page_start = jnp.cumsum(new_pages) - new_pages
   total = jnp.sum(ext)
   total_pages = jnp.sum(new_pages)
   if p.exact_totals:  # int32 sums could wrap: compare the true sums with the limits
     ok = rows_valid & ~_sum_exceeds(ext, p.out_len) & ~_sum_exceeds(new_pages, flen)
   else:
     ok = rows_valid & (total <= p.out_len) & (total_pages <= flen)
-  table = _row_table(p, pre, seq, last, tok_end - ext, page_end - new_pages,
-                     jnp.ones_like(real))
+  a = pre - (tok_end - ext)
+  table = (tok_end, a, fnp * ps - a, last + 1 - (tok_end - ext), page_start - fnp)
 
   def read_page(k, mask):
     i = head + k
@@ -252,9 +260,6 @@ def _may_wrap(num_rows: int, out_len: int, ring_len: int) -> bool:
   return num_rows * (max(out_len, ring_len) + 1) > INT32_MAX
 
 
-MAX_FUSED_ROWS = 2**15
-
-
 def fused_supported(num_rows: int, out_len: int, ring_len: int) -> bool:
   """Whether alloc_extend_triton takes these static sizes: every program holds all rows
   in registers, and its exact total check (int32 sums could wrap) needs <= 2**15 lanes."""
@@ -262,8 +267,18 @@ def fused_supported(num_rows: int, out_len: int, ring_len: int) -> bool:
           and out_len >= 1 and ring_len >= 1)
 
 
+def fused_preferred(num_rows: int, out_len: int, ring_len: int) -> bool:
+  """Whether the one-launch kernel is the better GPU path: it repeats the row work in
+  every program (rows_pad * programs), which must stay small next to the tokens."""
+  if not fused_supported(num_rows, out_len, ring_len):
+    return False
+  programs = pl.cdiv(out_len, min(_util.next_pow2(out_len), DEFAULT_TILE))
+  return _util.next_pow2(num_rows) * programs <= MAX_FUSED_ROW_WORK
+
+
 def _default_warps(p: _Params) -> int:
-  return 8 if max(p.tile, p.rows_pad) >= 4096 else 4
+  warps = max(1, min(8, p.tile // 256))
+  return max(warps, 8) if p.fused and p.rows_pad >= 4096 else warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,14 +292,14 @@ class _Call:
   def __call__(self, *args):
     p = self.p
     grid = pl.cdiv(p.out_len, p.tile)
-    scratch = jax.ShapeDtypeStruct((grid * _NUM_VALUES * p.window,), jnp.int32)
     out = jax.ShapeDtypeStruct((p.out_len,), jnp.int32)
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
+      scratch = jax.ShapeDtypeStruct((grid * p.window * _LINE,), jnp.int32)
       out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch)
       body = _fused_kernel
     else:
-      out_shape = (out, scratch)
+      out_shape = (out,)
       body = _contract_kernel
     return pl.pallas_call(
         functools.partial(body, p=p), out_shape=out_shape, grid=(grid,),
@@ -309,7 +324,8 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
                           num_warps: int | None = None) -> Array:
   """index_jnp.extend_indices (same arguments, same i32[out_len] result) on GPU.
 
-  tile/window/num_warps override the defaults (powers of two); for tuning.
+  tile/num_warps override the defaults (powers of two); for tuning. window is unused
+  (the contract kernel searches the caller's tok_start directly).
   """
   b = prefix_lens.shape[0]
   if out_len == 0:
@@ -319,7 +335,7 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
   p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret)
   call = _Call("jax_kvalloc_extend_indices_triton", p, num_warps or _default_warps(p),
                interpret)
-  out, _ = _run(call, *map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
+  (out,) = _run(call, *map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
                                   page_start)))
   return out
 

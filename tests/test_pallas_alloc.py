@@ -206,6 +206,16 @@ def test_need_sort_merge_then_fused_kernel():
   assert np.asarray(want[0].release_len == 0).any()  # some merged
 
 
+def test_large_batches_take_the_contract_kernel(monkeypatch):
+  # Past fused_preferred the allocator computes the prefix sums in XLA and calls the
+  # contract kernel; force that path at small sizes.
+  from pallas_kernels import triton_extend  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(triton_extend, "MAX_FUSED_ROW_WORK", 0)
+  jnp_cfg, pallas_cfg = _configs(16)
+  assert "jax_kvalloc_extend_indices_triton" in _kernel_names(pallas_cfg)
+  check_alloc_extend(16, seed=9)
+
+
 def test_vmap_over_pools_and_donation():
   ps = 16
   jnp_cfg, pallas_cfg = _configs(ps)

@@ -45,15 +45,15 @@ def test_contract_kernels(ps):
 
 @pytest.mark.parametrize("ps", testing.PAGE_SIZES)
 def test_fused_allocation(ps):
-  check_alloc_extend(ps, KERNEL, num_cases=64, model_cases=16, seed=1)
-  check_alloc_decode(ps, KERNEL, num_cases=64, model_cases=16, seed=1)
+  check_alloc_extend(ps, KERNEL, num_cases=32, model_cases=8, seed=1)
+  check_alloc_decode(ps, KERNEL, num_cases=32, model_cases=8, seed=1)
 
 
 @pytest.mark.parametrize("ps", (1, 16))
 def test_fused_allocation_large(ps):
   # Many rows and tokens: several extend tiles, a multi-program decode (rows > 2048).
   check_alloc_extend(ps, KERNEL, rows=1024, max_tokens=65536, num_pages=70000,
-                     num_cases=4, model_cases=2, seed=2)
+                     num_cases=4, model_cases=1, seed=2)
   check_alloc_extend(ps, KERNEL, rows=64, max_tokens=8192, num_pages=9000,
                      num_cases=8, model_cases=2, seed=3)
   check_alloc_decode(ps, KERNEL, rows=16384, num_pages=20000, num_cases=4,
@@ -62,13 +62,13 @@ def test_fused_allocation_large(ps):
                      model_cases=4, seed=5)
 
 
-@pytest.mark.parametrize("tile,window,warps", [(512, 256, 4), (2048, 256, 4),
-                                               (4096, 256, 8), (1024, 16, 4)])
-def test_extend_tunings(tile, window, warps):
+@pytest.mark.parametrize("tile,window,warps,rows", [
+    (256, 256, 1, 256), (512, 256, 2, 16), (2048, 256, 8, 256), (1024, 16, 4, 256)])
+def test_extend_tunings(tile, window, warps, rows):
   # Every tuning gpu_check.py times computes the same thing.
   ps = 16
   (pre, seq, last, nreq), (ring, head, length) = _extend_cases(
-      _rng("tune", tile), ps, 8, rows=256, max_tokens=16384, num_pages=2000)
+      _rng("tune", tile, rows), ps, 8, rows=rows, max_tokens=16384, num_pages=2000)
   jnp_cfg, _ = _configs(ps, num_pages=2000)
 
   def ref(ring, head, length, pre, seq, last, nreq):
@@ -84,11 +84,11 @@ def test_extend_tunings(tile, window, warps):
   _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, pre, seq, last, nreq))
 
 
-@pytest.mark.parametrize("row_block,warps", [(1024, 4), (4096, 8), (16384, 16)])
-def test_decode_tunings(row_block, warps):
+@pytest.mark.parametrize("rows,row_block,warps", [(16384, 4096, 8), (256, 256, 4)])
+def test_decode_tunings(rows, row_block, warps):
   ps = 16
   (seq, last, nreq), (ring, head, length) = _decode_cases(
-      _rng("tune-d", row_block), ps, 4, rows=16384, num_pages=20000)
+      _rng("tune-d", row_block, rows), ps, 4, rows=rows, num_pages=20000)
   jnp_cfg, _ = _configs(ps, num_pages=20000)
 
   def ref(ring, head, length, seq, last, nreq):
@@ -101,6 +101,13 @@ def test_decode_tunings(row_block, warps):
   got = jax.jit(jax.vmap(lambda r, h, l, s, la, n: fn(r, h, l, n, s, la)))(
       ring, head, length, seq, last, nreq)
   _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, seq, last, nreq))
+
+
+def test_large_extend_takes_the_contract_kernel():
+  # Past fused_preferred the allocator runs XLA prefix sums + the contract kernel.
+  assert not pallas_kernels.extend_fused_preferred(4096, 262144, 30000)
+  check_alloc_extend(16, KERNEL, rows=4096, max_tokens=262144, num_pages=30000,
+                     num_cases=2, model_cases=1, seed=6)
 
 
 def test_classes_on_gpu_follow_the_model():
