@@ -81,7 +81,9 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
     help="index-kernel path (auto: Pallas on GPU/TPU, jnp on CPU)")
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "
     "golden format) instead of the synthetic workload")
-  a("--json", metavar="FILE", help="also write the results (with per-step series) as JSON")
+  a("--json", metavar="FILE", help="also write the results as JSON")
+  a("--json-series", action="store_true",
+    help="include the per-step series (pool usage, step time) in the JSON")
   a("--plot", metavar="FILE.png", help="draw pool usage over time and the per-step time "
     "distribution (needs matplotlib)")
   a("--no-progress", action="store_true", help="no progress bar")
@@ -127,7 +129,7 @@ def run_simulate(args) -> int:
   print(report.table(["metric"] + [f"page_size={p}" for p in rows[0][1]],
                      [[name] + vals for name, vals in rows[1:]]))
   if args.json:
-    report.write_json(args.json, simulate.to_json(result))
+    report.write_json(args.json, simulate.to_json(result, series=args.json_series))
     print(f"wrote {args.json}")
   if args.plot:
     simulate.plot(result, args.plot)

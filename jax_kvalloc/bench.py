@@ -99,8 +99,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--json", metavar="FILE", help="write all numbers as JSON")
   a("--plot", metavar="FILE.png", help="time against batch size, log-log (matplotlib)")
   a("--no-progress", action="store_true")
-  a("--from-json", metavar="FILE", help="measure nothing: print the tables (and --plot) "
-    "of a JSON file an earlier run wrote")
+  a("--from-json", metavar="FILE", nargs="+",
+    help="measure nothing: print the tables (and --plot) of JSON files earlier runs "
+    "wrote; a later file's microbenchmarks or serving rows replace an earlier file's; "
+    "--no-micro / --no-serving leave those out")
   return p
 
 
@@ -272,6 +274,19 @@ def micro_tables(result: Dict[str, Any]) -> str:
   return "\n".join(out)
 
 
+def breakdown(row: Dict[str, Any], part: str) -> Optional[float]:
+  """us per step that alloc_decode ("alloc") or free ("free") costs inside the scan.
+
+  Measured as one extra call per step (scan_extra_*); runs before that method measured it
+  with the other call stubbed out (scan_decode_only / scan_free_only minus the baseline).
+  """
+  extra = row.get(f"scan_extra_{part}_us")
+  if extra is not None:
+    return extra - row["scan_us"]
+  old = row.get("scan_decode_only_us" if part == "alloc" else "scan_free_only_us")
+  return None if old is None else old - row["scan_baseline_us"]
+
+
 def serving_table(result: Dict[str, Any]) -> str:
   from jax_kvalloc.report import fmt_ratio, fmt_us, table  # pylint: disable=g-import-not-at-top
   rows = result["serving"]
@@ -286,11 +301,10 @@ def serving_table(result: Dict[str, Any]) -> str:
   body = []
   for r in rows:
     base = r["scan_baseline_us"]
-    part = lambda key: fmt_us(r[key] - base) if key in r else "-"
     cells = [r["bs"], fmt_us(r["jit_step_us"]), fmt_us(r.get("jit_step_baseline_us")),
              fmt_us(r["jit_step_blocking_us"]), fmt_us(r["scan_us"]), fmt_us(base),
-             fmt_us(r["scan_alloc_us"]), part("scan_decode_only_us"),
-             part("scan_free_only_us")]
+             fmt_us(r["scan_alloc_us"]), fmt_us(breakdown(r, "alloc")),
+             fmt_us(breakdown(r, "free"))]
     if torch_on:
       t = r.get("torch_step_us")
       cells += [fmt_us(t) if t else r.get("torch_error", "-")[:40],
@@ -300,7 +314,11 @@ def serving_table(result: Dict[str, Any]) -> str:
   return (f"serving loop (page_size {r0['page_size']}, {r0['steps']} decode steps; us per "
           f"step; each step: free group of the rows that finished, alloc_decode for every "
           f"row, last_loc gather and token-table write; 'no allocator' = the same step with "
-          f"free and alloc_decode replaced by stand-ins)\n" + table(header, body) + "\n")
+          f"free and alloc_decode replaced by stand-ins; the alloc_decode / free columns "
+          f"are what one more call of each adds per step"
+          + ("" if all("scan_extra_free_us" in r for r in rows) else
+             " (older runs: the step with the other call stubbed, minus 'no allocator')")
+          + ")\n" + table(header, body) + "\n")
 
 
 def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
@@ -405,7 +423,7 @@ def plot(result: Dict[str, Any], path: str) -> None:
   ops = [op for op in result["config"]["ops"] if any(r["op"] == op for r in result["micro"])]
   panels = ops + (["serving"] if result["serving"] else [])
   fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.6 * max(len(panels), 1), 3.4),
-                           dpi=90, squeeze=False)
+                           dpi=80, squeeze=False)
   for ax, op in zip(axes[0], panels):
     if op == "serving":
       rs = result["serving"]
@@ -418,18 +436,22 @@ def plot(result: Dict[str, Any], path: str) -> None:
     else:
       rs = [r for r in result["micro"] if r["op"] == op]
       bs = np.array([r["bs"] for r in rs], float)
-      for p in [p for p in result["config"]["paths"] if p != "torch"] + ["torch"]:
+      paths = [p for p in result["config"]["paths"] if p != "torch"]
+      if op == "free":  # one XLA path: the columns are the same numbers
+        paths = paths[-1:]
+      top = []
+      for p in paths + ["torch"]:
         ys = [(_us(r["torch"]) if p == "torch" else _us(r["jax"].get(p))) for r in rs]
         if all(y for y in ys) and ys:
-          ax.plot(bs, ys, "o-", ms=3, label="torch_ref" if p == "torch" else p)
+          label = "torch_ref" if p == "torch" else ("jax (XLA)" if op == "free" else p)
+          ax.plot(bs, ys, "o-", ms=3, label=label)
+          top.append(ys[-1])
       figs = [(r["bs"], r["sglang_us"][1]) for r in rs if r.get("sglang_us")]
       if figs and result["env"]["platform"] in ("gpu", "cuda"):
         ax.plot(*zip(*figs), "k+", ms=7, label="SGLang H200")
-      if bs.size:
-        ref = [r for r in rs if _us(r["jax"].get(result["config"]["paths"][0]))]
-        if ref:
-          y0 = _us(ref[-1]["jax"][result["config"]["paths"][0]])
-          ax.plot(bs, y0 * bs / bs[-1], ":", color="gray", lw=1, label="slope 1")
+      if bs.size > 1 and top:
+        x = np.array([bs[-1] / 64, bs[-1]])  # a slope-1 guide over the top 64x of bs
+        ax.plot(x, min(top) * x / bs[-1], ":", color="gray", lw=1, label="slope 1")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="us per call",
            title=op if op != "serving" else "serving loop (per step)")
     ax.grid(alpha=0.3, which="both")
@@ -441,14 +463,37 @@ def plot(result: Dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
+def load_json(paths: Sequence[str], *, micro: bool = True,
+              serving: bool = True) -> Dict[str, Any]:
+  """Results of earlier runs, merged: the first file's environment and settings; each
+  section (micro, serving) from the last file that has it."""
+  import json  # pylint: disable=g-import-not-at-top
+  result: Dict[str, Any] = {}
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    if not result:
+      result = data
+      continue
+    for key in ("micro", "serving"):
+      if data.get(key):
+        result[key] = data[key]
+        if key == "micro":
+          result["loop_overhead_us"] = data["loop_overhead_us"]
+  if not micro:
+    result["micro"] = []
+  if not serving:
+    result["serving"] = []
+  return result
+
+
 def run_cli(args) -> int:
   # JAX must not take most of the GPU before torch_ref gets any.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   from jax_kvalloc import report  # pylint: disable=g-import-not-at-top
   if args.from_json:
-    import json  # pylint: disable=g-import-not-at-top
-    with open(args.from_json) as f:
-      result = json.load(f)
+    result = load_json(args.from_json, micro=not args.no_micro,
+                       serving=not args.no_serving)
     text = render(result, result.get("notes", ()))
     print(text)
     if args.plot:

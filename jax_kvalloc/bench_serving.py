@@ -100,14 +100,25 @@ def initial_carry(case: ServingCase):
 
 
 def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = True,
-               free: bool = True):
+               free: bool = True, extra: str = ""):
   """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
-  ok_so_far). alloc=False / free=False replace alloc_decode / free by stand-ins (slot =
-  last_loc + 1, state unchanged), for the bookkeeping-only baseline and the breakdown."""
+  ok_so_far).
+
+  alloc=False / free=False replace alloc_decode / free by stand-ins (slot = last_loc + 1,
+  state unchanged): the bookkeeping-only baseline. extra="alloc" / "free" runs one more
+  alloc_decode / free per step on the same inputs against a dummy state carried as a 7th
+  carry element (see `extra_carry`), so the difference from the plain step is what one
+  call of it costs in this loop; its inputs get the dummy head's sign bit added (0, but
+  unknown to XLA) so that XLA cannot share work between the two calls.
+  """
+  dummy = None
+  if extra:
+    *carry, dummy = carry
   state, table, seq, target, pending, ok_all = carry
   bs, ctx = table.shape
   ps = config.page_size
   rows = jnp.arange(bs, dtype=jnp.int32)
+  dep = lambda: jnp.right_shift(dummy[0].free_head, 31)
   # Free group: up to max_frees rows that finished last step, one slot per page.
   rank = jnp.cumsum(pending) - pending
   sel = pending & (rank < max_frees)
@@ -118,6 +129,9 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
     k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
     live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
     idx = jnp.where(live, table[picked[:, None], jnp.minimum(k, ctx - 1)], 0).reshape(-1)
+    if extra == "free":
+      d = freeing.free(config, dummy[0], idx + dep())
+      dummy = (dummy[0]._replace(free_ring=d.free_ring, free_head=d.free_head), dummy[1])
     # Unconditional (an all-padding group frees nothing): a lax.cond may cost a
     # device-to-host read of its predicate on GPU, more than the free itself.
     state = freeing.free(config, state, idx)
@@ -127,13 +141,26 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
   seq_new = jnp.where(active, seq + 1, 2)       # 2: needs no page (ps >= 2)
   last = table[rows, jnp.maximum(seq - 1, 0)]
   if alloc:
+    if extra == "alloc":
+      d, out2, _ = allocation.alloc_decode(config, dummy[0], seq_new + dep(), last)
+      dummy = (dummy[0]._replace(free_head=d.free_head), out2)
     state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
   else:
     out, ok = last + 1, jnp.ones((), bool)
   table = table.at[jnp.where(active, rows, bs), seq_new - 1].set(out, mode="drop")
   seq = jnp.where(active, seq_new, seq)
   pending = pending | (active & (seq >= target))
-  return state, table, seq, target, pending, ok_all & ok
+  out_carry = (state, table, seq, target, pending, ok_all & ok)
+  return out_carry + ((dummy,) if extra else ())
+
+
+def extra_carry(case: ServingCase, extra: str):
+  """The 7th carry element for serve_step(extra=...): a dummy pool that never runs out
+  (its free length stays fixed: full for alloc, empty for free) and the extra indices."""
+  s = jax.jit(st.init, static_argnums=0)(_config(case))
+  if extra == "free":
+    return initial_carry(case) + ((s._replace(free_len=jnp.zeros((), jnp.int32)), ()),)
+  return initial_carry(case) + ((s, jnp.zeros(case.bs, jnp.int32)),)
 
 
 def _per_step_host(jit_step, carry, steps: int, *, block: bool):
@@ -179,10 +206,11 @@ def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time
          "ok": bool(final[5]), "table": final[1], "seq": final[2],
          "free_pages": st.live_free_pages(final[0])}
   variants = {"": {}, "_baseline": dict(alloc=False, free=False),
-              "_decode_only": dict(free=False), "_free_only": dict(alloc=False)}
+              "_extra_alloc": dict(extra="alloc"), "_extra_free": dict(extra="free")}
   for name, flags in variants.items():
+    carry0 = extra_carry(case, flags["extra"]) if "extra" in flags else initial_carry(case)
     res = bt.jax_loop_time(functools.partial(serve_step, cfg, case.max_frees, **flags),
-                           initial_carry(case), unroll=unroll, min_time=min_time, reps=reps)
+                           carry0, unroll=unroll, min_time=min_time, reps=reps)
     out[f"scan{name}_us"] = res["s"] * 1e6
     if not name:
       out["scan_spread"] = res["spread"]

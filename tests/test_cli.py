@@ -36,7 +36,7 @@ def _has_matplotlib():
 def test_simulate_json_plot_and_table(tmp_path, capsys):
   out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
   args = ["simulate", "--num-requests", "40", "--page-size", "1,16", "--json",
-          str(out_json)] + TINY
+          str(out_json), "--json-series"] + TINY
   if _has_matplotlib():
     args += ["--plot", str(out_png)]
   assert cli.main(args) == 0
