@@ -202,11 +202,6 @@ def free_list_runs(state: AllocatorState) -> Array:
   return jnp.where(state.free_len > 0, 1 + jnp.sum(brk), 0).astype(jnp.int32)
 
 
-def table_pages(table_row, tokens: int, page_size: int):
-  """Host helper: the page ids holding tokens [0, tokens) of one (host) table row."""
-  return table_row[0:tokens:page_size] // page_size
-
-
 def new_pages(seq_before, seq_after, page_size: int):
   """Pages a request takes to grow from seq_before to seq_after tokens (host or device)."""
   return cdiv(seq_after, page_size) - cdiv(seq_before, page_size)
