@@ -92,14 +92,18 @@ def time_calls(step, carry, reset=lambda c: c, *, unroll=UNROLL, repeats=REPEATS
           "iters": n, "compile_s": compile_s}
 
 
-def _chained(call, kernel):
-  """step((state, sink)) for call(state) -> (state, out, ok). The jnp path folds `out`
-  into a sink (a max that XLA fuses into the index computation) so that XLA cannot drop
-  the unused indices; the Pallas path needs none (a custom call is never pruned)."""
+def _chained(call, use_sink):
+  """step((state, sink)) for call(state) -> (state, out, ok). With use_sink, `out` is
+  folded into a sink (a max, which XLA fuses into the index computation) so that XLA
+  cannot drop unused indices: needed wherever the indices come from XLA or from a
+  kernel whose only output they are (the contract kernel). The fused kernel needs none:
+  it also returns the state, so it always runs (a custom call is never pruned in part).
+  Note: on the jnp path XLA also fuses across consecutive calls and hoists their
+  loop-invariant parts, so its numbers are lower bounds, not per-call costs."""
   def step(c):
     state, sink = c
     state, out, _ = call(state)
-    return state, (jnp.maximum(sink, out) if kernel == "jnp" else sink)
+    return state, (jnp.maximum(sink, out) if use_sink else sink)
   return step
 
 
@@ -150,7 +154,9 @@ def bench_decode(bs, ps, kernel, rng, **tuning):
       return s._replace(free_head=head, free_len=length), out, ok
   else:
     call = lambda s: kv.alloc_decode(cfg, s, seq, last)
-  return time_calls(_chained(call, kernel), (kv.init(cfg), jnp.zeros((bs,), jnp.int32)),
+  use_sink = kernel == "jnp" or not (
+      tuning or pallas_kernels.decode_fused_supported(bs, cfg.num_pages))
+  return time_calls(_chained(call, use_sink), (kv.init(cfg), jnp.zeros((bs,), jnp.int32)),
                     _refill(cfg))
 
 
@@ -168,7 +174,9 @@ def bench_extend(bs, tokens, ps, kernel, rng, **tuning):
       return s._replace(free_head=head, free_len=length), out, ok
   else:
     call = lambda s: kv.alloc_extend(cfg, s, pre, seq, last, max_tokens=tokens)
-  return time_calls(_chained(call, kernel),
+  use_sink = kernel == "jnp" or not (
+      tuning or pallas_kernels.extend_fused_preferred(bs, tokens, cfg.num_pages))
+  return time_calls(_chained(call, use_sink),
                     (kv.init(cfg), jnp.zeros((tokens,), jnp.int32)), _refill(cfg))
 
 

@@ -24,11 +24,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
+from pallas_kernels import tuning
 from pallas_kernels._util import cdiv
 
 Array = jax.Array
-
-DEFAULT_ROW_BLOCK = 2048      # rows per program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +148,13 @@ class _Call:
 
 def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interpret):
   rows_pad = _util.next_pow2(num_rows)
-  row_block = min(rows_pad, row_block or DEFAULT_ROW_BLOCK)
+  row_block = min(rows_pad, row_block or tuning.DECODE_ROW_BLOCK)
   if not _util.is_pow2(row_block):
     raise ValueError(f"row_block={row_block} must be a power of two")
   p = _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, row_block=row_block,
               page_size=page_size, src_len=src_len)
-  if num_warps is None:  # one warp for small batches: no cross-warp scan or reduction
-    num_warps = (1 if rows_pad <= 256 else 4 if rows_pad <= 1024 else
-                 8 if rows_pad <= 4096 else 16)
+  if num_warps is None:  # the fused kernel may hold all rows; the contract one a block
+    num_warps = tuning.decode_warps(rows_pad if fused else row_block)
   name = "jax_kvalloc_alloc_decode_triton" if fused else "jax_kvalloc_decode_indices_triton"
   return _Call(name, p, num_warps, interpret)
 
@@ -185,7 +183,8 @@ def decode_indices_triton(free_window: Array, seq_lens: Array, last_loc: Array,
   b = seq_lens.shape[0]
   if b == 0:
     return jnp.zeros((0,), jnp.int32)
-  call = _make_call(False, b, page_size, free_window.shape[0], row_block or 1024,
+  call = _make_call(False, b, page_size, free_window.shape[0],
+                    row_block or tuning.CONTRACT_DECODE_ROW_BLOCK,
                     num_warps, interpret)
   (out,) = _run(call, free_window, seq_lens, last_loc, page_start)
   return out

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
+from pallas_kernels import tuning
 from pallas_kernels._util import INT32_MAX, cdiv, floordiv, mod
 
 Array = jax.Array
@@ -52,8 +53,6 @@ Array = jax.Array
 _TOK_END, _A, _E, _C, _BP = range(5)
 _LINE = 8
 
-DEFAULT_TILE = 1024          # output tokens per program
-DEFAULT_WINDOW = 256         # rows per search pass (fused)
 MAX_FUSED_ROWS = 2**15       # the exact total check needs <= 2**15 lanes
 MAX_FUSED_ROW_WORK = 2**17   # rows_pad * programs: beyond, the contract path scales better
 
@@ -246,8 +245,9 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
 
 def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret):
   rows_pad = _util.next_pow2(num_rows)
-  tile = min(_util.next_pow2(out_len), tile or DEFAULT_TILE)
-  window = min(rows_pad, window or DEFAULT_WINDOW)
+  default_tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused)
+  tile = min(_util.next_pow2(out_len), tile or default_tile)
+  window = min(rows_pad, window or tuning.EXTEND_WINDOW)
   if not (_util.is_pow2(tile) and _util.is_pow2(window)):
     raise ValueError(f"tile={tile} and window={window} must be powers of two")
   return _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, tile=tile,
@@ -272,13 +272,16 @@ def fused_preferred(num_rows: int, out_len: int, ring_len: int) -> bool:
   every program (rows_pad * programs), which must stay small next to the tokens."""
   if not fused_supported(num_rows, out_len, ring_len):
     return False
-  programs = pl.cdiv(out_len, min(_util.next_pow2(out_len), DEFAULT_TILE))
-  return _util.next_pow2(num_rows) * programs <= MAX_FUSED_ROW_WORK
+  rows_pad = _util.next_pow2(num_rows)
+  tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused=True)
+  return rows_pad * pl.cdiv(out_len, tile) <= MAX_FUSED_ROW_WORK
 
 
 def _default_warps(p: _Params) -> int:
-  warps = max(1, min(8, p.tile // 256))
-  return max(warps, 8) if p.fused and p.rows_pad >= 4096 else warps
+  tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused)
+  if p.tile != tile:  # a tile set by hand: warps by the same rule
+    warps = max(1, min(8, p.tile // 256))
+  return warps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,48 @@
+"""Tile sizes and warp counts of the Triton kernels, from H200 measurements.
+
+Source: `python -m pallas_kernels.gpu_check` on an NVIDIA H200, jax 0.11.2, triton 3.6.0,
+2026-11-30 (whole jitted alloc calls, fori_loop of 32 dependent calls, slope; us/call,
+the loop's floor of 1.09 us/call included; page_size 16):
+
+  fused extend (tile, warps)  (256, 1)  (512, 2)  (1024, 4)  (2048, 8)
+    bs 1,    8k tokens          2.70      2.56      2.73       2.73
+    bs 16,   65k tokens         3.70      3.93        -        4.56
+    bs 256,  65k tokens         5.22      4.72      5.58       6.14
+    bs 1024, 65k tokens        10.01      7.27      6.83       6.62
+  fused decode warps            1         2         4
+    bs 1                        1.43      1.51      1.49
+    bs 64                       1.69      1.70      1.66
+    bs 256                      3.53      1.85      1.70
+  fused decode bs 16384 (row block, warps): (2048, 16) 4.54, (4096, 8) 11.61,
+    (16384, 16) 14.73.
+
+Every configuration in the table was checked bit for bit against the jnp path on the
+H200 (tests/test_pallas_gpu.py); the kernels are correct for any power-of-two choice.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+from pallas_kernels._util import next_pow2
+
+EXTEND_WINDOW = 256          # rows per search pass of the fused extend kernel
+DECODE_ROW_BLOCK = 2048      # rows per program of the fused decode kernel
+CONTRACT_DECODE_ROW_BLOCK = 1024
+
+
+def extend_tile_warps(rows_pad: int, out_len: int, fused: bool) -> Tuple[int, int]:
+  """(tokens per program, warps) of the extend kernels."""
+  tile = 512 if fused and rows_pad <= 256 else 1024
+  tile = min(next_pow2(out_len), tile)
+  warps = max(1, min(8, tile // 256))
+  if fused and rows_pad >= 4096:
+    warps = 8  # every program holds all rows
+  return tile, warps
+
+
+def decode_warps(rows_pad: int) -> int:
+  """Warps of a decode program (it holds min(rows_pad, row block) rows, and in the
+  fused kernel all rows once more when there are several programs)."""
+  if rows_pad <= 8:
+    return 1
+  return 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
