@@ -304,6 +304,15 @@ def test_kernel_from_environment_and_keyword(monkeypatch):
     kv.AllocatorConfig(size=64, page_size=4)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU message")
+def test_pallas_without_interpreter_on_cpu_says_what_to_do(monkeypatch):
+  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
+  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="pallas", debug=False)
+  with pytest.raises(ValueError, match="pallas_interpret"):
+    jax.jit(functools.partial(kv.alloc_decode, cfg))(kv.init(cfg), jnp.ones(8, jnp.int32),
+                                                     jnp.ones(8, jnp.int32))
+
+
 def test_classes_with_pallas_interpret_follow_the_model():
   rng = _rng("classes")
   ps = 4
