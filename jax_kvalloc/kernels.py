@@ -15,7 +15,8 @@ ring, indices, new head and length) runs as one kernel launch, `alloc_extend_fus
 `alloc_decode_fused`, because on a GPU every separate XLA op of the bookkeeping costs a
 launch of its own. They return None where they do not apply (the jnp path, the Mosaic
 backend, debug mode, and extend batches so large that the fused kernel's per-program
-row work would dominate); the caller then goes on with the index kernel alone. A need_sort merge stays with the caller, before the fused call.
+row work would dominate); the caller then goes on with the index kernel alone. A
+need_sort merge stays with the caller, before the fused call.
 """
 from __future__ import annotations
 
