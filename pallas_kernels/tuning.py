@@ -18,6 +18,20 @@ the loop's floor of 1.09 us/call included; page_size 16):
 
 Every configuration in the table was checked bit for bit against the jnp path on the
 H200 (tests/test_pallas_gpu.py); the kernels are correct for any power-of-two choice.
+
+Whole-call times with the defaults of that run (extend tile 1024 / 4 warps, decode 1 warp
+up to 256 rows; the choices below replace those where the table says so), us/call:
+
+  decode  bs        1     64    256   1024   4096  16384
+          ps 16   1.43  1.69  3.53*  2.75   3.77   4.54     (* 1.70 with 4 warps)
+          ps 1    1.42  1.70  3.99*  2.47   3.71   6.54
+  extend  bs/tok  1/8k  1/65k  16/8k  64/65k  256/8k  256/65k  1024/65k
+          ps 16   2.73  2.70   4.21   4.30    7.15    5.58     6.83
+          ps 1    2.50  2.53   4.02   4.09    7.31    5.37     6.45
+
+That run's extend rows for 4096 and 16384 requests (262k tokens; the contract path) are
+not valid: the kernel's only output was unused and XLA pruned it (gpu_check now folds it
+into a sink). Its jnp-path numbers are lower bounds: XLA fuses across the chained calls.
 """
 from __future__ import annotations
 
