@@ -11,6 +11,7 @@ from jax_kvalloc.allocation import alloc_decode
 from jax_kvalloc.allocation import alloc_extend
 from jax_kvalloc.base import AllocatorSnapshot
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.debug import AllocatorDebugError
 from jax_kvalloc.freeing import free
 from jax_kvalloc.freeing import merge_and_sort_free
 from jax_kvalloc.paged import PagedTokenToKVPoolAllocator
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllocatorConfig",
+    "AllocatorDebugError",
     "AllocatorSnapshot",
     "AllocatorState",
     "PagedTokenToKVPoolAllocator",
