@@ -313,35 +313,41 @@ def test_pallas_without_interpreter_on_cpu_says_what_to_do(monkeypatch):
                                                      jnp.ones(8, jnp.int32))
 
 
-def test_classes_with_pallas_interpret_follow_the_model():
-  rng = _rng("classes")
-  ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="pallas_interpret")
-  m = ModelAllocator(size=64 * ps, page_size=ps, kind="paged")
+def check_classes_follow_the_model(a, m, rng, *, steps, max_bs, max_ext, max_page):
+  """Random extend (page-aligned prefixes) / decode / free steps of the class `a` and the
+  model `m` side by side: every output and the free list must agree after each step."""
+  ps = a.page_size
   held = []
-  for step in range(12):
-    bs = int(rng.integers(1, 5))
+  for step in range(steps):
+    bs = int(rng.integers(1, max_bs))
     if step % 3 == 2 and held:
       idx = held.pop(int(rng.integers(len(held))))
       a.free(idx)
       m.free(idx.tolist())
-      continue
     # Page-aligned prefixes: every slot returned is in a page this call took, so freeing
     # an output later frees exactly those pages.
     pre = rng.integers(0, 3, bs) * ps
-    seq = pre + rng.integers(0, 20, bs)
-    last = np.where(pre > 0, rng.integers(1, 60, bs) * ps + ps - 1, -1)
+    seq = pre + rng.integers(0, max_ext, bs)
+    last = np.where(pre > 0, rng.integers(1, max_page, bs) * ps + ps - 1, -1)
     out = a.alloc_extend(pre, None, seq, None, last, int((seq - pre).sum()))
     want = m.alloc_extend(pre.tolist(), seq.tolist(), last.tolist())
     assert (out is None) == (want is None)
     if out is not None:
       assert np.asarray(out).tolist() == want
       held.append(np.asarray(out))
-    dseq = rng.integers(1, 30, bs)
-    dlast = np.where(dseq > 1, rng.integers(1, 60, bs) * ps + (dseq - 2) % ps, -1)
+    dseq = rng.integers(1, 3 * max_ext // 2, bs)
+    dlast = np.where(dseq > 1, rng.integers(1, max_page, bs) * ps + (dseq - 2) % ps, -1)
     out = a.alloc_decode(dseq, None, dlast)
     want = m.alloc_decode(dseq.tolist(), dlast.tolist())
     assert (out is None) == (want is None)
     if out is not None:
       assert np.asarray(out).tolist() == want
     assert a.free_pages.tolist() == m.free_pages
+
+
+def test_classes_with_pallas_interpret_follow_the_model():
+  ps = 4
+  a = kv.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="pallas_interpret")
+  m = ModelAllocator(size=64 * ps, page_size=ps, kind="paged")
+  check_classes_follow_the_model(a, m, _rng("classes"), steps=12, max_bs=5, max_ext=20,
+                                 max_page=60)

@@ -18,6 +18,7 @@ from model import ModelAllocator
 from pallas_kernels import testing
 from test_pallas_alloc import _assert_same, _configs, _decode_cases, _extend_cases, _rng
 from test_pallas_alloc import _state, check_alloc_decode, check_alloc_extend
+from test_pallas_alloc import check_classes_follow_the_model
 from test_pallas_kernels import _check_decode, _check_extend
 
 
@@ -111,32 +112,9 @@ def test_large_extend_takes_the_contract_kernel():
 
 
 def test_classes_on_gpu_follow_the_model():
-  rng = np.random.default_rng(7)
   ps = 16
   a = kv.PagedTokenToKVPoolAllocator(512 * ps, ps, device=None if INTERPRET else "cuda",
                                      kernel=KERNEL)
   m = ModelAllocator(size=512 * ps, page_size=ps, kind="paged")
-  held = []
-  for step in range(40):
-    bs = int(rng.integers(1, 40))
-    if step % 3 == 2 and held:
-      idx = held.pop(int(rng.integers(len(held))))
-      a.free(idx)
-      m.free(idx.tolist())
-    pre = rng.integers(0, 3, bs) * ps
-    seq = pre + rng.integers(0, 200, bs)
-    last = np.where(pre > 0, rng.integers(1, 500, bs) * ps + ps - 1, -1)
-    out = a.alloc_extend(pre, None, seq, None, last, int((seq - pre).sum()))
-    want = m.alloc_extend(pre.tolist(), seq.tolist(), last.tolist())
-    assert (out is None) == (want is None)
-    if out is not None:
-      assert np.asarray(out).tolist() == want
-      held.append(np.asarray(out))
-    dseq = rng.integers(1, 300, bs)
-    dlast = np.where(dseq > 1, rng.integers(1, 500, bs) * ps + (dseq - 2) % ps, -1)
-    out = a.alloc_decode(dseq, None, dlast)
-    want = m.alloc_decode(dseq.tolist(), dlast.tolist())
-    assert (out is None) == (want is None)
-    if out is not None:
-      assert np.asarray(out).tolist() == want
-    assert a.free_pages.tolist() == m.free_pages
+  check_classes_follow_the_model(a, m, np.random.default_rng(7), steps=40, max_bs=40,
+                                 max_ext=200, max_page=500)
