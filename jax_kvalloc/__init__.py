@@ -1,12 +1,17 @@
 """jax_kvalloc: SGLang's KV-cache slot allocators as pure, jit-compiled JAX functions.
 
 Functional core (no host sync; composes with jit, vmap, scan and donation):
-  init, alloc, alloc_extend, alloc_decode, free, merge_and_sort_free, available_size,
-  over an `AllocatorState` pytree configured by a static `AllocatorConfig`.
+  paged_allocator(config) / token_allocator(config): a NamedTuple of pure functions with
+  the config bound (optax style), over an `AllocatorState` pytree; the same functions
+  with the static `AllocatorConfig` as first argument: init, alloc, alloc_extend,
+  alloc_decode, free, merge_and_sort_free, available_size.
 SGLang-compatible classes on top:
   TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator.
 """
 from jax_kvalloc.allocation import alloc
+from jax_kvalloc.allocator import Allocator
+from jax_kvalloc.allocator import paged_allocator
+from jax_kvalloc.allocator import token_allocator
 from jax_kvalloc.allocation import alloc_decode
 from jax_kvalloc.allocation import alloc_extend
 from jax_kvalloc.base import AllocatorSnapshot
@@ -25,6 +30,7 @@ from jax_kvalloc.token import TokenToKVPoolAllocator
 __version__ = "0.1.0"
 
 __all__ = [
+    "Allocator",
     "AllocatorConfig",
     "AllocatorDebugError",
     "AllocatorSnapshot",
@@ -40,4 +46,6 @@ __all__ = [
     "live_free_pages",
     "live_release_pages",
     "merge_and_sort_free",
+    "paged_allocator",
+    "token_allocator",
 ]

@@ -6,12 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from jax_kvalloc import __main__ as cli
-from jax_kvalloc import bench_timing
-from jax_kvalloc import report
-from jax_kvalloc import simulate
-from jax_kvalloc import simulate_steps
-from jax_kvalloc import workload
+from jax_kvalloc.tools import cli
+from jax_kvalloc.tools import timing
+from jax_kvalloc.tools import report
+from jax_kvalloc.tools import simulate
+from jax_kvalloc.tools import simulate_steps
+from jax_kvalloc.tools import workload
 
 # One set of static shapes for every simulate run here, so the step functions compile
 # once per page size for the whole module.
@@ -129,7 +129,7 @@ def test_distributions():
 
 
 def test_trace_replay(tmp_path, capsys, golden_path):
-  traces = pytest.importorskip("jax_kvalloc.traces")
+  traces = pytest.importorskip("jax_kvalloc.tools.traces")
   recs = traces.read(str(golden_path))
   tids = [t for t in recs if recs[t][0]["args"]["page_size"] == 4][:1]
   picked = [r for t in tids for r in recs[t]]
@@ -174,7 +174,7 @@ def test_bench_quick(tmp_path, capsys):
 
 
 def test_bench_degrades_without_torch_or_accelerator(monkeypatch, capsys):
-  from jax_kvalloc import bench_micro  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_micro  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(bench_micro, "torch_available", lambda: "torch_ref unavailable (test)")
   args = ["bench", "--quick", "--ops", "decode", "--batch-sizes", "8", "--no-serving",
           "--paths", "pallas,jnp,torch", "--no-progress"]
@@ -195,8 +195,8 @@ def test_plot_without_matplotlib(monkeypatch):
 
 
 def test_helpers():
-  assert bench_timing.loglog_slope([1, 4, 16], [2, 8, 32]) == pytest.approx(1.0)
-  assert bench_timing.loglog_slope([1, 4, 16], [1, 16, 256]) == pytest.approx(2.0)
+  assert timing.loglog_slope([1, 4, 16], [2, 8, 32]) == pytest.approx(1.0)
+  assert timing.loglog_slope([1, 4, 16], [1, 16, 256]) == pytest.approx(2.0)
   assert cli.int_list("1, 16,64") == [1, 16, 64]
   t = report.table(["a", "b"], [["x", 1], ["yy", 22]])
   assert t.splitlines()[0] == "| a  |  b |" and t.splitlines()[1] == "|----|---:|"

@@ -22,7 +22,7 @@ import pallas_kernels
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from model import ModelAllocator
-from pallas_kernels import testing
+import kernel_cases as testing
 
 NUM_PAGES = 96
 ROWS = 8

@@ -15,7 +15,7 @@ import pytest
 import jax_kvalloc as kv
 import pallas_kernels
 from model import ModelAllocator
-from pallas_kernels import testing
+import kernel_cases as testing
 from test_pallas_alloc import _assert_same, _configs, _decode_cases, _extend_cases, _rng
 from test_pallas_alloc import _state, check_alloc_decode, check_alloc_extend
 from test_pallas_alloc import check_classes_follow_the_model

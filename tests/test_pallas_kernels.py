@@ -3,7 +3,7 @@
 Both backends (Triton-style GPU kernel, Mosaic TPU kernel) run in Pallas' HLO
 interpreter (`interpret=True`), many fresh random batches per page size, vmapped so that
 each configuration compiles once. Every page size of {1, 2, 4, 16, 64, 128}; the case
-generator (pallas_kernels.testing) mixes zero-extension rows, prefix 0, aligned and
+generator (tests/kernel_cases.py) mixes zero-extension rows, prefix 0, aligned and
 mid-page prefixes, one row holding all tokens, padded rows, and pools that are exactly
 used up or one page short.
 """
@@ -18,7 +18,7 @@ import pytest
 import pallas_kernels
 from jax_kvalloc import index_jnp
 from model import ModelAllocator
-from pallas_kernels import testing
+import kernel_cases as testing
 from pallas_kernels.triton_extend import extend_indices_triton
 
 ROWS = 8

@@ -24,7 +24,7 @@ import jax_kvalloc as kv
 import pallas_kernels
 from jax_kvalloc import index_jnp
 from pallas_kernels import lowering_check
-from pallas_kernels import testing
+import kernel_cases as testing
 
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 TRITON = "__gpu$xla.gpu.triton"

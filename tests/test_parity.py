@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch_ref needs torch (pip install torch)")
 
 import torch_ref  # noqa: E402  pylint: disable=g-import-not-at-top
-from jax_kvalloc import traces  # noqa: E402
-from torch_ref import parity  # noqa: E402
-from torch_ref import sglang_oracle  # noqa: E402
+from jax_kvalloc.tools import traces  # noqa: E402
+from jax_kvalloc.tools import parity  # noqa: E402
+from jax_kvalloc.tools import sglang_oracle  # noqa: E402
 from trace_helpers import model_factory  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -210,7 +210,7 @@ def test_lock_step_reports_a_broken_implementation():
 def _run(args, timeout=600):
   env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("TRITON_INTERPRET", None)
-  proc = subprocess.run([sys.executable, "-m", "torch_ref.parity", *args], cwd=REPO,
+  proc = subprocess.run([sys.executable, "-m", "jax_kvalloc", "parity", *args], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=timeout)
   return proc.returncode, proc.stdout + proc.stderr
 

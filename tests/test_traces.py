@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jax_kvalloc import traces
+from jax_kvalloc.tools import traces
 from trace_helpers import jax_replayer, model_replayer
 
 

@@ -2,7 +2,7 @@
 behind jax_kvalloc.traces' allocator-factory interface. No torch here."""
 from __future__ import annotations
 
-from jax_kvalloc import traces
+from jax_kvalloc.tools import traces
 from model import ModelAllocator
 
 

@@ -2,7 +2,7 @@
 
 Run on a machine with a CUDA GPU, from the repository root:
 
-  PYTHONPATH=. python -m pallas_kernels.gpu_check [--no-tests] [--no-jnp] [--no-tuning]
+  python tests/gpu_check.py [--no-tests] [--no-jnp] [--no-tuning]
       [--budget SECONDS] [--out DIR]
 
 1. Runs tests/test_pallas_gpu.py (bit-for-bit against the jnp path on the GPU, and the
@@ -37,6 +37,7 @@ import numpy as np
 
 import jax_kvalloc as kv
 import pallas_kernels
+import kernel_cases as testing
 
 UNROLL = 32       # dependent calls per loop iteration
 REPEATS = 5

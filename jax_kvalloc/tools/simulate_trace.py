@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from jax_kvalloc.simulate import LeakCheckError, PageSizeResult, _pct
+from jax_kvalloc.tools.simulate import LeakCheckError, PageSizeResult, _pct
 
 ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode")
 
@@ -90,7 +90,7 @@ def _make_factory(kernel: str):
 
 def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
                 runs: List[int], runs_every: int) -> None:
-  from jax_kvalloc import traces  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
   init = traces.init_args(records[0].get("args", {}))
   ps, num_pages = init["page_size"], init["size"] // init["page_size"]
   tracker = _Tracker(ps)
@@ -149,7 +149,7 @@ def run_trace(path: str, *, kernel: str = "auto", runs_every: int = 16,
               progress: bool = True) -> List[PageSizeResult]:
   """Replays every trace in `path`; returns one aggregated result per page size."""
   import tqdm  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import traces  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
   all_traces = traces.read(path)
   by_ps: Dict[int, List[Any]] = collections.defaultdict(list)
   for tid, recs in all_traces.items():

@@ -2,7 +2,7 @@
 
 Each case is timed as the whole jitted allocator call (the functional API: pointer
 arithmetic, prefix sums, capacity check, free-list window, index kernel, masking) run as
-many dependent calls inside one jit (jax_kvalloc.bench_timing), for the "pallas" and
+many dependent calls inside one jit (jax_kvalloc.tools.timing), for the "pallas" and
 "jnp" index-kernel paths; and, in the same process, the torch_ref reference: on CUDA the
 replay of a CUDA graph of its Triton kernel (alloc_extend/alloc_decode) or its eager
 `free` (torch.unique syncs, so it cannot be captured); on CPU its eager class calls.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import allocation
-from jax_kvalloc import bench_timing as bt
+from jax_kvalloc.tools import timing as bt
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig

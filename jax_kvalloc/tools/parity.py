@@ -1,17 +1,55 @@
 """Cross-implementation parity: replays allocator traces through jax_kvalloc, torch_ref
 and (when installed) SGLang itself, step by step, and reports the first mismatch.
 
-    python -m torch_ref.parity TRACE.jsonl [--device cpu|cuda] [--kernel jnp|pallas|...]
-    python -m torch_ref.parity --generate N --seed S [--steps K] [--write OUT.jsonl]
+    jax-kvalloc parity TRACE.jsonl [--device cpu|cuda] [--kernel jnp|pallas|...]
+    jax-kvalloc parity --generate N --seed S [--steps K] [--write OUT.jsonl]
 
 The trace format (JSON lines of operations, optionally with expected results and lists)
 is documented in jax_kvalloc.traces. After every step it compares each implementation's
 result (slot ids, or failure), full free_pages and release_pages lists and
 available_size against the trace's recorded fields (where given) and against the first
-implementation, jax_kvalloc. See the torch_ref package docstring for the options.
-Exit status: 0 all steps matched, 1 a mismatch (the message names the trace, the step,
+implementation, jax_kvalloc. Exit status: 0 all steps matched, 1 a mismatch (the message names the trace, the step,
 the op and the first differing index), 2 bad arguments or trace file, 3 a required
 implementation is not available.
+
+Usage
+-----
+    python -m torch_ref.parity TRACE.jsonl [TRACE2.jsonl ...] [options]
+    python -m torch_ref.parity --generate N --seed S [--steps K] [options]
+
+replays traces (the JSON-lines format documented in jax_kvalloc.traces: one operation a
+line, optionally with its expected result, free_pages, release_pages and available_size)
+through jax_kvalloc, torch_ref and, when the `sglang` package is importable, SGLang's own
+allocator, in lock step. After every step it compares each one's result (slot ids or
+failure), full free and release lists (SGLang's release list as a set: newer releases
+keep it unordered) and available_size with the trace and with jax_kvalloc. `--generate`
+makes seeded serving workloads instead (arrivals, shared prefixes, chunked prefill
+batches, decode, speculative steps with snapshots and rollbacks, random finishes, free
+groups, evictions; page sizes 1, 4, 16, 64; need_sort on and off; pools that run out),
+driven by jax_kvalloc, with a leak check at every step.
+
+Options: --device cpu|cuda (default cpu); --kernel jnp|pallas|pallas_interpret|auto
+(jax_kvalloc's index kernel, default jnp); --torch-kernel triton|torch|auto or a comma
+list such as triton,torch to compare both (default triton; on cpu it sets
+TRITON_INTERPRET=1); --impls jax,torch (which to run besides SGLang, the first one
+leading; `--impls torch` checks torch_ref alone against a file's recorded results);
+--sglang auto|on|off; --steps K (default 300) --page-sizes 1,4,16,64 --scale ci|long
+(pool and batch sizes, default ci on cpu and long on cuda) --need-sort mixed|on|off;
+--write OUT.jsonl saves the generated traces (and, on a mismatch, the trace up to it,
+for replay); --quiet.
+
+It prints one line per trace and a summary ("parity OK: ... steps ... matched by ..."),
+or the first mismatch: trace, step, op and arguments, which implementations disagree,
+and the field (result, free_pages, release_pages, available_size) with its first
+differing index (or, if one raised, its exception), and saves the trace up to there.
+Exit status 0 (all matched), 1 (mismatch or exception), 2 (bad arguments or trace
+file), 3 (a requested implementation is unavailable).
+
+Examples:
+    python -m torch_ref.parity my_trace.jsonl --torch-kernel torch      # quick, CPU
+    python -m torch_ref.parity --generate 12 --seed 300 --steps 250     # Triton interp.
+    python -m torch_ref.parity --device cuda --kernel pallas --torch-kernel triton,torch
+        --generate 4 --seed 1000 --steps 3000                           # H200, one line
 """
 from __future__ import annotations
 
@@ -23,7 +61,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from jax_kvalloc import traces
+from jax_kvalloc.tools import traces
 
 
 @dataclasses.dataclass
@@ -106,7 +144,7 @@ def torch_impl(kernel: str = "auto", device: str = "cpu") -> Impl:
 def sglang_impl(device: str = "cpu") -> Impl:
   """The installed SGLang's allocators (see torch_ref.sglang_oracle)."""
   import torch  # pylint: disable=g-import-not-at-top
-  from torch_ref import sglang_oracle  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
   dev = torch.device(device)
 
   def make(size, page_size, need_sort, kind):
@@ -228,7 +266,7 @@ def run_generated(config: traces.WorkloadConfig, impls: Sequence[Impl],
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m torch_ref.parity",
+      prog="jax-kvalloc parity",
       description="Replay allocator traces through jax_kvalloc, torch_ref and SGLang in "
                   "lock step; report the first mismatch.")
   p.add_argument("trace", nargs="*", help="trace files (JSON lines, see jax_kvalloc.traces)")
@@ -282,7 +320,7 @@ def _build(args: argparse.Namespace) -> List[Impl]:
     import triton  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   impls = [impl for n in names for impl in makers[n]()]
   if args.sglang != "off":
-    from torch_ref import sglang_oracle  # pylint: disable=g-import-not-at-top
+    from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
     err = sglang_oracle.import_error()
     if err is None:
       impls.append(sglang_impl(args.device))
@@ -336,7 +374,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = args.write or tempfile.mkstemp(prefix="parity_mismatch_", suffix=".jsonl")[1]
     traces.write(path, written + e.records)
     print(f"parity: the trace up to the mismatch is in {path} (replay it: "
-          f"python -m torch_ref.parity {path})")
+          f"jax-kvalloc parity {path})")
     return 1
   if args.write and written:
     traces.write(args.write, written)

@@ -3,7 +3,7 @@
 Requests arrive (jax_kvalloc.workload), share prefixes through a small prefix cache,
 prefill in chunked batches, decode one token per step, finish and are freed, all on the
 default JAX device. The device half of each scheduler iteration is one jitted call
-(jax_kvalloc.simulate_steps); this module is the host half: a scheduler that, like
+(jax_kvalloc.tools.simulate_steps); this module is the host half: a scheduler that, like
 SGLang's, runs a prefill batch whenever requests can be admitted and a decode batch
 otherwise, and frees each iteration's finished requests and evicted cache entries in one
 free group.
@@ -31,11 +31,11 @@ from typing import Any, Dict, List, Sequence, Tuple
 import jax
 import numpy as np
 
-from jax_kvalloc import simulate_steps as steps
+from jax_kvalloc.tools import simulate_steps as steps
 from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
-from jax_kvalloc.workload import Workload, make_workload
+from jax_kvalloc.tools.workload import Workload, make_workload
 
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
 
@@ -531,7 +531,7 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
 
 def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
   """Replays the traces in `path` (jax_kvalloc.traces format), one result per page size."""
-  from jax_kvalloc import simulate_trace  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
   results = simulate_trace.run_trace(path, kernel=cfg.kernel, runs_every=cfg.runs_every,
                                      progress=progress)
   conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
@@ -596,7 +596,7 @@ def to_json(result: SimResult, *, series: bool = True) -> Dict[str, Any]:
 
 def plot(result: SimResult, path: str) -> None:
   """Pool usage over time and the per-step time distribution, one line per page size."""
-  from jax_kvalloc.report import pyplot  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.report import pyplot  # pylint: disable=g-import-not-at-top
   plt = pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
   for r in result.results:

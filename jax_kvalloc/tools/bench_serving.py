@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import allocation
-from jax_kvalloc import bench_timing as bt
+from jax_kvalloc.tools import timing as bt
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket

@@ -61,8 +61,8 @@ class BenchConfig:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-  from jax_kvalloc.__main__ import int_list, name_list  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.bench_micro import DECODE_BS, EXTEND_CASES  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.cli import int_list, name_list  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.bench_micro import DECODE_BS, EXTEND_CASES  # pylint: disable=g-import-not-at-top
   p = sub.add_parser(
       "bench", help="microbenchmarks and the serving-loop benchmark",
       description="Times alloc_decode, alloc_extend and free (the whole jitted call, as "
@@ -135,7 +135,7 @@ def environment(torch_note: Optional[str]) -> Dict[str, Any]:
 def resolve(args) -> Tuple[BenchConfig, List[str]]:
   """The run's configuration and notes on dropped columns."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import bench_micro  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_micro  # pylint: disable=g-import-not-at-top
   accel = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
   notes = []
   paths = list(args.paths or [p for p in PATHS if p != "pallas" or accel])
@@ -172,9 +172,9 @@ def run(cfg: BenchConfig, *, progress: bool = True,
   and each serving batch size (so a run cut short still leaves its numbers).
   """
   import tqdm  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import bench_micro  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import bench_serving  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import bench_timing  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_micro  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_serving  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import timing  # pylint: disable=g-import-not-at-top
   torch_on = "torch" in cfg.paths
   jax_paths = [p for p in cfg.paths if p != "torch"]
   env = environment(None if torch_on else "not used")
@@ -189,7 +189,7 @@ def run(cfg: BenchConfig, *, progress: bool = True,
     bar.update(1)
 
   tick("loop overhead")
-  overhead = bench_timing.loop_overhead(unroll=cfg.unroll, min_time=cfg.min_time,
+  overhead = timing.loop_overhead(unroll=cfg.unroll, min_time=cfg.min_time,
                                         reps=cfg.reps)
   result = {"env": env, "config": dataclasses.asdict(cfg),
             "loop_overhead_us": overhead * 1e6, "micro": [], "serving": []}
@@ -228,7 +228,7 @@ def _us(cell: Optional[Dict[str, Any]]) -> Optional[float]:
 
 
 def micro_tables(result: Dict[str, Any]) -> str:
-  from jax_kvalloc.report import fmt_ratio, fmt_us, table  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.report import fmt_ratio, fmt_us, table  # pylint: disable=g-import-not-at-top
   cfg = result["config"]
   paths = [p for p in cfg["paths"] if p != "torch"]
   torch_on = "torch" in cfg["paths"]
@@ -288,7 +288,7 @@ def breakdown(row: Dict[str, Any], part: str) -> Optional[float]:
 
 
 def serving_table(result: Dict[str, Any]) -> str:
-  from jax_kvalloc.report import fmt_ratio, fmt_us, table  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.report import fmt_ratio, fmt_us, table  # pylint: disable=g-import-not-at-top
   rows = result["serving"]
   if not rows:
     return ""
@@ -389,7 +389,7 @@ def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
 
 
 def render(result: Dict[str, Any], notes: Sequence[str] = ()) -> str:
-  from jax_kvalloc.report import table  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.report import table  # pylint: disable=g-import-not-at-top
   e = result["env"]
   lines = [f"jax-kvalloc bench on {e['platform']}:{e['device']} ({e['date']}; python "
            f"{e['python']}, jax {e['jax']}, torch {e.get('torch')}, triton "
@@ -418,7 +418,7 @@ def render(result: Dict[str, Any], notes: Sequence[str] = ()) -> str:
 def plot(result: Dict[str, Any], path: str) -> None:
   """Time against batch size on log-log axes, one panel per op, one line per path."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.report import pyplot  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools.report import pyplot  # pylint: disable=g-import-not-at-top
   plt = pyplot()
   ops = [op for op in result["config"]["ops"] if any(r["op"] == op for r in result["micro"])]
   panels = ops + (["serving"] if result["serving"] else [])
@@ -490,7 +490,7 @@ def load_json(paths: Sequence[str], *, micro: bool = True,
 def run_cli(args) -> int:
   # JAX must not take most of the GPU before torch_ref gets any.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  from jax_kvalloc import report  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
   if args.from_json:
     result = load_json(args.from_json, micro=not args.no_micro,
                        serving=not args.no_serving)

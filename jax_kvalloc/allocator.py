@@ -1,0 +1,99 @@
+"""The optax-style entry point: a NamedTuple of pure functions with the config bound.
+
+    alloc = jax_kvalloc.paged_allocator(jax_kvalloc.AllocatorConfig(size=4096, page_size=16))
+    state = alloc.init()
+
+    @jax.jit
+    def step(state, seq_lens, last_loc):
+      state, slots, ok = alloc.alloc_decode(state, seq_lens, last_loc)
+      return state, slots, ok
+
+No `static_argnames` are needed: the config (sizes, page size, need_sort, kernel, debug)
+is captured once, outside the state, as optax captures its hyperparameters. The bound
+functions are the config-threaded ones of the functional core with `config` removed;
+their docstrings (jax_kvalloc.allocation, jax_kvalloc.freeing) give shapes, dtypes and
+what `ok=False` means. Static sizes (`max_size`, `max_tokens`) stay keyword arguments:
+inside a jitted step they are Python ints.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+from jax_kvalloc import allocation
+from jax_kvalloc import freeing
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+
+
+class Allocator(NamedTuple):
+  """Pure functions over an `AllocatorState`, with one pool's config bound.
+
+  Every operation takes a state first and returns the new state first; nothing is
+  mutated, so a snapshot is the old state.
+  """
+  config: AllocatorConfig
+  init: Callable[[], st.AllocatorState]
+  alloc: Callable[..., Any]               # (state, need_size, *, max_size) -> (state, i32[max_size], ok)
+  alloc_extend: Callable[..., Any]        # (state, prefix_lens, seq_lens, last_loc, *, max_tokens, num_reqs=None)
+  alloc_decode: Callable[..., Any]        # (state, seq_lens, last_loc, *, num_reqs=None)
+  free: Callable[..., Any]                # (state, free_index) -> state
+  merge_and_sort_free: Callable[..., Any]  # (state) -> state
+  available_size: Callable[..., Any]      # (state) -> i32[]
+
+
+def _bind(config: AllocatorConfig) -> Allocator:
+  bind = lambda fn: functools.partial(fn, config)
+  return Allocator(
+      config=config,
+      init=bind(st.init),
+      alloc=bind(allocation.alloc),
+      alloc_extend=bind(allocation.alloc_extend),
+      alloc_decode=bind(allocation.alloc_decode),
+      free=bind(freeing.free),
+      merge_and_sort_free=bind(freeing.merge_and_sort_free),
+      available_size=bind(st.available_size),
+  )
+
+
+def _config(config: Optional[AllocatorConfig], kind: str, kwargs: dict) -> AllocatorConfig:
+  if config is None:
+    return AllocatorConfig(kind=kind, **kwargs)
+  if kwargs:
+    raise TypeError(f"pass either config or keyword arguments, not both (got {sorted(kwargs)})")
+  if not isinstance(config, AllocatorConfig):
+    raise TypeError(f"config must be an AllocatorConfig, got {type(config).__name__}")
+  if config.kind != kind:
+    raise ValueError(f"config.kind={config.kind!r}, but this factory builds a {kind!r} allocator")
+  return config
+
+
+def paged_allocator(config: Optional[AllocatorConfig] = None, **kwargs) -> Allocator:
+  """SGLang's paged allocator (SPEC 4) as pure functions.
+
+  Args:
+    config: an AllocatorConfig with kind="paged"; or leave it out and pass its fields as
+      keyword arguments (`paged_allocator(size=4096, page_size=16)`).
+
+  Returns:
+    An `Allocator` NamedTuple; see the module docstring.
+
+  Raises:
+    TypeError / ValueError for a bad config (naming the field), or a token config.
+  """
+  return _bind(_config(config, "paged", kwargs))
+
+
+def token_allocator(config: Optional[AllocatorConfig] = None, **kwargs) -> Allocator:
+  """SGLang's token allocator (SPEC 3: page_size 1, FIFO free) as pure functions.
+
+  Args:
+    config: an AllocatorConfig with kind="token"; or its fields as keyword arguments
+      (`token_allocator(size=4096)`).
+
+  Returns:
+    An `Allocator` NamedTuple (its alloc_extend / alloc_decode work at page size 1, which
+    SGLang's token class does not offer).
+  """
+  kwargs.setdefault("page_size", 1) if config is None else None
+  return _bind(_config(config, "token", kwargs))
