@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copy
 
-
-def _cdiv(a, b):
-  return -(-a // b)
+from kernel_cases import cdiv as _cdiv
 
 
 class ModelAllocator:

@@ -29,11 +29,4 @@ def model_replayer() -> traces.Replayer:
 
 
 def jax_replayer(kernel: str = "jnp") -> traces.Replayer:
-  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
-
-  def make(size, page_size, need_sort, kind):
-    if kind == "token":
-      return kv.TokenToKVPoolAllocator(size, need_sort=need_sort, kernel=kernel)
-    return kv.PagedTokenToKVPoolAllocator(size, page_size, need_sort=need_sort,
-                                          kernel=kernel)
-  return traces.Replayer(make)
+  return traces.Replayer(traces.jax_factory(kernel))

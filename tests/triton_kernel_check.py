@@ -16,13 +16,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_cases import cdiv  # noqa: E402  pylint: disable=g-import-not-at-top
 from model import ModelAllocator  # noqa: E402  pylint: disable=g-import-not-at-top
 from torch_ref import index_torch  # noqa: E402  pylint: disable=g-import-not-at-top
 from torch_ref import triton_kernels as tk  # noqa: E402  pylint: disable=g-import-not-at-top
-
-
-def _cdiv(a, b):
-  return -(-a // b)
 
 
 def _model(pages, ps):
@@ -38,7 +35,7 @@ def check(rng, dev, trial):
   pre = [rng.choice([0, rng.randint(0, 300)]) for _ in range(bs)]
   seq = [p + rng.choice([0, rng.randint(1, 2500 if long else 200)]) for p in pre]
   last = [-1 if p == 0 else (50_000 + i) * ps + (p - 1) % ps for i, p in enumerate(pre)]
-  need = sum(_cdiv(s, ps) - _cdiv(p, ps) for p, s in zip(pre, seq))
+  need = sum(cdiv(s, ps) - cdiv(p, ps) for p, s in zip(pre, seq))
   pages = rng.sample(range(1, 40_000), need + rng.choice([0, 0, 3]))
   want = _model(pages, ps).alloc_extend(pre, seq, last)
   t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)
@@ -58,7 +55,7 @@ def check(rng, dev, trial):
 
   dseq = [rng.randint(1, 300) for _ in range(bs)]
   dlast = [(60_000 + i) * ps + (s - 2) % ps for i, s in enumerate(dseq)]
-  need = sum(_cdiv(s, ps) > _cdiv(s - 1, ps) for s in dseq)
+  need = sum(cdiv(s, ps) > cdiv(s - 1, ps) for s in dseq)
   pages = rng.sample(range(1, 40_000), need + rng.choice([0, 2]))
   want = _model(pages, ps).alloc_decode(dseq, dlast)
   got = tk.decode_indices(t(dseq), t(dlast), t(pages), page_size=ps).tolist()

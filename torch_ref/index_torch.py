@@ -13,9 +13,7 @@ from typing import Sequence
 
 import torch
 
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
+from torch_ref.base import _cdiv
 
 
 def extend_indices(prefix_lens: Sequence[int], seq_lens: Sequence[int],

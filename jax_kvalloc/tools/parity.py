@@ -113,15 +113,7 @@ class Stats:
 
 def jax_impl(kernel: str = "jnp", device: str = "cpu") -> Impl:
   """jax_kvalloc's SGLang-compatible classes, with the given index kernel."""
-  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
-
-  def make(size, page_size, need_sort, kind):
-    if kind == "token":
-      return kv.TokenToKVPoolAllocator(size, device=device, need_sort=need_sort,
-                                       kernel=kernel)
-    return kv.PagedTokenToKVPoolAllocator(size, page_size, device=device,
-                                          need_sort=need_sort, kernel=kernel)
-  return Impl(f"jax_kvalloc[{kernel}]", traces.Replayer(make))
+  return Impl(f"jax_kvalloc[{kernel}]", traces.Replayer(traces.jax_factory(kernel, device)))
 
 
 def torch_impl(kernel: str = "auto", device: str = "cpu") -> Impl:

@@ -35,6 +35,7 @@ from jax_kvalloc.tools import simulate_steps as steps
 from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.tools.workload import Workload, make_workload
 
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
@@ -113,9 +114,6 @@ class PageSizeResult:
   step_kind: List[str] = dataclasses.field(default_factory=list, repr=False)
 
 
-def _cdiv(a, b):
-  return -(-a // b)
-
 
 def _pct(x: Sequence[float], q: float) -> float:
   return float(np.percentile(np.asarray(x, np.float64), q)) if len(x) else 0.0
@@ -140,10 +138,10 @@ class _Simulation:
     self.B = bucket(cfg.max_prefill_reqs, 1)
     self.T = bucket(cfg.max_prefill_tokens, 1)
     self.F = max(cfg.max_frees, 1)
-    self.ctx = _cdiv(max(wl.max_context, 1), 64) * 64
+    self.ctx = cdiv(max(wl.max_context, 1), 64) * 64
     longest_prefix = int(wl.prefix_len.max()) if wl.prefix_len.size else 1
-    self.copy_width = _cdiv(max(longest_prefix, 1), 64) * 64
-    need = _cdiv(wl.prompt + wl.output, page_size)
+    self.copy_width = cdiv(max(longest_prefix, 1), 64) * 64
+    need = cdiv(wl.prompt + wl.output, page_size)
     if need.size and int(need.max()) > self.num_pages:
       i = int(np.argmax(need))
       raise ValueError(
@@ -175,7 +173,7 @@ class _Simulation:
   def held(self) -> np.ndarray:
     """Pages each row holds of its own."""
     live = self.phase != EMPTY
-    return np.where(live, _cdiv(self.seq, self.ps) - self.own // self.ps, 0)
+    return np.where(live, cdiv(self.seq, self.ps) - self.own // self.ps, 0)
 
   def committed(self) -> int:
     """Pages promised to running requests but not yet taken."""
@@ -222,7 +220,7 @@ class _Simulation:
       hit = g >= 0 and self.cache_tokens[g] > 0
       pre0 = int(self.cache_tokens[g]) if hit else 0
       total = int(self.wl.prompt[q] + self.wl.output[q])
-      need = _cdiv(total, self.ps) - pre0 // self.ps
+      need = cdiv(total, self.ps) - pre0 // self.ps
       if need > avail:
         avail = self._evict_for(need, avail, g, frees)
         if need > avail:
@@ -446,7 +444,7 @@ class _Simulation:
       if self.hit[r]:
         self.refcount[self.group[r]] -= 1
       start, end = int(self.own[r]), int(self.seq[r])
-      pages_held = _cdiv(end, self.ps) - start // self.ps
+      pages_held = cdiv(end, self.ps) - start // self.ps
       if self.cfg.inject_leak and not self.leak_injected:
         self.leak_injected = True
         end = start  # the scheduler "forgets" to free this request's pages

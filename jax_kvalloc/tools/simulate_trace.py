@@ -77,17 +77,6 @@ def _runs(pages: List[int]) -> int:
   return int(1 + np.sum(a[1:] != a[:-1] + 1))
 
 
-def _make_factory(kernel: str):
-  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
-
-  def make(size, page_size, need_sort, kind):
-    if kind == "token":
-      return kv.TokenToKVPoolAllocator(size, need_sort=need_sort, kernel=kernel)
-    return kv.PagedTokenToKVPoolAllocator(size, page_size, need_sort=need_sort,
-                                          kernel=kernel)
-  return make
-
-
 def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
                 runs: List[int], runs_every: int) -> None:
   from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
@@ -154,7 +143,7 @@ def run_trace(path: str, *, kernel: str = "auto", runs_every: int = 16,
   by_ps: Dict[int, List[Any]] = collections.defaultdict(list)
   for tid, recs in all_traces.items():
     by_ps[traces.init_args(recs[0].get("args", {}))["page_size"]].append(tid)
-  make = _make_factory(kernel)
+  make = traces.jax_factory(kernel)
   out = []
   for ps in sorted(by_ps):
     tids = by_ps[ps]

@@ -34,7 +34,7 @@ with an `init` line.
 
 Generator
 ---------
-`Workload` simulates a serving scheduler over one pool, seeded: requests arrive, share
+`SchedulerSim` simulates a serving scheduler over one pool, seeded: requests arrive, share
 cached prefixes of varied (page-aligned) length, prefill in batches and in chunks (so
 prefixes also end mid-page), decode, run speculative steps (draft slots taken under
 backup_state and rolled back with restore_state; over-allocated slots freed after
@@ -281,6 +281,21 @@ class Replayer:
     return out
 
 
+def jax_factory(kernel: str = "jnp", device: Any = None) -> Callable[..., Any]:
+  """The allocator factory of a `Replayer` for jax_kvalloc's SGLang-compatible classes:
+  make(size, page_size, need_sort, kind) -> TokenToKVPoolAllocator (kind "token") or
+  PagedTokenToKVPoolAllocator, with the given index kernel and device."""
+  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
+
+  def make(size, page_size, need_sort, kind):
+    if kind == "token":
+      return kv.TokenToKVPoolAllocator(size, device=device, need_sort=need_sort,
+                                       kernel=kernel)
+    return kv.PagedTokenToKVPoolAllocator(size, page_size, device=device,
+                                          need_sort=need_sort, kernel=kernel)
+  return make
+
+
 def init_args(args: Dict[str, Any]) -> Dict[str, Any]:
   """size, page_size, need_sort, kind of an init record, with defaults filled in."""
   ps = int(args["page_size"])
@@ -428,7 +443,7 @@ class _Req:
     return self.slots[self.shared:] + self.extra
 
 
-class Workload:
+class SchedulerSim:
   """A seeded serving scheduler that issues allocator operations (see the module
   docstring). Drive it with `run(execute)`, where execute(op, args) applies the op and
   returns its result (a list of ints, or None)."""
@@ -753,7 +768,7 @@ def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
     free_pages, release_pages and available_size.
   """
   records: List[Record] = []
-  workload = Workload(config)
+  workload = SchedulerSim(config)
 
   def check_leak() -> None:
     # The workload books the outcome of an op after it returns: check before the next.
