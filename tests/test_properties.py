@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, rule,
                                  run_state_machine_as_test)
@@ -285,11 +285,27 @@ class AllocatorMachine(RuleBasedStateMachine):
       assert debug.get_error(self.impl.state) is None
 
 
-def test_print_hypothesis_settings(capsys):
-  with capsys.disabled():
-    print(f"\n[test_properties] profile {PROFILE!r}: max_examples={SETTINGS.max_examples} "
-          f"stateful_step_count={SETTINGS.stateful_step_count} "
-          f"derandomize={SETTINGS.derandomize} per config, {len(CONFIGS)} configs")
+def test_the_state_machine_catches_a_lossy_free():
+  """Negative control: an allocator whose every second `free` is dropped must fail the
+  machine (the lists stop matching the model), or the machine checks nothing."""
+
+  class Lossy(AllocatorMachine):
+    CONFIG = ("paged", 4, 12, False, False)
+
+    def __init__(self):
+      super().__init__()
+      real, calls = self.impl.free, []
+
+      def free(idx):
+        calls.append(1)
+        if len(calls) % 2:
+          real(idx)
+      self.impl.free = free
+
+  with pytest.raises(AssertionError):
+    run_state_machine_as_test(
+        Lossy, settings=settings(SETTINGS, max_examples=20, phases=[Phase.generate],
+                                 print_blob=False))
 
 
 @pytest.mark.parametrize("config", CONFIGS,
