@@ -4,7 +4,8 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
   paged_allocator(config) / token_allocator(config): a NamedTuple of pure functions with
   the config bound (optax style), over an `AllocatorState` pytree; the same functions
   with the static `AllocatorConfig` as first argument: init, alloc, alloc_extend,
-  alloc_decode, free, merge_and_sort_free, available_size.
+  alloc_decode, free, merge_and_sort_free, available_size, and SGLang 0.5.23's newer
+  free_page_ids, free_segment, free_full, free_full_segment, get_all_free_pages.
 SGLang-compatible classes on top:
   TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator.
 """
@@ -18,6 +19,11 @@ from jax_kvalloc.base import AllocatorSnapshot
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.debug import AllocatorDebugError
 from jax_kvalloc.freeing import free
+from jax_kvalloc.freeing import free_full
+from jax_kvalloc.freeing import free_full_segment
+from jax_kvalloc.freeing import free_page_ids
+from jax_kvalloc.freeing import free_segment
+from jax_kvalloc.freeing import get_all_free_pages
 from jax_kvalloc.freeing import merge_and_sort_free
 from jax_kvalloc.paged import PagedTokenToKVPoolAllocator
 from jax_kvalloc.state import AllocatorState
@@ -42,6 +48,11 @@ __all__ = [
     "alloc_extend",
     "available_size",
     "free",
+    "free_full",
+    "free_full_segment",
+    "free_page_ids",
+    "free_segment",
+    "get_all_free_pages",
     "init",
     "live_free_pages",
     "live_release_pages",

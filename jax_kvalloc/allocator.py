@@ -40,6 +40,13 @@ class Allocator(NamedTuple):
   free: Callable[..., Any]                # (state, free_index) -> state
   merge_and_sort_free: Callable[..., Any]  # (state) -> state
   available_size: Callable[..., Any]      # (state) -> i32[]
+  # SPEC 10 (SGLang 0.5.23's newer operations); appended so positional unpacking of the
+  # fields above keeps working.
+  free_page_ids: Callable[..., Any]       # (state, page_ids, num=None) -> state
+  free_segment: Callable[..., Any]        # (state, free_index, start_pos, num=None) -> state
+  free_full: Callable[..., Any]           # (state, free_index) -> state
+  free_full_segment: Callable[..., Any]   # (state, free_index, start_pos, num=None) -> state
+  get_all_free_pages: Callable[..., Any]  # (state) -> (i32[num_pages], i32[] count)
 
 
 def _bind(config: AllocatorConfig) -> Allocator:
@@ -53,6 +60,11 @@ def _bind(config: AllocatorConfig) -> Allocator:
       free=bind(freeing.free),
       merge_and_sort_free=bind(freeing.merge_and_sort_free),
       available_size=bind(st.available_size),
+      free_page_ids=bind(freeing.free_page_ids),
+      free_segment=bind(freeing.free_segment),
+      free_full=bind(freeing.free_full),
+      free_full_segment=bind(freeing.free_full_segment),
+      get_all_free_pages=bind(freeing.get_all_free_pages),
   )
 
 

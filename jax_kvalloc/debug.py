@@ -57,8 +57,10 @@ Err = Tuple[Array, Array, Array]  # (code, index, value), each i32[]
 
 # Operations (DebugState.op).
 OP_ALLOC, OP_ALLOC_EXTEND, OP_ALLOC_DECODE, OP_FREE = 1, 2, 3, 4
+OP_FREE_PAGE_IDS, OP_FREE_SEGMENT = 5, 6
 OP_NAMES = {OP_ALLOC: "alloc", OP_ALLOC_EXTEND: "alloc_extend",
-            OP_ALLOC_DECODE: "alloc_decode", OP_FREE: "free"}
+            OP_ALLOC_DECODE: "alloc_decode", OP_FREE: "free",
+            OP_FREE_PAGE_IDS: "free_page_ids", OP_FREE_SEGMENT: "free_segment"}
 
 # Error codes (DebugState.code); 0 is no error.
 BAD_SIZE = 1
@@ -73,6 +75,9 @@ FREE_OUT_OF_RANGE = 9
 DUPLICATE_OUTPUT = 10
 OUTPUT_OUTSIDE_POOL = 11
 HANDED_OUT_IN_USE = 12
+BAD_NUM_NEW_PAGES = 13
+MISALIGNED_START_POS = 14
+SEGMENT_NOT_CONTIGUOUS = 15
 
 _ALLOCS = (OP_ALLOC, OP_ALLOC_EXTEND, OP_ALLOC_DECODE)
 # (op, code) -> (argument that `index` points into, what is wrong).
@@ -94,6 +99,25 @@ MESSAGES: Dict[Tuple[int, int], Tuple[str, str]] = {
     (OP_FREE, FREE_RESERVED): (
         "free_index", "lies in reserved page 0 (only 0 itself is padding)"),
     (OP_FREE, FREE_OUT_OF_RANGE): ("free_index", "is outside the pool"),
+    (OP_ALLOC_EXTEND, BAD_NUM_NEW_PAGES): (
+        "num_new_pages", "differs from the batch's true new-page count "
+        "sum(ceil(seq_lens / page_size) - ceil(prefix_lens / page_size))"),
+    (OP_FREE_PAGE_IDS, DOUBLE_FREE): (
+        "page_ids", "double free: already in free_pages or release_pages, or repeated "
+        "within the call"),
+    (OP_FREE_PAGE_IDS, FREE_RESERVED): ("page_ids", "is the reserved page 0"),
+    (OP_FREE_PAGE_IDS, FREE_OUT_OF_RANGE): (
+        "page_ids", "is not a page of the pool (1..num_pages; 0 is padding)"),
+    (OP_FREE_SEGMENT, MISALIGNED_START_POS): ("start_pos", "is not a multiple of page_size"),
+    (OP_FREE_SEGMENT, SEGMENT_NOT_CONTIGUOUS): (
+        "free_index", "lies in another page than the first token of its page "
+        "(free_index[k - k % page_size]): not one request's contiguous slots"),
+    (OP_FREE_SEGMENT, DOUBLE_FREE): (
+        "free_index", "double free: its page is already in free_pages or release_pages, "
+        "or repeated within the call"),
+    (OP_FREE_SEGMENT, FREE_RESERVED): (
+        "free_index", "lies in reserved page 0 (only 0 itself is padding)"),
+    (OP_FREE_SEGMENT, FREE_OUT_OF_RANGE): ("free_index", "is outside the pool"),
 }
 for _op in (OP_ALLOC_EXTEND, OP_ALLOC_DECODE):
   MESSAGES[(_op, LAST_LOC_OUTSIDE_POOL)] = (
@@ -345,7 +369,7 @@ def finish_alloc(config: AllocatorConfig, state, op: int, err: Err, ok: Array,
 
 
 def finish_free(config: AllocatorConfig, state, free_index: Array, values: Array,
-                count: Array):
+                count: Array, op: int = OP_FREE):
   """Checks a free, then the bookkeeping. Returns (state, count).
 
   Args:
@@ -372,7 +396,63 @@ def finish_free(config: AllocatorConfig, state, free_index: Array, values: Array
   j = jnp.arange(values.shape[0], dtype=jnp.int32)
   is_free = dbg.is_free.at[jnp.where(j < count, values, config.num_pages + 1)].set(
       True, mode="drop")
-  return state._replace(debug=_record(dbg._replace(is_free=is_free), OP_FREE, err)), count
+  return state._replace(debug=_record(dbg._replace(is_free=is_free), op, err)), count
+
+
+def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
+                         given: Array, positions: Array, values: Array, count: Array,
+                         err: Optional[Err] = None):
+  """Checks a free of page ids (free_page_ids, paged free_segment), then the bookkeeping.
+
+  Args:
+    op: OP_FREE_PAGE_IDS or OP_FREE_SEGMENT (names the argument in the message).
+    pages: i32[K] the page ids (free_segment: the pages of its representative slots,
+      -1 for a negative slot); given: bool[K] the real (non-padding) entries.
+    positions: i32[K] where each entry sits in the caller's argument (for the message).
+    values, count: what the core is about to prepend (values[:count]).
+    err: an error already found in the other arguments (it comes first).
+
+  A given page outside 1..num_pages, page 0, a page already free or a page given twice
+  is an error; then the returned count is 0 and nothing is freed. O(K log K) for the
+  repeat check (a one-key sort), O(K) otherwise.
+  """
+  dbg = state.debug
+  n = config.num_pages
+  outside = given & ((pages < 0) | (pages > n))
+  reserved = given & (pages == 0)
+  valid = given & ~outside & ~reserved
+  double = valid & (dbg.is_free[jnp.clip(pages, 0, n)] | _repeats(pages, valid))
+  code, index, value = _first_error(((FREE_OUT_OF_RANGE, outside, pages),
+                                     (FREE_RESERVED, reserved, pages),
+                                     (DOUBLE_FREE, double, pages)))
+  if pages.shape[0]:
+    index = positions[index]
+  found = (code, index, value)
+  if err is not None:
+    found = _either(err, found)
+  count = jnp.where(found[0] == 0, count, 0)
+  j = jnp.arange(values.shape[0], dtype=jnp.int32)
+  is_free = dbg.is_free.at[jnp.where(j < count, values, n + 1)].set(True, mode="drop")
+  return state._replace(debug=_record(dbg._replace(is_free=is_free), op, found)), count
+
+
+def segment_args(config: AllocatorConfig, free_index: Array, given: Array,
+                 start_pos: Array) -> Err:
+  """free_segment's argument errors: start_pos not a multiple of page_size (first), or a
+  given slot outside the page of its page's first token (free_index[k - k % ps])."""
+  ps = config.page_size
+  m = free_index.shape[0]
+  page = jnp.where(free_index >= 0, free_index // ps, -1)
+  first = page[(jnp.arange(m) // ps) * ps] if m else page
+  scattered = _first_error(((SEGMENT_NOT_CONTIGUOUS, given & (page != first), free_index),)
+                           ) if m else _zero_err()
+  return _either(_scalar_error(MISALIGNED_START_POS, start_pos % ps != 0, start_pos),
+                 scattered)
+
+
+def num_new_pages_arg(num_new_pages: Array, total_pages: Array) -> Err:
+  """alloc_extend: a caller-given num_new_pages that differs from the true count."""
+  return _scalar_error(BAD_NUM_NEW_PAGES, num_new_pages != total_pages, num_new_pages)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,10 +1,15 @@
-"""Giving slots back: `free` (SPEC 3 and 4.4) and `merge_and_sort_free` (SPEC 6)."""
+"""Giving slots back: `free` (SPEC 3 and 4.4), `merge_and_sort_free` (SPEC 6), and
+SGLang 0.5.23's newer frees (SPEC 10): `free_page_ids`, `free_segment` (no sort, O(pages
+freed)), the `free_full*` aliases, and the `get_all_free_pages` census."""
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_kvalloc import debug
+from jax_kvalloc import gated
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
@@ -41,11 +46,19 @@ def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState) -> Alloc
 
 def maybe_merge(config: AllocatorConfig, state: AllocatorState,
                 shortfall: Array) -> AllocatorState:
-  """Merges when need_sort is on and `shortfall` (bool[]) holds; else returns `state`."""
+  """Merges when need_sort is on and `shortfall` (bool[]) holds; else returns `state`.
+
+  A branch (lax.cond), also under vmap: over stacked pools (data-parallel ranks) the
+  sort runs only in calls where some pool merges (jax_kvalloc.gated says how).
+  """
   if not config.need_sort:
     return state
-  return jax.lax.cond(shortfall & (state.release_len > 0),
-                      lambda s: merge_and_sort_free(config, s), lambda s: s, state)
+
+  def merge_where(s: AllocatorState, merge: Array) -> AllocatorState:
+    merged = merge_and_sort_free(config, s)
+    return jax.tree.map(lambda new, old: jnp.where(merge, new, old), merged, s)
+
+  return gated.gated(merge_where)(state, shortfall & (state.release_len > 0))
 
 
 def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> AllocatorState:
@@ -69,6 +82,13 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> A
     overflow the pool (only possible through double frees, which debug mode reports) are
     cut to fit, so the lists never overwrite one another's entries.
   """
+  return _free(config, state, free_index, debug.OP_FREE)
+
+
+def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+          op: int) -> AllocatorState:
+  """`free`, with the operation its debug record names (free_page_ids and free_segment
+  of the token allocator are `free`)."""
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
   ps = config.page_size
   n = config.num_pages
@@ -82,7 +102,7 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> A
     valid = (free_index >= 1) & (free_index <= n)
     values, count = st.compact(free_index, valid)
   if config.debug:
-    state, count = debug.finish_free(config, state, free_index, values, count)
+    state, count = debug.finish_free(config, state, free_index, values, count, op)
   room = n - state.free_len - state.release_len
   count = jnp.minimum(count, room)
 
@@ -98,3 +118,138 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> A
   if config.need_sort:
     return state._replace(release_ring=ring, release_head=head, release_len=length)
   return state._replace(free_ring=ring, free_head=head, free_len=length)
+
+
+def _num_mask(m: int, num: Optional[Array], name: str) -> Array:
+  """bool[m]: entries at index < num (all of them when num is None)."""
+  if num is None:
+    return jnp.ones((m,), bool)
+  num = validate.as_i32(num, name)
+  if num.ndim != 0:
+    raise ValueError(f"{name} must be a scalar, got shape {num.shape}")
+  return jnp.arange(m, dtype=jnp.int32) < num
+
+
+def _one_d(x: Array, name: str) -> Array:
+  x = validate.as_i32(x, name)
+  if x.ndim != 1:
+    raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+  return x
+
+
+def _prepend_pages(config: AllocatorConfig, state: AllocatorState, pages: Array,
+                   given: Array, op: int, positions: Array,
+                   err=None, refuse: Optional[Array] = None) -> AllocatorState:
+  """Prepends the given pages (in order, as one block) to release_pages (need_sort) or
+  free_pages. O(K): a compaction (prefix sum + scatter) and a ring scatter, no sort."""
+  n = config.num_pages
+  valid = given & (pages >= 1) & (pages <= n)
+  if refuse is not None:
+    valid = valid & ~refuse
+  values, count = st.compact(pages, valid)
+  if config.debug:
+    state, count = debug.finish_free_page_ids(config, state, op, pages, given, positions,
+                                              values, count, err)
+  count = jnp.minimum(count, n - state.free_len - state.release_len)
+  if config.need_sort:
+    ring, head = st.ring_push_front(state.release_ring, state.release_head, values, count)
+    return state._replace(release_ring=ring, release_head=head,
+                          release_len=state.release_len + count)
+  ring, head = st.ring_push_front(state.free_ring, state.free_head, values, count)
+  return state._replace(free_ring=ring, free_head=head, free_len=state.free_len + count)
+
+
+def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Array,
+                  num: Optional[Array] = None) -> AllocatorState:
+  """Frees exactly these pages, in the given order, with no sort (SPEC 10).
+
+  Paged: page_ids[:num] (zeros skipped) are prepended as one block, order kept, to
+  release_pages (need_sort) or free_pages; no sort and no de-duplication, O(M). Token
+  (page ids are slots): exactly `free` of those entries (appended, FIFO).
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    page_ids: i32[M] page ids (an integer dtype; TypeError otherwise). Entries at index
+      >= num and entries equal to 0 are padding. The caller promises the rest are
+      distinct pages it holds; ids outside 1..num_pages are ignored (debug mode: an
+      error, like a page given twice or already free, and the call frees nothing).
+    num: optional i32[], the number of leading entries to consider (None: all M).
+
+  Returns:
+    The new state; an all-padding call returns an equal state.
+  """
+  page_ids = _one_d(page_ids, "page_ids")
+  m = page_ids.shape[0]
+  given = _num_mask(m, num, "num") & (page_ids != 0)
+  if config.kind == "token":
+    return _free(config, state, jnp.where(given, page_ids, 0), debug.OP_FREE_PAGE_IDS)
+  return _prepend_pages(config, state, page_ids, given, debug.OP_FREE_PAGE_IDS,
+                        jnp.arange(m, dtype=jnp.int32))
+
+
+def free_segment(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+                 start_pos: Array, num: Optional[Array] = None) -> AllocatorState:
+  """Frees one request's slots of tokens start_pos, start_pos + 1, ... (SPEC 10).
+
+  Paged: `free_page_ids(free_index[::page_size] // page_size)`: the pages of the tokens
+  that start a page, in the request's order, no sort, O(M / page_size) writes. Token:
+  `free(free_index[:num])`.
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    free_index: i32[M] slots; free_index[k] holds token start_pos + k of one request.
+      Entries at index >= num are padding; a 0 at a page's first token is padding too.
+    start_pos: i32[] the first token's position; a multiple of page_size, else the call
+      is refused (frees nothing; recorded in debug mode).
+    num: optional i32[], the number of real tokens (None: all M).
+
+  Returns:
+    The new state. Debug mode also refuses slots that do not lie in the page of their
+    page's first token, pages outside the pool, and double frees (recorded in
+    state.debug).
+  """
+  free_index = _one_d(free_index, "free_index")
+  start_pos = validate.as_i32(start_pos, "start_pos")
+  if start_pos.ndim != 0:
+    raise ValueError(f"start_pos must be a scalar, got shape {start_pos.shape}")
+  m = free_index.shape[0]
+  given = _num_mask(m, num, "num")
+  ps = config.page_size
+  if config.kind == "token":  # every start_pos is a multiple of 1
+    return _free(config, state, jnp.where(given, free_index, 0), debug.OP_FREE_SEGMENT)
+  misaligned = start_pos % ps != 0
+  err = debug.segment_args(config, free_index, given, start_pos) if config.debug else None
+  reps = free_index[::ps]  # tokens that start a page (start_pos is page-aligned)
+  pages = jnp.where(reps >= 0, reps // ps, -1)
+  rep_given = given[::ps] & (reps != 0)
+  return _prepend_pages(config, state, pages, rep_given, debug.OP_FREE_SEGMENT,
+                        jnp.arange(0, m, ps, dtype=jnp.int32), err, refuse=misaligned)
+
+
+def free_full(config: AllocatorConfig, state: AllocatorState,
+              free_index: Array) -> AllocatorState:
+  """SGLang's free_full: a single pool has no sliding-window peer, so this is `free`."""
+  return free(config, state, free_index)
+
+
+def free_full_segment(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+                      start_pos: Array, num: Optional[Array] = None) -> AllocatorState:
+  """SGLang's free_full_segment: without a sliding-window peer, `free_segment`."""
+  return free_segment(config, state, free_index, start_pos, num)
+
+
+def get_all_free_pages(config: AllocatorConfig,
+                       state: AllocatorState) -> Tuple[Array, Array]:
+  """free_pages ++ release_pages (SPEC 10): (i32[num_pages] padded with 0, i32[] count).
+
+  O(num_pages) gather; meant for censuses and tests, not the hot path.
+  """
+  n = config.num_pages
+  i = jnp.arange(n, dtype=jnp.int32)
+  total = state.free_len + state.release_len
+  from_free = st.ring_window(state.free_ring, state.free_head, state.free_len, n)
+  rel = state.release_ring[(state.release_head + i - state.free_len) % max(n, 1)]
+  out = jnp.where(i < state.free_len, from_free, jnp.where(i < total, rel, 0))
+  return out, total
