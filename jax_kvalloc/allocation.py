@@ -112,9 +112,38 @@ def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
   return _take_pages(state, num_pages, ok), out, ok
 
 
+def _pages_agree(config: AllocatorConfig, num_new_pages: Optional[Array],
+                 total_pages: Array) -> Array:
+  """bool[]: the caller's num_new_pages (None: not given) equals the true count.
+
+  total_pages saturates at num_pages + 1 (`_prefix_sums`), so a larger claim is compared
+  saturated too: either way such a batch does not fit and is refused.
+  """
+  if num_new_pages is None:
+    return jnp.ones((), bool)
+  num_new_pages = validate.as_i32(num_new_pages, "num_new_pages")
+  if num_new_pages.ndim != 0:
+    raise ValueError(f"num_new_pages must be a scalar, got shape {num_new_pages.shape}")
+  return ((num_new_pages >= 0)
+          & (jnp.minimum(num_new_pages, config.num_pages + 1) == total_pages))
+
+
+def _refuse_unless(agree: Optional[Array], before: AllocatorState,
+                   result: AllocResult) -> AllocResult:
+  """The fused kernel does not see num_new_pages: a disagreeing count undoes its take
+  (the kernel moves only the free list's head and length). `agree` None: nothing to do."""
+  if agree is None:
+    return result
+  after, out, ok = result
+  state = after._replace(free_head=jnp.where(agree, after.free_head, before.free_head),
+                         free_len=jnp.where(agree, after.free_len, before.free_len))
+  return state, jnp.where(agree, out, 0), ok & agree
+
+
 def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
                  seq_lens: Array, last_loc: Array, *, max_tokens: int,
-                 num_reqs: Optional[Array] = None) -> AllocResult:
+                 num_reqs: Optional[Array] = None,
+                 num_new_pages: Optional[Array] = None) -> AllocResult:
   """Allocates the slots of a prefill (extend) batch (SPEC 4.2).
 
   Args:
@@ -129,6 +158,10 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
     num_reqs: optional i32[], the number of real rows; rows at index >= num_reqs are
       padding and allocate nothing. Default: all B rows are real. It also sets `bs` in
       the need_sort merge trigger `extend_num_tokens // ps + bs + 1 > len(free_pages)`.
+    num_new_pages: optional i32[], the batch's new-page count as the caller knows it
+      (SGLang 0.5.23's keyword, SPEC 10). When given it must equal the true count
+      sum(ceil(seq/ps) - ceil(pre/ps)) over the real rows; otherwise the call is refused
+      (ok=False, nothing allocated, no merge) and debug mode records the mismatch.
 
   Returns:
     (state, i32[max_tokens] slots, bool[] ok). The first extend_num_tokens entries are
@@ -155,23 +188,31 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
   tok_start, total_tokens = _prefix_sums(ext, max_tokens)
   page_start, total_pages = _prefix_sums(new_pages, config.num_pages)
   valid = rows_valid & (total_tokens <= max_tokens)
+  pages_agree = _pages_agree(config, num_new_pages, total_pages)
+  valid = valid & pages_agree
   if config.debug:
     err = debug.extend_args(config, state, real, prefix_lens, seq_lens, last_loc,
                             total_tokens, max_tokens)
+    if num_new_pages is not None:
+      err = debug.either(err, debug.num_new_pages_arg(num_new_pages, pages_agree))
     valid = valid & (err[0] == 0)
   state = maybe_merge(config, state, valid & (total_tokens // ps + bs + 1 > state.free_len))
-  fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
-                                     num_reqs, max_tokens=max_tokens)
+  fused = None
+  if num_rows:  # zero rows: no kernel (an index kernel over zero rows does not lower)
+    fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
+                                       num_reqs, max_tokens=max_tokens)
   if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
-    return fused
+    return _refuse_unless(None if num_new_pages is None else pages_agree, state, fused)
   ok = valid & (total_pages <= state.free_len)
 
   # Enough pages for any batch of at most max_tokens tokens: sum(ceil(ext_i / ps)).
   window = st.ring_window(state.free_ring, state.free_head,
                           jnp.where(ok, state.free_len, 0),
                           _window_len(config, max_tokens // ps + num_rows + 1))
-  out = kernels.extend_indices(config.kernel, window, pre, seq, last_loc, tok_start,
-                               page_start, page_size=ps, out_len=max_tokens)
+  out = jnp.zeros((max_tokens,), jnp.int32)
+  if num_rows:
+    out = kernels.extend_indices(config.kernel, window, pre, seq, last_loc, tok_start,
+                                 page_start, page_size=ps, out_len=max_tokens)
   if config.debug:
     state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC_EXTEND, err, ok, window,
                                    total_pages, out, jnp.arange(max_tokens) < total_tokens)

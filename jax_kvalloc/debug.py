@@ -450,9 +450,15 @@ def segment_args(config: AllocatorConfig, free_index: Array, given: Array,
                  scattered)
 
 
-def num_new_pages_arg(num_new_pages: Array, total_pages: Array) -> Err:
-  """alloc_extend: a caller-given num_new_pages that differs from the true count."""
-  return _scalar_error(BAD_NUM_NEW_PAGES, num_new_pages != total_pages, num_new_pages)
+def num_new_pages_arg(num_new_pages: Array, agree: Array) -> Err:
+  """alloc_extend: a caller-given num_new_pages that differs from the true count
+  (`agree`: the core's comparison)."""
+  return _scalar_error(BAD_NUM_NEW_PAGES, ~agree, num_new_pages)
+
+
+def either(*errs: Err) -> Err:
+  """The first of `errs` that holds an error (else no error)."""
+  return _either(*errs)
 
 
 # ---------------------------------------------------------------------------------------
