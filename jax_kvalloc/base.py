@@ -101,7 +101,10 @@ class BaseAllocator:
 
   @property
   def state(self) -> AllocatorState:
-    """The functional state (for handing the pool to jitted code)."""
+    """The functional state, for handing the pool to jitted code (`set_state` takes the
+    new one back). Reading it marks the state shared, as `backup_state` does: the next
+    class call copies instead of donating, so the arrays handed out stay readable."""
+    self._shared = True
     return self._state
 
   @property

@@ -10,9 +10,10 @@ from jax_kvalloc import buckets
 from jax_kvalloc import validate
 from jax_kvalloc.base import BaseAllocator, _ALLOC_DECODE, _ALLOC_EXTEND
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.newer_ops import NewerOperations
 
 
-class PagedTokenToKVPoolAllocator(BaseAllocator):
+class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
   """Hands out KV slots a page at a time; page 0 is reserved (SPEC 4).
 
   Args:
@@ -32,7 +33,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     super().__init__(config, dtype, device, kvcache)
 
   def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                   extend_num_tokens: int):
+                   extend_num_tokens: int, num_new_pages: Optional[int] = None):
     """Slots for a prefill batch (SPEC 4.2), or None if its new pages do not fit.
 
     Args:
@@ -40,6 +41,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
         are used instead when given (SGLang passes both; either may be None).
       last_loc: [bs] slot of each request's last prefix token, -1 for an empty prefix.
       extend_num_tokens: sum(seq_lens - prefix_lens).
+      num_new_pages: optional, the batch's new-page count as the caller computed it
+        (SGLang 0.5.23); it must equal sum(ceil(seq/ps) - ceil(pre/ps)).
 
     Returns:
       i32[extend_num_tokens] jax array, in batch order, or None (nothing allocated).
@@ -48,7 +51,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       TypeError for non-integer arrays; ValueError (naming the request and value) for
       arrays of different lengths, values beyond int32, prefix_lens < 0,
       seq_lens < prefix_lens, a last_loc outside the pool or breaking SPEC's alignment
-      (last_loc + 1) % page_size == prefix_lens % page_size, or a wrong extend_num_tokens.
+      (last_loc + 1) % page_size == prefix_lens % page_size, or a wrong extend_num_tokens
+      or num_new_pages.
     """
     pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
                              "prefix_lens")
@@ -57,6 +61,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     total, new_pages = validate.extend_args(pre, seq, last, extend_num_tokens,
                                             page_size=self.page_size,
                                             num_slots=self.config.num_slots)
+    if num_new_pages is not None:
+      validate.num_new_pages(num_new_pages, new_pages)
     bs = pre.shape[0]
     if bs == 0:
       return jnp.zeros((0,), jnp.int32)

@@ -5,9 +5,10 @@ from typing import Any, Optional
 
 from jax_kvalloc.base import BaseAllocator
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.newer_ops import NewerOperations
 
 
-class TokenToKVPoolAllocator(BaseAllocator):
+class TokenToKVPoolAllocator(NewerOperations, BaseAllocator):
   """Hands out single KV slots 1..size; slot 0 is the padding sink (SPEC 3).
 
   `alloc(n)` takes the first n free slots; `free` appends slots to the back of the free

@@ -189,6 +189,15 @@ def extend_args(pre: np.ndarray, seq: np.ndarray, last: np.ndarray, extend_num_t
   return ExtendArgs(total, new_pages)
 
 
+def num_new_pages(value: Any, true_count: int) -> None:
+  """`alloc_extend`'s optional num_new_pages must equal the batch's true page count."""
+  value = count(value, "num_new_pages")
+  if value != true_count:
+    raise ValueError(f"num_new_pages={value} != the batch's new pages "
+                     f"sum(ceil(seq_lens / page_size) - ceil(prefix_lens / page_size))="
+                     f"{true_count}")
+
+
 def decode_args(seq: np.ndarray, last: np.ndarray, *, page_size: int,
                 num_slots: int) -> None:
   """Checks an `alloc_decode` batch (int64 host arrays, SPEC 4.3).
@@ -221,6 +230,70 @@ def free_index(idx: np.ndarray, *, page_size: int, num_slots: int) -> None:
                                          0 <= idx[i] < page_size else "")))
 
 
+def page_ids(ids: np.ndarray, *, num_pages: int, name: str = "page_ids") -> None:
+  """`free_page_ids`: every entry a page of the pool (1..num_pages), none given twice
+  (the core prepends them as given, without de-duplication). ValueError naming the first
+  offending entry otherwise. O(M log M) on the host (M entries), no device work."""
+  bad = (ids < 1) | (ids > num_pages)
+  _raise_first(bad, lambda i: (
+      f"{name}[{i}]={int(ids[i])} is not a page of the pool: valid pages are "
+      f"1..{num_pages}" + (" (page 0 is reserved)" if ids[i] == 0 else "")))
+  repeated_at(ids, name, "is given twice (free_page_ids frees exactly the pages given, "
+              "without de-duplication)")
+
+
+def repeated_at(values: np.ndarray, name: str, reason: str) -> None:
+  """ValueError naming the first entry of `values` equal to an earlier one."""
+  if values.shape[0] < 2:
+    return
+  order = np.argsort(values, kind="stable")
+  s = values[order]
+  same = s[1:] == s[:-1]
+  if same.any():
+    i = int(order[1:][same].min())
+    raise ValueError(f"{name}[{i}]={int(values[i])} {reason}")
+
+
+def start_pos(value: Any, page_size: int) -> int:
+  """`free_segment`'s start_pos: a count that is a multiple of page_size."""
+  value = count(value, "start_pos")
+  if value % page_size:
+    raise ValueError(f"start_pos={value} must be a multiple of page_size={page_size} "
+                     f"(a segment starts on a page boundary)")
+  return value
+
+
+def segment(idx: np.ndarray, *, page_size: int) -> np.ndarray:
+  """`free_segment`'s free_index (slots already range checked): token k must lie in the
+  page of its page's first token, idx[k - k % page_size], and the pages must be
+  distinct. Returns the pages, idx[::page_size] // page_size (int64). O(M) plus a sort
+  of the M / page_size pages."""
+  ps = page_size
+  page = idx // ps
+  first = page[(np.arange(idx.shape[0]) // ps) * ps]
+  _raise_first(page != first, lambda i: (
+      f"free_index[{i}]={int(idx[i])} lies in page {int(page[i])}, but the page of its "
+      f"segment position starts at free_index[{i - i % ps}]={int(idx[i - i % ps])} "
+      f"(page {int(first[i])}): free_index must hold one request's consecutive tokens"))
+  pages = page[::ps]
+  repeated_at(pages, "free_index[::page_size] // page_size", "names a page twice")
+  return pages
+
+
+def segments_disjoint(lengths_and_starts, page_size: int) -> None:
+  """`free_segments`: consecutive non-empty segments must not share a page (SGLang's
+  rule: each start page lies beyond the previous segment's last page)."""
+  prev_end, prev_i = None, None
+  for i, (n, start) in enumerate(lengths_and_starts):
+    if n == 0:
+      continue
+    if prev_end is not None and start // page_size <= (prev_end - 1) // page_size:
+      raise ValueError(f"segments[{i}] (start_pos={start}) shares a page with segments"
+                       f"[{prev_i}], which ends at token {prev_end} (page_size="
+                       f"{page_size}); nothing was freed")
+    prev_end, prev_i = start + n, i
+
+
 def snapshot(snap: Any, config: Any, snapshot_type: type) -> None:
   """`restore_state` argument: a snapshot taken from an allocator of the same config."""
   if not isinstance(snap, snapshot_type):
@@ -229,6 +302,27 @@ def snapshot(snap: Any, config: Any, snapshot_type: type) -> None:
   if snap.config != config:
     raise ValueError(f"state was taken from an allocator with config {snap.config}, "
                      f"this one has {config}")
+
+
+def state_like(state: Any, current: Any, state_type: type) -> None:
+  """`set_state`: an AllocatorState whose leaves match the current one's shapes and
+  dtypes (same pool, same debug mode). TypeError / ValueError naming the field."""
+  if not isinstance(state, state_type):
+    raise TypeError(f"state must be an {state_type.__name__}, got {type(state).__name__}")
+  if (state.debug is None) != (current.debug is None):
+    raise ValueError("state.debug must be " + ("None (debug mode is off)" if
+                     current.debug is None else "a DebugState (debug mode is on)"))
+  new_leaves = jax.tree_util.tree_leaves_with_path(state)
+  old_leaves = jax.tree_util.tree_leaves_with_path(current)
+  for (path, new), (_, old) in zip(new_leaves, old_leaves):
+    name = "state" + jax.tree_util.keystr(path)
+    if isinstance(new, jax.core.Tracer):
+      raise TypeError(f"{name} is a tracer: return the state from the jitted function "
+                      "before handing it back")
+    if jnp.shape(new) != jnp.shape(old) or jnp.result_type(new) != jnp.result_type(old):
+      raise ValueError(f"{name} has shape {jnp.shape(new)} and dtype "
+                       f"{jnp.result_type(new)}; this pool's has {jnp.shape(old)} and "
+                       f"{jnp.result_type(old)}")
 
 
 def group_begin(open_group: Any) -> None:
