@@ -129,3 +129,16 @@ def quiet_triton(fn: Callable[..., Sequence[Array]], *args: Array) -> Tuple[Arra
   Triton deprecation warning silenced for this call only. `fn` must be hashable (a
   frozen dataclass or a module-level function), since it is a primitive parameter."""
   return tuple(_quiet_p.bind(*args, fn=fn))
+
+
+def check_ints(**arrays: Any) -> Tuple[Array, ...]:
+  """The arguments as int32 arrays, in the order given; TypeError naming the first one
+  whose dtype is not an integer type (floats would be truncated, bools are not indices).
+  A static check (trace time, no cost)."""
+  out = []
+  for name, x in arrays.items():
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+    out.append(x.astype(jnp.int32))
+  return tuple(out)

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import _util
 from pallas_kernels._util import cdiv, floordiv
 
 Array = jax.Array
@@ -149,7 +150,11 @@ def extend_indices_mosaic(free_window: Array, prefix_lens: Array, seq_lens: Arra
 
   interpret: False, True (Pallas' HLO interpreter) or a pltpu.InterpretParams (the TPU
   interpreter, which also checks every DMA and SMEM read for out-of-bounds accesses).
+  TypeError naming the argument for a non-integer dtype.
   """
+  free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = _util.check_ints(
+      free_window=free_window, prefix_lens=prefix_lens, seq_lens=seq_lens,
+      last_loc=last_loc, tok_start=tok_start, page_start=page_start)
   b = prefix_lens.shape[0]
   if out_len == 0:
     return jnp.zeros((0,), jnp.int32)
@@ -177,7 +182,10 @@ def extend_indices_mosaic(free_window: Array, prefix_lens: Array, seq_lens: Arra
 def decode_indices_mosaic(free_window: Array, seq_lens: Array, last_loc: Array,
                           page_start: Array, *, page_size: int, interpret=False) -> Array:
   """index_jnp.decode_indices (same arguments, same i32[B] result) on TPU: the extend
-  kernel with one token per row (prefix_lens = seq_lens - 1, tok_start = row index)."""
+  kernel with one token per row (prefix_lens = seq_lens - 1, tok_start = row index).
+  TypeError naming the argument for a non-integer dtype."""
+  free_window, seq_lens, last_loc, page_start = _util.check_ints(
+      free_window=free_window, seq_lens=seq_lens, last_loc=last_loc, page_start=page_start)
   b = seq_lens.shape[0]
   seq = jnp.asarray(seq_lens, jnp.int32)
   rows = jnp.arange(b, dtype=jnp.int32)

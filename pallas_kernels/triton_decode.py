@@ -179,7 +179,10 @@ def decode_indices_triton(free_window: Array, seq_lens: Array, last_loc: Array,
                           page_start: Array, *, page_size: int, interpret: bool = False,
                           row_block: int | None = None,
                           num_warps: int | None = None) -> Array:
-  """index_jnp.decode_indices (same arguments, same i32[B] result) on GPU."""
+  """index_jnp.decode_indices (same arguments, same i32[B] result) on GPU. TypeError
+  naming the argument for a non-integer dtype."""
+  free_window, seq_lens, last_loc, page_start = _util.check_ints(
+      free_window=free_window, seq_lens=seq_lens, last_loc=last_loc, page_start=page_start)
   b = seq_lens.shape[0]
   if b == 0:
     return jnp.zeros((0,), jnp.int32)
@@ -208,7 +211,12 @@ def alloc_decode_triton(free_ring: Array, free_head: Array, free_len: Array,
     jax_kvalloc.allocation.alloc_decode on the jnp path: ok is False (indices all 0, head
     and length unchanged) when a real row has seq_lens < 1 or the pages needed exceed
     free_len.
+
+  Raises TypeError naming the argument for a non-integer dtype.
   """
+  free_ring, free_head, free_len, num_reqs, seq_lens, last_loc = _util.check_ints(
+      free_ring=free_ring, free_head=free_head, free_len=free_len, num_reqs=num_reqs,
+      seq_lens=seq_lens, last_loc=last_loc)
   b = seq_lens.shape[0]
   n = free_ring.shape[0]
   if not fused_supported(b, n):

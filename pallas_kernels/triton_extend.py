@@ -328,8 +328,12 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
   """index_jnp.extend_indices (same arguments, same i32[out_len] result) on GPU.
 
   tile/num_warps override the defaults (powers of two); for tuning. window is unused
-  (the contract kernel searches the caller's tok_start directly).
+  (the contract kernel searches the caller's tok_start directly). TypeError naming the
+  argument for a non-integer dtype.
   """
+  free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = _util.check_ints(
+      free_window=free_window, prefix_lens=prefix_lens, seq_lens=seq_lens,
+      last_loc=last_loc, tok_start=tok_start, page_start=page_start)
   b = prefix_lens.shape[0]
   if out_len == 0:
     return jnp.zeros((0,), jnp.int32)
@@ -362,7 +366,14 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     jax_kvalloc.allocation.alloc_extend on the jnp path: ok is False (indices all 0, head
     and length unchanged) when a real row has prefix_lens < 0 or seq_lens < prefix_lens,
     when the tokens exceed out_len, or when the new pages exceed free_len.
+
+  Raises TypeError naming the argument for a non-integer dtype.
   """
+  (free_ring, free_head, free_len, num_reqs, prefix_lens, seq_lens,
+   last_loc) = _util.check_ints(free_ring=free_ring, free_head=free_head,
+                                free_len=free_len, num_reqs=num_reqs,
+                                prefix_lens=prefix_lens, seq_lens=seq_lens,
+                                last_loc=last_loc)
   b = prefix_lens.shape[0]
   n = free_ring.shape[0]
   if not fused_supported(b, out_len, n):

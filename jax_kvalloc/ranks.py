@@ -1,0 +1,444 @@
+"""Data-parallel ranks (SPEC 12): `dp_size` independent pools as one state.
+
+Serving engines that run data-parallel attention give each rank its own slice of the KV
+cache and its own free list (sglang-jax's `dp_size`). Here the ranks are one
+`AllocatorState` whose every leaf has a leading rank axis: `free_ring` is
+i32[dp_size, pages_per_rank], `free_len` is i32[dp_size], and so on. Rank r is exactly a
+single pool of `size // dp_size` slots (`pages_per_rank = num_pages // dp_size` pages,
+ids local to the rank, 1..pages_per_rank, page 0 of each rank reserved), and one rank
+running short never changes another.
+
+Every operation acts on all ranks at once, each rank with its own inputs along the
+leading axis, and returns per-rank results (`ok` is bool[dp_size]). A rank with nothing
+to do passes empty input (num_reqs 0, need_size 0, all-padding frees). The operations
+are the single-pool ones under `jax.vmap`; the need_sort merge stays a branch there
+(jax_kvalloc.gated), so a call in which no rank merges does no work proportional to the
+pool, and one in which some rank merges sorts, masked, once per rank.
+
+The config passed to every function is the whole pool's (`size` counts every rank's
+slots, as in sglang-jax); the rank count comes from the state's leading axis.
+
+Placement: `ranks_allocator(config, dp_size, mesh=mesh, axis_name="dp")` shards the rank
+axis over a `jax.sharding.Mesh` axis and runs every operation under `shard_map`: each
+device holds `dp_size // mesh.shape[axis_name]` whole ranks, and since ranks share
+nothing, the compiled program contains no cross-device communication. The same mesh
+spanning several hosts (after `jax.distributed.initialize()`) places ranks on every
+host's devices the same way.
+
+    ranks = jax_kvalloc.ranks_allocator(AllocatorConfig(size=8192, page_size=16), 4)
+    state = ranks.init()                              # 4 pools of 2048 slots
+    state, slots, ok = jax.jit(ranks.alloc_decode)(state, seq_lens, last_loc)
+    # seq_lens, last_loc: i32[4, B]; slots: i32[4, B]; ok: bool[4]
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import allocation
+from jax_kvalloc import freeing
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.state import AllocatorState
+
+Array = jax.Array
+RankedResult = Tuple[AllocatorState, Array, Array]
+
+# What the compiled program of a sharded operation must not contain (see
+# `collectives_in`): every kind of cross-device communication XLA emits.
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+               "reduce-scatter", "collective-broadcast", "send", "recv")
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration and state.
+# ---------------------------------------------------------------------------------------
+
+def rank_config(config: AllocatorConfig, dp_size: int) -> AllocatorConfig:
+  """The config of one rank: `size // dp_size` slots, everything else as `config`.
+
+  Raises:
+    TypeError if dp_size is not an int; ValueError if dp_size < 1 or a rank would not
+    hold one page (size // dp_size < page_size).
+  """
+  if isinstance(dp_size, bool) or not isinstance(dp_size, (int, np.integer)):
+    raise TypeError(f"dp_size must be an int, got {type(dp_size).__name__} {dp_size!r}")
+  dp_size = int(dp_size)
+  if dp_size < 1:
+    raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+  if dp_size == 1:
+    return config
+  if config.size // dp_size < config.page_size:
+    raise ValueError(
+        f"dp_size={dp_size} leaves each rank size // dp_size = {config.size // dp_size} "
+        f"slots, less than one page (page_size={config.page_size}); size={config.size}")
+  return dataclasses.replace(config, size=config.size // dp_size)
+
+
+def num_ranks(state: AllocatorState) -> int:
+  """dp_size of a ranked state (static: the leading axis of its arrays)."""
+  if state.free_ring.ndim != 2:
+    raise ValueError(f"expected a ranked state (free_ring i32[dp_size, pages_per_rank]), "
+                     f"got free_ring of shape {state.free_ring.shape}")
+  return state.free_ring.shape[0]
+
+
+def _config_of(config: AllocatorConfig, state: AllocatorState) -> AllocatorConfig:
+  """The rank config for `state`, checked against its shapes (a clear error when a rank's
+  config, rather than the whole pool's, is passed)."""
+  dp = num_ranks(state)
+  rc = rank_config(config, dp)
+  if state.free_ring.shape[1] != rc.num_pages:
+    raise ValueError(
+        f"state has {state.free_ring.shape[1]} pages per rank, but config (size="
+        f"{config.size}, page_size={config.page_size}) over {dp} ranks gives "
+        f"{rc.num_pages}; pass the whole pool's config, as to init_ranks")
+  return rc
+
+
+def init_ranks(config: AllocatorConfig, dp_size: int) -> AllocatorState:
+  """`dp_size` pools, each in the initial state of SPEC 2 (free_pages = [1 ..
+  pages_per_rank], release_pages = []), stacked along a leading axis.
+
+  Args:
+    config: the whole pool's config (size counts all ranks' slots).
+    dp_size: number of ranks.
+
+  Returns:
+    An AllocatorState whose leaves have a leading axis of length dp_size, each leaf its
+    own buffer (so the state can be donated).
+  """
+  rc = rank_config(config, dp_size)
+  return jax.vmap(lambda _: st.init(rc))(jnp.arange(dp_size))
+
+
+def rank_state(state: AllocatorState, dp_rank: int) -> AllocatorState:
+  """Rank `dp_rank` of a ranked state as a single-pool state (for st.live_free_pages,
+  debug.get_error and the like). A copy of that rank's arrays."""
+  dp = num_ranks(state)
+  if not 0 <= int(dp_rank) < dp:
+    raise ValueError(f"dp_rank={dp_rank} is out of range for dp_size={dp}")
+  return jax.tree.map(lambda x: x[dp_rank], state)
+
+
+def stack_ranks(states: Sequence[AllocatorState]) -> AllocatorState:
+  """Single-pool states of equal shapes stacked into a ranked state (rank r = states[r])."""
+  if not states:
+    raise ValueError("stack_ranks needs at least one state")
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+def _leading(dp: int, **arrays: Any) -> None:
+  """Checks that every given array has the leading rank axis (ValueError naming it)."""
+  for name, x in arrays.items():
+    if x is None:
+      continue
+    shape = np.shape(x)
+    if not shape or shape[0] != dp:
+      raise ValueError(f"{name} must have a leading rank axis of length dp_size={dp}, "
+                       f"got shape {shape}")
+
+
+def _mask(dp: int, ranks: Optional[Array]) -> Array:
+  """bool[dp]: the ranks an operation touches (all when None)."""
+  if ranks is None:
+    return jnp.ones((dp,), bool)
+  ranks = jnp.asarray(ranks)
+  if ranks.shape != (dp,) or ranks.dtype != jnp.bool_:
+    raise ValueError(f"ranks must be bool[{dp}] (dp_size={dp}), got "
+                     f"{ranks.dtype}{list(ranks.shape)}")
+  return ranks
+
+
+# ---------------------------------------------------------------------------------------
+# Operations over every rank. Each rank's inputs along the leading axis; see the
+# single-pool functions (jax_kvalloc.allocation, jax_kvalloc.freeing) for what a rank
+# does with them and what ok=False means for it.
+# ---------------------------------------------------------------------------------------
+
+def available_size(config: AllocatorConfig, state: AllocatorState) -> Array:
+  """Free slots of each rank, released ones included: i32[dp_size]."""
+  rc = _config_of(config, state)
+  return jax.vmap(functools.partial(st.available_size, rc))(state)
+
+
+def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
+          max_size: int) -> RankedResult:
+  """`allocation.alloc` on every rank. need_size: i32[dp_size] (0: the rank takes nothing).
+
+  Returns (state, i32[dp_size, max_size] slots, bool[dp_size] ok); a rank whose ok is
+  False allocated nothing (only a merge its shortfall triggered is kept), and the other
+  ranks are as if it had not been asked.
+  """
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), need_size=need_size)
+  fn = functools.partial(allocation.alloc, rc, max_size=max_size)
+  return jax.vmap(fn)(state, need_size)
+
+
+def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
+                 seq_lens: Array, last_loc: Array, *, max_tokens: int,
+                 num_reqs: Optional[Array] = None) -> RankedResult:
+  """`allocation.alloc_extend` on every rank.
+
+  Args:
+    prefix_lens, seq_lens, last_loc: i32[dp_size, B], each rank's rows (slots local to
+      the rank).
+    max_tokens: static; per rank.
+    num_reqs: optional i32[dp_size], each rank's real rows (0: the rank does nothing).
+
+  Returns:
+    (state, i32[dp_size, max_tokens] slots, bool[dp_size] ok).
+  """
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), prefix_lens=prefix_lens, seq_lens=seq_lens,
+           last_loc=last_loc, num_reqs=num_reqs)
+  fn = functools.partial(allocation.alloc_extend, rc, max_tokens=max_tokens)
+  if num_reqs is None:
+    return jax.vmap(fn)(state, prefix_lens, seq_lens, last_loc)
+  return jax.vmap(lambda s, p, q, l, n: fn(s, p, q, l, num_reqs=n))(
+      state, prefix_lens, seq_lens, last_loc, num_reqs)
+
+
+def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
+                 last_loc: Array, *, num_reqs: Optional[Array] = None) -> RankedResult:
+  """`allocation.alloc_decode` on every rank.
+
+  Args:
+    seq_lens, last_loc: i32[dp_size, B].
+    num_reqs: optional i32[dp_size], each rank's real rows (0: the rank does nothing).
+
+  Returns:
+    (state, i32[dp_size, B] slots, bool[dp_size] ok).
+  """
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), seq_lens=seq_lens, last_loc=last_loc, num_reqs=num_reqs)
+  fn = functools.partial(allocation.alloc_decode, rc)
+  if num_reqs is None:
+    return jax.vmap(fn)(state, seq_lens, last_loc)
+  return jax.vmap(lambda s, q, l, n: fn(s, q, l, num_reqs=n))(state, seq_lens, last_loc,
+                                                              num_reqs)
+
+
+def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> AllocatorState:
+  """`freeing.free` on every rank. free_index: i32[dp_size, M], rank-local slots; 0 is
+  padding (an all-zero row frees nothing)."""
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), free_index=free_index)
+  return jax.vmap(functools.partial(freeing.free, rc))(state, free_index)
+
+
+def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Array,
+                  num: Optional[Array] = None) -> AllocatorState:
+  """`freeing.free_page_ids` on every rank. page_ids: i32[dp_size, M]; num: optional
+  i32[dp_size] (entries at index >= num, and zeros, are padding)."""
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), page_ids=page_ids, num=num)
+  fn = functools.partial(freeing.free_page_ids, rc)
+  if num is None:
+    return jax.vmap(fn)(state, page_ids)
+  return jax.vmap(fn)(state, page_ids, num)
+
+
+def free_segment(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+                 start_pos: Array, num: Optional[Array] = None) -> AllocatorState:
+  """`freeing.free_segment` on every rank. free_index: i32[dp_size, M]; start_pos and the
+  optional num: i32[dp_size]."""
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), free_index=free_index, start_pos=start_pos, num=num)
+  fn = functools.partial(freeing.free_segment, rc)
+  if num is None:
+    return jax.vmap(fn)(state, free_index, start_pos)
+  return jax.vmap(fn)(state, free_index, start_pos, num)
+
+
+def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
+                        ranks: Optional[Array] = None) -> AllocatorState:
+  """`freeing.merge_and_sort_free` on the ranks `ranks` (bool[dp_size]; None: all).
+
+  Sorts only when some chosen rank has released pages (the others stay as they are).
+  """
+  rc = _config_of(config, state)
+  mask = _mask(num_ranks(state), ranks)
+  if not rc.need_sort:
+    return state  # release_pages is always empty: every merge is a no-op
+  return jax.vmap(functools.partial(freeing.maybe_merge, rc))(state, mask)
+
+
+def clear(config: AllocatorConfig, state: AllocatorState,
+          ranks: Optional[Array] = None) -> AllocatorState:
+  """The ranks `ranks` (bool[dp_size]; None: all) back to SPEC 2's initial state; the
+  others unchanged. O(pool): it rewrites the chosen ranks' lists."""
+  dp = num_ranks(state)
+  fresh = init_ranks(config, dp)
+  if ranks is None:
+    return fresh
+  mask = _mask(dp, ranks)
+  return jax.tree.map(
+      lambda new, old: jnp.where(mask.reshape((dp,) + (1,) * (old.ndim - 1)), new, old),
+      fresh, state)
+
+
+def get_all_free_pages(config: AllocatorConfig, state: AllocatorState) -> Tuple[Array, Array]:
+  """`freeing.get_all_free_pages` of every rank: (i32[dp_size, pages_per_rank],
+  i32[dp_size] counts)."""
+  rc = _config_of(config, state)
+  return jax.vmap(functools.partial(freeing.get_all_free_pages, rc))(state)
+
+
+# ---------------------------------------------------------------------------------------
+# Placement over a mesh.
+# ---------------------------------------------------------------------------------------
+
+def _shard_map(fn: Callable, mesh: jax.sharding.Mesh, spec: Any) -> Callable:
+  """shard_map with the same spec for every input and output: `jax.shard_map` where it
+  exists (jax >= 0.6, including 0.10 and 0.12), else jax.experimental.shard_map."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
+  return shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+
+
+def rank_sharding(mesh: jax.sharding.Mesh, axis_name: str) -> jax.sharding.NamedSharding:
+  """The sharding of every leaf of a ranked state: the rank axis over `axis_name`."""
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
+
+
+def check_mesh(mesh: jax.sharding.Mesh, axis_name: str, dp_size: int) -> None:
+  """ValueError unless `axis_name` is an axis of `mesh` whose size divides dp_size."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if axis_name not in mesh.shape:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                     f"(axes: {tuple(mesh.shape)})")
+  n = mesh.shape[axis_name]
+  if dp_size % n:
+    raise ValueError(f"dp_size={dp_size} must be a multiple of the mesh axis "
+                     f"{axis_name!r} of size {n}: each device holds whole ranks")
+
+
+def shard(fn: Callable[..., Any], mesh: jax.sharding.Mesh, axis_name: str) -> Callable:
+  """`fn(*arrays)`, every input and output with a leading rank axis, run under shard_map
+  with that axis split over `axis_name`: each device runs `fn` on its own ranks.
+
+  `fn` must treat ranks independently (the operations of this module do), which is what
+  makes the compiled program free of cross-device communication.
+  """
+  return _shard_map(fn, mesh, jax.sharding.PartitionSpec(axis_name))
+
+
+def collectives_in(hlo_text: str) -> Dict[str, int]:
+  """Occurrences of each cross-device operation (COLLECTIVES) in compiled HLO text, e.g.
+  `jax.jit(f).lower(*args).compile().as_text()`; {} when there are none."""
+  found = {}
+  for name in COLLECTIVES:
+    # As an op: "= s32[4]{0} all-reduce(" or "all-reduce-start(".
+    count = sum(line.count(f" {name}(") + line.count(f" {name}-start(")
+                for line in hlo_text.splitlines())
+    if count:
+      found[name] = count
+  return found
+
+
+class RankedAllocator(NamedTuple):
+  """The operations of this module with the config (and placement) bound.
+
+  Every function takes the ranked state first and returns it first; see the module
+  functions for shapes. With a mesh, `init` places the state on it and every operation
+  is a jitted shard_map over the mesh axis.
+  """
+  config: AllocatorConfig      # the whole pool's
+  dp_size: int
+  mesh: Optional[jax.sharding.Mesh]
+  axis_name: Optional[str]
+  init: Callable[[], AllocatorState]
+  alloc: Callable[..., Any]               # (state, need_size, *, max_size)
+  alloc_extend: Callable[..., Any]        # (state, prefix_lens, seq_lens, last_loc, *, max_tokens, num_reqs=None)
+  alloc_decode: Callable[..., Any]        # (state, seq_lens, last_loc, *, num_reqs=None)
+  free: Callable[..., Any]                # (state, free_index)
+  free_page_ids: Callable[..., Any]       # (state, page_ids, num=None)
+  free_segment: Callable[..., Any]        # (state, free_index, start_pos, num=None)
+  merge_and_sort_free: Callable[..., Any]  # (state, ranks=None)
+  clear: Callable[..., Any]               # (state, ranks=None)
+  available_size: Callable[..., Any]      # (state) -> i32[dp_size]
+  get_all_free_pages: Callable[..., Any]  # (state) -> (i32[dp_size, P], i32[dp_size])
+
+
+def _placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
+            axis_name: str):
+  """Binds an operation of this module under a jitted shard_map, one compiled function
+  per set of static keyword arguments and of optional arrays given."""
+  # Inside shard_map each device sees only its own ranks; its share of the pool keeps
+  # every rank at size // dp_size slots.
+  local = dp_size // mesh.shape[axis_name]
+  local_config = dataclasses.replace(config, size=(config.size // dp_size) * local)
+  cache: Dict[Any, Callable] = {}
+
+  def bind(op: Callable, static_names: Tuple[str, ...] = ()):
+    def call(state, *args, **kwargs):
+      static = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
+      names = tuple(k for k, v in sorted(kwargs.items()) if v is not None)
+      arrays = args + tuple(kwargs[k] for k in names)
+      key = (op, static, len(args), names)
+      if key not in cache:
+        def body(s, *a):
+          return op(local_config, s, *a[:len(args)], **dict(zip(names, a[len(args):])),
+                    **dict(static))
+        cache[key] = jax.jit(shard(body, mesh, axis_name))
+      return cache[key](state, *arrays)
+    return call
+
+  return bind
+
+
+def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
+                    mesh: Optional[jax.sharding.Mesh] = None,
+                    axis_name: Optional[str] = None) -> RankedAllocator:
+  """`dp_size` data-parallel pools as pure functions, optionally placed on a mesh.
+
+  Args:
+    config: the whole pool's AllocatorConfig (each rank gets size // dp_size slots).
+    dp_size: number of ranks.
+    mesh: optional jax.sharding.Mesh; the rank axis is sharded over its `axis_name`
+      axis, whose size must divide dp_size, and every operation runs under shard_map
+      with no cross-device communication.
+    axis_name: the mesh axis (required with mesh).
+
+  Returns:
+    A RankedAllocator. Without a mesh its functions are plain (compose them under your
+    own jit, vmap, scan); with one, they are jitted shard_maps (callable inside jit too).
+
+  Raises:
+    TypeError / ValueError for a bad dp_size, mesh or axis_name, naming it.
+  """
+  rank_config(config, dp_size)  # validates
+  if mesh is None:
+    if axis_name is not None:
+      raise ValueError("axis_name needs a mesh")
+    bind = lambda op, static_names=(): functools.partial(op, config)
+    init = functools.partial(init_ranks, config, dp_size)
+  else:
+    if axis_name is None:
+      raise ValueError("a mesh needs axis_name, the mesh axis to shard the ranks over")
+    check_mesh(mesh, axis_name, dp_size)
+    bind = _placed(config, dp_size, mesh, axis_name)
+    sharding = rank_sharding(mesh, axis_name)
+    init = lambda: jax.device_put(init_ranks(config, dp_size), sharding)
+  return RankedAllocator(
+      config=config, dp_size=dp_size, mesh=mesh, axis_name=axis_name, init=init,
+      alloc=bind(alloc, ("max_size",)),
+      alloc_extend=bind(alloc_extend, ("max_tokens",)),
+      alloc_decode=bind(alloc_decode),
+      free=bind(free),
+      free_page_ids=bind(free_page_ids),
+      free_segment=bind(free_segment),
+      merge_and_sort_free=bind(merge_and_sort_free),
+      clear=bind(clear),
+      available_size=bind(available_size),
+      get_all_free_pages=bind(get_all_free_pages),
+  )
