@@ -25,11 +25,11 @@ from jax_kvalloc import debug
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
-from jax_kvalloc.config import INT32_MAX
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.freeing import maybe_merge
 from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.state import AllocatorState
+from pallas_kernels import capacity
 
 Array = jax.Array
 AllocResult = Tuple[AllocatorState, Array, Array]
@@ -59,20 +59,11 @@ def _row_mask(num_rows: int, num_reqs: Optional[Array]) -> Tuple[Array, Array]:
 def _prefix_sums(x: Array, cap: int) -> Tuple[Array, Array]:
   """(exclusive prefix sums, total) of x >= 0 (i32[B]); exact whenever the total is <= cap.
 
-  int32 sums of large lengths would wrap and could make an impossible batch look small;
-  here every entry is first clipped to cap + 1 and, when B * (cap + 1) could overflow
-  int32 (a static check), the scan saturates at cap + 1 instead. Either way a total
-  beyond cap stays beyond cap, and the caller refuses the call.
+  The capacity rule shared with every kernel (pallas_kernels.capacity): counts are
+  clipped to cap + 1 and summed without wrapping, so a batch whose true total exceeds
+  cap always has a total > cap here, and the caller refuses it.
   """
-  lim = min(cap + 1, INT32_MAX)
-  x = jnp.minimum(x, lim)
-  if x.shape[0] == 0:
-    return x, jnp.zeros((), jnp.int32)
-  if x.shape[0] * lim <= INT32_MAX:
-    incl = jnp.cumsum(x)
-  else:
-    incl = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, lim - a), x)
-  return incl - x, incl[-1]
+  return capacity.saturating_prefix_sums(x, cap)
 
 
 def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
@@ -197,27 +188,33 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
       err = debug.either(err, debug.num_new_pages_arg(num_new_pages, pages_agree))
     valid = valid & (err[0] == 0)
   state = maybe_merge(config, state, valid & (total_tokens // ps + bs + 1 > state.free_len))
-  fused = None
-  if num_rows:  # zero rows: no kernel (an index kernel over zero rows does not lower)
-    fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
-                                       num_reqs, max_tokens=max_tokens)
-  if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
-    return _refuse_unless(None if num_new_pages is None else pages_agree, state, fused)
-  ok = valid & (total_pages <= state.free_len)
 
-  # Enough pages for any batch of at most max_tokens tokens: sum(ceil(ext_i / ps)).
-  window = st.ring_window(state.free_ring, state.free_head,
-                          jnp.where(ok, state.free_len, 0),
-                          _window_len(config, max_tokens // ps + num_rows + 1))
-  out = jnp.zeros((max_tokens,), jnp.int32)
-  if num_rows:
-    out = kernels.extend_indices(config.kernel, window, pre, seq, last_loc, tok_start,
-                                 page_start, page_size=ps, out_len=max_tokens)
-  if config.debug:
-    state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC_EXTEND, err, ok, window,
-                                   total_pages, out, jnp.arange(max_tokens) < total_tokens)
-  out = jnp.where(ok, out, 0)
-  return _take_pages(state, total_pages, ok), out, ok
+  def rest(kernel: str, backend: Optional[str]) -> AllocResult:
+    fused = None
+    if num_rows:  # zero rows: no kernel (an index kernel over zero rows does not lower)
+      fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
+                                         num_reqs, max_tokens=max_tokens, kernel=kernel,
+                                         backend=backend)
+    if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
+      return _refuse_unless(None if num_new_pages is None else pages_agree, state, fused)
+    s = state
+    ok = valid & (total_pages <= s.free_len)
+    # Enough pages for any batch of at most max_tokens tokens: sum(ceil(ext_i / ps)).
+    window = st.ring_window(s.free_ring, s.free_head, jnp.where(ok, s.free_len, 0),
+                            _window_len(config, max_tokens // ps + num_rows + 1))
+    out = jnp.zeros((max_tokens,), jnp.int32)
+    if num_rows:
+      out = kernels.extend_indices(kernel, window, pre, seq, last_loc, tok_start,
+                                   page_start, page_size=ps, out_len=max_tokens,
+                                   backend=backend)
+    if config.debug:
+      s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_EXTEND, err, ok, window,
+                                 total_pages, out, jnp.arange(max_tokens) < total_tokens)
+    out = jnp.where(ok, out, 0)
+    return _take_pages(s, total_pages, ok), out, ok
+
+  # "auto" follows the device that holds the pool (kernels.by_device).
+  return kernels.by_device(config.kernel, state.free_ring, rest)
 
 
 def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
@@ -255,18 +252,24 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
   page_start = jnp.cumsum(needs_page) - needs_page
   total_pages = jnp.sum(needs_page)
   state = maybe_merge(config, state, rows_valid & (bs > state.free_len))
-  fused = kernels.alloc_decode_fused(config, state, seq_lens, last_loc, num_reqs)
-  if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
-    return fused
-  ok = rows_valid & (total_pages <= state.free_len)
 
-  window = st.ring_window(state.free_ring, state.free_head,
-                          jnp.where(ok, state.free_len, 0), _window_len(config, num_rows))
-  seq_for_kernel = jnp.where(real, seq, 0)  # padded rows need no page
-  out = kernels.decode_indices(config.kernel, window, seq_for_kernel, last_loc, page_start,
-                               page_size=ps)
-  if config.debug:
-    state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC_DECODE, err, ok, window,
-                                   total_pages, out, real)
-  out = jnp.where(ok & real, out, 0)
-  return _take_pages(state, total_pages, ok), out, ok
+  def rest(kernel: str, backend: Optional[str]) -> AllocResult:
+    fused = kernels.alloc_decode_fused(config, state, seq_lens, last_loc, num_reqs,
+                                       kernel=kernel, backend=backend)
+    if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
+      return fused
+    s = state
+    ok = rows_valid & (total_pages <= s.free_len)
+    window = st.ring_window(s.free_ring, s.free_head, jnp.where(ok, s.free_len, 0),
+                            _window_len(config, num_rows))
+    seq_for_kernel = jnp.where(real, seq, 0)  # padded rows need no page
+    out = kernels.decode_indices(kernel, window, seq_for_kernel, last_loc, page_start,
+                                 page_size=ps, backend=backend)
+    if config.debug:
+      s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_DECODE, err, ok, window,
+                                 total_pages, out, real)
+    out = jnp.where(ok & real, out, 0)
+    return _take_pages(s, total_pages, ok), out, ok
+
+  # "auto" follows the device that holds the pool (kernels.by_device).
+  return kernels.by_device(config.kernel, state.free_ring, rest)

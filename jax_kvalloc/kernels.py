@@ -3,11 +3,16 @@
 "jnp" (jax_kvalloc.index_jnp) is always present and is the truth; "pallas" runs the
 Pallas kernel for the default backend (Triton lowering on GPU, Mosaic on TPU);
 "pallas_interpret" runs the same kernels in Pallas' interpreter (any backend, for
-testing); "auto" is "pallas" on GPU and TPU and "jnp" on CPU. The name comes from
-`AllocatorConfig.kernel`, whose default is the environment variable JAX_KVALLOC_KERNEL.
+testing); "auto" is "pallas" on GPU and TPU and "jnp" on CPU, judged by the device that
+holds the pool (`by_device`): a concrete state's arrays say where they live, and inside
+jit the choice is made when the computation is lowered for its platform
+(`lax.platform_dependent`; only the chosen branch is compiled), so a CPU pool on a GPU
+host runs the jnp path. The name comes from `AllocatorConfig.kernel`, whose default is
+the environment variable JAX_KVALLOC_KERNEL.
 
-Which Pallas kernel: `pallas_kernels.default_backend()`, "mosaic" on TPU and "triton"
-elsewhere (JAX_KVALLOC_PALLAS_BACKEND overrides it).
+Which Pallas kernel: for "auto", "mosaic" on TPU and "triton" on GPU (the pool's device);
+for an explicit "pallas"/"pallas_interpret", `pallas_kernels.default_backend()`, "mosaic"
+on TPU and "triton" elsewhere (JAX_KVALLOC_PALLAS_BACKEND overrides it).
 
 On the Triton backend the allocator does not call the index kernel alone: the whole
 alloc_extend / alloc_decode (validity and capacity checks, prefix sums, reads of the free
@@ -20,7 +25,7 @@ need_sort merge stays with the caller, before the fused call.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -33,45 +38,97 @@ Array = jax.Array
 AllocResult = Tuple[AllocatorState, Array, Array]
 
 
+T = TypeVar("T")
+_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+
+
 def resolve(kernel: str) -> str:
-  """The concrete path ("jnp", "pallas" or "pallas_interpret") that `kernel` selects."""
+  """The concrete path ("jnp", "pallas" or "pallas_interpret") that `kernel` selects on
+  the default backend (for "auto" the allocator itself uses `by_device`)."""
   if kernel == "auto":
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "jnp"
+    return "pallas" if jax.default_backend() in _ACCELERATORS else "jnp"
   return kernel
+
+
+def platform_of(x) -> Optional[str]:
+  """The platform ("cpu", "gpu", "tpu", ...) of the device holding a concrete jax array;
+  None for a tracer or anything else (inside jit the platform is known only when the
+  computation is lowered)."""
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return None
+  try:
+    return next(iter(x.devices())).platform
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _auto(platform: str) -> Tuple[str, Optional[str]]:
+  if platform in ("gpu", "cuda", "rocm"):
+    return "pallas", "triton"
+  if platform == "tpu":
+    return "pallas", "mosaic"
+  return "jnp", None
+
+
+def by_device(kernel: str, pool: Array, fn: Callable[[str, Optional[str]], T]) -> T:
+  """fn(path, backend): the allocator's work after `kernel` is resolved for the device
+  that holds `pool` (an array of the state).
+
+  path is "jnp", "pallas" or "pallas_interpret"; backend is the Pallas backend
+  ("triton", "mosaic") or None for `pallas_kernels.default_backend()`. Only "auto"
+  depends on the device: from a concrete `pool` its device's platform, under tracing a
+  `lax.platform_dependent` over the branches (resolved when lowering, so the compiled
+  program holds the chosen branch alone).
+  """
+  if kernel != "auto":
+    return fn(kernel, None)
+  platform = platform_of(pool)
+  if platform is not None:
+    return fn(*_auto(platform))
+  branch = lambda platform: (lambda: fn(*_auto(platform)))
+  return jax.lax.platform_dependent(cpu=branch("cpu"), cuda=branch("cuda"),
+                                    rocm=branch("rocm"), tpu=branch("tpu"),
+                                    default=branch("cpu"))
 
 
 def extend_indices(kernel: str, free_window: Array, prefix_lens: Array, seq_lens: Array,
                    last_loc: Array, tok_start: Array, page_start: Array, *,
-                   page_size: int, out_len: int) -> Array:
-  """`index_jnp.extend_indices` through the implementation `kernel` names."""
+                   page_size: int, out_len: int, backend: Optional[str] = None) -> Array:
+  """`index_jnp.extend_indices` through the implementation `kernel` names (a path, or
+  "auto" for the default backend's) on the Pallas `backend` (None: the default)."""
   path = resolve(kernel)
   args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
   if path == "jnp":
     return index_jnp.extend_indices(*args, page_size=page_size, out_len=out_len)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.extend_indices(*args, page_size=page_size, out_len=out_len,
-                                       interpret=path == "pallas_interpret")
+                                       interpret=path == "pallas_interpret",
+                                       backend=backend)
 
 
 def decode_indices(kernel: str, free_window: Array, seq_lens: Array, last_loc: Array,
-                   page_start: Array, *, page_size: int) -> Array:
-  """`index_jnp.decode_indices` through the implementation `kernel` names."""
+                   page_start: Array, *, page_size: int,
+                   backend: Optional[str] = None) -> Array:
+  """`index_jnp.decode_indices` through the implementation `kernel` names (as
+  `extend_indices`)."""
   path = resolve(kernel)
   args = (free_window, seq_lens, last_loc, page_start)
   if path == "jnp":
     return index_jnp.decode_indices(*args, page_size=page_size)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.decode_indices(*args, page_size=page_size,
-                                       interpret=path == "pallas_interpret")
+                                       interpret=path == "pallas_interpret",
+                                       backend=backend)
 
 
-def _fused_path(config: AllocatorConfig) -> Optional[str]:
+def _fused_path(config: AllocatorConfig, kernel: str,
+                backend: Optional[str]) -> Optional[str]:
   """"pallas" or "pallas_interpret" when the one-launch Triton allocation applies."""
-  path = resolve(config.kernel)
+  path = resolve(kernel)
   if path == "jnp" or config.debug:
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  if pallas_kernels.default_backend() != "triton":
+  if (backend or pallas_kernels.default_backend()) != "triton":
     return None
   return path
 
@@ -84,14 +141,17 @@ def _num_reqs(num_reqs: Optional[Array], num_rows: int) -> Array:
 
 def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
                        seq_lens: Array, last_loc: Array, num_reqs: Optional[Array], *,
-                       max_tokens: int) -> Optional[AllocResult]:
+                       max_tokens: int, kernel: Optional[str] = None,
+                       backend: Optional[str] = None) -> Optional[AllocResult]:
   """allocation.alloc_extend after its need_sort merge, as one Triton kernel launch.
 
   Args: as allocation.alloc_extend (i32[B] rows, raw: padded rows are masked inside);
-  `state` is the state after any merge. Returns (state, i32[max_tokens], bool[] ok),
-  bit-identical to the jnp path, or None where the fused kernel does not apply.
+  `state` is the state after any merge; kernel/backend as `by_device` hands them out
+  (default: config.kernel on the default backend). Returns (state, i32[max_tokens],
+  bool[] ok), bit-identical to the jnp path, or None where the fused kernel does not
+  apply.
   """
-  path = _fused_path(config)
+  path = _fused_path(config, kernel or config.kernel, backend)
   if path is None:
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
@@ -106,14 +166,16 @@ def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_le
 
 
 def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
-                       last_loc: Array, num_reqs: Optional[Array]) -> Optional[AllocResult]:
+                       last_loc: Array, num_reqs: Optional[Array], *,
+                       kernel: Optional[str] = None,
+                       backend: Optional[str] = None) -> Optional[AllocResult]:
   """allocation.alloc_decode after its need_sort merge, as one Triton kernel launch.
 
   Args: as allocation.alloc_decode (i32[B] rows, raw); `state` is the state after any
-  merge. Returns (state, i32[B], bool[] ok), bit-identical to the jnp path, or None
-  where the fused kernel does not apply.
+  merge; kernel/backend as in `alloc_extend_fused`. Returns (state, i32[B], bool[] ok),
+  bit-identical to the jnp path, or None where the fused kernel does not apply.
   """
-  path = _fused_path(config)
+  path = _fused_path(config, kernel or config.kernel, backend)
   if path is None:
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top

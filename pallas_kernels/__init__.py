@@ -15,19 +15,36 @@ The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import jax
 
-from pallas_kernels.mosaic_extend import decode_indices_mosaic
-from pallas_kernels.mosaic_extend import extend_indices_mosaic
-from pallas_kernels.triton_decode import alloc_decode_triton
-from pallas_kernels.triton_decode import decode_indices_triton
-from pallas_kernels.triton_extend import alloc_extend_triton
-from pallas_kernels.triton_extend import extend_indices_triton
-from pallas_kernels.triton_decode import fused_supported as decode_fused_supported
-from pallas_kernels.triton_extend import fused_preferred as extend_fused_preferred
-from pallas_kernels.triton_extend import fused_supported as extend_fused_supported
+from pallas_kernels import capacity
+
+# The kernels load on first use (PEP 562), so that `pallas_kernels.capacity`, which the
+# jnp path imports, does not pull in the Pallas TPU and Triton modules.
+_LAZY = {
+    "decode_indices_mosaic": ("mosaic_extend", "decode_indices_mosaic"),
+    "extend_indices_mosaic": ("mosaic_extend", "extend_indices_mosaic"),
+    "alloc_decode_triton": ("triton_decode", "alloc_decode_triton"),
+    "decode_indices_triton": ("triton_decode", "decode_indices_triton"),
+    "decode_fused_supported": ("triton_decode", "fused_supported"),
+    "alloc_extend_triton": ("triton_extend", "alloc_extend_triton"),
+    "extend_indices_triton": ("triton_extend", "extend_indices_triton"),
+    "extend_fused_preferred": ("triton_extend", "fused_preferred"),
+    "extend_fused_supported": ("triton_extend", "fused_supported"),
+}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(f"pallas_kernels.{module}"), attr)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
+
 
 Array = jax.Array
 
@@ -60,13 +77,12 @@ def extend_indices(free_window: Array, prefix_lens: Array, seq_lens: Array,
                    backend: str | None = None) -> Array:
   """jax_kvalloc.index_jnp.extend_indices through a Pallas kernel (same arguments and
   i32[out_len] result). interpret: bool, or for "mosaic" a pltpu.InterpretParams."""
+  args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
   if _backend(backend) == "mosaic":
-    return extend_indices_mosaic(free_window, prefix_lens, seq_lens, last_loc, tok_start,
-                                 page_start, page_size=page_size, out_len=out_len,
-                                 interpret=interpret)
-  return extend_indices_triton(free_window, prefix_lens, seq_lens, last_loc, tok_start,
-                               page_start, page_size=page_size, out_len=out_len,
-                               interpret=bool(interpret))
+    return __getattr__("extend_indices_mosaic")(*args, page_size=page_size,
+                                                out_len=out_len, interpret=interpret)
+  return __getattr__("extend_indices_triton")(*args, page_size=page_size, out_len=out_len,
+                                              interpret=bool(interpret))
 
 
 def decode_indices(free_window: Array, seq_lens: Array, last_loc: Array,
@@ -74,17 +90,19 @@ def decode_indices(free_window: Array, seq_lens: Array, last_loc: Array,
                    backend: str | None = None) -> Array:
   """jax_kvalloc.index_jnp.decode_indices through a Pallas kernel (same arguments and
   i32[B] result). interpret: bool, or for "mosaic" a pltpu.InterpretParams."""
+  args = (free_window, seq_lens, last_loc, page_start)
   if _backend(backend) == "mosaic":
-    return decode_indices_mosaic(free_window, seq_lens, last_loc, page_start,
-                                 page_size=page_size, interpret=interpret)
-  return decode_indices_triton(free_window, seq_lens, last_loc, page_start,
-                               page_size=page_size, interpret=bool(interpret))
+    return __getattr__("decode_indices_mosaic")(*args, page_size=page_size,
+                                                interpret=interpret)
+  return __getattr__("decode_indices_triton")(*args, page_size=page_size,
+                                              interpret=bool(interpret))
 
 
 __all__ = [
     "BACKENDS",
     "alloc_decode_triton",
     "alloc_extend_triton",
+    "capacity",
     "decode_fused_supported",
     "decode_indices",
     "decode_indices_mosaic",

@@ -2,6 +2,8 @@
 
 - Integer arithmetic by a static page size: shifts and masks when it is a power of two
   (they equal jnp's floor `//` and `%` for every sign), jnp's `//`/`%` otherwise.
+- `load` / `store`: the Triton kernels' masked gathers and scatters, every index clamped
+  into its buffer (no lane ever leaves it, SGLang issue 34399).
 - `quiet_triton`: runs a Pallas-Triton call so that jax's "Pallas Triton backend is
   deprecated" DeprecationWarning (jax >= 0.11, emitted when the call is lowered) is
   silenced for our kernels only. The call is wrapped in a private primitive whose lowering
@@ -65,6 +67,23 @@ def highest_pow2_at_most(n: Array) -> Array:
   for s in (1, 2, 4, 8, 16):
     n = n | (n >> s)
   return n - (n >> 1)
+
+
+def load(ref, idx: Array, mask: Array, other=0) -> Array:
+  """Masked gather of ref[idx] in a Triton kernel; idx is clamped into ref, so no lane
+  ever reads outside it."""
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  n = ref.shape[0]
+  return pltriton.load(ref.at[jnp.clip(idx, 0, n - 1)], mask=mask, other=other)
+
+
+def store(ref, idx: Array, value: Array, mask: Array) -> None:
+  """Masked scatter in a Triton kernel. Masked-off lanes point past the end: they write
+  nothing, also in interpret mode, where a lane that aliased a written one could
+  otherwise win."""
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  n = ref.shape[0]
+  pltriton.store(ref.at[jnp.where(mask, jnp.clip(idx, 0, n - 1), n)], value, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------

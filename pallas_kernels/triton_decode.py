@@ -40,18 +40,6 @@ class _Params:
   src_len: int        # ring (fused) or window (contract) length
 
 
-def _load(ref, idx, mask, other=0):
-  """Masked gather of ref[idx]; idx is clamped into ref, so no lane ever leaves it."""
-  n = ref.shape[0]
-  return pltriton.load(ref.at[jnp.clip(idx, 0, n - 1)], mask=mask, other=other)
-
-
-def _store(ref, idx, value, mask):
-  """Masked scatter; masked-off lanes point past the end (see triton_extend._store)."""
-  n = ref.shape[0]
-  pltriton.store(ref.at[jnp.where(mask, jnp.clip(idx, 0, n - 1), n)], value, mask=mask)
-
-
 def _needs_page(seq: Array, ps: int) -> Array:
   return cdiv(seq, ps) > cdiv(seq - 1, ps)
 
@@ -66,12 +54,12 @@ def _contract_kernel(win_ref, seq_ref, last_ref, pst_ref,   # inputs: i32[P], i3
   ps = p.page_size
   rows = pl.program_id(0) * p.row_block + jnp.arange(p.row_block, dtype=jnp.int32)
   lane = rows < p.num_rows
-  seq = _load(seq_ref, rows, lane)
-  last = _load(last_ref, rows, lane)
-  page_start = _load(pst_ref, rows, lane)
+  seq = _util.load(seq_ref, rows, lane)
+  last = _util.load(last_ref, rows, lane)
+  page_start = _util.load(pst_ref, rows, lane)
   needs = _needs_page(seq, ps)
-  page = _load(win_ref, page_start, lane & needs)  # clamped into the window
-  _store(out_ref, rows, jnp.where(needs, page * ps, last + 1), lane)
+  page = _util.load(win_ref, page_start, lane & needs)  # clamped into the window
+  _util.store(out_ref, rows, jnp.where(needs, page * ps, last + 1), lane)
 
 
 def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[n], i32[1] x3
@@ -85,8 +73,8 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
   nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
   rows = pid * p.row_block + jnp.arange(p.row_block, dtype=jnp.int32)
   real = rows < nrows
-  seq = _load(seq_ref, rows, real, 1)
-  last = _load(last_ref, rows, rows < p.num_rows)
+  seq = _util.load(seq_ref, rows, real, 1)
+  last = _util.load(last_ref, rows, rows < p.num_rows)
   needs = (real & _needs_page(seq, ps)).astype(jnp.int32)
   if p.row_block == p.rows_pad:  # one program: the block is the batch
     bad = jnp.sum((real & (seq < 1)).astype(jnp.int32))
@@ -95,7 +83,7 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
   else:
     r = jnp.arange(p.rows_pad, dtype=jnp.int32)
     real_all = r < nrows
-    seq_all = _load(seq_ref, r, real_all, 1)
+    seq_all = _util.load(seq_ref, r, real_all, 1)
     bad = jnp.sum((real_all & (seq_all < 1)).astype(jnp.int32))
     needs_all = (real_all & _needs_page(seq_all, ps)).astype(jnp.int32)
     total_pages = jnp.sum(needs_all)
@@ -104,9 +92,9 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
   k = before + jnp.cumsum(needs) - needs
   i = head + k
   i = jnp.where(i >= n, i - n, i)
-  page = _load(ring_ref, i, (needs > 0) & ok & (k < flen))
+  page = _util.load(ring_ref, i, (needs > 0) & ok & (k < flen))
   out = jnp.where(needs > 0, page * ps, last + 1)
-  _store(out_ref, rows, jnp.where(ok & real, out, 0), rows < p.num_rows)
+  _util.store(out_ref, rows, jnp.where(ok & real, out, 0), rows < p.num_rows)
 
   @pl.when(pid == 0)
   def _():

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
+from pallas_kernels import capacity
 from pallas_kernels import tuning
 from pallas_kernels._util import INT32_MAX, cdiv, floordiv, mod
 
@@ -53,7 +54,7 @@ Array = jax.Array
 _TOK_END, _A, _E, _C, _BP = range(5)
 _LINE = 8
 
-MAX_FUSED_ROWS = 2**15       # the exact total check needs <= 2**15 lanes
+MAX_FUSED_ROWS = capacity.MAX_EXACT_LANES  # the exact total check's lane limit
 MAX_FUSED_ROW_WORK = 2**17   # rows_pad * programs: beyond, the contract path scales better
 
 
@@ -74,30 +75,6 @@ class _Params:
 # ---------------------------------------------------------------------------------------
 # Kernel bodies.
 # ---------------------------------------------------------------------------------------
-
-def _load(ref, idx, mask, other=0):
-  """Masked gather of ref[idx]; idx is clamped into ref, so no lane ever leaves it."""
-  n = ref.shape[0]
-  return pltriton.load(ref.at[jnp.clip(idx, 0, n - 1)], mask=mask, other=other)
-
-
-def _store(ref, idx, value, mask):
-  """Masked scatter. Masked-off lanes point past the end: they write nothing, also in
-  interpret mode, where a lane that aliased a written one could otherwise win."""
-  n = ref.shape[0]
-  pltriton.store(ref.at[jnp.where(mask, jnp.clip(idx, 0, n - 1), n)], value, mask=mask)
-
-
-def _sum_exceeds(x: Array, cap) -> Array:
-  """sum(x) > cap, exactly, for 0 <= x < 2**31 and at most 2**15 lanes: the sums of the
-  high and low 16-bit halves cannot wrap, and are compared with cap's halves."""
-  hi = jnp.sum(x >> 16)
-  lo = jnp.sum(x & 0xFFFF)
-  hi = hi + (lo >> 16)
-  lo = lo & 0xFFFF
-  cap_hi = cap >> 16
-  return (hi > cap_hi) | ((hi == cap_hi) & (lo > (cap & 0xFFFF)))
-
 
 def _slot(ps, t, a, e, c, bp, read_page, mask):
   """Slots of tokens t from their rows' constants (see the module docstring)."""
@@ -122,23 +99,23 @@ def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # in
   while step:
     cand = count + step
     inside = cand <= b
-    ts = _load(ts_ref, cand - 1, live & inside, INT32_MAX)
+    ts = _util.load(ts_ref, cand - 1, live & inside, INT32_MAX)
     count = jnp.where(inside & (ts <= t), cand, count)
     step >>= 1
   row = jnp.clip(count - 1, 0, b - 1)
-  pre = _load(pre_ref, row, live)
-  tok_start = _load(ts_ref, row, live)
-  last = _load(last_ref, row, live)
-  page_start = _load(pst_ref, row, live)
+  pre = _util.load(pre_ref, row, live)
+  tok_start = _util.load(ts_ref, row, live)
+  last = _util.load(last_ref, row, live)
+  page_start = _util.load(pst_ref, row, live)
   fnp = cdiv(pre, ps)
   a = pre - tok_start
 
   def read_page(k, mask):
-    return _load(win_ref, k, mask)  # clamped into the window, as the contract says
+    return _util.load(win_ref, k, mask)  # clamped into the window, as the contract says
 
   slot = _slot(ps, t, a, fnp * ps - a, last + 1 - tok_start, page_start - fnp, read_page,
                live)
-  _store(out_ref, t, jnp.where(live, slot, 0), t < p.out_len)
+  _util.store(out_ref, t, jnp.where(live, slot, 0), t < p.out_len)
 
 
 def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
@@ -162,7 +139,7 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
     nw = jnp.minimum(win, r_hi - w0 + 1)
     sel = (r >= w0) & (r < w0 + nw)
     for v, vec in enumerate(table):
-      _store(scr_ref, base + (r - w0) * _LINE + v, vec, sel)
+      _util.store(scr_ref, base + (r - w0) * _LINE + v, vec, sel)
     if p.barrier:
       pltriton.debug_barrier()
 
@@ -171,14 +148,14 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
       step, pos = c
       cand = pos + step
       inside = cand <= nw
-      te = _load(scr_ref, base + (cand - 1) * _LINE + _TOK_END, inside, INT32_MAX)
+      te = _util.load(scr_ref, base + (cand - 1) * _LINE + _TOK_END, inside, INT32_MAX)
       return step >> 1, jnp.where(inside & (te <= t), cand, pos)
 
     _, pos = lax.while_loop(lambda c: c[0] > 0, lift,
                             (_util.highest_pow2_at_most(nw), jnp.zeros_like(t)))
     mine = (done == 0) & (pos < nw) & (t < limit)
     at = base + jnp.minimum(pos, win - 1) * _LINE
-    a, e, c, bp = (_load(scr_ref, at + v, mine) for v in (_A, _E, _C, _BP))
+    a, e, c, bp = (_util.load(scr_ref, at + v, mine) for v in (_A, _E, _C, _BP))
     slot = _slot(p.page_size, t, a, e, c, bp, read_page, mine)
     if p.barrier:
       pltriton.debug_barrier()  # everyone has read the scratch before it is rewritten
@@ -187,7 +164,7 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
   zeros = jnp.zeros_like(t)
   _, acc, _ = lax.while_loop(lambda c: (ntok > 0) & (c[0] <= r_hi), one_pass,
                              (r_lo, zeros, zeros))
-  _store(out_ref, t, jnp.where(t < limit, acc, 0), t < p.out_len)
+  _util.store(out_ref, t, jnp.where(t < limit, acc, 0), t < p.out_len)
 
 
 def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
@@ -203,21 +180,24 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
   r = jnp.arange(p.rows_pad, dtype=jnp.int32)
   real = r < nrows
-  pre = _load(pre_ref, r, real)
-  seq = _load(seq_ref, r, real)
-  last = _load(last_ref, r, r < p.num_rows)
+  pre = _util.load(pre_ref, r, real)
+  seq = _util.load(seq_ref, r, real)
+  last = _util.load(last_ref, r, r < p.num_rows)
   rows_valid = jnp.sum(jnp.where(real & ((pre < 0) | (seq < pre)), 1, 0)) == 0
   pre = jnp.where(rows_valid, pre, 0)
   seq = jnp.where(rows_valid, seq, 0)
-  ext = seq - pre
   fnp = cdiv(pre, ps)
-  new_pages = cdiv(seq, ps) - fnp
+  # The capacity rule of pallas_kernels.capacity: counts clipped to limit + 1 (the ring
+  # bounds free_len), so that the sums below wrap only where `exact_totals` says.
+  ext = capacity.clip_counts(seq - pre, p.out_len)
+  new_pages = capacity.clip_counts(cdiv(seq, ps) - fnp, n)
   tok_end = jnp.cumsum(ext)
   page_start = jnp.cumsum(new_pages) - new_pages
   total = jnp.sum(ext)
   total_pages = jnp.sum(new_pages)
-  if p.exact_totals:  # int32 sums could wrap: compare the true sums with the limits
-    ok = rows_valid & ~_sum_exceeds(ext, p.out_len) & ~_sum_exceeds(new_pages, flen)
+  if p.exact_totals:  # the int32 sums could wrap: compare the true sums with the limits
+    ok = (rows_valid & ~capacity.sum_exceeds(ext, jnp.int32(p.out_len))
+          & ~capacity.sum_exceeds(new_pages, flen))
   else:
     ok = rows_valid & (total <= p.out_len) & (total_pages <= flen)
   a = pre - (tok_end - ext)
@@ -226,7 +206,7 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   def read_page(k, mask):
     i = head + k
     i = jnp.where(i >= n, i - n, i)
-    return _load(ring_ref, i, mask & ok & (k >= 0) & (k < flen))
+    return _util.load(ring_ref, i, mask & ok & (k >= 0) & (k < flen))
 
   _fill_tile(p, pid, table, jnp.where(ok, total, 0), read_page, out_ref, scr_ref)
 
@@ -257,7 +237,8 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
 
 
 def _may_wrap(num_rows: int, out_len: int, ring_len: int) -> bool:
-  return num_rows * (max(out_len, ring_len) + 1) > INT32_MAX
+  return (capacity.sums_may_wrap(num_rows, out_len)
+          or capacity.sums_may_wrap(num_rows, ring_len))
 
 
 def fused_supported(num_rows: int, out_len: int, ring_len: int) -> bool:
