@@ -1,9 +1,24 @@
-"""Shared mechanics of the SGLang-compatible classes: state holding, free groups,
-snapshots, input conversion and the jitted operations they call.
+"""Shared mechanics of the SGLang-compatible classes: state holding, the host mirror of
+the list lengths, free groups, snapshots, input conversion and the two backends.
 
-Each class holds one `AllocatorState`; every method is one call of a jitted function of
-the functional core followed by a reassignment of the state. Inputs are padded to shape
-buckets (jax_kvalloc.buckets) so that the class compiles once per bucket.
+Backends (`backend=` on both constructors):
+  * "device" (default): the state is an `AllocatorState` of jax arrays on the class's
+    device, ready to hand to jitted code. A call validates its arguments on host numpy
+    copies, decides on the host whether it succeeds and whether need_sort merges first
+    (from an exact host mirror of free_len and release_len: SGLang's *_cpu copies give
+    every page count), then launches the work without waiting
+    (jax_kvalloc.device_ops: one launch with one input transfer, plus a tiny cached
+    slice when the output is shorter than its bucket) and returns jax arrays.
+  * "host": the state is held in NumPy and every call runs on the host, vectorized
+    (jax_kvalloc.host_ops, the same index arithmetic with xp=numpy); returns numpy.
+
+Waits (device backend). None in the steady state: `available_size()` reads the mirror,
+allocations and frees of host data launch and return. What still reads the device:
+arguments that are device arrays (a jax or CUDA-torch `free_index`, say: validation and
+the paged page count need their values on the host, so they are copied back); the
+`free_pages`/`release_pages` views; `restore_state` of a snapshot not made by this class;
+operations without a fast path (`_call`, which re-reads the lengths); and debug mode,
+which reads the state's error record after every call (it raises at the first misuse).
 
 Bad input raises before anything changes (jax_kvalloc.validate: TypeError, ValueError or
 RuntimeError naming the argument and value), so after an exception the allocator is as it
@@ -11,14 +26,15 @@ was. In debug mode (`debug=True`, default JAX_KVALLOC_DEBUG) each call also read
 state's error record and raises `AllocatorDebugError` at the first misuse (a double free,
 say); the call was refused inside, so the state is again as it was.
 
-Donation: the state is donated to each call (the frees then scatter in place), except
-right after `backup_state`/`restore_state`, when a snapshot may still refer to the
-current arrays; that one call copies, and the arrays it returns are fresh again.
+Snapshots cost O(1): `backup_state` keeps references to the current (immutable or
+copy-on-write) rings. Allocations never write a ring; a free or merge that writes a ring
+a snapshot still holds copies that one ring first (device: the non-donating program;
+host: `ndarray.copy`), and only then.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +43,9 @@ import numpy as np
 from jax_kvalloc import allocation as _alloc
 from jax_kvalloc import buckets
 from jax_kvalloc import debug as _debug
+from jax_kvalloc import device_ops
 from jax_kvalloc import freeing as _free
+from jax_kvalloc import host_ops
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
@@ -45,13 +63,19 @@ _ALLOC_EXTEND = _jit_pair(_alloc.alloc_extend, ("config", "max_tokens"))
 _ALLOC_DECODE = _jit_pair(_alloc.alloc_decode, ("config",))
 _FREE = _jit_pair(_free.free, ("config",))
 _MERGE = _jit_pair(_free.merge_and_sort_free, ("config",))
+_FREE_PAGE_IDS = _jit_pair(_free.free_page_ids, ("config",))
 _INIT = jax.jit(st.init, static_argnames=("config",))
 
 
+BACKENDS = ("device", "host")
+
+
 class AllocatorSnapshot(NamedTuple):
-  """What `backup_state` returns: the (immutable) state and the config it belongs to."""
+  """What `backup_state` returns: the state, the config it belongs to and the lengths
+  (free_len, release_len) as host ints, so that restoring it needs no device read."""
   config: AllocatorConfig
   state: AllocatorState
+  lengths: Optional[Tuple[int, int]] = None
 
 
 def resolve_device(device: Any) -> Optional[jax.Device]:
@@ -78,12 +102,21 @@ class BaseAllocator:
   and PagedTokenToKVPoolAllocator)."""
 
   def __init__(self, config: AllocatorConfig, dtype: Any = None, device: Any = None,
-               kvcache: Any = None):
+               kvcache: Any = None, backend: str = "device"):
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     self.config = config
     self.dtype = dtype
     self.device = device
-    self._jax_device = resolve_device(device)
+    self.backend = backend
+    # Debug mode keeps its checks in a jax state and reads them after every call, on
+    # either backend (the host backend then keeps that state on the CPU device).
+    self._legacy = config.debug
+    self._jax_device = (resolve_device("cpu") if backend == "host" and self._legacy
+                        else None if backend == "host" else resolve_device(device))
     self._kvcache = kvcache
+    self._dev = device_ops.ops_for(config) if backend == "device" else None
+    self._empty = None
     self.clear()
 
   # -- attributes SGLang exposes -----------------------------------------------------
@@ -101,20 +134,21 @@ class BaseAllocator:
 
   @property
   def state(self) -> AllocatorState:
-    """The functional state, for handing the pool to jitted code (`set_state` takes the
-    new one back). Reading it marks the state shared, as `backup_state` does: the next
-    class call copies instead of donating, so the arrays handed out stay readable."""
-    self._shared = True
+    """The functional state (for handing the pool to jitted code). Its rings count as
+    held from now on: the next write to one copies it instead of donating it."""
+    self._free_shared = self._release_shared = True
     return self._state
 
   @property
   def free_pages(self) -> np.ndarray:
-    """The free list in order (slot ids for the token allocator), i32[len]."""
+    """The free list in order (slot ids for the token allocator), i32[len]. Reads the
+    device (device backend)."""
     return st.live_free_pages(self._state)
 
   @property
   def release_pages(self) -> np.ndarray:
-    """The release list in order (need_sort), i32[len]."""
+    """The release list in order (need_sort), i32[len]. Reads the device (device
+    backend)."""
     return st.live_release_pages(self._state)
 
   @property
@@ -125,42 +159,70 @@ class BaseAllocator:
     return self._kvcache
 
   def available_size(self) -> int:
-    """Free slots, released ones included (syncs)."""
-    return int(st.available_size(self.config, self._state))
+    """Free slots, released ones included. Never waits: read from the host mirror."""
+    return (self._free_len + self._release_len) * self.config.page_size
 
   # -- state ---------------------------------------------------------------------------
   def clear(self) -> None:
     """Back to the initial state (SPEC 2); closes any open free group."""
-    state = _INIT(self.config)
-    if self._jax_device is not None:
-      state = jax.device_put(state, self._jax_device)
+    if self.backend == "host" and not self._legacy:
+      state = host_ops.init(self.config)
+    else:
+      state = _INIT(self.config)
+      if self._jax_device is not None:
+        state = jax.device_put(state, self._jax_device)
     self._state = state
-    self._shared = False
+    self._free_shared = self._release_shared = False
+    self._free_len, self._release_len = self.config.num_pages, 0  # the host mirror
     self._free_group: Optional[List[np.ndarray]] = None
 
   def backup_state(self) -> AllocatorSnapshot:
-    """A snapshot that `restore_state` puts back exactly (SPEC 8). Free: states are
-    immutable, so the snapshot is the current state."""
-    self._shared = True
-    return AllocatorSnapshot(self.config, self._state)
+    """A snapshot that `restore_state` puts back exactly (SPEC 8). O(1): the snapshot
+    holds the current rings, which are copied only if a later free writes them."""
+    self._free_shared = self._release_shared = True
+    return AllocatorSnapshot(self.config, self._state, (self._free_len, self._release_len))
 
   def restore_state(self, state: AllocatorSnapshot) -> None:
-    """Puts a snapshot from `backup_state` of an allocator of the same config back."""
+    """Puts a snapshot from `backup_state` of an allocator of the same config back. O(1);
+    a snapshot without lengths (built by hand) has them read from its state (a wait)."""
     validate.snapshot(state, self.config, AllocatorSnapshot)
     self._state = state.state
-    self._shared = True
+    self._free_shared = self._release_shared = True
+    if state.lengths is None:
+      self._sync_mirror()
+    else:
+      self._free_len, self._release_len = state.lengths
+
+  def _sync_mirror(self) -> None:
+    """Re-reads the lengths from the state (a device read on the device backend)."""
+    self._free_len = int(self._state.free_len)
+    self._release_len = int(self._state.release_len)
 
   def _call(self, pair, *args, **kwargs):
-    """Runs one jitted operation on the state; returns its outputs after the state."""
-    fn = pair[0] if self._shared else pair[1]
-    result = fn(self.config, self._state, *args, **kwargs)
-    self._shared = False
+    """Runs one jitted operation of the functional core on the whole state; returns its
+    outputs after the state. The path of debug mode and of operations without a fast
+    path: it waits (it re-reads the lengths into the host mirror, and in debug mode the
+    error record). On the host backend outside debug mode the state makes a round trip
+    through the CPU device (O(pool))."""
+    to_host = self.backend == "host" and not self._legacy
+    state = self._state
+    if to_host:
+      state = jax.tree.map(jnp.asarray, state)
+    shared = self._free_shared or self._release_shared
+    fn = pair[0] if (shared or to_host) else pair[1]
+    result = fn(self.config, state, *args, **kwargs)
+    self._free_shared = self._release_shared = False  # every leaf is a fresh buffer
     if isinstance(result, AllocatorState):
-      self._state, rest = result, None
+      state, rest = result, None
     else:
-      self._state, *rest = result
+      state, *rest = result
+    if to_host:
+      state = host_ops.from_jax(state)
+      rest = [np.asarray(r) for r in rest] if rest is not None else None
+    self._state = state
     if self.config.debug:
       self._raise_debug_error()
+    self._sync_mirror()
     return rest
 
   def _raise_debug_error(self) -> None:
@@ -169,52 +231,117 @@ class BaseAllocator:
     err = _debug.get_error(self._state)
     if err is not None:
       self._state = _debug.clear_error(self._state)
+      self._sync_mirror()
       raise err
+
+  def _output(self, out, ok, n: int):
+    """The legacy path's result: None when refused, else out[:n] (numpy on the host
+    backend). Waits for ok."""
+    if not bool(ok):
+      return None
+    if self.backend == "host":
+      return np.array(np.asarray(out)[:n], np.int32)
+    return self._exact(out, n)
+
+  def _exact(self, out, n: int):
+    return device_ops.ops_for(self.config).exact(out, n)
+
+  def _empty_out(self):
+    """An empty index array of the backend's kind."""
+    if self.backend == "host":
+      return np.zeros((0,), np.int32)
+    if self._empty is None:
+      self._empty = jax.device_put(np.zeros((0,), np.int32), self._jax_device)
+    return self._empty
+
+  def _merge_if(self, shortfall: bool) -> None:
+    """The need_sort merge that a shortfall triggers (SPEC 4.2), decided on the host."""
+    if shortfall and self.config.need_sort and self._release_len > 0:
+      self._merge_now()
+
+  def _merge_now(self) -> None:
+    if self.backend == "host":
+      self._state = host_ops.merge_and_sort_free(self.config, self._state,
+                                                 self._free_shared)
+    else:
+      self._state = self._dev.merge_and_sort_free(self._state, self._free_shared)
+    self._free_shared = False
+    self._free_len, self._release_len = self._free_len + self._release_len, 0
 
   # -- operations ----------------------------------------------------------------------
   def alloc(self, need_size: int):
     """`need_size` slots from the front of the free list, or None if they do not fit.
 
-    Returns i32[need_size] (a jax array). Paged: need_size must be a multiple of
-    page_size (ValueError otherwise; SGLang floors silently outside its debug mode).
-    TypeError for non-ints, ValueError for negative sizes and sizes beyond int32.
+    Returns i32[need_size]: a jax array (device backend; returned without waiting) or a
+    numpy array (host backend). Paged: need_size must be a multiple of page_size
+    (ValueError otherwise; SGLang floors silently outside its debug mode). TypeError for
+    non-ints, ValueError for negative sizes and sizes beyond int32.
     """
     need_size = validate.need_size(need_size, self.page_size)
     if need_size == 0:
-      return jnp.zeros((0,), jnp.int32)
-    if need_size > self.config.num_pages * self.page_size:
-      return self._never_fits()
-    out, ok = self._call(_ALLOC, np.int32(need_size),
-                         max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
-    if not bool(ok):
+      return self._empty_out()
+    pages = need_size // self.page_size
+    if self._legacy:
+      if pages > self.config.num_pages:
+        self._merge_if(True)
+        return None
+      out, ok = self._call(_ALLOC, np.int32(need_size),
+                           max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
+      return self._output(out, ok, need_size)
+    self._merge_if(pages > self._free_len)
+    if pages > self._free_len:
       return None
-    return out[:need_size]
-
-  def _never_fits(self) -> None:
-    """A request larger than the whole pool: the shortfall's need_sort merge, then None
-    (what the jitted call would do, without building outputs the size of the request)."""
-    if self.need_sort:
-      self.merge_and_sort_free()
-    return None
+    if self.backend == "host":
+      self._state, out = host_ops.alloc(self.config, self._state, need_size)
+    else:
+      self._state, out = self._dev.alloc(self._state, need_size)
+    self._free_len -= pages
+    return out
 
   def free(self, free_index) -> None:
     """Returns slots to the pool (queued while a free group is open).
 
     free_index: integer slots, each in page_size..num_slots-1 (ValueError otherwise:
-    page 0 is reserved); TypeError for floats.
+    page 0 is reserved); TypeError for floats. Host data (numpy, lists) is freed without
+    waiting; a device array is first copied to the host (validation and the paged
+    allocator's count of distinct pages need its values there).
     """
     idx = validate.host_ints(free_index, "free_index")
     if idx.size == 0:
       return
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
     if self._free_group is not None:
-      self._free_group.append(idx)  # host_ints copied it: later changes to the caller's
-      return                        # buffer do not reach the queue
+      # A copy: later changes to the caller's buffer must not reach the queue (SPEC 7).
+      self._free_group.append(np.array(idx, copy=True))
+      return
     self._free_now(idx)
 
   def _free_now(self, idx: np.ndarray) -> None:
-    n = buckets.bucket(idx.shape[0], buckets.MIN_FREE)
-    self._call(_FREE, buckets.pad(idx.astype(np.int32), n))
+    if self._legacy:
+      n = buckets.bucket(idx.shape[0], buckets.MIN_FREE)
+      self._call(_FREE, buckets.pad(idx.astype(np.int32), n))
+      return
+    values, count = host_ops.free_count(self.config, idx)
+    self._write("free", values if self.backend == "host" else idx, count)
+
+  def _write(self, op: str, values: np.ndarray, count: int) -> None:
+    """Frees `values` through the backend's `op` (the host backend gets what reaches the
+    list, the device backend the argument itself); `count` entries reach the list, cut
+    to the room left. A ring that a snapshot holds is copied first."""
+    count = min(count, self.config.num_pages - self._free_len - self._release_len)
+    if count == 0:
+      return
+    shared = self._release_shared if self.config.need_sort else self._free_shared
+    if self.backend == "host":
+      self._state = getattr(host_ops, op)(self.config, self._state, values, shared)
+    else:
+      self._state = getattr(self._dev, op)(self._state, values, shared)
+    if self.config.need_sort:
+      self._release_shared = False
+      self._release_len += count
+    else:
+      self._free_shared = False
+      self._free_len += count
 
   def free_group_begin(self) -> None:
     """Opens a free group: frees are queued until free_group_end (SPEC 7)."""
@@ -230,9 +357,13 @@ class BaseAllocator:
 
   def merge_and_sort_free(self) -> None:
     """release_pages merged, sorted, into free_pages (SPEC 6)."""
-    self._call(_MERGE)
+    if self._legacy:
+      self._call(_MERGE)
+    elif self._release_len > 0:
+      self._merge_now()
 
   def __repr__(self) -> str:
     c = self.config
     return (f"{type(self).__name__}(size={c.size}, page_size={c.page_size}, "
-            f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug})")
+            f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
+            f"backend={self.backend!r})")

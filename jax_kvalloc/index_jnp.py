@@ -12,8 +12,15 @@ j-th new token, at sequence position pos = prefix_lens[r] + j. If pos lies in th
 prefix ends in (pos < ceil(pre/ps) * ps, Part 1) its slot is last_loc[r] + 1 + j;
 otherwise it lies in the request's new page number pos // ps - ceil(pre/ps) (Parts 2 and 3),
 which is free_window[page_start[r] + that], at offset pos % ps.
+
+Both take an array namespace `xp` (jax.numpy by default, numpy for the classes' host
+backend, jax_kvalloc.host_ops), so that the device and the host compute every index with
+this one definition. With numpy the inputs are exact-length host arrays and `out_len` is
+the batch's exact token count.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +35,7 @@ def cdiv(a: Array, b: int) -> Array:
 
 def extend_indices(free_window: Array, prefix_lens: Array, seq_lens: Array,
                    last_loc: Array, tok_start: Array, page_start: Array, *,
-                   page_size: int, out_len: int) -> Array:
+                   page_size: int, out_len: int, xp: Any = jnp) -> Array:
   """Slot indices of an alloc_extend batch, SPEC 4.2.
 
   Args:
@@ -41,6 +48,7 @@ def extend_indices(free_window: Array, prefix_lens: Array, seq_lens: Array,
       ceil(seq/ps) - ceil(pre/ps).
     page_size: static, slots per page.
     out_len: static, output length (>= the total of ext when the call succeeds).
+    xp: array namespace, jax.numpy (traced, default) or numpy (host arrays).
 
   Returns:
     i32[out_len]: entry t < sum(ext) is the slot of the t-th new token in batch order,
@@ -51,25 +59,25 @@ def extend_indices(free_window: Array, prefix_lens: Array, seq_lens: Array,
   num_rows = prefix_lens.shape[0]
   ext = seq_lens - prefix_lens
   tok_end = tok_start + ext
-  total = tok_end[-1] if num_rows else jnp.zeros((), jnp.int32)
-  t = jnp.arange(out_len, dtype=jnp.int32)
+  total = tok_end[-1] if num_rows else xp.zeros((), xp.int32)
+  t = xp.arange(out_len, dtype=xp.int32)
   # First row whose token range ends after t; empty rows (ext = 0) are skipped.
-  row = jnp.searchsorted(tok_end, t, side="right").astype(jnp.int32)
-  row = jnp.minimum(row, num_rows - 1)
+  row = xp.searchsorted(tok_end, t, side="right").astype(xp.int32)
+  row = xp.minimum(row, num_rows - 1)
   pre = prefix_lens[row]
   j = t - tok_start[row]
   pos = pre + j
   first_new_page = cdiv(pre, ps)
   in_part1 = pos < first_new_page * ps
   k = page_start[row] + pos // ps - first_new_page
-  k = jnp.clip(k, 0, free_window.shape[0] - 1)
+  k = xp.clip(k, 0, free_window.shape[0] - 1)
   slot_new = free_window[k] * ps + pos % ps
-  slot = jnp.where(in_part1, last_loc[row] + 1 + j, slot_new)
-  return jnp.where(t < total, slot, 0).astype(jnp.int32)
+  slot = xp.where(in_part1, last_loc[row] + 1 + j, slot_new)
+  return xp.where(t < total, slot, 0).astype(xp.int32)
 
 
 def decode_indices(free_window: Array, seq_lens: Array, last_loc: Array,
-                   page_start: Array, *, page_size: int) -> Array:
+                   page_start: Array, *, page_size: int, xp: Any = jnp) -> Array:
   """Slot indices of an alloc_decode batch, SPEC 4.3 (one new token per request).
 
   Args:
@@ -78,6 +86,7 @@ def decode_indices(free_window: Array, seq_lens: Array, last_loc: Array,
     last_loc: i32[B] slot of token seq - 2.
     page_start: i32[B] exclusive prefix sum of needs_page = ceil(seq/ps) > ceil((seq-1)/ps).
     page_size: static, slots per page.
+    xp: array namespace, jax.numpy (traced, default) or numpy (host arrays).
 
   Returns:
     i32[B]: free_window[page_start[i]] * ps where row i needs a page, else last_loc[i] + 1.
@@ -85,5 +94,5 @@ def decode_indices(free_window: Array, seq_lens: Array, last_loc: Array,
   """
   ps = page_size
   needs_page = cdiv(seq_lens, ps) > cdiv(seq_lens - 1, ps)
-  k = jnp.clip(page_start, 0, free_window.shape[0] - 1)
-  return jnp.where(needs_page, free_window[k] * ps, last_loc + 1).astype(jnp.int32)
+  k = xp.clip(page_start, 0, free_window.shape[0] - 1)
+  return xp.where(needs_page, free_window[k] * ps, last_loc + 1).astype(xp.int32)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import buckets
+from jax_kvalloc import host_ops
 from jax_kvalloc import validate
 from jax_kvalloc.base import BaseAllocator, _ALLOC_DECODE, _ALLOC_EXTEND
 from jax_kvalloc.config import AllocatorConfig
@@ -22,15 +22,18 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
     dtype, device, kvcache: as in SGLang (see TokenToKVPoolAllocator).
     need_sort: park freed pages in release_pages until a shortfall merges them.
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
+    backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
+      (NumPy state and results, for host schedulers); see jax_kvalloc.base.
   """
 
   def __init__(self, size: int, page_size: int, dtype: Any = None, device: Any = None,
                kvcache: Any = None, need_sort: bool = False, *,
-               kernel: Optional[str] = None, debug: Optional[bool] = None):
+               kernel: Optional[str] = None, debug: Optional[bool] = None,
+               backend: str = "device"):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
     config = AllocatorConfig(size=size, page_size=page_size, need_sort=need_sort,
                              kind="paged", **extra)
-    super().__init__(config, dtype, device, kvcache)
+    super().__init__(config, dtype, device, kvcache, backend)
 
   def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                    extend_num_tokens: int, num_new_pages: Optional[int] = None):
@@ -45,7 +48,8 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
         (SGLang 0.5.23); it must equal sum(ceil(seq/ps) - ceil(pre/ps)).
 
     Returns:
-      i32[extend_num_tokens] jax array, in batch order, or None (nothing allocated).
+      i32[extend_num_tokens] in batch order (a jax array, returned without waiting, on
+      the device backend; numpy on the host backend), or None (nothing allocated).
 
     Raises:
       TypeError for non-integer arrays; ValueError (naming the request and value) for
@@ -65,18 +69,32 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       validate.num_new_pages(num_new_pages, new_pages)
     bs = pre.shape[0]
     if bs == 0:
-      return jnp.zeros((0,), jnp.int32)
+      return self._empty_out()
+    if self._legacy:
+      return self._legacy_extend(pre, seq, last, total, new_pages)
+    # need_sort merge trigger (SPEC 4.2), then capacity: decided on the host. A batch of
+    # zero-extension rows still counts: the trigger counts bs.
+    self._merge_if(total // self.page_size + bs + 1 > self._free_len)
+    if new_pages > self._free_len:
+      return None
+    if self.backend == "host":
+      self._state, out = host_ops.alloc_extend(self.config, self._state, pre, seq, last,
+                                               total, new_pages)
+    else:
+      self._state, out = self._dev.alloc_extend(self._state, pre, seq, last, total)
+    self._free_len -= new_pages
+    return out
+
+  def _legacy_extend(self, pre, seq, last, total: int, new_pages: int):
     if new_pages > self.config.num_pages:
-      return self._never_fits()
-    # A batch of zero-extension rows still runs: its need_sort merge trigger counts bs.
-    rows = buckets.bucket(bs, buckets.MIN_BATCH)
+      self._merge_if(True)
+      return None
+    rows = buckets.bucket(pre.shape[0], buckets.MIN_BATCH)
     out, ok = self._call(
         _ALLOC_EXTEND, buckets.pad(pre, rows), buckets.pad(seq, rows),
         buckets.pad(last, rows, -1), max_tokens=buckets.bucket(total, buckets.MIN_TOKENS),
-        num_reqs=np.int32(bs))
-    if not bool(ok):
-      return None
-    return out[:total]
+        num_reqs=np.int32(pre.shape[0]))
+    return self._output(out, ok, total)
 
   def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
     """One slot per request for its new token (SPEC 4.3), or None if the pages needed
@@ -87,7 +105,8 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       last_loc: [bs] slot of each request's previous token.
 
     Returns:
-      i32[bs] jax array, or None (nothing allocated).
+      i32[bs] (jax array without waiting / numpy, as alloc_extend), or None (nothing
+      allocated).
 
     Raises:
       TypeError for non-integer arrays; ValueError (naming the request and value) for
@@ -100,10 +119,20 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
                          num_slots=self.config.num_slots)
     bs = seq.shape[0]
     if bs == 0:
-      return jnp.zeros((0,), jnp.int32)
-    rows = buckets.bucket(bs, buckets.MIN_BATCH)
-    out, ok = self._call(_ALLOC_DECODE, buckets.pad(seq, rows), buckets.pad(last, rows, -1),
-                         num_reqs=np.int32(bs))
-    if not bool(ok):
+      return self._empty_out()
+    if self._legacy:
+      rows = buckets.bucket(bs, buckets.MIN_BATCH)
+      out, ok = self._call(_ALLOC_DECODE, buckets.pad(seq, rows),
+                           buckets.pad(last, rows, -1), num_reqs=np.int32(bs))
+      return self._output(out, ok, bs)
+    needs, pages = host_ops.decode_pages(self.config, seq)
+    self._merge_if(bs > self._free_len)  # SPEC 4.3's need_sort trigger
+    if pages > self._free_len:
       return None
-    return out[:bs]
+    if self.backend == "host":
+      self._state, out = host_ops.alloc_decode(self.config, self._state, seq, last, needs,
+                                               pages)
+    else:
+      self._state, out = self._dev.alloc_decode(self._state, seq, last)
+    self._free_len -= pages
+    return out

@@ -18,7 +18,7 @@ state can leave its arrays, whatever the lengths say.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,40 +70,60 @@ def available_size(config: AllocatorConfig, state: AllocatorState) -> Array:
 
 # ---------------------------------------------------------------------------------------
 # Ring buffer primitives. `ring` is i32[C]; head and length are i32[] scalars.
+#
+# Each takes an array namespace `xp`: jax.numpy (default; traced, padded, masked) or numpy
+# (the classes' host backend, jax_kvalloc.host_ops: exact lengths, Python-int heads, and
+# the ring is WRITTEN IN PLACE, so the caller copies it first when a snapshot shares it).
 # ---------------------------------------------------------------------------------------
 
 def ring_window(ring: Array, head: Array, length: Array, n: int,
-                fill: int | np.integer = 0) -> Array:
+                fill: int | np.integer = 0, xp: Any = jnp) -> Array:
   """The first `n` (static) entries of a ring, in order; entries at i >= length are `fill`.
 
-  Returns i32[n]. O(n) gather; every read index is inside the ring.
+  Returns i32[n]. O(n) gather; every read index is inside the ring. With numpy, a window
+  that does not wrap is a view of the ring (read it before the ring is written again).
   """
   cap = ring.shape[0]
-  i = jnp.arange(n, dtype=jnp.int32)
   if cap == 0:
-    return jnp.full((n,), fill, jnp.int32)
+    return xp.full((n,), fill, xp.int32)
+  if xp is np and n <= length:  # host: exact window, usually one contiguous slice
+    head = int(head)
+    if head + n <= cap:
+      return ring[head:head + n]
+    return np.concatenate([ring[head:], ring[:head + n - cap]])
+  i = xp.arange(n, dtype=xp.int32)
   vals = ring[(head + i) % cap]
-  return jnp.where(i < length, vals, jnp.asarray(fill, jnp.int32))
+  return xp.where(i < length, vals, xp.asarray(fill, xp.int32))
 
 
-def ring_push_front(ring: Array, head: Array, values: Array, count: Array):
+def _ring_write(ring: Array, start: Array, values: Array, count: Array, xp: Any) -> Array:
+  """ring[(start + j) % cap] = values[j] for j < count. O(M)."""
+  cap = ring.shape[0]
+  if xp is np:  # host: count == len(values), at most two contiguous slices, in place
+    start, count = int(start) % max(cap, 1), int(count)
+    first = min(count, cap - start)
+    ring[start:start + first] = values[:first]
+    ring[:count - first] = values[first:count]
+    return ring
+  j = jnp.arange(values.shape[0], dtype=jnp.int32)
+  pos = jnp.where(j < count, (start + j) % cap, cap)  # cap is out of range: dropped
+  return ring.at[pos].set(values, mode="drop")
+
+
+def ring_push_front(ring: Array, head: Array, values: Array, count: Array, xp: Any = jnp):
   """Prepends values[:count] (in order) to the ring. Returns (ring, new_head).
 
   values is i32[M]; entries at j >= count are not written. O(M) scatter.
   """
   cap = ring.shape[0]
-  new_head = (head - count) % cap
-  j = jnp.arange(values.shape[0], dtype=jnp.int32)
-  pos = jnp.where(j < count, (new_head + j) % cap, cap)  # cap is out of range: dropped
-  return ring.at[pos].set(values, mode="drop"), new_head
+  new_head = (head - count) % max(cap, 1)
+  return _ring_write(ring, new_head, values, count, xp), new_head
 
 
-def ring_push_back(ring: Array, head: Array, length: Array, values: Array, count: Array):
+def ring_push_back(ring: Array, head: Array, length: Array, values: Array, count: Array,
+                   xp: Any = jnp):
   """Appends values[:count] (in order) after the ring's last entry. Returns the ring."""
-  cap = ring.shape[0]
-  j = jnp.arange(values.shape[0], dtype=jnp.int32)
-  pos = jnp.where(j < count, (head + length + j) % cap, cap)
-  return ring.at[pos].set(values, mode="drop")
+  return _ring_write(ring, head + length, values, count, xp)
 
 
 def compact(values: Array, keep: Array):

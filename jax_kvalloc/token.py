@@ -22,15 +22,17 @@ class TokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       returned by get_kvcache().
     need_sort: park freed slots in release_pages until a shortfall merges them.
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
+    backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
+      (NumPy state and results, for host schedulers); see jax_kvalloc.base.
   """
 
   def __init__(self, size: int, dtype: Any = None, device: Any = None, kvcache: Any = None,
                need_sort: bool = False, *, kernel: Optional[str] = None,
-               debug: Optional[bool] = None):
+               debug: Optional[bool] = None, backend: str = "device"):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
     config = AllocatorConfig(size=size, page_size=1, need_sort=need_sort, kind="token",
                              **extra)
-    super().__init__(config, dtype, device, kvcache)
+    super().__init__(config, dtype, device, kvcache, backend)
 
   def alloc_extend(self, *args, **kwargs):
     raise NotImplementedError("TokenToKVPoolAllocator has no alloc_extend (use alloc), "

@@ -1,0 +1,173 @@
+"""The host backend: SGLang's operations on an `AllocatorState` held in NumPy.
+
+For schedulers that live on the host (sglang-jax's setting) the classes accept
+`backend="host"`: the state is an `AllocatorState` whose rings are numpy int32 arrays and
+whose heads and lengths are Python ints, and every operation runs here, vectorized and
+O(work) (no Python loop over requests or pages; nothing pool-sized except a merge).
+
+The arithmetic is not a second copy: the slot indices come from
+`jax_kvalloc.index_jnp` and the ring reads and writes from `jax_kvalloc.state`, called
+with `xp=numpy`, the same functions the jitted device path calls with jax.numpy.
+
+Contract of every function here: its arguments were validated by the class (the host
+checks of jax_kvalloc.validate), the class has already decided that the call fits (it
+keeps the lengths) and run any need_sort merge the shortfall triggers, and arrays are
+exact-length int64 host arrays. Outputs are fresh numpy int32 arrays. Rings are written in
+place; a ring that a snapshot still holds (`shared`) is copied first (copy-on-write), so
+`backup_state` and an allocation never copy anything.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+from jax_kvalloc import index_jnp
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.state import AllocatorState
+
+_EMPTY_WINDOW = np.zeros((1,), np.int32)  # read by index_jnp only where it is masked off
+
+
+def init(config: AllocatorConfig) -> AllocatorState:
+  """The initial state (SPEC 2) in numpy: free_pages = [1..num_pages], nothing released."""
+  n = config.num_pages
+  return AllocatorState(free_ring=np.arange(1, n + 1, dtype=np.int32), free_head=0,
+                        free_len=n, release_ring=np.zeros((n,), np.int32), release_head=0,
+                        release_len=0, debug=None)
+
+
+def _take(config: AllocatorConfig, state: AllocatorState,
+          k: int) -> Tuple[AllocatorState, np.ndarray]:
+  """(state without the first k free pages, those pages: a view or copy, i32[k])."""
+  pages = st.ring_window(state.free_ring, state.free_head, state.free_len, k, xp=np)
+  state = state._replace(free_head=(state.free_head + k) % config.num_pages,
+                         free_len=state.free_len - k)
+  return state, pages
+
+
+def alloc(config: AllocatorConfig, state: AllocatorState,
+          need_size: int) -> Tuple[AllocatorState, np.ndarray]:
+  """`need_size` slots (a multiple of page_size) off the front of the free list (SPEC 3,
+  4.1). Returns (state, i32[need_size])."""
+  ps = config.page_size
+  state, pages = _take(config, state, need_size // ps)
+  if ps == 1:
+    return state, np.array(pages, np.int32)
+  out = pages[:, None] * ps + np.arange(ps, dtype=np.int32)
+  return state, out.reshape(-1)
+
+
+def alloc_extend(config: AllocatorConfig, state: AllocatorState, pre: np.ndarray,
+                 seq: np.ndarray, last: np.ndarray, total: int,
+                 new_pages: int) -> Tuple[AllocatorState, np.ndarray]:
+  """A prefill batch's slots (SPEC 4.2). pre/seq/last: i64[bs]; total = sum(seq - pre),
+  new_pages its page count (both from validate.extend_args). Returns (state,
+  i32[total])."""
+  ps = config.page_size
+  ext = seq - pre
+  tok_start = np.cumsum(ext) - ext
+  per_row = index_jnp.cdiv(seq, ps) - index_jnp.cdiv(pre, ps)
+  page_start = np.cumsum(per_row) - per_row
+  state, window = _take(config, state, new_pages)
+  out = index_jnp.extend_indices(window if new_pages else _EMPTY_WINDOW, pre, seq, last,
+                                 tok_start, page_start, page_size=ps, out_len=total, xp=np)
+  return state, out
+
+
+def decode_pages(config: AllocatorConfig, seq: np.ndarray) -> Tuple[np.ndarray, int]:
+  """(bool[bs] rows whose new token starts a page, their count) for alloc_decode."""
+  ps = config.page_size
+  needs = index_jnp.cdiv(seq, ps) > index_jnp.cdiv(seq - 1, ps)
+  return needs, int(np.count_nonzero(needs))
+
+
+def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq: np.ndarray,
+                 last: np.ndarray, needs: np.ndarray,
+                 k: int) -> Tuple[AllocatorState, np.ndarray]:
+  """One slot per request (SPEC 4.3). seq/last: i64[bs]; needs, k from `decode_pages`.
+  Returns (state, i32[bs])."""
+  if k == 0:  # most decode steps: every request continues its page
+    return state, (last + 1).astype(np.int32)
+  state, window = _take(config, state, k)
+  page_start = np.cumsum(needs) - needs
+  out = index_jnp.decode_indices(window, seq, last, page_start,
+                                 page_size=config.page_size, xp=np)
+  return state, out
+
+
+def _push(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
+          shared: bool, front: bool) -> AllocatorState:
+  """Prepends (front) or appends values to release_pages (need_sort) or free_pages,
+  cut to the room left (as the device path does; only double frees can overflow)."""
+  room = config.num_pages - state.free_len - state.release_len
+  count = min(values.shape[0], room)
+  if count == 0:
+    return state
+  values = values[:count]
+  name = "release" if config.need_sort else "free"
+  ring = getattr(state, f"{name}_ring")
+  head = getattr(state, f"{name}_head")
+  length = getattr(state, f"{name}_len")
+  if shared:
+    ring = ring.copy()
+  if front:
+    ring, head = st.ring_push_front(ring, head, values, count, xp=np)
+    head = int(head)
+  else:
+    ring = st.ring_push_back(ring, head, length, values, count, xp=np)
+  return state._replace(**{f"{name}_ring": ring, f"{name}_head": head,
+                           f"{name}_len": length + count})
+
+
+def free_count(config: AllocatorConfig, idx: np.ndarray) -> Tuple[np.ndarray, int]:
+  """(values to free, their count) of a validated `free` argument: the sorted unique
+  pages (paged, SPEC 4.4) or the slots as given (token, SPEC 3)."""
+  if config.kind == "paged":
+    pages = np.unique(idx // config.page_size) if config.page_size > 1 else np.unique(idx)
+    return pages, pages.shape[0]
+  return idx, idx.shape[0]
+
+
+def free(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
+         shared: bool) -> AllocatorState:
+  """`free` of the values `free_count` gave (LIFO prepend for paged, FIFO append for
+  token). `shared`: the ring written is held by a snapshot (copy it first)."""
+  return _push(config, state, values.astype(np.int32), shared,
+               front=config.kind == "paged")
+
+
+def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: np.ndarray,
+                  shared: bool) -> AllocatorState:
+  """SPEC 10: these pages, order kept, prepended as one block (token: appended)."""
+  return _push(config, state, page_ids.astype(np.int32), shared,
+               front=config.kind == "paged")
+
+
+def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
+                        shared: bool) -> AllocatorState:
+  """free_pages = sort(free_pages ++ release_pages), release_pages = [] (SPEC 6); the
+  caller runs it only when release_pages is non-empty. `shared`: the free ring is held
+  by a snapshot (a new one is built either way, so nothing is copied twice)."""
+  del shared  # the merged list goes into a fresh array
+  n = config.num_pages
+  both = np.concatenate([
+      st.ring_window(state.free_ring, state.free_head, state.free_len, state.free_len,
+                     xp=np),
+      st.ring_window(state.release_ring, state.release_head, state.release_len,
+                     state.release_len, xp=np)])
+  both.sort()
+  ring = np.zeros((n,), np.int32)
+  ring[:both.shape[0]] = both
+  return state._replace(free_ring=ring, free_head=0, free_len=both.shape[0],
+                        release_head=0, release_len=0)
+
+
+def from_jax(state: AllocatorState) -> AllocatorState:
+  """A host-backend state (writable numpy rings, int heads and lengths) from a jax one
+  (reads the device). Debug bookkeeping is dropped: the host backend keeps none."""
+  return AllocatorState(
+      free_ring=np.array(state.free_ring, np.int32), free_head=int(state.free_head),
+      free_len=int(state.free_len), release_ring=np.array(state.release_ring, np.int32),
+      release_head=int(state.release_head), release_len=int(state.release_len), debug=None)
