@@ -149,6 +149,9 @@ class NewerOperations:
     validate.segments_disjoint(spans, self.page_size)
     if not checked:
       return
+    if self.config.kind == "paged" and len(checked) > 1:  # one request: no page twice
+      validate.repeated_at(np.concatenate(checked), "segments' pages (free_index[::"
+                           "page_size] // page_size, concatenated)", "names a page twice")
     if self.config.kind == "token":
       self.free(np.concatenate(checked))  # FIFO appends: one call is the same
     elif self._free_group is not None:

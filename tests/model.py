@@ -27,6 +27,7 @@ class ModelAllocator:
     self.free_pages = list(range(1, self.num_pages + 1))
     self.release_pages = []
     self.group = None
+    self.page_group = []  # SPEC 10: free_page_ids queued in a free group
 
   def available_size(self):
     return (len(self.free_pages) + len(self.release_pages)) * self.page_size
@@ -110,11 +111,52 @@ class ModelAllocator:
   def free_group_begin(self):
     assert self.group is None
     self.group = []
+    self.page_group = []
 
   def free_group_end(self):
     group, self.group = self.group, None
+    page_group, self.page_group = self.page_group, []
     if group:
       self.free([i for g in group for i in g])
+    if page_group:  # SPEC 10: after the slot frees, so these end up in front
+      self._prepend([p for g in page_group for p in g])
+
+  # SPEC 10 (sglang 0.5.23's newer operations).
+  def _prepend(self, pages):
+    target = "release_pages" if self.need_sort else "free_pages"
+    setattr(self, target, list(pages) + getattr(self, target))
+
+  def free_page_ids(self, page_ids):
+    page_ids = [int(p) for p in page_ids]
+    if not page_ids:
+      return
+    if self.kind == "token":  # page ids are slots
+      self.free(page_ids)
+    elif self.group is not None:
+      self.page_group.append(page_ids)
+    else:
+      self._prepend(page_ids)
+
+  def free_segment(self, free_index, start_pos):
+    ps = self.page_size
+    assert start_pos % ps == 0, "start_pos must be page-aligned"
+    free_index = [int(i) for i in free_index]
+    if self.kind == "token":
+      self.free(free_index)
+    else:  # the slot of every token that starts a page, as a page id
+      self.free_page_ids([free_index[k] // ps for k in range(0, len(free_index), ps)])
+
+  def free_segments(self, segments):
+    ps, prev_end = self.page_size, None
+    for free_index, start in segments:  # check all first: an error frees nothing
+      if len(free_index):
+        assert prev_end is None or start // ps > (prev_end - 1) // ps, "segments share a page"
+        prev_end = start + len(free_index)
+    for free_index, start in segments:
+      self.free_segment(free_index, start)
+
+  def get_all_free_pages(self):
+    return self.free_pages + self.release_pages
 
   def copy(self):
     return copy.deepcopy(self)

@@ -89,6 +89,19 @@ class SGLangAllocator:
   def free(self, free_index: torch.Tensor) -> None:
     self._a.free(free_index)
 
+  # SPEC 10 (sglang >= 0.5.23): the newer frees, passed through.
+  def free_page_ids(self, page_ids: torch.Tensor) -> None:
+    self._a.free_page_ids(page_ids)
+
+  def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+    self._a.free_segment(free_index, start_pos=start_pos)
+
+  def free_segments(self, segments) -> None:
+    self._a.free_segments(segments)
+
+  def get_all_free_pages(self) -> torch.Tensor:
+    return torch.cat([self.free_pages.reshape(-1).cpu(), self.release_pages.reshape(-1)])
+
   def free_group_begin(self) -> None:
     self._a.free_group_begin()
 
