@@ -3,6 +3,7 @@
   jax-kvalloc simulate [options]   a serving workload through the allocator (default)
   jax-kvalloc bench [options]      microbenchmarks and the serving-loop benchmark
   jax-kvalloc parity [options]     lock-step parity: jax_kvalloc, torch_ref, SGLang
+  jax-kvalloc demo [options]       a toy decoder served through the request table
 
 `jax-kvalloc COMMAND --help` lists each command's options.
 """
@@ -12,7 +13,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-COMMANDS = ("simulate", "bench", "parity")
+COMMANDS = ("simulate", "bench", "parity", "demo")
 
 
 def int_list(text: str) -> List[int]:
@@ -152,15 +153,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(
       prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
       epilog="Without a command, runs `simulate`.")
-  sub = parser.add_subparsers(dest="command", metavar="{simulate,bench,parity}")
+  sub = parser.add_subparsers(dest="command", metavar="{simulate,bench,parity,demo}")
   simulate_parser(sub)
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   bench.add_parser(sub)
+  from jax_kvalloc.tools import demo  # pylint: disable=g-import-not-at-top
+  demo.add_parser(sub)
   if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
     argv = ["simulate"] + argv
   args = parser.parse_args(argv)
   if args.command == "bench":
     return bench.run_cli(args)
+  if args.command == "demo":
+    return demo.run_cli(args)
   return run_simulate(args)
 
 

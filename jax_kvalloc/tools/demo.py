@@ -1,0 +1,497 @@
+"""`jax-kvalloc demo`: a toy decoder served end to end with its KV cache in a paged pool
+that only the request table (jax_kvalloc.request_table) addresses.
+
+The model is a few pre-norm transformer layers with random weights in plain jnp (learned
+positions, multi-head attention, a ReLU MLP), decoded greedily. Two ways to run it:
+
+  paged       one jitted step per scheduler iteration, SGLang-style: a prefill batch
+              (chunks of several requests' prompts, packed) or a decode batch. Inside the
+              step: release the rows that finished, borrow the shared prefix's pages for
+              new rows, admit the longest prefix of the batch that fits, extend/decode the
+              admitted rows, build the ragged attention inputs from the table, write K/V
+              to the slots and attend through the rows' page lists. Requests finish and
+              new ones join as rows free up; a shared prefix is prefilled once (by a row
+              that stands for a prefix cache) and borrowed as whole pages.
+  contiguous  the same model per request with its own contiguous KV cache: the whole
+              prompt (shared prefix included, recomputed) at once, then one token at a
+              time. This is the reference.
+
+The generated tokens must be identical. Both use the same attention function over the same
+key length (max_pages_per_req * page_size, in token order), so only the addressing
+differs. The jnp gather path is used on every backend.
+
+Also printed: tokens/s of the paged run and the allocator's share of its steps (the same
+steps replayed with only the request-table and allocator work).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import request_table as rt
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+
+PREFIX_ROW = 0  # the row that holds the shared prefix (a stand-in for a prefix cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+  """Sizes of the toy model, the pool and the workload (all static)."""
+  num_requests: int = 16
+  num_layers: int = 2
+  d_model: int = 64
+  num_heads: int = 4
+  vocab: int = 128
+  page_size: int = 4
+  max_reqs: int = 7           # table rows; row 0 holds the shared prefix
+  max_pages_per_req: int = 24
+  pool_pages: int = 96
+  max_tokens: int = 48        # packed tokens per prefill step (static)
+  chunk: int = 16             # prefill chunk per request per step
+  prefix_len: int = 12        # shared prefix tokens (a multiple of page_size)
+  share_prob: float = 0.5
+  prompt_len: tuple = (2, 40)  # suffix tokens after the (optional) shared prefix
+  new_tokens: tuple = (3, 12)  # generated tokens per request
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.prefix_len % self.page_size:
+      raise ValueError(f"prefix_len={self.prefix_len} must be a multiple of page_size="
+                       f"{self.page_size} (a borrowed prefix is whole pages)")
+    longest = self.prefix_len + self.prompt_len[1] + self.new_tokens[1]
+    if longest > self.max_pages_per_req * self.page_size:
+      raise ValueError(f"requests of up to {longest} tokens do not fit max_pages_per_req="
+                       f"{self.max_pages_per_req} pages of {self.page_size}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} must be a multiple of num_heads")
+    if self.max_reqs < 2:
+      raise ValueError("max_reqs must be >= 2 (row 0 holds the shared prefix)")
+    if not 1 <= self.chunk <= self.max_tokens:
+      raise ValueError(f"chunk={self.chunk} must be in 1..max_tokens={self.max_tokens}")
+
+  @property
+  def max_len(self) -> int:
+    return self.max_pages_per_req * self.page_size
+
+
+# ---------------------------------------------------------------------------------------
+# The toy model: parameters and one forward pass over packed tokens.
+# ---------------------------------------------------------------------------------------
+
+def init_params(cfg: DemoConfig, key: jax.Array) -> Dict[str, Any]:
+  """Random weights, scaled so that activations stay O(1)."""
+  d, v = cfg.d_model, cfg.vocab
+  keys = iter(jax.random.split(key, 4 + 6 * cfg.num_layers))
+  dense = lambda shape: jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
+  layers = [dict(wq=dense((d, d)), wk=dense((d, d)), wv=dense((d, d)), wo=dense((d, d)),
+                 w1=dense((d, 4 * d)), w2=dense((4 * d, d))) for _ in range(cfg.num_layers)]
+  return dict(embed=jax.random.normal(next(keys), (v, d), jnp.float32),
+              pos=jax.random.normal(next(keys), (cfg.max_len, d), jnp.float32) * 0.5,
+              unembed=dense((d, v)) * 4.0, layers=layers)
+
+
+def _rms(x):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def attend(q, keys, values, pos, kv_len):
+  """Causal attention of T query tokens over their own key rows.
+
+  q: f32[T, H, Dh]; keys, values: f32[T, L, H, Dh], key j of token t is the token at
+  position j of t's request; pos: i32[T] each token's position; kv_len: i32[T] tokens in
+  its request's cache. Keys j <= pos and j < kv_len count; the rest are masked out.
+  """
+  s = jnp.einsum("thd,tjhd->thj", q, keys) / np.sqrt(q.shape[-1])
+  j = jnp.arange(keys.shape[1])
+  mask = (j[None, :] <= pos[:, None]) & (j[None, :] < kv_len[:, None])
+  s = jnp.where(mask[:, None, :], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where(mask[:, None, :], p, 0.0)  # masked keys may hold anything: exact zeros
+  return jnp.einsum("thj,tjhd->thd", p, values)
+
+
+def forward(cfg: DemoConfig, params, kv, tokens, pos, write, read, kv_len):
+  """Logits of T packed tokens, writing their K/V into `kv` first.
+
+  kv: (f32[layers, S, H, Dh], same) the cache, S slots; tokens, pos: i32[T];
+  write: i32[T] slot of each token's K/V (padding tokens write a dummy slot);
+  read: i32[T, L] the slots of keys 0..L-1 of each token's request; kv_len: i32[T].
+  Returns (kv, f32[T, vocab]).
+  """
+  h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+  k_cache, v_cache = kv
+  x = params["embed"][tokens] + params["pos"][jnp.clip(pos, 0, cfg.max_len - 1)]
+  for i, w in enumerate(params["layers"]):
+    h = _rms(x)
+    q = (h @ w["wq"]).reshape(-1, h_, dh)
+    k_cache = k_cache.at[i, write].set((h @ w["wk"]).reshape(-1, h_, dh), mode="drop")
+    v_cache = v_cache.at[i, write].set((h @ w["wv"]).reshape(-1, h_, dh), mode="drop")
+    o = attend(q, k_cache[i][read], v_cache[i][read], pos, kv_len)
+    x = x + o.reshape(-1, cfg.d_model) @ w["wo"]
+    x = x + jax.nn.relu(_rms(x) @ w["w1"]) @ w["w2"]
+  return (k_cache, v_cache), _rms(x) @ params["unembed"]
+
+
+# ---------------------------------------------------------------------------------------
+# The paged way: one jitted step, everything addressed through the request table.
+# ---------------------------------------------------------------------------------------
+
+def alloc_config(cfg: DemoConfig) -> AllocatorConfig:
+  return AllocatorConfig(size=cfg.pool_pages * cfg.page_size, page_size=cfg.page_size)
+
+
+def _table_work(acfg: AllocatorConfig, cfg: DemoConfig, state, table, x, *, decode: bool):
+  """The step's allocator part: release, borrow, admit, extend or decode, attention inputs.
+
+  Returns (state, table, slots i32[T], AttentionInputs, k admitted, ok)."""
+  state, table, _ = rt.release_rows(acfg, state, table, x["release"],
+                                    num_rows=x["num_release"])
+  if not decode:
+    w = cfg.prefix_len // cfg.page_size
+    src = jnp.broadcast_to(table.pages[PREFIX_ROW, :max(w, 1)], (x["borrow"].shape[0],
+                                                                   max(w, 1)))
+    table, _ = rt.borrow_pages(acfg, table, x["borrow"], src,
+                               jnp.full(x["borrow"].shape, w, jnp.int32),
+                               num_rows=x["num_borrow"])
+  n = jnp.ones_like(x["rows"]) if decode else x["n"]
+  k = rt.admit_rows(acfg, state, table, x["rows"], n, num_rows=x["num_rows"],
+                    max_tokens=None if decode else cfg.max_tokens)
+  if decode:
+    state, table, slots, ok = rt.decode_rows(acfg, state, table, x["rows"], num_rows=k)
+  else:
+    state, table, slots, ok = rt.extend_rows(acfg, state, table, x["rows"], n,
+                                             max_tokens=cfg.max_tokens, num_rows=k)
+  att = rt.attention_inputs(acfg, table, x["rows"], n, num_rows=k)
+  return state, table, slots, att, k, ok
+
+
+def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool = True):
+  """One scheduler iteration (pure). carry = (alloc state, table, kv); x = the batch.
+
+  Returns (carry, (next token per batch entry i32[B], k admitted i32[], ok bool[])).
+  model=False runs only the allocator part (kv untouched, tokens 0): the replay that
+  measures the allocator's share.
+  """
+  acfg = alloc_config(cfg)
+  state, table, kv = carry
+  state, table, slots, att, k, ok = _table_work(acfg, cfg, state, table, x, decode=decode)
+  num_entries = x["rows"].shape[0]
+  if not model:
+    return (state, table, kv), (jnp.zeros((num_entries,), jnp.int32), k, ok)
+  ps, tokens = cfg.page_size, x["tokens"]
+  t = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+  cu = att.cu_q_lens
+  b = jnp.clip(jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32), 0,
+               num_entries - 1)
+  real = t < cu[-1]
+  q_len = cu[b + 1] - cu[b]
+  pos = jnp.where(real, att.kv_lens[b] - q_len + (t - cu[b]), 0)
+  # Key j of entry b sits at slot page_indices[b, j // ps] * ps + j % ps.
+  j = jnp.arange(cfg.max_len, dtype=jnp.int32)
+  read = att.page_indices[:, j // ps] * ps + j % ps              # i32[B, L]
+  write = jnp.where(real, slots, 0)                              # padding: dummy slot 0
+  kv, logits = forward(cfg, params, kv, tokens, pos, write, read[b],
+                       jnp.where(real, att.kv_lens[b], 0))
+  last = jnp.clip(cu[1:] - 1, 0, tokens.shape[0] - 1)            # each entry's last token
+  nxt = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
+  return (state, table, kv), (nxt, k, ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_step(cfg: DemoConfig, decode: bool, model: bool):
+  # One compile per config and kind, shared by every run (the carry is donated).
+  return jax.jit(functools.partial(serve_step, cfg, decode=decode, model=model),
+                 donate_argnums=1)
+
+
+# ---------------------------------------------------------------------------------------
+# The contiguous reference.
+# ---------------------------------------------------------------------------------------
+
+def _contiguous_call(cfg: DemoConfig, params, kv, tokens, start, count):
+  """Tokens start .. start + count - 1 of one request (tokens padded to a static length)
+  into its own cache kv (f32[layers, max_len, H, Dh] x 2). Returns (kv, next token)."""
+  t = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+  pos = start + t
+  real = t < count
+  write = jnp.where(real, pos, cfg.max_len)                      # out of range: dropped
+  read = jnp.broadcast_to(jnp.arange(cfg.max_len, dtype=jnp.int32),
+                          (tokens.shape[0], cfg.max_len))
+  kv, logits = forward(cfg, params, kv, tokens, pos, write, read,
+                       jnp.full(tokens.shape, start + count, jnp.int32))
+  return kv, jnp.argmax(logits[count - 1]).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_contiguous(cfg: DemoConfig):
+  return jax.jit(functools.partial(_contiguous_call, cfg))
+
+
+def run_contiguous(cfg: DemoConfig, params, requests) -> List[List[int]]:
+  """Greedy generation per request with a contiguous cache: the whole prompt, then one
+  token at a time."""
+  h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+  longest = max(len(r["prompt"]) for r in requests)
+  call = _jitted_contiguous(cfg)
+  out = []
+  for req in requests:
+    kv = tuple(jnp.zeros((cfg.num_layers, cfg.max_len, h_, dh), jnp.float32)
+               for _ in range(2))
+    prompt = np.zeros(longest, np.int32)
+    prompt[:len(req["prompt"])] = req["prompt"]
+    kv, tok = call(params, kv, prompt, np.int32(0), np.int32(len(req["prompt"])))
+    gen = [int(tok)]
+    while len(gen) < req["new_tokens"]:
+      kv, tok = call(params, kv, np.array([gen[-1]], np.int32),
+                     np.int32(len(req["prompt"]) + len(gen) - 1), np.int32(1))
+      gen.append(int(tok))
+    out.append(gen)
+  return out
+
+
+# ---------------------------------------------------------------------------------------
+# The host scheduler of the paged run.
+# ---------------------------------------------------------------------------------------
+
+def make_requests(cfg: DemoConfig) -> Tuple[List[Dict[str, Any]], List[int]]:
+  """Ragged prompts; about share_prob of them start with the shared prefix."""
+  rng = np.random.default_rng(cfg.seed)
+  prefix = rng.integers(0, cfg.vocab, cfg.prefix_len).tolist()
+  reqs = []
+  for i in range(cfg.num_requests):
+    shared = cfg.prefix_len > 0 and bool(rng.random() < cfg.share_prob)
+    own = rng.integers(0, cfg.vocab, int(rng.integers(*cfg.prompt_len, endpoint=True)))
+    reqs.append(dict(id=i, shared=shared, prompt=(prefix if shared else []) + own.tolist(),
+                     new_tokens=int(rng.integers(*cfg.new_tokens, endpoint=True))))
+  return reqs, prefix
+
+
+@dataclasses.dataclass
+class _Running:
+  req: Dict[str, Any]
+  row: int
+  done: int = 0                     # tokens in the KV cache (host mirror of table.lens)
+  gen: List[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def prefilling(self) -> bool:
+    return self.done < len(self.req["prompt"])
+
+
+class PagedServer:
+  """Drives serve_step from the host: picks each step's batch, reads back the admitted
+  count and the next tokens. Rows, lengths and pages live only in the device table."""
+
+  def __init__(self, cfg: DemoConfig, params):
+    self.cfg, self.params = cfg, params
+    acfg = alloc_config(cfg)
+    h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+    kv = tuple(jnp.zeros((cfg.num_layers, acfg.num_slots, h_, dh), jnp.float32)
+               for _ in range(2))
+    self.carry = (st.init(acfg), rt.init_table(acfg, cfg.max_reqs, cfg.max_pages_per_req),
+                  kv)
+    self.initial = jax.tree.map(jnp.copy, self.carry[:2])
+    self.log: List[Dict[str, Any]] = []    # per step: decode flag, inputs, seconds
+    self.to_release: List[int] = []
+    self.deferred = 0                      # batch entries that admission held back
+
+  def _step(self, decode: bool, model: bool = True):
+    return _jitted_step(self.cfg, decode, model)
+
+  def _batch(self, decode: bool, entries, borrow: Sequence[int]):
+    cfg, b = self.cfg, self.cfg.max_reqs
+    pad = lambda v, size: np.array(list(v) + [0] * (size - len(v)), np.int32)
+    x = dict(release=pad(self.to_release, b), num_release=np.int32(len(self.to_release)),
+             rows=pad([r.row for r, _ in entries], b), num_rows=np.int32(len(entries)))
+    if decode:
+      x["tokens"] = pad([r.gen[-1] for r, _ in entries], b)
+    else:
+      x["n"] = pad([n for _, n in entries], b)
+      x["borrow"], x["num_borrow"] = pad(borrow, b), np.int32(len(borrow))
+      toks = [t for r, n in entries for t in r.req["prompt"][r.done:r.done + n]]
+      # Entries past the budget cannot be admitted: their tokens need no room.
+      x["tokens"] = pad(toks[:cfg.max_tokens], cfg.max_tokens)
+    return x
+
+  def run_step(self, decode: bool, entries, borrow=()):
+    """Runs one step; returns how many entries were admitted (they advance)."""
+    x = self._batch(decode, entries, borrow)
+    self.to_release = []
+    t0 = time.perf_counter()
+    self.carry, (nxt, k, ok) = self._step(decode)(self.params, self.carry, x)
+    nxt, k, ok = jax.device_get((nxt, k, ok))
+    admitted = entries[:int(k)]
+    self.deferred += len(entries) - int(k)
+    self.log.append(dict(decode=decode, x=x, s=time.perf_counter() - t0,
+                         tokens=sum(n for _, n in admitted)))
+    if not ok:
+      raise RuntimeError("the admitted batch was refused (admission and extend disagree)")
+    for i, (r, n) in enumerate(admitted):
+      r.done += n
+      if r.row != PREFIX_ROW and not r.prefilling:   # a decode, or the prompt's last chunk
+        r.gen.append(int(nxt[i]))
+    return int(k)
+
+
+def run_paged(cfg: DemoConfig, params, requests, prefix) -> Dict[str, Any]:
+  """Serves every request through the request table. Returns the generated tokens per
+  request, step counts and timings."""
+  srv = PagedServer(cfg, params)
+  waiting = list(requests)
+  free_rows = list(range(1, cfg.max_reqs))
+  running: List[_Running] = []
+  # The prefix holder (row 0) is prefilled first, in chunks like any prompt.
+  holder = _Running(dict(id=-1, shared=False, prompt=list(prefix), new_tokens=0),
+                     PREFIX_ROW)
+  while holder.prefilling:
+    srv.run_step(False, [(holder, min(cfg.chunk, len(prefix) - holder.done))])
+  outputs: Dict[int, List[int]] = {}
+  prefer_decode, stalled = False, 0
+  while waiting or running:
+    while waiting and free_rows:       # new requests take free rows
+      running.append(_Running(waiting.pop(0), free_rows.pop(0)))
+    decoding = [(r, 1) for r in running if not r.prefilling]
+    if any(r.prefilling for r in running) and not (decoding and prefer_decode):
+      # A prefill step. New rows that share the prefix borrow its pages first (inside
+      # the step, before admission).
+      borrow = [r.row for r in running if r.done == 0 and r.req["shared"]]
+      for r in running:
+        if r.done == 0 and r.req["shared"]:
+          r.done = cfg.prefix_len
+      # Every prefilling row offers its next chunk; admission inside the step takes the
+      # longest prefix of them that fits the pool and the max_tokens budget.
+      prefill = [(r, min(cfg.chunk, len(r.req["prompt"]) - r.done))
+                 for r in running if r.prefilling]
+      k = srv.run_step(False, prefill, borrow)
+      prefer_decode = True
+    else:
+      k = srv.run_step(True, decoding)
+      prefer_decode = False
+    stalled = stalled + 1 if k == 0 else 0
+    if stalled > 2:  # neither a prefill nor a decode step could admit anything
+      raise RuntimeError("the running requests no longer fit the pool: raise --pool-pages")
+    for r in list(running):
+      if len(r.gen) >= r.req["new_tokens"]:
+        outputs[r.req["id"]] = r.gen
+        running.remove(r)
+        srv.to_release.append(r.row)
+        free_rows.append(r.row)
+  # Last, release what is left and the prefix holder: the whole pool must be free again.
+  srv.to_release.append(PREFIX_ROW)
+  srv.run_step(True, [])
+  state = srv.carry[0]
+  leaked = cfg.pool_pages - int(state.free_len) - int(state.release_len)
+  if leaked:
+    raise RuntimeError(f"{leaked} pages still held after every request was released")
+  return dict(outputs=[outputs[r["id"]] for r in requests], server=srv)
+
+
+def allocator_share(srv: PagedServer) -> Dict[str, float]:
+  """Replays the logged steps with only the allocator part (the same inputs give the same
+  table and pool states) and compares their time with the full steps'. The first step of
+  each kind (compilation) is left out of both sums."""
+  carry = srv.initial + (srv.carry[2],)
+  seen, full_s, alloc_s, full_n = set(), 0.0, 0.0, 0
+  for entry in srv.log:
+    fn = srv._step(entry["decode"], model=False)  # pylint: disable=protected-access
+    if entry["decode"] not in seen:
+      seen.add(entry["decode"])
+      jax.block_until_ready(fn(srv.params, jax.tree.map(jnp.copy, carry), entry["x"]))
+      carry, _ = fn(srv.params, carry, entry["x"])
+      continue
+    t0 = time.perf_counter()
+    carry, out = fn(srv.params, carry, entry["x"])
+    jax.block_until_ready(out)
+    alloc_s += time.perf_counter() - t0
+    full_s += entry["s"]
+    full_n += 1
+  return dict(step_s=full_s / max(full_n, 1), alloc_s=alloc_s / max(full_n, 1),
+              share=alloc_s / full_s if full_s > 0 else float("nan"), steps=full_n)
+
+
+def run(cfg: DemoConfig) -> Dict[str, Any]:
+  """Both runs; returns their outputs, whether they are identical and the timings."""
+  params = init_params(cfg, jax.random.PRNGKey(cfg.seed))
+  requests, prefix = make_requests(cfg)
+  t0 = time.perf_counter()
+  paged = run_paged(cfg, params, requests, prefix)
+  paged_s = time.perf_counter() - t0
+  reference = run_contiguous(cfg, params, requests)
+  srv = paged["server"]
+  share = allocator_share(srv)
+  processed = sum(e["tokens"] for e in srv.log)
+  return dict(requests=requests, paged=paged["outputs"], reference=reference,
+              identical=paged["outputs"] == reference, steps=len(srv.log),
+              decode_steps=sum(e["decode"] for e in srv.log), wall_s=paged_s,
+              generated=sum(len(g) for g in paged["outputs"]), processed=processed,
+              deferred=srv.deferred, share=share, device=str(jax.devices()[0]))
+
+
+def _range(text: str) -> tuple:
+  from jax_kvalloc.tools.cli import int_list  # pylint: disable=g-import-not-at-top
+  values = int_list(text)
+  if len(values) != 2 or values[0] > values[1]:
+    raise argparse.ArgumentTypeError(f"expected LO,HI with LO <= HI, got {text!r}")
+  return tuple(values)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+  d = DemoConfig()
+  p = sub.add_parser(
+      "demo", help="a toy decoder served through the request table (paged == contiguous)",
+      description=__doc__.split("\n\n")[0].replace("`jax-kvalloc demo`: ", "") + ".",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  a = p.add_argument
+  a("--num-requests", type=int, default=d.num_requests)
+  a("--num-layers", type=int, default=d.num_layers)
+  a("--d-model", type=int, default=d.d_model)
+  a("--page-size", type=int, default=d.page_size)
+  a("--max-reqs", type=int, default=d.max_reqs, help="table rows (row 0: shared prefix)")
+  a("--max-pages-per-req", type=int, default=d.max_pages_per_req)
+  a("--pool-pages", type=int, default=d.pool_pages)
+  a("--max-tokens", type=int, default=d.max_tokens, help="packed tokens per prefill step")
+  a("--chunk", type=int, default=d.chunk, help="prefill chunk per request")
+  a("--prefix-len", type=int, default=d.prefix_len, help="shared prefix tokens")
+  a("--prompt-len", type=_range, default=d.prompt_len, metavar="LO,HI",
+    help="prompt tokens after the shared prefix")
+  a("--new-tokens", type=_range, default=d.new_tokens, metavar="LO,HI",
+    help="generated tokens per request")
+  a("--seed", type=int, default=d.seed)
+  return p
+
+
+def run_cli(args) -> int:
+  cfg = DemoConfig(num_requests=args.num_requests, num_layers=args.num_layers,
+                   d_model=args.d_model, page_size=args.page_size, max_reqs=args.max_reqs,
+                   max_pages_per_req=args.max_pages_per_req, pool_pages=args.pool_pages,
+                   max_tokens=args.max_tokens, chunk=args.chunk,
+                   prefix_len=args.prefix_len, prompt_len=tuple(args.prompt_len),
+                   new_tokens=tuple(args.new_tokens), seed=args.seed)
+  res = run(cfg)
+  print(f"jax-kvalloc demo on {res['device']}: {cfg.num_layers}-layer toy decoder "
+        f"(d_model {cfg.d_model}, vocab {cfg.vocab}), {cfg.num_requests} requests, page "
+        f"size {cfg.page_size}, pool {cfg.pool_pages} pages, {cfg.max_reqs} rows")
+  for req, got, want in zip(res["requests"], res["paged"], res["reference"]):
+    mark = "==" if got == want else "!="
+    print(f"  req {req['id']:2d}: prompt {len(req['prompt']):3d}"
+          f"{' (shared prefix)' if req['shared'] else '                '} -> {got} "
+          f"{mark} contiguous")
+  sh = res["share"]
+  print(f"steps: {res['steps']} ({res['decode_steps']} decode); tokens processed "
+        f"{res['processed']}, generated {res['generated']}; batch entries deferred by "
+        f"admission: {res['deferred']}")
+  print(f"paged run: {res['processed'] / res['wall_s']:.0f} tokens/s processed, "
+        f"{res['generated'] / res['wall_s']:.0f} generated/s (wall, compilation included); "
+        f"per step {sh['step_s'] * 1e6:.0f} us, allocator part {sh['alloc_s'] * 1e6:.0f} us "
+        f"= {100 * sh['share']:.0f}% of the step (replayed alone, {sh['steps']} steps)")
+  print("tokens identical to the contiguous-cache run: "
+        + ("YES" if res["identical"] else "NO"))
+  return 0 if res["identical"] else 1
