@@ -20,10 +20,13 @@ from jax_kvalloc import allocation
 from jax_kvalloc import debug
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
-from jax_kvalloc.tools import sglang_oracle
 from model import ModelAllocator
 
-SGLANG_ERROR = sglang_oracle.import_error()
+try:  # the adapter imports torch
+  from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
+  SGLANG_ERROR = sglang_oracle.import_error()
+except ImportError as e:
+  sglang_oracle, SGLANG_ERROR = None, f"the sglang adapter needs torch ({e})"
 
 
 def _paged(size=32, ps=4, need_sort=False, **kw):
