@@ -297,11 +297,16 @@ def get_all_free_pages(config: AllocatorConfig, state: AllocatorState) -> Tuple[
 
 def _shard_map(fn: Callable, mesh: jax.sharding.Mesh, spec: Any) -> Callable:
   """shard_map with the same spec for every input and output: `jax.shard_map` where it
-  exists (jax >= 0.6, including 0.10 and 0.12), else jax.experimental.shard_map."""
+  exists (jax >= 0.6, including 0.10 and 0.12), else jax.experimental.shard_map.
+
+  The varying-across-devices type check is off (check_vma / check_rep): every value is
+  per device here, and Pallas calls (the GPU kernels) cannot declare their outputs'
+  device variance, so with the check on they would not trace inside shard_map.
+  """
   if hasattr(jax, "shard_map"):
-    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
   from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
-  return shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+  return shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_rep=False)
 
 
 def rank_sharding(mesh: jax.sharding.Mesh, axis_name: str) -> jax.sharding.NamedSharding:

@@ -333,6 +333,15 @@ def test_sharded_programs_have_no_collectives():
   for name, call in calls.items():
     hlo = jax.jit(call).lower(state).compile().as_text()
     assert ranks.collectives_in(hlo) == {}, name
+  # kernel="auto" traces the Pallas path too (lax.platform_dependent): it must trace
+  # under shard_map, and run the jnp one here.
+  auto = ranks.ranks_allocator(kv.AllocatorConfig(size=dp * 64 * 4, page_size=4,
+                                                  kernel="auto"), dp, mesh=mesh, axis_name="dp")
+  state_auto = auto.init()
+  for call in (lambda s: auto.alloc_decode(s, i32(dp, 4), -i32(dp, 4)),
+               lambda s: auto.alloc_extend(s, i32(dp, 4) * 0, i32(dp, 4), -i32(dp, 4),
+                                           max_tokens=32)):
+    assert ranks.collectives_in(jax.jit(call).lower(state_auto).compile().as_text()) == {}
   # Negative control: a sum over ranks needs an all-reduce, and the check sees it.
   total = ranks.shard(lambda s: jax.lax.psum(s.free_len, "dp")[None], mesh, "dp")
   hlo = jax.jit(total).lower(state).compile().as_text()
