@@ -6,6 +6,9 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
   with the static `AllocatorConfig` as first argument: init, alloc, alloc_extend,
   alloc_decode, free, merge_and_sort_free, available_size, and SGLang 0.5.23's newer
   free_page_ids, free_segment, free_full, free_full_segment, get_all_free_pages.
+Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted step):
+  init_table, extend_rows, decode_rows, release_rows, borrow_pages, admit_rows,
+  attention_inputs (also bound on the Allocator NamedTuple).
 SGLang-compatible classes on top:
   TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator.
 """
@@ -26,6 +29,15 @@ from jax_kvalloc.freeing import free_segment
 from jax_kvalloc.freeing import get_all_free_pages
 from jax_kvalloc.freeing import merge_and_sort_free
 from jax_kvalloc.paged import PagedTokenToKVPoolAllocator
+from jax_kvalloc.request_table import AttentionInputs
+from jax_kvalloc.request_table import RequestTable
+from jax_kvalloc.request_table import admit_rows
+from jax_kvalloc.request_table import attention_inputs
+from jax_kvalloc.request_table import borrow_pages
+from jax_kvalloc.request_table import decode_rows
+from jax_kvalloc.request_table import extend_rows
+from jax_kvalloc.request_table import init_table
+from jax_kvalloc.request_table import release_rows
 from jax_kvalloc.state import AllocatorState
 from jax_kvalloc.state import available_size
 from jax_kvalloc.state import init
@@ -41,12 +53,19 @@ __all__ = [
     "AllocatorDebugError",
     "AllocatorSnapshot",
     "AllocatorState",
+    "AttentionInputs",
     "PagedTokenToKVPoolAllocator",
+    "RequestTable",
     "TokenToKVPoolAllocator",
+    "admit_rows",
     "alloc",
     "alloc_decode",
     "alloc_extend",
+    "attention_inputs",
     "available_size",
+    "borrow_pages",
+    "decode_rows",
+    "extend_rows",
     "free",
     "free_full",
     "free_full_segment",
@@ -54,9 +73,11 @@ __all__ = [
     "free_segment",
     "get_all_free_pages",
     "init",
+    "init_table",
     "live_free_pages",
     "live_release_pages",
     "merge_and_sort_free",
     "paged_allocator",
+    "release_rows",
     "token_allocator",
 ]

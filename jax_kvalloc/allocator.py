@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import request_table
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 
@@ -47,6 +48,14 @@ class Allocator(NamedTuple):
   free_full: Callable[..., Any]           # (state, free_index) -> state
   free_full_segment: Callable[..., Any]   # (state, free_index, start_pos, num=None) -> state
   get_all_free_pages: Callable[..., Any]  # (state) -> (i32[num_pages], i32[] count)
+  # SPEC 11, the request table (jax_kvalloc.request_table): the table goes beside the state.
+  init_table: Callable[..., Any]          # (max_reqs, max_pages_per_req) -> RequestTable
+  extend_rows: Callable[..., Any]         # (state, table, rows, n, *, max_tokens, num_rows=None) -> (state, table, slots, ok)
+  decode_rows: Callable[..., Any]         # (state, table, rows, *, num_rows=None) -> (state, table, slots, ok)
+  release_rows: Callable[..., Any]        # (state, table, rows, *, num_rows=None) -> (state, table, ok)
+  borrow_pages: Callable[..., Any]        # (table, rows, page_ids, num_pages, *, num_rows=None) -> (table, ok)
+  admit_rows: Callable[..., Any]          # (state, table, rows, n, *, num_rows=None, max_tokens=None) -> i32[]
+  attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None) -> AttentionInputs
 
 
 def _bind(config: AllocatorConfig) -> Allocator:
@@ -65,6 +74,13 @@ def _bind(config: AllocatorConfig) -> Allocator:
       free_full=bind(freeing.free_full),
       free_full_segment=bind(freeing.free_full_segment),
       get_all_free_pages=bind(freeing.get_all_free_pages),
+      init_table=bind(request_table.init_table),
+      extend_rows=bind(request_table.extend_rows),
+      decode_rows=bind(request_table.decode_rows),
+      release_rows=bind(request_table.release_rows),
+      borrow_pages=bind(request_table.borrow_pages),
+      admit_rows=bind(request_table.admit_rows),
+      attention_inputs=bind(request_table.attention_inputs),
   )
 
 
