@@ -530,3 +530,25 @@ def test_random_traces_against_sglang(page_size, need_sort):
     _run_trace(1000 + seed + page_size, page_size, need_sort, steps=40, functional=False,
                make_oracle=lambda size: sglang_oracle.SGLangAllocator(
                    size, page_size, need_sort, kind))
+
+
+# -- generated traces with the SPEC 10 frees (jax_kvalloc.tools.traces) ---------------------
+
+def test_generated_traces_with_segment_frees_replay_everywhere():
+  """The workload generator frees finished requests through free_segment/free_page_ids
+  when asked (segment_prob); its model-recorded traces replay exactly on the class and,
+  when installed, on sglang (release lists as sets)."""
+  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
+  from trace_helpers import jax_replayer, model_replayer  # pylint: disable=g-import-not-at-top
+  seen = set()
+  for seed in (3, 4):
+    config = traces.random_config(seed, steps=80, page_sizes=(1, 4), segment_prob=0.6)
+    recs = traces.generate(config, model_replayer(), trace_id=seed)
+    seen.update(r["op"] for r in recs)
+    traces.replay(recs, jax_replayer())
+    kind = config.resolved_kind
+    if SGLANG_ERROR is None and sglang_oracle.unsupported_reason(
+        config.size, config.page_size, config.need_sort, kind) is None:
+      from jax_kvalloc.tools import parity  # pylint: disable=g-import-not-at-top
+      traces.replay(recs, parity.sglang_impl().replayer)
+  assert {"free_segment", "free_page_ids"} <= seen

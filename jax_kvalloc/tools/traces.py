@@ -23,6 +23,9 @@ with an `init` line.
                         sum(seq_lens - prefix_lens))
     alloc_decode        seq_lens (counting the new token), last_loc
     free                free_index (slot ids)
+    free_page_ids       page_ids (SPEC 10: pages prepended in the given order, no sort)
+    free_segment        free_index, start_pos (SPEC 10: one request's slots of tokens
+                        start_pos.., start_pos a multiple of page_size)
     free_group_begin, free_group_end, merge_and_sort_free, backup_state, clear: no args
     restore_state       no args: restores the snapshot of the latest backup_state of the
                         same trace (one snapshot may be restored several times)
@@ -69,7 +72,8 @@ from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Seq
 import numpy as np
 
 OPS = ("init", "alloc", "alloc_extend", "alloc_decode", "free", "free_group_begin",
-       "free_group_end", "merge_and_sort_free", "backup_state", "restore_state", "clear")
+       "free_group_end", "merge_and_sort_free", "backup_state", "restore_state", "clear",
+       "free_page_ids", "free_segment")
 STATE_FIELDS = ("result", "free_pages", "release_pages", "available_size")
 
 Record = Dict[str, Any]
@@ -109,7 +113,8 @@ def check_record(rec: Any, where: str = "record") -> None:
     raise ValueError(f"{where}: 'args' must be an object, got {rec['args']!r:.200}")
   needed = {"init": ("size", "page_size"), "alloc": ("need_size",),
             "alloc_extend": ("prefix_lens", "seq_lens", "last_loc"),
-            "alloc_decode": ("seq_lens", "last_loc"), "free": ("free_index",)}
+            "alloc_decode": ("seq_lens", "last_loc"), "free": ("free_index",),
+            "free_page_ids": ("page_ids",), "free_segment": ("free_index", "start_pos")}
   missing = [k for k in needed.get(rec["op"], ()) if k not in rec.get("args", {})]
   if missing:
     raise ValueError(f"{where}: op {rec['op']!r} is missing args {missing}")
@@ -254,6 +259,11 @@ class Replayer:
                                         self.to_array(list(args["last_loc"]))))
     if op == "free":
       a.free(self.to_array(list(args["free_index"])))
+    elif op == "free_page_ids":
+      a.free_page_ids(self.to_array(list(args["page_ids"])))
+    elif op == "free_segment":
+      a.free_segment(self.to_array(list(args["free_index"])),
+                     start_pos=int(args["start_pos"]))
     elif op == "backup_state":
       self._snapshot = a.backup_state()
     elif op == "restore_state":
@@ -340,6 +350,9 @@ class WorkloadConfig:
       that would not fit.
     oom_prob: chance that the scheduler issues an allocation it knows will not fit
       (otherwise it admits fewer requests, or retracts one before a decode).
+    segment_prob: chance that a finished request's own slots go back through SPEC 10's
+      free_segment or free_page_ids (no sort) instead of free. 0 (the default) draws no
+      random number for it, so traces of older configs stay as they were.
   """
 
   seed: int
@@ -356,6 +369,7 @@ class WorkloadConfig:
   spec_prob: float = 0.25
   evict_prob: float = 0.8
   oom_prob: float = 0.15
+  segment_prob: float = 0.0
 
   @property
   def resolved_kind(self) -> str:
@@ -376,7 +390,7 @@ SCALES = {
 
 def random_config(seed: int, *, steps: int = 200, page_sizes: Sequence[int] = (1, 4, 16, 64),
                   scale: str = "ci", need_sort: Optional[bool] = None,
-                  paged_at_1: bool = True) -> WorkloadConfig:
+                  paged_at_1: bool = True, segment_prob: float = 0.0) -> WorkloadConfig:
   """A WorkloadConfig drawn from `seed`: a page size from `page_sizes`, need_sort on or
   off (unless given), a small pool for `scale` "ci" (16 or 40 pages) or a large one for
   "long" (256 to 2048 pages), plus half a page that the pool cannot use. At page size 1
@@ -396,7 +410,7 @@ def random_config(seed: int, *, steps: int = 200, page_sizes: Sequence[int] = (1
       max_decode_batch=rng.randint(2, decode_bs),
       arrival_rate=rng.uniform(0.3, 1.2), share_prob=rng.uniform(0.2, 0.8),
       cache_prob=rng.uniform(0.1, 0.7), spec_prob=rng.uniform(0.0, 0.5),
-      oom_prob=rng.uniform(0.1, 0.6))
+      oom_prob=rng.uniform(0.1, 0.6), segment_prob=segment_prob)
 
 
 class _Node:
@@ -726,7 +740,23 @@ class SchedulerSim:
       r.node.refs -= 1
     if self.paged and owned and self._group is not None and self.rng.random() < 0.3:
       owned = owned + [owned[-1]]   # overlap scheduler: a slot freed twice in one group
+    elif owned and self.cfg.segment_prob and self.rng.random() < self.cfg.segment_prob:
+      # The request's own tokens from a page boundary on (its shared prefix, or what
+      # went into the cache, ends on one), in token order: a segment (SPEC 10).
+      self._free_segment(owned, len(r.slots) + len(r.extra) - len(owned))
+      return
     self._free(owned)
+
+  def _free_segment(self, slots: List[int], start: int) -> None:
+    if self.paged and self.rng.random() < 0.5:
+      pages = [slots[k] // self.ps for k in range(0, len(slots), self.ps)]
+      self._do("free_page_ids", {"page_ids": pages})
+    else:
+      self._do("free_segment", {"free_index": list(slots), "start_pos": start})
+    if self._group is not None:
+      self._group.extend(slots)
+    else:
+      self._release(slots)
 
   def _finish_some(self) -> None:
     rng = self.rng
