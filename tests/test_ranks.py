@@ -7,6 +7,7 @@ conftest.py asks XLA for 4 host devices before jax starts; the mesh tests skip w
 fewer are there (XLA_FLAGS set otherwise by the caller).
 """
 import functools
+import json
 import re
 
 import jax
@@ -412,3 +413,17 @@ def test_bad_arguments_raise_clear_errors():
     ranks.ranks_allocator(cfg, 2, mesh=mesh, axis_name="tp")
   with pytest.raises(ValueError, match="needs axis_name"):
     ranks.ranks_allocator(cfg, 2, mesh=mesh)
+
+
+def test_bench_ranks_runs_on_host_devices(tmp_path, capsys):
+  _mesh(2)
+  from jax_kvalloc.tools import bench_ranks  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "ranks.json"
+  assert bench_ranks.main(["--ops", "decode", "--devices", "1,2", "--ranks-per-device", "2",
+                           "--pages-per-rank", "64", "--decode-rows", "4", "--unroll", "1",
+                           "--min-time", "0.001", "--reps", "1", "--kernel", "jnp",
+                           "--json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["devices"], r["ranks"]) for r in rows] == [(1, 0), (1, 2), (2, 4)]
+  assert all(r["collectives"] == {} and r["us"] >= 0 for r in rows)
+  assert "| decode | 2 dev x 2 rank(s) | off |" in capsys.readouterr().out
