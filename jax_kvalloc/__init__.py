@@ -9,6 +9,9 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
 Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted step):
   init_table, extend_rows, decode_rows, release_rows, borrow_pages, admit_rows,
   attention_inputs (also bound on the Allocator NamedTuple).
+Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) and
+  ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool along a leading
+  axis, optionally sharded over a mesh (shard_map, no collectives).
 SGLang-compatible classes on top:
   TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator.
 """
@@ -29,6 +32,9 @@ from jax_kvalloc.freeing import free_segment
 from jax_kvalloc.freeing import get_all_free_pages
 from jax_kvalloc.freeing import merge_and_sort_free
 from jax_kvalloc.paged import PagedTokenToKVPoolAllocator
+from jax_kvalloc.ranks import RankedAllocator
+from jax_kvalloc.ranks import init_ranks
+from jax_kvalloc.ranks import ranks_allocator
 from jax_kvalloc.request_table import AttentionInputs
 from jax_kvalloc.request_table import RequestTable
 from jax_kvalloc.request_table import admit_rows
@@ -55,6 +61,7 @@ __all__ = [
     "AllocatorState",
     "AttentionInputs",
     "PagedTokenToKVPoolAllocator",
+    "RankedAllocator",
     "RequestTable",
     "TokenToKVPoolAllocator",
     "admit_rows",
@@ -73,11 +80,13 @@ __all__ = [
     "free_segment",
     "get_all_free_pages",
     "init",
+    "init_ranks",
     "init_table",
     "live_free_pages",
     "live_release_pages",
     "merge_and_sort_free",
     "paged_allocator",
+    "ranks_allocator",
     "release_rows",
     "token_allocator",
 ]
