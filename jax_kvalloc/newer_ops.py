@@ -181,8 +181,12 @@ class NewerOperations:
 
   def debug_print(self) -> str:
     """One line: free, released and in-use pages, and any open free group. Returns the
-    string (as SGLang's does), reading the state's lengths."""
-    free, released = int(self._state.free_len), int(self._state.release_len)
+    string (as SGLang's does); the lengths come from the class's host mirror when it
+    keeps one (no wait), else from the state."""
+    if hasattr(self, "_free_len"):
+      free, released = self._free_len, self._release_len
+    else:
+      free, released = int(self._state.free_len), int(self._state.release_len)
     in_use = self.config.num_pages - free - released
     group = ""
     if self._free_group is not None:

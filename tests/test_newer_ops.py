@@ -366,7 +366,8 @@ class _Functional:
     self.a.set_state(self._seg(self.config, self.a.state, x, np.int32(start), n))
 
 
-def _run_trace(seed, page_size, need_sort, *, steps, make_oracle=None, functional=True):
+def _run_trace(seed, page_size, need_sort, *, steps, make_oracle=None, functional=True,
+               backend="device"):
   """A random serving loop: requests arrive (alloc_extend, chunked), decode
   (alloc_decode), and finish or shrink; their slots go back through every free operation
   in turn, inside and outside free groups. The class (and the functional core on its
@@ -378,9 +379,9 @@ def _run_trace(seed, page_size, need_sort, *, steps, make_oracle=None, functiona
   m = ModelAllocator(size, ps, need_sort)
   oracle = make_oracle(size) if make_oracle else None
   if token:
-    a = kv.TokenToKVPoolAllocator(size, need_sort=need_sort)
+    a = kv.TokenToKVPoolAllocator(size, need_sort=need_sort, backend=backend)
   else:
-    a = kv.PagedTokenToKVPoolAllocator(size, ps, need_sort=need_sort)
+    a = kv.PagedTokenToKVPoolAllocator(size, ps, need_sort=need_sort, backend=backend)
   fn = _Functional(a) if functional else None
   reqs = []  # each: list of slots, token order (token k at index k)
 
@@ -516,6 +517,13 @@ _SLOW = pytest.mark.slow  # each compiles many shape buckets: ~10-30 s on a shar
 def test_random_traces_against_model(page_size, need_sort):
   for seed in range(2):
     _run_trace(seed * 100 + page_size, page_size, need_sort, steps=40)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 128])
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_random_traces_against_model_host_backend(page_size, need_sort):
+  for seed in range(2):
+    _run_trace(seed * 100 + page_size + 5, page_size, need_sort, steps=40, backend="host")
 
 
 @pytest.mark.skipif(SGLANG_ERROR is not None, reason=str(SGLANG_ERROR))
