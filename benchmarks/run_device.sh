@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The accelerator runs behind BENCHMARKS.md: `jax-kvalloc bench` then
-# `jax-kvalloc simulate`, each with --json/--plot, plus the machine's versions.
+# The accelerator run behind BENCHMARKS.md, on a 2-GPU machine (one GPU each, in parallel):
+#   GPU 0: `jax-kvalloc bench` (microbenchmarks: Pallas, jnp, torch_ref and SGLang's
+#          released kernels side by side; serving loop), --extra-consumer, JSON + plot;
+#   GPU 1: the GPU tests (tests/test_pallas_gpu.py), a check that kernel="auto" compiles
+#          to one branch on the GPU, then the kernel tunings (tests/gpu_check.py).
+# SGLang's kernels file is not in the repository: pass its path (an ignored folder that
+# travels with the run), e.g. SGLANG_KERNELS=.sglang_kernels/allocator.py.
 # Writes into $OUT (default benchmarks/out). Run from the repository root:
-#   bash benchmarks/run_device.sh
+#   SGLANG_KERNELS=.sglang_kernels/allocator.py bash benchmarks/run_device.sh
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false   # leave GPU memory for torch_ref
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false   # leave GPU memory for torch
 PY=${PYTHON:-python3}
+SGL=${SGLANG_KERNELS:+--sglang-kernels $SGLANG_KERNELS}
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
@@ -16,13 +22,31 @@ PY=${PYTHON:-python3}
   $PY -c "import sys, jax, jaxlib, torch, triton; print('python', sys.version.split()[0], \
 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'torch', torch.__version__, \
 'triton', triton.__version__, jax.devices())" 2>&1
+  [ -n "${SGLANG_KERNELS:-}" ] && cat "$(dirname "$SGLANG_KERNELS")/VERSION" 2>/dev/null
 } > "$OUT/machine.txt"
-timeout "${BENCH_TIMEOUT:-330}" $PY -m jax_kvalloc bench --no-progress \
-  --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
-echo "bench exit $?" >> "$OUT/machine.txt"
-timeout "${SIM_TIMEOUT:-100}" $PY -m jax_kvalloc simulate --no-progress \
-  --json "$OUT/simulate.json" --plot "$OUT/simulate.png" > "$OUT/simulate.txt" 2>&1
-echo "simulate exit $?" >> "$OUT/machine.txt"
+( CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-530}" $PY -m jax_kvalloc bench \
+    --no-progress --extra-consumer $SGL --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+    ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1; echo "bench exit $?" >> "$OUT/bench.txt" ) &
+BENCH=$!
+(
+  export CUDA_VISIBLE_DEVICES=1
+  $PY - <<'PY' 2>&1
+import functools, jax, jax.numpy as jnp
+import jax_kvalloc as kv
+cfg = kv.AllocatorConfig(size=64 * 16, page_size=16, kernel="auto", debug=False)
+rows = jnp.ones((8,), jnp.int32)
+hlo = jax.jit(functools.partial(kv.alloc_decode, cfg)).lower(
+    kv.init(cfg), rows + 1, rows).compile().as_text()
+print("auto on GPU: conditional in compiled HLO:", "conditional" in hlo,
+      "| triton custom calls:", hlo.count("__gpu$xla.gpu.triton"))
+PY
+  timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -m gpu -x -p no:cacheprovider \
+    tests/test_pallas_gpu.py 2>&1 | tail -n 15
+  echo "gpu tests exit ${PIPESTATUS[0]}"
+  timeout "${TUNE_TIMEOUT:-280}" $PY tests/gpu_check.py --no-tests --budget 250 \
+    --out "$OUT" 2>&1 | tail -n 40
+) > "$OUT/gpu1.txt" 2>&1
+wait $BENCH
 cat "$OUT/machine.txt"
-tail -n 60 "$OUT/bench.txt"
-tail -n 26 "$OUT/simulate.txt"
+cat "$OUT/gpu1.txt"
+tail -n 75 "$OUT/bench.txt"

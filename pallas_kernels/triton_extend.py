@@ -70,6 +70,7 @@ class _Params:
   src_len: int         # length of the free ring (fused) or of the window (contract)
   barrier: bool        # False in interpret mode (programs run one after another there)
   exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
+  onehot: bool = False  # fused: find rows by a [tile, rows] comparison, no scratch
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,6 +168,22 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
   _util.store(out_ref, t, jnp.where(t < limit, acc, 0), t < p.out_len)
 
 
+def _fill_tile_onehot(p: _Params, pid, table, limit, read_page, out_ref):
+  """_fill_tile for few rows: each token's row and constants come from one [tile, rows]
+  comparison in registers (row = #rows ending at or before t; its constants by a
+  masked sum over the one-hot row), so no scratch, barrier or dependent probe."""
+  r = jnp.arange(p.rows_pad, dtype=jnp.int32)
+  t = pid * p.tile + jnp.arange(p.tile, dtype=jnp.int32)
+  ends = table[_TOK_END]
+  row = jnp.sum(jnp.where(ends[None, :] <= t[:, None], 1, 0), axis=1)
+  onehot = r[None, :] == row[:, None]
+  pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+  mine = t < limit
+  slot = _slot(p.page_size, t, pick(table[_A]), pick(table[_E]), pick(table[_C]),
+               pick(table[_BP]), read_page, mine)
+  _util.store(out_ref, t, jnp.where(mine, slot, 0), t < p.out_len)
+
+
 def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
                   pre_ref, seq_ref, last_ref,                              # inputs: batch
                   out_ref, head_out, len_out, ok_out, scr_ref,            # outputs
@@ -208,7 +225,10 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
     i = jnp.where(i >= n, i - n, i)
     return _util.load(ring_ref, i, mask & ok & (k >= 0) & (k < flen))
 
-  _fill_tile(p, pid, table, jnp.where(ok, total, 0), read_page, out_ref, scr_ref)
+  if p.onehot:
+    _fill_tile_onehot(p, pid, table, jnp.where(ok, total, 0), read_page, out_ref)
+  else:
+    _fill_tile(p, pid, table, jnp.where(ok, total, 0), read_page, out_ref, scr_ref)
 
   @pl.when(pid == 0)
   def _():
@@ -223,9 +243,13 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
 # Grid, shapes and wrappers.
 # ---------------------------------------------------------------------------------------
 
-def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret):
+def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret,
+            onehot=None):
   rows_pad = _util.next_pow2(num_rows)
-  default_tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused)
+  if onehot is None:
+    onehot = fused and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS
+  onehot = bool(fused and onehot)
+  default_tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused, onehot)
   tile = min(_util.next_pow2(out_len), tile or default_tile)
   window = min(rows_pad, window or tuning.EXTEND_WINDOW)
   if not (_util.is_pow2(tile) and _util.is_pow2(window)):
@@ -233,7 +257,8 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
   return _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, tile=tile,
                  window=window, page_size=page_size, out_len=out_len, src_len=src_len,
                  barrier=not interpret,
-                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len))
+                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len),
+                 onehot=onehot)
 
 
 def _may_wrap(num_rows: int, out_len: int, ring_len: int) -> bool:
@@ -254,12 +279,13 @@ def fused_preferred(num_rows: int, out_len: int, ring_len: int) -> bool:
   if not fused_supported(num_rows, out_len, ring_len):
     return False
   rows_pad = _util.next_pow2(num_rows)
-  tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused=True)
+  onehot = rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS
+  tile, _ = tuning.extend_tile_warps(rows_pad, out_len, True, onehot)
   return rows_pad * pl.cdiv(out_len, tile) <= MAX_FUSED_ROW_WORK
 
 
 def _default_warps(p: _Params) -> int:
-  tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused)
+  tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused, p.onehot)
   if p.tile != tile:  # a tile set by hand: warps by the same rule
     warps = max(1, min(8, p.tile // 256))
   return warps
@@ -279,7 +305,8 @@ class _Call:
     out = jax.ShapeDtypeStruct((p.out_len,), jnp.int32)
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
-      scratch = jax.ShapeDtypeStruct((grid * p.window * _LINE,), jnp.int32)
+      scratch = jax.ShapeDtypeStruct((1 if p.onehot else grid * p.window * _LINE,),
+                                     jnp.int32)
       out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch)
       body = _fused_kernel
     else:
@@ -332,8 +359,8 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
                         num_reqs: Array, prefix_lens: Array, seq_lens: Array,
                         last_loc: Array, *, page_size: int, out_len: int,
                         interpret: bool = False, tile: int | None = None,
-                        window: int | None = None,
-                        num_warps: int | None = None) -> Tuple[Array, Array, Array, Array]:
+                        window: int | None = None, num_warps: int | None = None,
+                        onehot: bool | None = None) -> Tuple[Array, Array, Array, Array]:
   """A whole alloc_extend (SPEC 4.2, no need_sort merge) in one kernel launch.
 
   Args:
@@ -360,7 +387,7 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
   if not fused_supported(b, out_len, n):
     raise ValueError(f"alloc_extend_triton does not take {b=} rows, {out_len=}, ring "
                      f"length {n} (see fused_supported)")
-  p = _params(True, b, page_size, out_len, n, tile, window, interpret)
+  p = _params(True, b, page_size, out_len, n, tile, window, interpret, onehot)
   call = _Call("jax_kvalloc_alloc_extend_triton", p, num_warps or _default_warps(p),
                interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),

@@ -42,10 +42,19 @@ from pallas_kernels._util import next_pow2
 EXTEND_WINDOW = 256          # rows per search pass of the fused extend kernel
 DECODE_ROW_BLOCK = 2048      # rows per program of the fused decode kernel
 CONTRACT_DECODE_ROW_BLOCK = 1024
+# Fused extend: up to this many rows (padded) each token finds its row by a [tile, rows]
+# comparison in registers instead of the scratch search (0: never). Tiles then hold
+# ONEHOT_WORK / rows tokens, so the comparison stays the same size.
+EXTEND_ONEHOT_MAX_ROWS = 0
+EXTEND_ONEHOT_WORK = 2**14
 
 
-def extend_tile_warps(rows_pad: int, out_len: int, fused: bool) -> Tuple[int, int]:
+def extend_tile_warps(rows_pad: int, out_len: int, fused: bool,
+                      onehot: bool = False) -> Tuple[int, int]:
   """(tokens per program, warps) of the extend kernels."""
+  if fused and onehot:
+    tile = min(next_pow2(out_len), max(64, EXTEND_ONEHOT_WORK // rows_pad))
+    return tile, 4
   tile = 512 if fused and rows_pad <= 256 else 1024
   tile = min(next_pow2(out_len), tile)
   warps = max(1, min(8, tile // 256))

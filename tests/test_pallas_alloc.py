@@ -216,6 +216,15 @@ def test_large_batches_take_the_contract_kernel(monkeypatch):
   check_alloc_extend(16, seed=9)
 
 
+@pytest.mark.parametrize("ps", (1, 3, 16))
+def test_fused_extend_onehot_row_search(ps, monkeypatch):
+  # The fused kernel's [tile, rows] row search (tuning.EXTEND_ONEHOT_MAX_ROWS) on every
+  # batch of the random cases, against the jnp path and the model.
+  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tuning, "EXTEND_ONEHOT_MAX_ROWS", 2**15)
+  check_alloc_extend(ps, seed=11)
+
+
 def test_vmap_over_pools_and_donation():
   ps = 16
   jnp_cfg, pallas_cfg = _configs(ps)

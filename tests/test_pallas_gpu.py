@@ -118,3 +118,22 @@ def test_classes_on_gpu_follow_the_model():
   m = ModelAllocator(size=512 * ps, page_size=ps, kind="paged")
   check_classes_follow_the_model(a, m, np.random.default_rng(7), steps=40, max_bs=40,
                                  max_ext=200, max_page=500)
+
+
+@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
+def test_fused_extend_onehot_row_search(ps, monkeypatch):
+  # The [tile, rows] row search of the fused extend kernel, for every batch size used.
+  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tuning, "EXTEND_ONEHOT_MAX_ROWS", 2**15)
+  check_alloc_extend(ps, KERNEL, num_cases=16, model_cases=4, seed=7)
+  check_alloc_extend(ps, KERNEL, rows=256, max_tokens=8192, num_pages=9000,
+                     num_cases=4, model_cases=1, seed=8)
+
+
+def test_capacity_edges_on_gpu():
+  # Lengths at and near 2**31 - 1 (tests/test_capacity.py) through the compiled kernels.
+  from test_capacity import EXTEND_CASES, _extend, _same  # pylint: disable=g-import-not-at-top
+  for ps, pre, seq, fits in EXTEND_CASES:
+    want = _extend(ps, "jnp", pre, seq)
+    assert bool(want[2]) == fits
+    _same(_extend(ps, KERNEL, pre, seq), want)

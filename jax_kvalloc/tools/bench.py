@@ -1,9 +1,12 @@
-"""`jax-kvalloc bench`: microbenchmarks (jax_kvalloc.bench_micro) and the serving-loop
-benchmark (jax_kvalloc.bench_serving) on whatever device is present, with tables, ratios
-against torch_ref, the H200 targets, JSON and an optional log-log plot.
+"""`jax-kvalloc bench`: microbenchmarks (jax_kvalloc.tools.bench_micro) and the
+serving-loop benchmark (jax_kvalloc.tools.bench_serving) on whatever device is present,
+with tables, same-run ratios against torch_ref and SGLang's released kernels
+(`--sglang-kernels PATH`), the targets, JSON and an optional log-log plot.
 
-Columns degrade gracefully: "pallas" needs a GPU or TPU, "torch" needs torch and
-torch_ref (on CPU it times torch_ref's eager calls).
+Every number in a measured column or a verdict comes from the run itself (or the JSON of
+one); nothing is typed in. Columns degrade gracefully: "pallas" needs a GPU or TPU,
+"torch" needs torch and torch_ref (on CPU it times torch_ref's eager calls), "SGLang"
+needs CUDA and the kernels file.
 """
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 PATHS = ("pallas", "jnp", "torch")
 OPS = ("decode", "extend", "free")
 
-# Targets on the H200 (issues 3 and 5).
-SGLANG_EAGER_US = {"alloc_decode": (65.0, 100.0), "free": (75.0, 180.0)}
+# Targets (issues 3, 5, 13): budgets and ratios, compared with same-run measurements.
 SCAN_ALLOC_TARGET_US = 5.0
 DECODE_BIG_SPEEDUP = 20.0
+EXTRA_CONSUMER_TOLERANCE = 0.10
 
 
 def _pairs(text: str) -> List[Tuple[int, int]]:
@@ -58,6 +61,8 @@ class BenchConfig:
   seed: int
   micro: bool = True
   serving: bool = True
+  sglang_kernels: Optional[str] = None
+  extra_consumer: bool = False
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -96,6 +101,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="a tiny, noisy smoke run (decode bs 1,64; extend 4x512; serving bs 16, 50 "
     "steps); explicit options still win")
   a("--seed", type=int, default=0)
+  a("--sglang-kernels", metavar="PATH",
+    help="SGLang's sglang/kernels/ops/memory/allocator.py (from the sglang wheel; it "
+    "imports only torch and triton): its Triton kernels are timed in the same run "
+    "(CUDA only)")
+  a("--extra-consumer", action="store_true",
+    help="time every JAX figure a second time with one more consumer of the call's "
+    "outputs and report the change (a figure that moves was not counting all its work)")
   a("--json", metavar="FILE", help="write all numbers as JSON")
   a("--plot", metavar="FILE.png", help="time against batch size, log-log (matplotlib)")
   a("--no-progress", action="store_true")
@@ -147,6 +159,18 @@ def resolve(args) -> Tuple[BenchConfig, List[str]]:
     if why:
       paths.remove("torch")
       notes.append(f"torch column skipped: {why}")
+  sglang_kernels = args.sglang_kernels
+  if sglang_kernels:
+    if not os.path.exists(sglang_kernels):
+      raise SystemExit(f"--sglang-kernels {sglang_kernels!r}: no such file")
+    try:
+      import torch  # pylint: disable=g-import-not-at-top
+      cuda = torch.cuda.is_available()
+    except ImportError:
+      cuda = False
+    if not cuda:
+      notes.append("SGLang column skipped: its Triton kernels need torch with CUDA")
+      sglang_kernels = None
   q = args.quick
   pick = lambda given, quick, full: tuple(given) if given else (quick if q else full)
   cfg = BenchConfig(
@@ -160,7 +184,8 @@ def resolve(args) -> Tuple[BenchConfig, List[str]]:
       serving_bs=pick(args.serving_bs, (16,), (64, 256, 1024)),
       serving_steps=args.serving_steps or (50 if q else 1000),
       serving_warmup=5 if q else 20, seed=args.seed, micro=not args.no_micro,
-      serving=not args.no_serving)
+      serving=not args.no_serving, sglang_kernels=sglang_kernels,
+      extra_consumer=args.extra_consumer)
   return cfg, notes
 
 
@@ -178,6 +203,14 @@ def run(cfg: BenchConfig, *, progress: bool = True,
   torch_on = "torch" in cfg.paths
   jax_paths = [p for p in cfg.paths if p != "torch"]
   env = environment(None if torch_on else "not used")
+  sglang = None
+  if cfg.sglang_kernels:
+    sglang = bench_micro.load_sglang_kernels(cfg.sglang_kernels)
+    env["sglang_kernels"] = cfg.sglang_kernels
+    version = os.path.join(os.path.dirname(cfg.sglang_kernels), "VERSION")
+    if os.path.exists(version):
+      with open(version) as f:
+        env["sglang"] = f.read().strip()
   n_micro = len(bench_micro.cases(cfg.ops, cfg.batch_sizes, cfg.extend_cases)) * (
       len(cfg.paths)) if cfg.micro else 0
   n_serv = len(cfg.serving_bs) * (1 + torch_on) if cfg.serving else 0
@@ -199,7 +232,8 @@ def run(cfg: BenchConfig, *, progress: bool = True,
     result["micro"] += bench_micro.run(
         ops=(op,), paths=jax_paths, torch_on=torch_on, batch_sizes=cfg.batch_sizes,
         extend_cases=cfg.extend_cases, page_size=cfg.page_size, unroll=cfg.unroll,
-        min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, progress=tick)
+        min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, sglang=sglang,
+        extra_consumer=cfg.extra_consumer, progress=tick)
     save(result)
 
   ops = list(cfg.ops if cfg.micro else ())
@@ -227,47 +261,81 @@ def _us(cell: Optional[Dict[str, Any]]) -> Optional[float]:
   return None if not cell or "us" not in cell else cell["us"]
 
 
+def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+  return num / den if num and den else None
+
+
+def _main_path(result: Dict[str, Any]) -> str:
+  return "pallas" if "pallas" in result["config"]["paths"] else "jnp"
+
+
 def micro_tables(result: Dict[str, Any]) -> str:
   from jax_kvalloc.tools.report import fmt_ratio, fmt_us, table  # pylint: disable=g-import-not-at-top
   cfg = result["config"]
-  paths = [p for p in cfg["paths"] if p != "torch"]
   torch_on = "torch" in cfg["paths"]
   out = []
   for op in cfg["ops"]:
     rows = [r for r in result["micro"] if r["op"] == op]
     if not rows:
       continue
-    header = ["bs", "tokens"] + [f"{p} (us)" for p in paths]
+    paths = [p for p in cfg["paths"] if p != "torch" and (op != "free" or p == "jnp")]
+    sgl = any(r.get("sglang") for r in rows)
+    extra = any("us_extra_consumer" in c for r in rows for c in r["jax"].values())
+    header = ["bs", "tokens"] + [f"{p} (us)" for p in paths] + ["harness floor (us)"]
+    if op == "free":
+      header += ["jnp eager host (us)"]
     if torch_on:
-      header += ["torch_ref (us)"] + [f"{p} speedup" for p in paths]
-    gpu = result["env"]["platform"] in ("gpu", "cuda")
-    header += (["SGLang H200 (us)"] if gpu else []) + ["check"]
+      header += ["torch_ref (us)"]
+    if sgl:
+      header += ["SGLang (us)", "SGLang bare (us)"]
+    if torch_on:
+      header += [f"torch_ref / {p}" for p in paths if op != "free"]
+      header += ["torch_ref / jnp host"] if op == "free" else []
+    if sgl:
+      header += [f"SGLang / {p}" for p in paths]
+    if extra:
+      header += [f"{p} +1 consumer" for p in paths]
+    header += ["check"]
     body = []
     for r in rows:
+      j = {p: _us(r["jax"].get(p)) for p in paths}
       cells = [r["bs"], r["tokens"]]
-      cells += [fmt_us(_us(r["jax"].get(p))) if _us(r["jax"].get(p)) is not None
-                else "error" for p in paths]
+      cells += [fmt_us(j[p]) if j[p] is not None else "error" for p in paths]
+      cells.append(fmt_us(r.get("floor_us")))
+      if op == "free":
+        cells.append(fmt_us(_us(r.get("jax_host"))))
+      t = _us(r.get("torch"))
+      g = _us(r.get("sglang"))
       if torch_on:
-        t = _us(r["torch"])
         cells.append(fmt_us(t) if t is not None else "error")
-        cells += [fmt_ratio(t / _us(r["jax"].get(p)))
-                  if t and _us(r["jax"].get(p)) else "-" for p in paths]
-      fig = r.get("sglang_us")
-      if gpu:
-        cells.append("-" if not fig else (fmt_us(fig[0]) if fig[0] == fig[1]
-                                          else f"{fmt_us(fig[0])}-{fmt_us(fig[1])}"))
+      if sgl:
+        cells += [fmt_us(g) if g is not None else "error",
+                  fmt_us((r.get("sglang") or {}).get("bare_us"))]
+      if torch_on:
+        if op == "free":
+          cells.append(fmt_ratio(_ratio(t, _us(r.get("jax_host")))))
+        else:
+          cells += [fmt_ratio(_ratio(t, j[p])) for p in paths]
+      if sgl:
+        cells += [fmt_ratio(_ratio(g, j[p])) for p in paths]
+      if extra:
+        cells += [f"{100 * r['jax'][p]['extra_consumer_change']:+.0f}%"
+                  if "extra_consumer_change" in (r["jax"].get(p) or {}) else "-"
+                  for p in paths]
       cells.append(r["check"])
       body.append(cells)
-    note = ""
-    if op == "free":
-      note = " (free has no Pallas kernel: one XLA path)"
     tmethod = next((r["torch"]["method"] for r in rows
                     if r.get("torch") and "method" in r["torch"]), None)
-    out.append(f"{op} (page_size {rows[0]['page_size']}; us per call{note}"
-               + (f"; torch_ref: {tmethod}" if tmethod else "") + ")")
+    note = "; free has no Pallas kernel: one XLA path" if op == "free" else ""
+    out.append(f"{op} (page_size {rows[0]['page_size']}; us per call, median{note}"
+               + (f"; torch_ref: {tmethod}" if tmethod else "")
+               + ("; SGLang: its Triton kernel, CUDA graph replay, linked like ours "
+                  "(bare: the kernel alone)" if sgl else "")
+               + "; ratio > 1: jax_kvalloc faster)")
     out.append(table(header, body))
     errors = [f"  {op} bs={r['bs']} {k}: {v['error']}" for r in rows
-              for k, v in list(r["jax"].items()) + [("torch_ref", r.get("torch") or {})]
+              for k, v in list(r["jax"].items()) + [("torch_ref", r.get("torch") or {}),
+                                                     ("sglang", r.get("sglang") or {})]
               if v and "error" in v]
     out += errors
     out.append("")
@@ -275,16 +343,10 @@ def micro_tables(result: Dict[str, Any]) -> str:
 
 
 def breakdown(row: Dict[str, Any], part: str) -> Optional[float]:
-  """us per step that alloc_decode ("alloc") or free ("free") costs inside the scan.
-
-  Measured as one extra call per step (scan_extra_*); runs before that method measured it
-  with the other call stubbed out (scan_decode_only / scan_free_only minus the baseline).
-  """
+  """us per step that alloc_decode ("alloc") or free ("free") costs inside the scan:
+  one extra call per step (scan_extra_*) minus the plain step."""
   extra = row.get(f"scan_extra_{part}_us")
-  if extra is not None:
-    return extra - row["scan_us"]
-  old = row.get("scan_decode_only_us" if part == "alloc" else "scan_free_only_us")
-  return None if old is None else old - row["scan_baseline_us"]
+  return None if extra is None else extra - row["scan_us"]
 
 
 def serving_table(result: Dict[str, Any]) -> str:
@@ -293,66 +355,56 @@ def serving_table(result: Dict[str, Any]) -> str:
   if not rows:
     return ""
   torch_on = any("torch_step_us" in r for r in rows)
-  header = ["bs", "jit/step", "jit/step, no allocator", "jit/step blocking", "scan/step",
-            "scan, no allocator", "allocator in scan", "alloc_decode in scan",
-            "free in scan"]
+  header = ["bs", "jit/step sync", "jit/step async", "jit/step, no allocator",
+            "scan/step", "scan, no allocator", "allocator in scan",
+            "alloc_decode in scan", "free in scan", "allocator in scan, page release"]
   if torch_on:
-    header += ["torch_ref eager/step", "jit vs torch", "parity"]
+    header += ["torch_ref sync/step", "torch_ref async/step", "sync: torch / jit",
+               "async: torch / jit", "parity"]
   body = []
   for r in rows:
-    base = r["scan_baseline_us"]
-    cells = [r["bs"], fmt_us(r["jit_step_us"]), fmt_us(r.get("jit_step_baseline_us")),
-             fmt_us(r["jit_step_blocking_us"]), fmt_us(r["scan_us"]), fmt_us(base),
-             fmt_us(r["scan_alloc_us"]), fmt_us(breakdown(r, "alloc")),
-             fmt_us(breakdown(r, "free"))]
+    cells = [r["bs"], fmt_us(r.get("jit_step_sync_us")), fmt_us(r["jit_step_us"]),
+             fmt_us(r.get("jit_step_baseline_us")), fmt_us(r["scan_us"]),
+             fmt_us(r["scan_baseline_us"]), fmt_us(r["scan_alloc_us"]),
+             fmt_us(breakdown(r, "alloc")), fmt_us(breakdown(r, "free")),
+             fmt_us(r.get("scan_alloc_pages_us"))]
     if torch_on:
-      t = r.get("torch_step_us")
-      cells += [fmt_us(t) if t else r.get("torch_error", "-")[:40],
-                fmt_ratio(t / r["jit_step_us"]) if t else "-", r.get("parity", "-")]
+      t, ts = r.get("torch_step_us"), r.get("torch_step_sync_us")
+      cells += [fmt_us(ts) if ts else r.get("torch_error", "-")[:40], fmt_us(t),
+                fmt_ratio(_ratio(ts, r.get("jit_step_sync_us"))),
+                fmt_ratio(_ratio(t, r["jit_step_us"])), r.get("parity", "-")]
     body.append(cells)
   r0 = rows[0]
   return (f"serving loop (page_size {r0['page_size']}, {r0['steps']} decode steps; us per "
-          f"step; each step: free group of the rows that finished, alloc_decode for every "
-          f"row, last_loc gather and token-table write; 'no allocator' = the same step with "
+          f"step, median of 3 runs for jit and torch alike; sync = the host reads each "
+          f"step's ok (JAX) / synchronizes (torch) once per step, async = once at the end; "
+          f"each step: free group of the rows that finished, alloc_decode for every row, "
+          f"last_loc gather and token-table write; 'no allocator' = the same step with "
           f"free and alloc_decode replaced by stand-ins; the alloc_decode / free columns "
-          f"are what one more call of each adds per step"
-          + ("" if all("scan_extra_free_us" in r for r in rows) else
-             " (older runs: the step with the other call stubbed, minus 'no allocator')")
-          + ")\n" + table(header, body) + "\n")
+          f"are what one more call of each adds per step; 'page release' frees the finished "
+          f"requests' pages with free_page_ids, in request order, no sort)\n"
+          + table(header, body) + "\n")
 
 
 def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
-  """(target, measured, verdict) rows; the H200 targets only make sense on a GPU.
-
-  Times are judged as measured; "net" numbers subtract the in-jit loop's own cost per
-  call (a property of the measuring loop, not of the allocator) and are shown beside.
-  """
+  """(target, measured, verdict) rows, every measured figure from this run."""
   out = []
   micro = result["micro"]
-  loop = result.get("loop_overhead_us", 0.0)
-  main = "pallas" if "pallas" in result["config"]["paths"] else "jnp"
+  main = _main_path(result)
   t = lambda r: _us(r["jax"].get(main))
   for op in ("decode", "extend"):
     rows = [r for r in micro if r["op"] == op and t(r) is not None]
-    with_fig = [r for r in rows if r.get("sglang_us")]
-    if with_fig:
-      slower = [r for r in with_fig if t(r) > r["sglang_us"][1]]
-      slower_net = [r for r in with_fig if t(r) - loop > r["sglang_us"][1]]
-      worst = max(with_fig, key=lambda r: t(r) / r["sglang_us"][1])
-      verdict = "met" if not slower else (
-          f"MISSED at {len(slower)}/{len(with_fig)} sizes" +
-          (f" ({len(slower_net)} net)" if len(slower_net) != len(slower) else ""))
-      out.append((f"{op}: {main} no slower than SGLang's Triton figure at any size",
-                  f"worst bs={worst['bs']}: {t(worst):.2f} us ({t(worst) - loop:.2f} net) "
-                  f"vs {worst['sglang_us'][1]} us", verdict))
-    with_torch = [r for r in rows if _us(r.get("torch"))]
-    if with_torch:
-      slower = [r for r in with_torch if t(r) > _us(r["torch"])]
-      slower_net = [r for r in with_torch if t(r) - loop > _us(r["torch"])]
-      out.append((f"{op}: {main} no slower than torch_ref (same run) at any size",
-                  f"slower at bs {', '.join(str(r['bs']) for r in slower) or '-'}"
-                  f" (net: {', '.join(str(r['bs']) for r in slower_net) or '-'})",
-                  "met" if not slower else f"MISSED at {len(slower)}/{len(with_torch)}"))
+    for ref, name in (("sglang", "SGLang's kernel"), ("torch", "torch_ref")):
+      cmp = [r for r in rows if _us(r.get(ref))]
+      if not cmp:
+        continue
+      slower = [r for r in cmp if t(r) > _us(r[ref])]
+      worst = min(cmp, key=lambda r: _us(r[ref]) / t(r))
+      out.append((f"{op}: {main} at least as fast as {name} (same run) at every size",
+                  f"worst bs={worst['bs']}: {_us(worst[ref]) / t(worst):.2f}x"
+                  + (f"; slower at bs {', '.join(str(r['bs']) for r in slower)}"
+                     if slower else ""),
+                  "met" if not slower else f"MISSED at {len(slower)}/{len(cmp)}"))
     big = sorted((r for r in rows if r["bs"] >= 1024), key=lambda r: r["bs"])
     if len(big) >= 2:
       exps = [(math.log(t(b) / t(a)) / math.log(b["bs"] / a["bs"]), b["bs"])
@@ -362,29 +414,37 @@ def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
                   f"consecutive sizes from bs 1024)", f"{worst_e:.2f} (up to bs {at})",
                   "met" if worst_e <= 1.25 else "MISSED"))
   d16 = [r for r in micro if r["op"] == "decode" and r["bs"] == 16384 and t(r) is not None]
-  if d16:
-    r = d16[0]
-    sp = 292.0 / t(r)
-    out.append(("decode bs 16384: >= 20x faster than SGLang's 292 us",
-                f"{t(r):.2f} us = {sp:.0f}x",
-                "met" if sp >= DECODE_BIG_SPEEDUP else "MISSED"))
-    if _us(r.get("torch")):
-      sp = _us(r["torch"]) / t(r)
-      out.append(("decode bs 16384: >= 20x faster than torch_ref (same run)",
-                  f"{sp:.0f}x", "met" if sp >= DECODE_BIG_SPEEDUP else "MISSED"))
-  half_sglang = 0.5 * (SGLANG_EAGER_US["alloc_decode"][0] + SGLANG_EAGER_US["free"][0])
+  for r in d16:
+    for ref, name in (("sglang", "SGLang's kernel"), ("torch", "torch_ref")):
+      if _us(r.get(ref)):
+        sp = _us(r[ref]) / t(r)
+        out.append((f"decode bs 16384: >= {DECODE_BIG_SPEEDUP:.0f}x faster than {name} "
+                    f"(same run)", f"{sp:.0f}x",
+                    "met" if sp >= DECODE_BIG_SPEEDUP else "MISSED"))
+  changes = [(abs(c["extra_consumer_change"]), r, p) for r in micro
+             for p, c in r["jax"].items() if "extra_consumer_change" in c]
+  if changes:
+    worst, r, p = max(changes, key=lambda x: x[0])
+    out.append((f"every JAX figure moves < {100 * EXTRA_CONSUMER_TOLERANCE:.0f}% with one "
+                f"more consumer of its outputs", f"worst {100 * worst:.1f}% ({r['op']} "
+                f"bs={r['bs']} {p})",
+                "met" if worst < EXTRA_CONSUMER_TOLERANCE else "MISSED"))
   for r in result["serving"]:
-    if r.get("torch_step_us"):
-      ok = r["jit_step_us"] <= 0.5 * r["torch_step_us"]
-      out.append((f"serving bs={r['bs']}: jit/step <= half of torch_ref eager/step",
-                  f"{r['jit_step_us']:.1f} vs {r['torch_step_us']:.1f} us",
+    if r.get("torch_step_sync_us") and r.get("jit_step_sync_us"):
+      ok = r["jit_step_sync_us"] <= 0.5 * r["torch_step_sync_us"]
+      out.append((f"serving bs={r['bs']}: jit/step <= half of torch_ref eager/step "
+                  f"(both syncing once per step)",
+                  f"{r['jit_step_sync_us']:.1f} vs {r['torch_step_sync_us']:.1f} us",
                   "met" if ok else "MISSED"))
-    out.append((f"serving bs={r['bs']}: jit/step <= {half_sglang:.0f} us (half of SGLang's "
-                f"65 + 75 us)", f"{r['jit_step_us']:.1f} us",
-                "met" if r["jit_step_us"] <= half_sglang else "MISSED"))
     out.append((f"serving bs={r['bs']}: allocator adds <= {SCAN_ALLOC_TARGET_US:.0f} us "
-                f"per step in a scan", f"{r['scan_alloc_us']:.2f} us",
+                f"per step in a scan (free of slots, sorted unique)",
+                f"{r['scan_alloc_us']:.2f} us",
                 "met" if r["scan_alloc_us"] <= SCAN_ALLOC_TARGET_US else "MISSED"))
+    if r.get("scan_alloc_pages_us") is not None:
+      out.append((f"serving bs={r['bs']}: allocator adds <= {SCAN_ALLOC_TARGET_US:.0f} us "
+                  f"per step in a scan (request-level page release)",
+                  f"{r['scan_alloc_pages_us']:.2f} us",
+                  "met" if r["scan_alloc_pages_us"] <= SCAN_ALLOC_TARGET_US else "MISSED"))
   return out
 
 
@@ -393,9 +453,11 @@ def render(result: Dict[str, Any], notes: Sequence[str] = ()) -> str:
   e = result["env"]
   lines = [f"jax-kvalloc bench on {e['platform']}:{e['device']} ({e['date']}; python "
            f"{e['python']}, jax {e['jax']}, torch {e.get('torch')}, triton "
-           f"{e.get('triton', '-')})",
-           f"in-jit loop overhead: {result['loop_overhead_us']:.3f} us per call "
-           f"(unroll {result['config']['unroll']}; included in every jax number)"]
+           f"{e.get('triton', '-')}" + (f", SGLang kernels: {e['sglang']}"
+                                         if e.get("sglang") else "") + ")",
+           f"harness floor: {result['loop_overhead_us']:.3f} us per call for a scalar "
+           f"call (unroll {result['config']['unroll']}; the per-case floor column is the "
+           "same harness around a stand-in that only writes outputs of the case's shapes)"]
   lines += [f"note: {n}" for n in notes]
   lines.append("")
   if result["micro"]:
@@ -404,9 +466,7 @@ def render(result: Dict[str, Any], notes: Sequence[str] = ()) -> str:
     lines.append(serving_table(result))
   rows = targets(result)
   if rows:
-    gpu = e["platform"] in ("gpu", "cuda")
-    lines.append("targets (set for the H200" + ("" if gpu else "; this is not one, so "
-                 "read them as context only") + ")")
+    lines.append("targets (each measured figure from this run)")
     lines.append(table(["target", "measured", "verdict"], rows, align="llr"))
   mism = [r for r in result["micro"] if r["check"] != "ok"] + [
       r for r in result["serving"] if r.get("parity") == "MISMATCH" or not r.get("ok", 1)]
@@ -428,8 +488,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
     if op == "serving":
       rs = result["serving"]
       bs = [r["bs"] for r in rs]
-      for key, label in (("jit_step_us", "jit/step"), ("scan_us", "scan/step"),
-                         ("torch_step_us", "torch_ref eager")):
+      for key, label in (("jit_step_sync_us", "jit/step (sync)"), ("scan_us", "scan/step"),
+                         ("torch_step_sync_us", "torch_ref eager (sync)")):
         ys = [r.get(key) for r in rs]
         if all(y for y in ys):
           ax.plot(bs, ys, "o-", ms=3, label=label)
@@ -437,8 +497,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
       rs = [r for r in result["micro"] if r["op"] == op]
       bs = np.array([r["bs"] for r in rs], float)
       paths = [p for p in result["config"]["paths"] if p != "torch"]
-      if op == "free":  # one XLA path: the columns are the same numbers
-        paths = paths[-1:]
+      if op == "free":  # one XLA path
+        paths = [p for p in paths if p == "jnp"]
       top = []
       for p in paths + ["torch"]:
         ys = [(_us(r["torch"]) if p == "torch" else _us(r["jax"].get(p))) for r in rs]
@@ -446,9 +506,9 @@ def plot(result: Dict[str, Any], path: str) -> None:
           label = "torch_ref" if p == "torch" else ("jax (XLA)" if op == "free" else p)
           ax.plot(bs, ys, "o-", ms=3, label=label)
           top.append(ys[-1])
-      figs = [(r["bs"], r["sglang_us"][1]) for r in rs if r.get("sglang_us")]
-      if figs and result["env"]["platform"] in ("gpu", "cuda"):
-        ax.plot(*zip(*figs), "k+", ms=7, label="SGLang H200")
+      figs = [(r["bs"], _us(r.get("sglang"))) for r in rs if _us(r.get("sglang"))]
+      if figs:
+        ax.plot(*zip(*figs), "k+-", ms=7, lw=0.8, label="SGLang kernel (same run)")
       if bs.size > 1 and top:
         x = np.array([bs[-1] / 64, bs[-1]])  # a slope-1 guide over the top 64x of bs
         ax.plot(x, min(top) * x / bs[-1], ":", color="gray", lw=1, label="slope 1")

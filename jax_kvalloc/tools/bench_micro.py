@@ -1,18 +1,23 @@
 """Microbenchmarks of alloc_decode, alloc_extend and free (part of `jax-kvalloc bench`).
 
-Each case is timed as the whole jitted allocator call (the functional API: pointer
-arithmetic, prefix sums, capacity check, free-list window, index kernel, masking) run as
-many dependent calls inside one jit (jax_kvalloc.tools.timing), for the "pallas" and
-"jnp" index-kernel paths; and, in the same process, the torch_ref reference: on CUDA the
-replay of a CUDA graph of its Triton kernel (alloc_extend/alloc_decode) or its eager
-`free` (torch.unique syncs, so it cannot be captured); on CPU its eager class calls.
+Each case is drawn once (`make_case`) and every path times those same inputs:
+
+- "pallas" and "jnp": the whole jitted allocator call (pointer arithmetic, prefix sums,
+  capacity check, free-list window, index kernel, masking), chained and linked in the
+  one harness of jax_kvalloc.tools.timing (every output consumed, the next call's
+  inputs depending on it, no fusion across calls);
+- torch_ref: on CUDA, a CUDA graph of its Triton kernel with the same link (the outputs'
+  max, clamped to 0, added to the inputs in place); its eager `free` (torch.unique syncs,
+  so it cannot be captured); on CPU its eager class calls;
+- SGLang (CUDA, `--sglang-kernels PATH`): the released Triton kernels of SGLang
+  (`sglang/kernels/ops/memory/allocator.py` of a wheel, loaded from that file alone, as
+  SGLang's allocator launches them: one program per request, i64 tensors), timed as
+  torch_ref's, linked ("sglang") and alone ("sglang_bare", graph replay of the kernel).
 
 Before timing, every path's output for the case is checked against the jnp path.
 
-Dependence between calls (jax_call_and_body): each call takes the free-list head the
-previous one returned, with the free length held fixed (the pool never runs out and
-every call does the same work), and its indices are loop-carried, so XLA can neither
-hoist a call out of the loop nor drop any part of its output.
+The chain (jax_call): each call takes the free-list head the previous one returned, with
+the free length held fixed (the pool never runs out and every call does the same work).
 """
 from __future__ import annotations
 
@@ -33,23 +38,6 @@ from jax_kvalloc.config import AllocatorConfig
 DECODE_BS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 EXTEND_CASES = ((1, 8192), (16, 8192), (64, 32768), (256, 65536), (1024, 65536),
                 (4096, 262144), (16384, 262144))
-
-
-def sglang_figure(op: str, bs: int, tokens: int) -> Optional[Tuple[float, float]]:
-  """SGLang's own Triton kernel time on the H200 for this size, (low, high) us, if known.
-
-  decode: 1.3 us at bs 1-256, 2.8 at 1024, 22 at 4096, 292 at 16384; extend: 2.4-3.4 us
-  at bs 1-256 with 8k-65k tokens, 6.4-8.2 at bs 1024 with 65k tokens.
-  """
-  if op == "decode":
-    return {1024: (2.8, 2.8), 4096: (22.0, 22.0), 16384: (292.0, 292.0)}.get(
-        bs, (1.3, 1.3) if bs <= 256 else None)
-  if op == "extend":
-    if bs <= 256 and 8192 <= tokens <= 65536:
-      return (2.4, 3.4)
-    if bs == 1024 and tokens == 65536:
-      return (6.4, 8.2)
-  return None
 
 
 @dataclasses.dataclass
@@ -119,38 +107,12 @@ def _state(case: Case, taken: int = 0) -> st.AllocatorState:
                     free_len=jnp.asarray(case.num_pages - taken, jnp.int32))
 
 
-def _needs_dep(case: Case, path: str) -> bool:
-  """Whether the call's per-request inputs must be made loop-variant.
-
-  A call that is one Pallas kernel launch (the fused Triton allocation) reads the
-  loop-carried free-list head, so XLA cannot hoist any of it, and an extra input op
-  would cost a launch of its own. Anything else (the jnp path, the index kernel with
-  XLA bookkeeping) has parts that depend on the inputs alone, which XLA would hoist.
-  """
-  if path not in ("pallas", "pallas_interpret") or case.op == "free":
-    return True
-  try:
-    import pallas_kernels  # pylint: disable=g-import-not-at-top
-    if case.op == "decode":
-      return not pallas_kernels.decode_fused_supported(case.bs, case.num_pages)
-    return not pallas_kernels.extend_fused_supported(case.bs, case.tokens, case.num_pages)
-  except (ImportError, AttributeError, TypeError):
-    return True
-
-
-def jax_call_and_body(case: Case, path: str):
-  """(one call: () -> outputs, loop body, initial carry) for a JAX path.
-
-  The loop carries the state. Each call's new free-list head (and, for free, ring)
-  feeds the next call, while the free length stays at its initial value: the pool is a
-  full ring (or, for free, holds exactly the pages being freed), so every call does the
-  same work and the pool never runs out. The indices are carried too (the loop returns
-  the last ones), so XLA must compute them in every call. Where `_needs_dep`, the inputs
-  get `head >> 31` added (0 at run time, unknown to XLA; fused into their first use).
-  """
+def jax_call(case: Case, path: str):
+  """(one call: () -> outputs, chained call (carry, inputs) -> (carry, outputs), carry,
+  inputs) for a JAX path. The carry is the state; only the head moves from call to
+  call (see the module docstring); every output (indices, ok, new head and length, or
+  for free the new ring, head and length) is returned for the harness to consume."""
   cfg = _config(case, path)
-  dep_on = _needs_dep(case, path)
-  dep = (lambda s: jnp.right_shift(s.free_head, 31)) if dep_on else (lambda s: 0)
   if case.op == "decode":
     fn = functools.partial(allocation.alloc_decode, cfg)
     args = (case.seq, case.last)
@@ -161,19 +123,18 @@ def jax_call_and_body(case: Case, path: str):
     fn = functools.partial(freeing.free, cfg)
     args = (case.free_index,)
 
-  def body(c):
-    state, inputs, _ = c
-    d = dep(state)
-    res = fn(state, *(x + d for x in inputs))
+  def call(state, inputs):
+    res = fn(state, *inputs)
     if case.op == "free":
-      return state._replace(free_ring=res.free_ring, free_head=res.free_head), inputs, ()
-    return state._replace(free_head=res[0].free_head), inputs, res[1]
+      return (state._replace(free_ring=res.free_ring, free_head=res.free_head),
+              (res.free_head, res.free_len))
+    new, out, ok = res
+    return state._replace(free_head=new.free_head), (out, ok, new.free_head, new.free_len)
 
   state0 = _state(case, case.used_pages)
+  args = tuple(jnp.asarray(a) for a in args)
   once = lambda: jax.jit(fn)(state0, *args)
-  out0 = () if case.op == "free" else jnp.zeros(jax.eval_shape(fn, state0, *args)[1].shape,
-                                                jnp.int32)
-  return once, body, (state0, args, out0)
+  return once, call, state0, args
 
 
 def _jax_output(case: Case, once) -> np.ndarray:
@@ -186,11 +147,19 @@ def _jax_output(case: Case, once) -> np.ndarray:
   return np.asarray(out)
 
 
-def time_jax(case: Case, path: str, *, unroll: int, min_time: float, reps: int
-             ) -> Tuple[Dict[str, float], np.ndarray]:
-  once, body, carry = jax_call_and_body(case, path)
+def time_jax(case: Case, path: str, *, unroll: int, min_time: float, reps: int,
+             consumers: int = 1) -> Tuple[Dict[str, float], np.ndarray]:
+  once, call, carry, inputs = jax_call(case, path)
   out = _jax_output(case, once)
-  return bt.jax_loop_time(body, carry, unroll=unroll, min_time=min_time, reps=reps), out
+  return bt.chain_time(call, carry, inputs, unroll=unroll, min_time=min_time, reps=reps,
+                       consumers=consumers), out
+
+
+def time_floor(case: Case, *, unroll: int, min_time: float, reps: int) -> Dict[str, float]:
+  """The harness's own cost at this case's output shapes (timing.floor_time)."""
+  _, call, carry, inputs = jax_call(case, "jnp")
+  outs = jax.eval_shape(call, carry, inputs)[1]
+  return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps)
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,6 +174,19 @@ def torch_available() -> Optional[str]:
   except ImportError as e:
     return f"torch_ref unavailable ({e})"
   return None
+
+
+def torch_linked(call, inputs):
+  """call() followed by the harness's link in torch: dep = min(max(out), 0) (0 at run
+  time) added to every input tensor in place, so that each launch's output is consumed
+  and the next launch's inputs depend on it, as in timing.chain_loop."""
+  def linked():
+    out = call()
+    dep = out.amax().clamp(max=0)
+    for x in inputs:
+      x.add_(dep)
+    return out
+  return linked
 
 
 def time_torch(case: Case, *, unroll: int, min_time: float, reps: int
@@ -232,7 +214,8 @@ def time_torch(case: Case, *, unroll: int, min_time: float, reps: int
     call()
     out = alloc.free_pages.cpu().numpy()
     return (bt.host_time(call, sync=sync, min_time=min_time, reps=reps), out,
-            "eager free() (torch.unique syncs)" if cuda else "eager free()")
+            "eager free(), host time per call (torch.unique syncs)" if cuda
+            else "eager free(), host time per call")
   seq, last = t64(case.seq), t64(case.last)
   seq_cpu = torch.as_tensor(np.asarray(case.seq, np.int64))
   if case.op == "decode":
@@ -240,7 +223,9 @@ def time_torch(case: Case, *, unroll: int, min_time: float, reps: int
     if cuda:
       from torch_ref import triton_kernels  # pylint: disable=g-import-not-at-top
       free = t64(case.free_ring)
-      call = lambda: triton_kernels.decode_indices(seq, last, free, page_size=ps)
+      call = torch_linked(lambda: triton_kernels.decode_indices(seq, last, free,
+                                                                page_size=ps),
+                          (seq, last))
     else:
       alloc.free_pages = t64(case.free_ring)
       snap = alloc.backup_state()
@@ -257,8 +242,9 @@ def time_torch(case: Case, *, unroll: int, min_time: float, reps: int
     if cuda:
       from torch_ref import triton_kernels  # pylint: disable=g-import-not-at-top
       free = t64(case.free_ring)
-      call = lambda: triton_kernels.extend_indices(pre, seq, last, free, page_size=ps,
-                                                   extend_num_tokens=case.tokens)
+      call = torch_linked(lambda: triton_kernels.extend_indices(
+          pre, seq, last, free, page_size=ps, extend_num_tokens=case.tokens),
+                          (pre, seq, last))
     else:
       def call():
         alloc.restore_state(snap)
@@ -268,9 +254,66 @@ def time_torch(case: Case, *, unroll: int, min_time: float, reps: int
   out = out.cpu().numpy()
   if cuda:
     return (bt.torch_graph_time(call, unroll=unroll, min_time=min_time, reps=reps), out,
-            "CUDA graph replay of its Triton kernel")
+            "CUDA graph replay of its Triton kernel, linked")
   return (bt.host_time(call, sync=sync, min_time=min_time, reps=reps), out,
           "eager class call (torch on CPU)")
+
+
+# ---------------------------------------------------------------------------------------
+# SGLang's released kernels
+# ---------------------------------------------------------------------------------------
+
+def load_sglang_kernels(path: str):
+  """The module at `path` (SGLang's `sglang/kernels/ops/memory/allocator.py`, which
+  imports only torch and triton), loaded from that file alone; its version is whatever
+  wheel it came from (the caller records it)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("sglang_allocator_kernels", path)
+  if spec is None or spec.loader is None:
+    raise FileNotFoundError(f"--sglang-kernels {path!r}: not a Python file")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for name in ("alloc_extend_kernel", "alloc_decode_kernel"):
+    if not hasattr(module, name):
+      raise AttributeError(f"--sglang-kernels {path!r} has no {name}")
+  return module
+
+
+def time_sglang(case: Case, module, *, unroll: int, min_time: float, reps: int
+                ) -> Tuple[Dict[str, float], Dict[str, float], np.ndarray]:
+  """(linked timing, bare timing, output) of SGLang's Triton kernel on this case, launched
+  as SGLang's PagedTokenToKVPoolAllocator launches it (grid = bs, bs_upper = the next
+  power of two, i64 tensors, the free list from its front)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import triton  # pylint: disable=g-import-not-at-top
+  if case.op not in ("decode", "extend"):
+    raise ValueError("SGLang has no free kernel")
+  dev = torch.device("cuda")
+  t64 = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)
+  ps, bs = case.page_size, case.bs
+  free = t64(case.free_ring)
+  seq, last = t64(case.seq), t64(case.last)
+  upper = triton.next_power_of_2(bs)
+  if case.op == "decode":
+    out = torch.empty(bs, dtype=torch.int64, device=dev)
+    inputs = (seq, last)
+
+    def call():
+      module.alloc_decode_kernel[(bs,)](seq, last, free, out, upper, ps)
+      return out
+  else:
+    pre = t64(case.pre)
+    out = torch.empty(case.tokens, dtype=torch.int64, device=dev)
+    inputs = (pre, seq, last)
+
+    def call():
+      module.alloc_extend_kernel[(bs,)](pre, seq, last, free, out, upper, ps)
+      return out
+  result = call().cpu().numpy()
+  bare = bt.torch_graph_time(call, unroll=unroll, min_time=min_time, reps=reps)
+  linked = bt.torch_graph_time(torch_linked(call, inputs), unroll=unroll,
+                               min_time=min_time, reps=reps)
+  return linked, bare, result
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,37 +331,69 @@ def cases(ops: Sequence[str], batch_sizes: Sequence[int],
   return out
 
 
+def _err(e: Exception) -> Dict[str, str]:
+  return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _jax_host_free(case: Case, *, min_time: float, reps: int) -> Dict[str, float]:
+  """free as a scheduler calls it eagerly: one jitted call from Python, blocking on its
+  result each time (what torch_ref's eager free, which syncs, is compared with)."""
+  cfg = _config(case, "jnp")
+  fn = jax.jit(functools.partial(freeing.free, cfg))
+  state0 = _state(case, case.used_pages)
+  idx = jnp.asarray(case.free_index)
+  return bt.host_time(lambda: jax.block_until_ready(fn(state0, idx)), sync=lambda: None,
+                      min_time=min_time, reps=reps)
+
+
 def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         batch_sizes: Sequence[int], extend_cases: Sequence[Tuple[int, int]],
         page_size: int, unroll: int, min_time: float, reps: int, seed: int,
-        progress=None) -> List[Dict[str, Any]]:
-  """Times every case; returns one row (dict) per case. `progress(desc)` is called
-  before each measurement."""
+        sglang=None, extra_consumer: bool = False, progress=None) -> List[Dict[str, Any]]:
+  """Times every case; returns one row (dict) per case. `sglang`: the module of
+  `load_sglang_kernels` (or None). `extra_consumer`: time every JAX path a second time
+  with one more consumer of its outputs (timing.chain_time consumers=2). `progress(desc)`
+  is called before each measurement."""
   rows = []
   for op, bs, tokens in cases(ops, batch_sizes, extend_cases):
-    case = make_case(op, bs, tokens, page_size, seed)
+    case = make_case(op, bs, tokens, page_size, seed)   # one draw for every path
     row: Dict[str, Any] = {"op": op, "bs": bs, "tokens": case.tokens,
                            "page_size": page_size, "num_pages": case.num_pages,
-                           "jax": {}, "torch": None, "check": "ok",
-                           "sglang_us": sglang_figure(op, bs, case.tokens)}
+                           "jax": {}, "torch": None, "sglang": None, "check": "ok"}
     ref = None
-    for path in paths:
-      if op == "free" and path != paths[0]:
-        row["jax"][path] = dict(row["jax"][paths[0]], same_as=paths[0])
-        continue
+    # free has no Pallas kernel: one XLA path, timed once.
+    op_paths = [p for p in paths if op != "free" or p == "jnp"] or list(paths[:1])
+    for path in op_paths:
       if progress:
         progress(f"{op} bs={bs} tokens={case.tokens} {path}")
       try:
         timing, out = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps)
       except Exception as e:  # pylint: disable=broad-except
-        row["jax"][path] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        row["jax"][path] = _err(e)
         continue
-      row["jax"][path] = {"us": timing["s"] * 1e6, "spread": timing["spread"],
-                          "compile_s": timing["compile_s"]}
+      cell = {"us": timing["s"] * 1e6, "min_us": timing["min_s"] * 1e6,
+              "spread": timing["spread"], "compile_s": timing["compile_s"]}
+      if extra_consumer:
+        t2, _ = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps,
+                         consumers=2)
+        cell["us_extra_consumer"] = t2["s"] * 1e6
+        cell["extra_consumer_change"] = t2["s"] / timing["s"] - 1 if timing["s"] else 0.0
+      row["jax"][path] = cell
       if ref is None:
         ref = out
       elif not np.array_equal(out, ref):
-        row["check"] = f"MISMATCH: {path} differs from {paths[0]}"
+        row["check"] = f"MISMATCH: {path} differs from {op_paths[0]}"
+    try:
+      row["floor_us"] = time_floor(case, unroll=unroll, min_time=min_time,
+                                   reps=reps)["s"] * 1e6
+    except Exception as e:  # pylint: disable=broad-except
+      row["floor_error"] = _err(e)["error"]
+    if op == "free":
+      try:
+        row["jax_host"] = {"us": _jax_host_free(case, min_time=min_time,
+                                                reps=reps)["s"] * 1e6}
+      except Exception as e:  # pylint: disable=broad-except
+        row["jax_host"] = _err(e)
     if torch_on:
       if progress:
         progress(f"{op} bs={bs} tokens={case.tokens} torch_ref")
@@ -330,6 +405,19 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
                                                   np.asarray(ref, np.int64)):
           row["check"] = "MISMATCH: torch_ref differs from jax"
       except Exception as e:  # pylint: disable=broad-except
-        row["torch"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        row["torch"] = _err(e)
+    if sglang is not None and op != "free":
+      if progress:
+        progress(f"{op} bs={bs} tokens={case.tokens} sglang")
+      try:
+        linked, bare, out = time_sglang(case, sglang, unroll=unroll, min_time=min_time,
+                                        reps=reps)
+        row["sglang"] = {"us": linked["s"] * 1e6, "spread": linked["spread"],
+                         "bare_us": bare["s"] * 1e6}
+        if ref is not None and not np.array_equal(np.asarray(out, np.int64),
+                                                  np.asarray(ref, np.int64)):
+          row["check"] = "MISMATCH: SGLang's kernel differs from jax"
+      except Exception as e:  # pylint: disable=broad-except
+        row["sglang"] = _err(e)
     rows.append(row)
   return rows

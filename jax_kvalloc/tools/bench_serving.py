@@ -8,12 +8,18 @@ Every row is a request with a fixed target length that restarts (as a new reques
 after it finishes, so the batch stays full and the pool never runs out. Three ways:
 
   jit/step   one jitted call per step (state and table donated), as a scheduler would
-             call it; per-step wall time with async dispatch, and blocking every step;
-  scan       all steps inside one `fori_loop` (device time per step), and the same loop
-             with the allocator calls replaced by stand-ins: the difference is what the
-             allocator adds per step;
+             call it; per-step wall time, async (synchronizing only at the end) and
+             synchronizing once per step (reading the step's `ok` on the host, as a
+             scheduler must before it trusts the indices);
+  scan       all steps inside one `fori_loop` (device time per step, the harness of
+             jax_kvalloc.tools.timing), and the same loop with the allocator calls
+             replaced by stand-ins: the difference is what the allocator adds per step;
   torch_ref  eager, the way SGLang calls it: host seq_lens, free_group_begin, free of the
-             finished rows' slots, free_group_end, last_loc gather, alloc_decode, write.
+             finished rows' slots, free_group_end, last_loc gather, alloc_decode, write;
+             async and synchronizing once per step (torch.cuda.synchronize).
+
+Every per-step wall time is the median over runs, for JAX and torch alike; the headline
+ratio is the synchronizing one.
 
 Both sides run the same steps from the same state; their final tables, lengths and free
 lists must be identical (a parity check of the whole loop).
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import time
 from typing import Any, Dict
 
@@ -100,7 +107,7 @@ def initial_carry(case: ServingCase):
 
 
 def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = True,
-               free: bool = True, extra: str = ""):
+               free: bool = True, extra: str = "", release: str = "sorted"):
   """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
   ok_so_far).
 
@@ -108,8 +115,9 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
   state unchanged): the bookkeeping-only baseline. extra="alloc" / "free" runs one more
   alloc_decode / free per step on the same inputs against a dummy state carried as a 7th
   carry element (see `extra_carry`), so the difference from the plain step is what one
-  call of it costs in this loop; its inputs get the dummy head's sign bit added (0, but
-  unknown to XLA) so that XLA cannot share work between the two calls.
+  call of it costs in this loop; its inputs get the harness link of the dummy state
+  (timing.link: 0, but unknown to XLA) so that XLA cannot share work between the two
+  calls, and its outputs stay in the carry.
   """
   dummy = None
   if extra:
@@ -118,7 +126,7 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
   bs, ctx = table.shape
   ps = config.page_size
   rows = jnp.arange(bs, dtype=jnp.int32)
-  dep = lambda: jnp.right_shift(dummy[0].free_head, 31)
+  dep = lambda: bt.link((dummy[0].free_head, dummy[0].free_len, dummy[1]))
   # Free group: up to max_frees rows that finished last step, one slot per page.
   rank = jnp.cumsum(pending) - pending
   sel = pending & (rank < max_frees)
@@ -131,10 +139,14 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
     idx = jnp.where(live, table[picked[:, None], jnp.minimum(k, ctx - 1)], 0).reshape(-1)
     if extra == "free":
       d = freeing.free(config, dummy[0], idx + dep())
-      dummy = (dummy[0]._replace(free_ring=d.free_ring, free_head=d.free_head), dummy[1])
+      dummy = (dummy[0]._replace(free_ring=d.free_ring, free_head=d.free_head),
+               (d.free_len,))
     # Unconditional (an all-padding group frees nothing): a lax.cond may cost a
     # device-to-host read of its predicate on GPU, more than the free itself.
-    state = freeing.free(config, state, idx)
+    if release == "pages":
+      state = freeing.free_page_ids(config, state, jnp.where(live.reshape(-1), idx // ps, 0))
+    else:
+      state = freeing.free(config, state, idx)
   seq = jnp.where(sel, 0, seq)
   pending = pending & ~sel
   active = ~pending
@@ -142,8 +154,8 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
   last = table[rows, jnp.maximum(seq - 1, 0)]
   if alloc:
     if extra == "alloc":
-      d, out2, _ = allocation.alloc_decode(config, dummy[0], seq_new + dep(), last)
-      dummy = (dummy[0]._replace(free_head=d.free_head), out2)
+      d, out2, ok2 = allocation.alloc_decode(config, dummy[0], seq_new + dep(), last)
+      dummy = (dummy[0]._replace(free_head=d.free_head), (out2, ok2, d.free_len))
     state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
   else:
     out, ok = last + 1, jnp.ones((), bool)
@@ -158,29 +170,43 @@ def extra_carry(case: ServingCase, extra: str):
   """The 7th carry element for serve_step(extra=...): a dummy pool that never runs out
   (its free length stays fixed: full for alloc, empty for free) and the extra indices."""
   s = jax.jit(st.init, static_argnums=0)(_config(case))
+  zero = jnp.zeros((), jnp.int32)
   if extra == "free":
-    return initial_carry(case) + ((s._replace(free_len=jnp.zeros((), jnp.int32)), ()),)
-  return initial_carry(case) + ((s, jnp.zeros(case.bs, jnp.int32)),)
+    return initial_carry(case) + ((s._replace(free_len=zero), (zero,)),)
+  return initial_carry(case) + ((s, (jnp.zeros(case.bs, jnp.int32), jnp.ones((), bool),
+                                     zero)),)
 
 
-def _per_step_host(jit_step, carry, steps: int, *, block: bool):
-  """(seconds per step, final carry) of `steps` calls from Python, blocking on each or
-  only at the end. The carry is donated: use the one returned."""
+def _per_step_host(jit_step, carry, steps: int, *, sync: bool):
+  """(seconds per step, final carry) of `steps` calls from Python, reading each step's
+  ok on the host (sync) or synchronizing only at the end. The carry is donated: use the
+  one returned."""
   t0 = time.perf_counter()
   for _ in range(steps):
     carry = jit_step(carry)
-    if block:
-      jax.block_until_ready(carry)
+    if sync and not bool(carry[5]):
+      raise RuntimeError("the serving loop ran out of pages")
   jax.block_until_ready(carry)
   return (time.perf_counter() - t0) / steps, carry
 
 
-def _median_per_step(jit_step, carry, steps: int, runs: int = 3) -> float:
+def _median_per_step(jit_step, carry, steps: int, *, sync: bool, runs: int = 3):
+  """(median seconds per step over `runs` runs, final carry)."""
   times = []
   for _ in range(runs):
-    t, carry = _per_step_host(jit_step, carry, steps, block=False)
+    t, carry = _per_step_host(jit_step, carry, steps, sync=sync)
     times.append(t)
-  return sorted(times)[len(times) // 2]
+  return statistics.median(times), carry
+
+
+def _step_call(step, carry, x):
+  """A serving step as a chained call of timing.chain_time: x (i32[], 0) is added to the
+  lengths, so the link of the previous step's outputs reaches this step's inputs."""
+  state, table, seq, *rest = carry
+  carry = step((state, table, seq + x, *rest))
+  state, table, seq, target, pending, ok, *extra = carry
+  return carry, (seq, pending, ok, state.free_len, state.free_head) + tuple(
+      jax.tree_util.tree_leaves(extra))
 
 
 def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time: float,
@@ -194,27 +220,32 @@ def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time
   compile_s = time.perf_counter() - t0
   for _ in range(warmup - 1):
     carry = jit_step(carry)
-  async_s, carry = _per_step_host(jit_step, carry, steps, block=False)
-  final = jax.device_get(carry)
-  async_s = sorted([async_s, _median_per_step(jit_step, carry, steps, runs=2)])[0]
-  block_s, _ = _per_step_host(jit_step, initial_carry(case), min(steps, 300), block=True)
+  _, carry = _per_step_host(jit_step, carry, steps, sync=False)
+  final = jax.device_get(carry)   # after warmup + steps steps: the parity point
+  async_s, carry = _median_per_step(jit_step, carry, steps, sync=False)
+  sync_s, carry = _median_per_step(jit_step, carry, steps, sync=True)
   jit_base = jax.jit(functools.partial(serve_step, cfg, case.max_frees, alloc=False,
                                        free=False), donate_argnums=0)
-  base_s = _median_per_step(jit_base, jit_base(initial_carry(case)), steps)
-  out = {"jit_step_us": async_s * 1e6, "jit_step_baseline_us": base_s * 1e6,
-         "jit_step_blocking_us": block_s * 1e6, "compile_s": compile_s,
+  base_s, _ = _median_per_step(jit_base, jit_base(initial_carry(case)), steps, sync=False)
+  out = {"jit_step_us": async_s * 1e6, "jit_step_sync_us": sync_s * 1e6,
+         "jit_step_baseline_us": base_s * 1e6, "compile_s": compile_s,
          "ok": bool(final[5]), "table": final[1], "seq": final[2],
          "free_pages": st.live_free_pages(final[0])}
   variants = {"": {}, "_baseline": dict(alloc=False, free=False),
-              "_extra_alloc": dict(extra="alloc"), "_extra_free": dict(extra="free")}
+              "_extra_alloc": dict(extra="alloc"), "_extra_free": dict(extra="free"),
+              "_pages": dict(release="pages")}
   for name, flags in variants.items():
     carry0 = extra_carry(case, flags["extra"]) if "extra" in flags else initial_carry(case)
-    res = bt.jax_loop_time(functools.partial(serve_step, cfg, case.max_frees, **flags),
-                           carry0, unroll=unroll, min_time=min_time, reps=reps)
+    step = functools.partial(serve_step, cfg, case.max_frees, **flags)
+    # The whole step is the chained call; its carry is its output (all consumed: the
+    # link reduces the new lengths, table and flags into the next step's inputs).
+    res = bt.chain_time(lambda c, x: _step_call(step, c, x), carry0, jnp.zeros((), jnp.int32),
+                        unroll=unroll, min_time=min_time, reps=reps)
     out[f"scan{name}_us"] = res["s"] * 1e6
     if not name:
       out["scan_spread"] = res["spread"]
   out["scan_alloc_us"] = out["scan_us"] - out["scan_baseline_us"]
+  out["scan_alloc_pages_us"] = out["scan_pages_us"] - out["scan_baseline_us"]
   return out
 
 
@@ -255,18 +286,28 @@ def run_torch(case: ServingCase, steps: int, warmup: int) -> Dict[str, Any]:
     table[rows, seq - 1] = out.to(torch.int32)
     pending = seq_cpu.numpy() >= target
 
+  def per_step(n: int, sync_each: bool) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+      step()
+      if sync_each:
+        sync()
+    sync()
+    return (time.perf_counter() - t0) / n
+
   for _ in range(warmup):
     step()
   sync()
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    step()
-  sync()
-  per = (time.perf_counter() - t0) / steps
-  return {"torch_step_us": per * 1e6, "table": table.cpu().numpy(),
-          "seq": seq_cpu.numpy().astype(np.int32),
-          "free_pages": alloc.free_pages.cpu().numpy(),
-          "method": "eager torch_ref calls" + (" (Triton kernels)" if cuda else " (CPU)")}
+  per_step(steps, False)
+  # The parity point (copies: on CPU .cpu() is the tensor itself, which later steps change).
+  result = {"table": table.cpu().numpy().copy(), "seq": seq_cpu.numpy().astype(np.int32),
+            "free_pages": alloc.free_pages.cpu().numpy().copy()}
+  result["torch_step_us"] = statistics.median(per_step(steps, False)
+                                              for _ in range(3)) * 1e6
+  result["torch_step_sync_us"] = statistics.median(per_step(steps, True)
+                                                   for _ in range(3)) * 1e6
+  result["method"] = "eager torch_ref calls" + (" (Triton kernels)" if cuda else " (CPU)")
+  return result
 
 
 def run(*, batch_sizes, page_size: int, steps: int, warmup: int, unroll: int,
@@ -287,6 +328,7 @@ def run(*, batch_sizes, page_size: int, steps: int, warmup: int, unroll: int,
       try:
         tr = run_torch(case, steps, warmup)
         row["torch_step_us"] = tr["torch_step_us"]
+        row["torch_step_sync_us"] = tr["torch_step_sync_us"]
         row["torch_method"] = tr["method"]
         same = (np.array_equal(jx["table"], tr["table"]) and
                 np.array_equal(jx["seq"], tr["seq"]) and

@@ -1,15 +1,33 @@
-"""Timing methods shared by `jax-kvalloc bench`: warm up, many dependent calls per
-measurement, medians over repetitions, the fixed overhead removed.
+"""The one timing harness of `jax-kvalloc bench` (and tests/gpu_check.py).
 
-JAX: `jax_loop_time` compiles ONE function that runs `unroll` dependent calls per
-iteration of a `fori_loop` with a traced trip count, times it at 1 and at n iterations
-(n grown until the run takes `min_time`), and takes the slope: device time per call, with
-dispatch, argument copies and the loop's exit removed (the loop's own per-iteration cost,
-divided by `unroll`, stays in and is reported separately by `loop_overhead`).
+JAX: `chain_time(call, carry, inputs)` compiles ONE function that runs `unroll` chained
+calls `call(carry, inputs) -> (carry, outputs)` per iteration of a `fori_loop` with a
+traced trip count, times it at 1 and at n iterations (n grown until a run takes
+`min_time`), and reports the slope per call (median over repetitions). What keeps every
+call's work in the program, whatever XLA does (on CPU and GPU it expands optimization
+barriers before fusion, so a barrier alone does not keep calls apart):
+
+- The link: after each call, every output array is reduced (max) into one scalar
+  `dep = sum(min(max(output), 0))`, which is 0 at run time (outputs are slots, counts and
+  flags, all >= 0) but unknown to XLA. dep is added to the next call's inputs and to the
+  sink the loop returns. So every output of every call is consumed, the next call's
+  inputs depend on it (nothing input-only can be hoisted out of the loop), and a
+  reduction separates consecutive calls (XLA never fuses a reduction into a consumer of
+  another shape), so no two calls share a kernel. The link's own cost (one reduction,
+  one add to the inputs) is part of every figure; the torch and SGLang graphs pay the
+  same link (`torch_graph_time(link=...)`), so ratios compare like with like.
+- The carry, inputs and outputs also pass `jax.lax.optimization_barrier` between calls
+  (what keeps them apart on TPU, where barriers survive).
+- `consumers=2` adds a second consumer: at the end of each iteration every output of
+  every call is XOR-folded into a per-output sink. A figure that moves by more than its
+  noise under it was not counting all of its work (`jax-kvalloc bench --extra-consumer`).
+
+`chain_loop` builds the loop alone, so that tests can compile it at two unroll counts and
+count the call's characteristic ops (tests/test_bench_harness.py).
 
 torch: `torch_graph_time` captures `unroll` calls in one CUDA graph and times replays with
-CUDA events; `torch_eager_time` times plain calls from Python (synchronizing at the end),
-which is how a scheduler pays for them.
+CUDA events; `host_time` times plain calls from Python (synchronizing at the end), which
+is how a scheduler pays for eager calls.
 """
 from __future__ import annotations
 
@@ -18,9 +36,11 @@ import time
 from typing import Any, Callable, Dict, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 MAX_ITERS = 1 << 16
+Call = Callable[[Any, Any], Tuple[Any, Any]]
 
 
 def _wall(fn: Callable[[], Any]) -> float:
@@ -29,52 +49,123 @@ def _wall(fn: Callable[[], Any]) -> float:
   return time.perf_counter() - t0
 
 
-def make_loop(body: Callable[[Any], Any], unroll: int):
-  """jit(carry, n) -> carry after n iterations of `unroll` calls of body."""
+def _as_bits(x: jax.Array) -> jax.Array:
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return x.astype(jnp.int32)
+
+
+def link(outputs: Any) -> jax.Array:
+  """i32[] sum over output arrays of min(max(output), 0): 0 for outputs >= 0, opaque to
+  XLA, and a function of every element of every output."""
+  dep = jnp.zeros((), jnp.int32)
+  for x in jax.tree_util.tree_leaves(outputs):
+    x = _as_bits(x)
+    dep = dep + jnp.minimum(jnp.max(x) if x.ndim else x, 0)
+  return dep
+
+
+def _add(inputs: Any, dep: jax.Array) -> Any:
+  return jax.tree_util.tree_map(lambda x: x + dep.astype(x.dtype), inputs)
+
+
+def sink_init(call: Call, carry: Any, inputs: Any, consumers: int = 1) -> Any:
+  """The sink `chain_loop` folds outputs into: (i32[] link sum, per-output XOR folds
+  when consumers > 1)."""
+  if consumers < 2:
+    return (jnp.zeros((), jnp.int32),)
+  outs = jax.eval_shape(call, carry, inputs)[1]
+  return (jnp.zeros((), jnp.int32),
+          tuple(jnp.zeros(o.shape, jnp.int32) for o in jax.tree_util.tree_leaves(outs)))
+
+
+def _xor_fold(folds, outs_per_call):
+  per_leaf = zip(*[jax.tree_util.tree_leaves(o) for o in outs_per_call])
+  out = []
+  for acc, col in zip(folds, per_leaf):
+    for x in col:
+      acc = acc ^ _as_bits(x)
+    out.append(acc)
+  return tuple(out)
+
+
+def chain_loop(call: Call, unroll: int, consumers: int = 1):
+  """jit(carry, inputs, sink, n) -> (carry, inputs, sink) after n iterations of `unroll`
+  chained, linked calls (see the module docstring). `sink` from `sink_init`."""
+  barrier = jax.lax.optimization_barrier
+
   @jax.jit
-  def run(carry, n):
-    def outer(_, c):
+  def run(carry, inputs, sink, n):
+    def iteration(_, c):
+      carry, inputs, sink = c
+      total = sink[0]
+      outs = ()
       for _ in range(unroll):
-        c = body(c)
-      return c
-    return jax.lax.fori_loop(0, n, outer, carry)
+        carry, inputs, outs = barrier((carry, inputs, outs))
+        carry, out = call(carry, inputs)
+        dep = link(out)
+        inputs = _add(inputs, dep)
+        total = total + dep
+        outs = outs + ((out,) if consumers > 1 else ())
+      if consumers < 2:
+        return carry, inputs, (total,)
+      carry, inputs, outs = barrier((carry, inputs, outs))
+      return carry, inputs, (total, _xor_fold(sink[1], outs))
+    return jax.lax.fori_loop(0, n, iteration, (carry, inputs, sink))
   return run
 
 
-def jax_loop_time(body: Callable[[Any], Any], carry: Any, *, unroll: int,
-                  min_time: float, reps: int) -> Dict[str, float]:
-  """Per-call seconds of `body` (carry -> carry) as dependent calls inside one jit.
+def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
+               reps: int, consumers: int = 1) -> Dict[str, float]:
+  """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
+  one jit (see the module docstring).
 
-  Returns {"s": per call from the fastest run of each length, "median_s": the median of
-  the per-repetition slopes, "spread": their (max - min) / median, "iters": n,
+  Returns {"s": median over repetitions of the per-call slope, "min_s": the slope of the
+  fastest run of each length, "spread": (max - min) / median of the slopes, "iters": n,
   "compile_s": first call}.
   """
-  run = make_loop(body, unroll)
+  run = chain_loop(call, unroll, consumers)
+  sink = sink_init(call, carry, inputs, consumers)
   one = np.int32(1)
-  compile_s = _wall(lambda: run(carry, one))
-  t1 = min(_wall(lambda: run(carry, one)) for _ in range(3))
+  compile_s = _wall(lambda: run(carry, inputs, sink, one))
+  t1 = min(_wall(lambda: run(carry, inputs, sink, one)) for _ in range(3))
   n = 2
-  while n < MAX_ITERS and _wall(lambda: run(carry, np.int32(n))) < max(min_time, 8 * t1):
+  while n < MAX_ITERS and _wall(lambda: run(carry, inputs, sink, np.int32(n))) < max(
+      min_time, 8 * t1):
     n *= 2
   ta, tb = [], []
   for _ in range(reps):
-    ta.append(_wall(lambda: run(carry, one)))
-    tb.append(_wall(lambda: run(carry, np.int32(n))))
-  # Noise only adds time: the fastest run of each length is the best estimate.
-  per_call = max(min(tb) - min(ta), 0.0) / ((n - 1) * unroll)
+    ta.append(_wall(lambda: run(carry, inputs, sink, one)))
+    tb.append(_wall(lambda: run(carry, inputs, sink, np.int32(n))))
   slopes = [max(b - a, 0.0) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
   med = statistics.median(slopes)
-  spread = (max(slopes) - min(slopes)) / med if med > 0 else 0.0
-  return {"s": per_call, "median_s": med, "spread": spread, "iters": n,
+  return {"s": med, "min_s": max(min(tb) - min(ta), 0.0) / ((n - 1) * unroll),
+          "spread": (max(slopes) - min(slopes)) / med if med > 0 else 0.0, "iters": n,
           "compile_s": compile_s}
 
 
 def loop_overhead(*, unroll: int, min_time: float, reps: int) -> float:
-  """Seconds per loop iteration of a near-empty body (one scalar add per call), divided
-  by `unroll`: the floor of what `jax_loop_time` can report."""
-  res = jax_loop_time(lambda c: c + 1, np.int32(0), unroll=unroll, min_time=min_time,
-                      reps=reps)
+  """Seconds per call of a near-empty call (one scalar add, scalar output) in the same
+  harness: the floor of what `chain_time` can report (link and loop share included)."""
+  call = lambda c, x: (c + x, c)
+  res = chain_time(call, jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32), unroll=unroll,
+                   min_time=min_time, reps=reps)
   return res["s"]
+
+
+def floor_time(out_shapes: Any, inputs: Any, *, unroll: int, min_time: float, reps: int
+               ) -> Dict[str, float]:
+  """Per-call seconds of a stand-in call that writes outputs of `out_shapes` (a pytree of
+  ShapeDtypeStruct) from its inputs and does nothing else, in the same harness: what
+  the link and the loop cost at these sizes, plus one small XLA kernel."""
+  def call(c, x):
+    first = jax.tree_util.tree_leaves(x)[0].reshape(-1)[0]
+    outs = jax.tree_util.tree_map(
+        lambda o: jnp.full(o.shape, first + c, o.dtype), out_shapes)
+    return c + 1, outs
+  return chain_time(call, jnp.zeros((), jnp.int32), inputs, unroll=unroll,
+                    min_time=min_time, reps=reps)
 
 
 def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: float,

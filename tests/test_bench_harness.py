@@ -1,0 +1,75 @@
+"""The benchmark harness cannot lose work (issue 10), checked on the compiled program.
+
+For every timed operation (alloc_decode, alloc_extend, free on the jnp path and, for the
+allocations, the fused Triton kernel in Pallas' interpreter; and the serving step with
+its extra-call variants), the loop of jax_kvalloc.tools.timing is compiled at unroll 1
+and 2, and the compiled HLO's count of the call's characteristic ops (gathers, scatters,
+sorts, custom calls) must double: XLA kept every call's work, none was deleted because
+an output went unused, merged with a neighbour's, or hoisted out of the loop. The loop
+the benchmarks used before (one output kept per iteration) fails this for decode and
+extend: the counts stay flat (2 -> 2 gathers for jnp decode, 7 -> 7 for jnp extend).
+"""
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jax_kvalloc.tools import bench_micro
+from jax_kvalloc.tools import bench_serving
+from jax_kvalloc.tools import timing
+
+_OPS = re.compile(r"= [^=]*? (gather|scatter|sort|custom-call)\(")
+
+
+def characteristic_ops(call, carry, inputs, unroll: int) -> int:
+  """Gathers, scatters, sorts and custom calls in the compiled chain loop."""
+  run = timing.chain_loop(call, unroll)
+  sink = timing.sink_init(call, carry, inputs)
+  text = run.lower(carry, inputs, sink, np.int32(2)).compile().as_text()
+  return len(_OPS.findall(text))
+
+
+def _check_doubles(call, carry, inputs):
+  one = characteristic_ops(call, carry, inputs, 1)
+  two = characteristic_ops(call, carry, inputs, 2)
+  assert one > 0
+  # At most one op shared between calls (a constant gather XLA may hoist as a whole).
+  assert two >= 2 * one - 1, (one, two)
+
+
+@pytest.mark.parametrize("op,path", [
+    ("decode", "jnp"), ("extend", "jnp"), ("free", "jnp"),
+    ("decode", "pallas_interpret"), ("extend", "pallas_interpret")])
+def test_micro_loops_keep_every_call(op, path):
+  case = bench_micro.make_case(op, 16, 16 if op == "decode" else 512, 16, seed=0)
+  _, call, carry, inputs = bench_micro.jax_call(case, path)
+  _check_doubles(call, carry, inputs)
+
+
+@pytest.mark.parametrize("extra", ["", "alloc", "free", "pages"])
+def test_serving_scan_keeps_every_step(extra):
+  case = bench_serving.make_case(16, 16, 40, seed=0)
+  cfg = bench_serving._config(case)  # pylint: disable=protected-access
+  if extra == "pages":
+    flags, extra = {"release": "pages"}, ""
+  else:
+    flags = {"extra": extra} if extra else {}
+  step = functools.partial(bench_serving.serve_step, cfg, case.max_frees, **flags)
+  carry = (bench_serving.extra_carry(case, extra) if extra
+           else bench_serving.initial_carry(case))
+  call = lambda c, x: bench_serving._step_call(step, c, x)  # pylint: disable=protected-access
+  _check_doubles(call, carry, jax.numpy.zeros((), jax.numpy.int32))
+  if extra:  # the extra call is there, not merged into the main one
+    plain = functools.partial(bench_serving.serve_step, cfg, case.max_frees)
+    plain_call = lambda c, x: bench_serving._step_call(plain, c, x)  # pylint: disable=protected-access
+    zero = jax.numpy.zeros((), jax.numpy.int32)
+    assert (characteristic_ops(call, carry, zero, 1)
+            > characteristic_ops(plain_call, bench_serving.initial_carry(case), zero, 1))
+
+
+def test_link_is_zero_and_reads_every_output():
+  outs = (np.array([3, 0, 7], np.int32), np.array(True), np.array(5, np.int32))
+  assert int(timing.link(outs)) == 0
+  assert int(timing.link((np.array([-3, -2], np.int32),))) == -2  # reads the max
