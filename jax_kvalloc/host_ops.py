@@ -78,8 +78,8 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, pre: np.ndarray
 
 def decode_pages(config: AllocatorConfig, seq: np.ndarray) -> Tuple[np.ndarray, int]:
   """(bool[bs] rows whose new token starts a page, their count) for alloc_decode."""
-  ps = config.page_size
-  needs = index_jnp.cdiv(seq, ps) > index_jnp.cdiv(seq - 1, ps)
+  # ceil(seq/ps) > ceil((seq-1)/ps) (SPEC 4.3) is, for seq >= 1, (seq - 1) % ps == 0.
+  needs = (seq - 1) % config.page_size == 0
   return needs, int(np.count_nonzero(needs))
 
 

@@ -71,6 +71,8 @@ def host_ints(x: Any, name: str) -> np.ndarray:
   Raises TypeError naming `name` for non-integer dtypes (floats, bools), ValueError for
   other ranks and for values beyond int64 (uint64, Python ints), which cannot be indices.
   """
+  if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind == "i" and x.size:
+    return x.astype(np.int64)  # the common case, fast: no further checks apply
   if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
     x = x.detach().cpu().numpy()
   try:
@@ -170,6 +172,23 @@ def extend_args(pre: np.ndarray, seq: np.ndarray, last: np.ndarray, extend_num_t
   here; debug mode refuses it, and a last_loc in a page the request does not hold.
   """
   ps = page_size
+  if pre.shape == seq.shape == last.shape:
+    # One combined mask first (few numpy ops, no per-check reductions); the checks below
+    # that name the offending request run only when it finds something.
+    ext = seq - pre
+    lp1 = last + 1
+    bad = ((pre.view(np.uint64) > INT32_MAX) | (seq.view(np.uint64) > INT32_MAX)
+           | (ext.view(np.uint64) > INT32_MAX) | (lp1.view(np.uint64) > num_slots))
+    if ps > 1:
+      bad |= ((lp1 - pre) % ps) != 0
+    if not bad.any():
+      total = int(ext.sum())
+      given = count(extend_num_tokens, "extend_num_tokens")
+      if given != total:
+        raise ValueError(
+            f"extend_num_tokens={given} != sum(seq_lens - prefix_lens)={total}")
+      new_pages = int(((seq + (ps - 1)) // ps - (pre + (ps - 1)) // ps).sum())
+      return ExtendArgs(total, new_pages)
   for name, a in (("prefix_lens", pre), ("seq_lens", seq), ("last_loc", last)):
     fits_int32(a, name)
   same_length(prefix_lens=pre, seq_lens=seq, last_loc=last)
@@ -207,6 +226,14 @@ def decode_args(seq: np.ndarray, last: np.ndarray, *, page_size: int,
   (last_loc + 2) % page_size == seq_lens % page_size.
   """
   ps = page_size
+  if seq.shape == last.shape:  # one combined mask first, as in extend_args
+    sm1 = seq - 1
+    lp1 = last + 1
+    bad = (sm1.view(np.uint64) > INT32_MAX - 1) | (lp1.view(np.uint64) > num_slots)
+    if ps > 1:
+      bad |= ((lp1 - sm1) % ps) != 0
+    if not bad.any():
+      return
   fits_int32(seq, "seq_lens")
   fits_int32(last, "last_loc")
   same_length(seq_lens=seq, last_loc=last)
@@ -223,6 +250,8 @@ def free_index(idx: np.ndarray, *, page_size: int, num_slots: int) -> None:
 
   ValueError naming the first offending entry otherwise.
   """
+  if idx.shape[0] > 0 and (idx - page_size).view(np.uint64).max() <= num_slots - 1 - page_size:
+    return  # one reduction; the message below is worked out only on failure
   bad = (idx < page_size) | (idx > num_slots - 1)
   _raise_first(bad, lambda i: (
       f"free_index[{i}]={int(idx[i])} is not an allocatable slot: valid slots are "
