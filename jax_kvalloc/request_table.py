@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
-from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
@@ -283,8 +282,10 @@ def release_rows(config: AllocatorConfig, state: AllocatorState, table: RequestT
   live = real & go
   end = jnp.where(live, cdiv(table.lens[rows], ps), 0)
   owned = _columns_mask(table.owned_from[rows], end, width)
-  page_ids, num = st.compact(table.pages[rows].reshape(-1), owned.reshape(-1))
-  state = freeing.free_page_ids(config, state, page_ids, num)
+  # Zeros are free_page_ids' padding (page 0 is never a row's page): no compaction here,
+  # free_page_ids does the one the ring needs.
+  state = freeing.free_page_ids(config, state,
+                                jnp.where(owned, table.pages[rows], 0).reshape(-1))
   dest = jnp.where(live, rows, max_reqs)
   table = RequestTable(pages=table.pages.at[dest].set(0, mode="drop"),
                        lens=table.lens.at[dest].set(0, mode="drop"),

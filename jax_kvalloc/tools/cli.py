@@ -4,6 +4,7 @@
   jax-kvalloc bench [options]      microbenchmarks and the serving-loop benchmark
   jax-kvalloc parity [options]     lock-step parity: jax_kvalloc, torch_ref, SGLang
   jax-kvalloc demo [options]       a toy decoder served through the request table
+  jax-kvalloc bench-table [options] the serving loop through the request table, in one jit
 
 `jax-kvalloc COMMAND --help` lists each command's options.
 """
@@ -13,7 +14,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-COMMANDS = ("simulate", "bench", "parity", "demo")
+COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table")
 
 
 def int_list(text: str) -> List[int]:
@@ -153,12 +154,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(
       prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
       epilog="Without a command, runs `simulate`.")
-  sub = parser.add_subparsers(dest="command", metavar="{simulate,bench,parity,demo}")
+  sub = parser.add_subparsers(dest="command", metavar="{simulate,bench,parity,demo,bench-table}")
   simulate_parser(sub)
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   bench.add_parser(sub)
   from jax_kvalloc.tools import demo  # pylint: disable=g-import-not-at-top
   demo.add_parser(sub)
+  from jax_kvalloc.tools import bench_table  # pylint: disable=g-import-not-at-top
+  bench_table.add_parser(sub)
   if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
     argv = ["simulate"] + argv
   args = parser.parse_args(argv)
@@ -166,6 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return bench.run_cli(args)
   if args.command == "demo":
     return demo.run_cli(args)
+  if args.command == "bench-table":
+    return bench_table.run_cli(args)
   return run_simulate(args)
 
 
