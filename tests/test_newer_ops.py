@@ -555,8 +555,10 @@ def test_generated_traces_with_segment_frees_replay_everywhere():
     seen.update(r["op"] for r in recs)
     traces.replay(recs, jax_replayer())
     kind = config.resolved_kind
-    if SGLANG_ERROR is None and sglang_oracle.unsupported_reason(
-        config.size, config.page_size, config.need_sort, kind) is None:
+    if sglang_oracle is not None:  # torch is installed: torch_ref replays them too
       from jax_kvalloc.tools import parity  # pylint: disable=g-import-not-at-top
-      traces.replay(recs, parity.sglang_impl().replayer)
+      traces.replay(recs, parity.torch_impl("torch").replayer)
+      if SGLANG_ERROR is None and sglang_oracle.unsupported_reason(
+          config.size, config.page_size, config.need_sort, kind) is None:
+        traces.replay(recs, parity.sglang_impl().replayer)
   assert {"free_segment", "free_page_ids"} <= seen

@@ -78,6 +78,7 @@ class BaseAllocator:
                                    device=self.device)
     self.release_pages = torch.zeros((0,), dtype=torch.int64, device=self.device)
     self.free_group: Optional[List[torch.Tensor]] = None
+    self._page_id_group: List[torch.Tensor] = []  # free_page_ids queued in a group
 
   def available_size(self) -> int:
     """Free slots, released ones included: (len(free) + len(release)) * page_size."""
@@ -164,14 +165,87 @@ class BaseAllocator:
     if self.free_group is not None:
       raise RuntimeError("free_group_begin() called while a free group is already open")
     self.free_group = []
+    self._page_id_group = []
 
   def free_group_end(self) -> None:
-    """Closes the free group and frees everything queued in one call (SPEC 7)."""
+    """Closes the free group and frees everything queued in one call (SPEC 7); then the
+    queued page-id frees, in front (SPEC 10)."""
     if self.free_group is None:
       raise RuntimeError("free_group_end() called without free_group_begin()")
     queued, self.free_group = self.free_group, None
+    page_ids, self._page_id_group = self._page_id_group, []
     if queued:
       self._release(torch.cat(queued))
+    if page_ids:
+      self._prepend_pages(torch.cat(page_ids))
+
+  # -- SPEC 10 (sglang 0.5.23's newer operations) --------------------------------------
+  def _prepend_pages(self, pages: torch.Tensor) -> None:
+    if self.need_sort:
+      self.release_pages = torch.cat((pages, self.release_pages))
+    else:
+      self.free_pages = torch.cat((pages, self.free_pages))
+
+  def free_page_ids(self, page_ids: Any) -> None:
+    """Frees exactly these pages in the given order, no sort (paged: prepended as one
+    block; token: `free`, its page ids are slots). Pages must be in 1..num_pages."""
+    ids = as_index_tensor(page_ids, self.device, "page_ids")
+    if ids.numel() == 0:
+      return
+    if self.kind == "token":
+      self.free(ids)
+      return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 1 or hi > self.num_pages:
+      raise ValueError(f"page_ids holds {lo if lo < 1 else hi}, not a page of the pool "
+                       f"(1..{self.num_pages})")
+    if self.free_group is not None:
+      self._page_id_group.append(ids.clone())
+      return
+    self._prepend_pages(ids)
+
+  def free_segment(self, free_index: Any, *, start_pos: int) -> None:
+    """One request's slots of tokens start_pos.. (start_pos a multiple of page_size):
+    paged, free_page_ids(free_index[::page_size] // page_size); token, free."""
+    if start_pos % self.page_size:
+      raise ValueError(f"start_pos={start_pos} must be a multiple of "
+                       f"page_size={self.page_size}")
+    idx = as_index_tensor(free_index, self.device, "free_index")
+    if idx.numel() == 0:
+      return
+    if self.kind == "token":
+      self.free(idx)
+      return
+    self._check_free_index(idx)
+    self.free_page_ids(idx[::self.page_size] // self.page_size)
+
+  def free_segments(self, segments: Any) -> None:
+    """Each (free_index, start_pos) in turn through free_segment; consecutive non-empty
+    segments must not share a page (ValueError, nothing freed)."""
+    segments = list(segments)
+    prev_end = None
+    for free_index, start in segments:
+      n = as_index_tensor(free_index, self.device, "free_index").numel()
+      if n == 0:
+        continue
+      if prev_end is not None and start // self.page_size <= (prev_end - 1) // self.page_size:
+        raise ValueError(f"segment at {start} shares a page with the one ending at "
+                         f"{prev_end}")
+      prev_end = start + n
+    for free_index, start in segments:
+      self.free_segment(free_index, start_pos=start)
+
+  def free_full(self, free_index: Any) -> None:
+    self.free(free_index)
+
+  def free_full_segment(self, free_index: Any, *, start_pos: int) -> None:
+    self.free_segment(free_index, start_pos=start_pos)
+
+  def free_full_segments(self, segments: Any) -> None:
+    self.free_segments(segments)
+
+  def get_all_free_pages(self) -> torch.Tensor:
+    return torch.cat((self.free_pages, self.release_pages))
 
   def __repr__(self) -> str:
     return (f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "

@@ -35,6 +35,8 @@ TRITON_INTERPRET=1); --impls jax,torch (which to run besides SGLang, the first o
 leading; `--impls torch` checks torch_ref alone against a file's recorded results);
 --sglang auto|on|off; --steps K (default 300) --page-sizes 1,4,16,64 --scale ci|long
 (pool and batch sizes, default ci on cpu and long on cuda) --need-sort mixed|on|off;
+--segment-prob P (chance that a finished request is freed through SPEC 10's
+free_segment / free_page_ids, default 0.25; 0 gives the traces of earlier versions);
 --write OUT.jsonl saves the generated traces (and, on a mismatch, the trace up to it,
 for replay); --quiet.
 
@@ -272,6 +274,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="pool and batch sizes of generated traces (default: ci on cpu, "
                       "long on cuda)")
   p.add_argument("--need-sort", choices=("mixed", "on", "off"), default="mixed")
+  p.add_argument("--segment-prob", type=float, default=0.25, metavar="P",
+                 help="chance that a generated trace frees a finished request through "
+                      "free_segment/free_page_ids (SPEC 10); 0: traces of earlier "
+                      "versions")
   p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                  help="device of the jax and torch allocators")
   p.add_argument("--kernel", default="jnp",
@@ -355,7 +361,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         say(f"{path} trace {tid!r}: {stats.steps - n} steps match")
     for i in range(args.generate):
       config = traces.random_config(args.seed + i, steps=args.steps, page_sizes=page_sizes,
-                                    scale=scale, need_sort=need_sort)
+                                    scale=scale, need_sort=need_sort,
+                                    segment_prob=args.segment_prob)
       n, f = stats.steps, stats.failed_allocs
       written += run_generated(config, impls, stats)
       say(f"seed {config.seed}: {config.resolved_kind} page_size={config.page_size} "
