@@ -18,21 +18,22 @@ def _load(path):
   return traces
 
 
-def _make(args):
+def _make(args, backend="device"):
   if args["page_size"] == 1:
-    return kv.TokenToKVPoolAllocator(args["size"], need_sort=args["need_sort"])
+    return kv.TokenToKVPoolAllocator(args["size"], need_sort=args["need_sort"],
+                                     backend=backend)
   return kv.PagedTokenToKVPoolAllocator(args["size"], args["page_size"],
-                                        need_sort=args["need_sort"])
+                                        need_sort=args["need_sort"], backend=backend)
 
 
-def replay(records):
+def replay(records, backend="device"):
   """Replays one trace; asserts on the first mismatch, naming the step."""
   alloc = None
   snapshot = None
   for step, rec in enumerate(records):
     op, args = rec["op"], rec["args"]
     if op == "init":
-      alloc = _make(args)
+      alloc = _make(args, backend)
       result = None
     elif op == "alloc":
       result = alloc.alloc(args["need_size"])
@@ -64,11 +65,12 @@ def replay(records):
     assert alloc.available_size() == rec["available_size"], where
 
 
+@pytest.mark.parametrize("backend", ["device", "host"])
 @pytest.mark.parametrize("trace_id", range(40))
-def test_golden_trace(golden_path, trace_id):
+def test_golden_trace(golden_path, trace_id, backend):
   traces = _load_cached(str(golden_path))
   assert len(traces) == 40
-  replay(traces[trace_id])
+  replay(traces[trace_id], backend)
 
 
 _CACHE = {}

@@ -52,15 +52,18 @@ SETTINGS = PROFILES[PROFILE]
 class AllocatorMachine(RuleBasedStateMachine):
   """One pool and its model; holders are the slot lists the test has been handed."""
   CONFIG = CONFIGS[0]
+  BACKEND = "device"
 
   def __init__(self):
     super().__init__()
     kind, ps, n, need_sort, dbg = self.CONFIG
     self.kind, self.ps, self.n, self.debug = kind, ps, n, dbg
     if kind == "token":
-      self.impl = kv.TokenToKVPoolAllocator(n, need_sort=need_sort, debug=dbg)
+      self.impl = kv.TokenToKVPoolAllocator(n, need_sort=need_sort, debug=dbg,
+                                            backend=self.BACKEND)
     else:
-      self.impl = kv.PagedTokenToKVPoolAllocator(n * ps, ps, need_sort=need_sort, debug=dbg)
+      self.impl = kv.PagedTokenToKVPoolAllocator(n * ps, ps, need_sort=need_sort, debug=dbg,
+                                                 backend=self.BACKEND)
     self.model = ModelAllocator(n * ps, ps, need_sort, kind)
     self.reqs = []      # requests (paged: grown by extend/decode), slot lists in order
     self.raw = []       # raw alloc() results
@@ -308,8 +311,10 @@ def test_the_state_machine_catches_a_lossy_free():
                                  print_blob=False))
 
 
+@pytest.mark.parametrize("backend", ["device", "host"])
 @pytest.mark.parametrize("config", CONFIGS,
                          ids=lambda c: f"{c[0]}-ps{c[1]}-n{c[2]}-sort{int(c[3])}-dbg{int(c[4])}")
-def test_allocator_state_machine(config):
-  machine = type(f"Machine_{config[0]}_{config[1]}", (AllocatorMachine,), {"CONFIG": config})
+def test_allocator_state_machine(config, backend):
+  machine = type(f"Machine_{config[0]}_{config[1]}", (AllocatorMachine,),
+                 {"CONFIG": config, "BACKEND": backend})
   run_state_machine_as_test(machine, settings=SETTINGS)

@@ -19,17 +19,19 @@ CASES = [  # (kind, page_size, num_pages)
 ]
 
 
-def _make_class(kind, ps, num_pages, need_sort):
+def _make_class(kind, ps, num_pages, need_sort, backend="device"):
   if kind == "token":
-    return kv.TokenToKVPoolAllocator(num_pages, need_sort=need_sort)
-  return kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort)
+    return kv.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, backend=backend)
+  return kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+                                        backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["device", "host"])
 @pytest.mark.parametrize("need_sort", [False, True])
 @pytest.mark.parametrize("kind,ps,num_pages", CASES)
-def test_classes_match_model_on_random_traces(kind, ps, num_pages, need_sort):
+def test_classes_match_model_on_random_traces(kind, ps, num_pages, need_sort, backend):
   for seed in range(3):
-    impl = _make_class(kind, ps, num_pages, need_sort)
+    impl = _make_class(kind, ps, num_pages, need_sort, backend)
     counts = run_workload(impl, size=num_pages * ps, page_size=ps, need_sort=need_sort,
                           kind=kind, steps=120, seed=seed)
     assert sum(counts.values()) > 60, counts

@@ -137,12 +137,13 @@ def test_replay_reports_trace_step_and_index():
       str(e.value))
 
 
-def test_jax_kvalloc_replays_generated_traces():
+@pytest.mark.parametrize("backend", ["device", "host"])
+def test_jax_kvalloc_replays_generated_traces(backend):
   """jax_kvalloc against traces recorded from the independent model (two small pools,
   so that few shapes compile)."""
   for seed in (2, 11):   # paged ps=16 need_sort, token ps=1 need_sort
     recs = _generate(seed, steps=120)
-    assert traces.replay(recs, jax_replayer()) == len(recs)
+    assert traces.replay(recs, jax_replayer(backend=backend)) == len(recs)
 
 
 def test_records_are_plain_json():

@@ -28,5 +28,5 @@ def model_replayer() -> traces.Replayer:
   return traces.Replayer(model_factory)
 
 
-def jax_replayer(kernel: str = "jnp") -> traces.Replayer:
-  return traces.Replayer(traces.jax_factory(kernel))
+def jax_replayer(kernel: str = "jnp", backend: str = "device") -> traces.Replayer:
+  return traces.Replayer(traces.jax_factory(kernel, backend=backend))

@@ -291,18 +291,21 @@ class Replayer:
     return out
 
 
-def jax_factory(kernel: str = "jnp", device: Any = None) -> Callable[..., Any]:
+def jax_factory(kernel: str = "jnp", device: Any = None,
+                backend: str = "device") -> Callable[..., Any]:
   """The allocator factory of a `Replayer` for jax_kvalloc's SGLang-compatible classes:
   make(size, page_size, need_sort, kind) -> TokenToKVPoolAllocator (kind "token") or
-  PagedTokenToKVPoolAllocator, with the given index kernel and device."""
+  PagedTokenToKVPoolAllocator, with the given index kernel, device and backend
+  ("device": jax arrays, "host": numpy state and results)."""
   import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
 
   def make(size, page_size, need_sort, kind):
     if kind == "token":
       return kv.TokenToKVPoolAllocator(size, device=device, need_sort=need_sort,
-                                       kernel=kernel)
+                                       kernel=kernel, backend=backend)
     return kv.PagedTokenToKVPoolAllocator(size, page_size, device=device,
-                                          need_sort=need_sort, kernel=kernel)
+                                          need_sort=need_sort, kernel=kernel,
+                                          backend=backend)
   return make
 
 
