@@ -98,6 +98,15 @@ def init_params(cfg: DemoConfig, key: jax.Array) -> Dict[str, Any]:
               unembed=dense((d, v)) * 4.0, layers=layers)
 
 
+# Full f32 matmuls on every backend (no TF32 on GPU), so that the two runs can only differ
+# in how the cache is addressed, not in which matmul algorithm a shape happens to get.
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+  return jnp.matmul(a, b, precision=HIGHEST)
+
+
 def _rms(x):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
@@ -109,13 +118,13 @@ def attend(q, keys, values, pos, kv_len):
   position j of t's request; pos: i32[T] each token's position; kv_len: i32[T] tokens in
   its request's cache. Keys j <= pos and j < kv_len count; the rest are masked out.
   """
-  s = jnp.einsum("thd,tjhd->thj", q, keys) / np.sqrt(q.shape[-1])
+  s = jnp.einsum("thd,tjhd->thj", q, keys, precision=HIGHEST) / np.sqrt(q.shape[-1])
   j = jnp.arange(keys.shape[1])
   mask = (j[None, :] <= pos[:, None]) & (j[None, :] < kv_len[:, None])
   s = jnp.where(mask[:, None, :], s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
   p = jnp.where(mask[:, None, :], p, 0.0)  # masked keys may hold anything: exact zeros
-  return jnp.einsum("thj,tjhd->thd", p, values)
+  return jnp.einsum("thj,tjhd->thd", p, values, precision=HIGHEST)
 
 
 def forward(cfg: DemoConfig, params, kv, tokens, pos, write, read, kv_len):
@@ -131,13 +140,13 @@ def forward(cfg: DemoConfig, params, kv, tokens, pos, write, read, kv_len):
   x = params["embed"][tokens] + params["pos"][jnp.clip(pos, 0, cfg.max_len - 1)]
   for i, w in enumerate(params["layers"]):
     h = _rms(x)
-    q = (h @ w["wq"]).reshape(-1, h_, dh)
-    k_cache = k_cache.at[i, write].set((h @ w["wk"]).reshape(-1, h_, dh), mode="drop")
-    v_cache = v_cache.at[i, write].set((h @ w["wv"]).reshape(-1, h_, dh), mode="drop")
+    q = _mm(h, w["wq"]).reshape(-1, h_, dh)
+    k_cache = k_cache.at[i, write].set(_mm(h, w["wk"]).reshape(-1, h_, dh), mode="drop")
+    v_cache = v_cache.at[i, write].set(_mm(h, w["wv"]).reshape(-1, h_, dh), mode="drop")
     o = attend(q, k_cache[i][read], v_cache[i][read], pos, kv_len)
-    x = x + o.reshape(-1, cfg.d_model) @ w["wo"]
-    x = x + jax.nn.relu(_rms(x) @ w["w1"]) @ w["w2"]
-  return (k_cache, v_cache), _rms(x) @ params["unembed"]
+    x = x + _mm(o.reshape(-1, cfg.d_model), w["wo"])
+    x = x + _mm(jax.nn.relu(_mm(_rms(x), w["w1"])), w["w2"])
+  return (k_cache, v_cache), _mm(_rms(x), params["unembed"])
 
 
 # ---------------------------------------------------------------------------------------
