@@ -17,6 +17,47 @@ SHARED = pathlib.Path(os.environ.get("JAX_KVALLOC_SHARED", REPO.parent / "shared
 GOLDEN = SHARED / "golden" / "traces.jsonl"
 
 
+# The default run (the README's test command) deselects `slow`; .ci/run runs both sets.
+# What is slow, in one place. Each entry: (file, test name, predicate on the item, why).
+def _param(item, name, default=None):
+  spec = getattr(item, "callspec", None)
+  return spec.params.get(name, default) if spec is not None else default
+
+
+_FAST_MACHINES = {"token-ps1-n24-sort0-dbg0", "paged-ps4-n12-sort0-dbg0",
+                  "paged-ps16-n8-sort1-dbg0", "paged-ps3-n12-sort1-dbg1"}
+SLOW_TESTS = [
+    ("test_parity.py", "test_cli_lock_step_parity", None, "3000 lock-step steps in a subprocess"),
+    ("test_parity.py", "test_cli_triton_interpreter_replays_golden", None, "Triton interpreter"),
+    ("test_parity.py", "test_triton_kernels_against_torch_path", None, "Triton interpreter"),
+    ("test_parity.py", "test_cli_reports_first_mismatch_and_saves_trace", None, "subprocess"),
+    ("test_stress.py", "*", None, "stress: thousands of cycles, largest pools"),
+    ("test_golden.py", "test_golden_trace", lambda it: _param(it, "trace_id", 0) >= 10,
+     "traces 0-9 (every page size, need_sort on and off) run by default, 10-39 in CI"),
+    ("test_properties.py", "test_allocator_state_machine",
+     lambda it: it.name.split("[")[1].rstrip("]") not in _FAST_MACHINES,
+     "four of the nine hypothesis machines by default"),
+    ("test_random_traces.py", "test_classes_match_model_on_random_traces",
+     lambda it: _param(it, "ps") == 64, "page size 64 traces compile the largest buckets"),
+    ("test_random_traces.py", "*", lambda it: "without_jit" in it.name, "eager op by op"),
+    ("test_spec.py", "*", lambda it: "without_jit" in it.name, "eager op by op"),
+    ("test_debug.py", "test_valid_serving_traces_are_silent", None, "long random traces"),
+    ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",
+     lambda it: "[0]" not in it.name, "the TPU interpreter; case 0 runs by default"),
+]
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    for file, name, pred, why in SLOW_TESTS:
+      if item.path.name == file and name in ("*", getattr(item, "originalname", item.name),
+                                             item.name.split("[")[0]):
+        if pred is None or pred(item):
+          item.add_marker(pytest.mark.slow(reason=why))
+          break
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
   config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
