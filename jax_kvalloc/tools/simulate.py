@@ -12,9 +12,13 @@ Admission control is exact: the host mirrors the pool's page count with the same
 arithmetic the allocator uses (ceil(seq/ps) - ceil(pre/ps) new pages per request) and
 admits a request only when its whole lifetime, prompt plus output, fits in the free pages
 not yet promised to running requests (evicting unused cached prefixes, least recently
-used first, when that helps). So no allocation may fail; every step checks the device's
-page count against the mirror, and the run ends with a leak check that the free list,
-the release list and the pages still held partition the pool exactly.
+used first, when that helps). So no allocation may fail, and the host never waits for
+the device to learn that: each step's status (ok, the device's page count) is checked
+against the mirror STATUS_LAG steps later, when the device has long finished it, so the
+host keeps launching steps ahead of the device (the free-list census, `runs`, is read at
+the end for the same reason). The run ends with every remaining status checked and a
+leak check that the free list, the release list and the pages still held partition the
+pool exactly.
 
 Run once per page size on the same requests, it answers the seed write-up's question:
 what a larger page costs in slots allocated but unused inside pages (internal
@@ -39,6 +43,9 @@ from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.tools.workload import Workload, make_workload
 
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
+# Steps between launching a step and reading its status: by then the device has run it,
+# so the read does not wait (a read of the newest status would, every step).
+STATUS_LAG = 8
 
 
 class LeakCheckError(RuntimeError):
@@ -102,8 +109,9 @@ class PageSizeResult:
   runs_final: int = 0
   free_pages_final: int = 0
   in_use_final: int = 0
-  step_us_p50: float = 0.0
+  step_us_p50: float = 0.0       # host time to launch a step (no wait: see STATUS_LAG)
   step_us_p99: float = 0.0
+  step_wall_us: float = 0.0      # wall time / steps: the throughput, device included
   prefill_us_p50: float = 0.0
   decode_us_p50: float = 0.0
   compile_s: float = 0.0
@@ -273,38 +281,58 @@ class _Simulation:
     b[:n], b[size:size + n], b[2 * size:2 * size + n], b[-1] = rows, pre, seq, n
     return b
 
-  def _run(self, fn, *parts, **kw) -> Tuple[bool, int, float]:
+  def _run(self, fn, *parts, **kw) -> Tuple[Any, float]:
+    """Launches one step; returns its status (i32[2] device array: ok, free + released
+    pages), unread, and the host time the launch took (us)."""
     packed = steps.pack(*parts)
     t0 = time.perf_counter()
     self.state, self.table, status = fn(self.acfg, self.state, self.table, packed,
                                         copy_width=self.copy_width,
                                         skip_empty=self.skip_empty, **kw)
-    ok, pages = np.asarray(status)
-    return bool(ok), int(pages), (time.perf_counter() - t0) * 1e6
+    return status, (time.perf_counter() - t0) * 1e6
 
-  def _prefill_call(self, copy_out, frees, copy_in, batch) -> Tuple[bool, int, float]:
+  def _expect(self, status, pages_after: int) -> None:
+    """Queues a step's status for the lagged check (the step is assumed to succeed:
+    admission control makes every allocation fit)."""
+    self.pending_status.append((self.res.steps, pages_after, status))
+    self._check_statuses(STATUS_LAG)
+
+  def _check_statuses(self, lag: int) -> None:
+    """Checks the queued statuses older than `lag` steps (0: all; waits for them)."""
+    while len(self.pending_status) > lag:
+      step, pages_after, status = self.pending_status.popleft()
+      ok, pages = (int(v) for v in np.asarray(status))
+      if not ok:
+        raise LeakCheckError(
+            f"allocation failed at step {step} (page_size={self.ps}) although admission "
+            f"control had reserved its pages ({pages} free + released on the device)")
+      self._check_pages(step, pages, pages_after)
+
+  def _prefill_call(self, copy_out, frees, copy_in, batch) -> Tuple[Any, float]:
     return self._run(steps.prefill_step, self._copies(copy_out), self._frees(frees),
                      self._copies(copy_in), batch, max_tokens=self.T,
                      sizes=(self.B, self.F, self.B))
 
-  def _decode_call(self, copy_out, frees, batch) -> Tuple[bool, int, float]:
+  def _decode_call(self, copy_out, frees, batch) -> Tuple[Any, float]:
     return self._run(steps.decode_step, self._copies(copy_out), self._frees(frees), batch,
                      sizes=(self.B, self.F, self.R))
 
-  def _check_pages(self, step: int, device_pages: int) -> None:
-    if device_pages != self.free_pages:
+  def _check_pages(self, step: int, device_pages: int, expected: int) -> None:
+    if device_pages != expected:
       raise LeakCheckError(
           f"leak check failed at step {step} (page_size={self.ps}): the device has "
           f"{device_pages} free + released pages, the scheduler's accounting expects "
-          f"{self.free_pages} (difference {device_pages - self.free_pages})")
+          f"{expected} (difference {device_pages - expected})")
 
   def warm_up(self) -> None:
     """Compiles both step functions on all-padding inputs (the state is unchanged)."""
     t0 = time.perf_counter()
     self.state = jax.jit(st.init, static_argnums=0)(self.acfg)
     self.table = jax.numpy.zeros((self.R + self.G, self.ctx), jax.numpy.int32)
-    ok1, p1, _ = self._prefill_call([], [], [], self._batch([], [], [], self.B))
-    ok2, p2, _ = self._decode_call([], [], self._batch([], [], [], self.R))
+    s1, _ = self._prefill_call([], [], [], self._batch([], [], [], self.B))
+    s2, _ = self._decode_call([], [], self._batch([], [], [], self.R))
+    (ok1, p1), (ok2, p2) = np.asarray(s1).tolist(), np.asarray(s2).tolist()
+    self.pending_status = collections.deque()
     if not (ok1 and ok2 and p1 == p2 == self.num_pages):
       raise RuntimeError(f"warm-up changed the pool: ok={ok1, ok2}, pages={p1, p2}")
     jax.block_until_ready(steps.free_list_runs(self.state))
@@ -361,12 +389,13 @@ class _Simulation:
       res.peak_reserved = max(res.peak_reserved,
                               (used + self.committed()) / self.num_pages)
       if res.steps % cfg.runs_every == 0:
-        runs.append(int(steps.free_list_runs(self.state)))
+        runs.append(steps.free_list_runs(self.state))  # read at the end: no wait here
+    self._check_statuses(0)
     bar.close()
     res.wall_s = time.perf_counter() - t_start
     res.sim_time = clock
     res.runs_final = int(steps.free_list_runs(self.state))
-    runs.append(res.runs_final)
+    runs = [int(r) for r in runs] + [res.runs_final]
     res.runs_mean = float(np.mean(runs))
     res.peak_usage = max(res.usage, default=0.0)
     res.mean_usage = float(np.mean(res.usage)) if res.usage else 0.0
@@ -376,6 +405,7 @@ class _Simulation:
       res.waste_mean = float(np.mean(wa[:, 0] / wa[:, 1]))
       res.waste_peak_slots = int(wa[:, 0].max())
     res.step_us_p50, res.step_us_p99 = _pct(res.step_us, 50), _pct(res.step_us, 99)
+    res.step_wall_us = res.wall_s * 1e6 / max(res.steps, 1)
     kinds = np.asarray(res.step_kind)
     times = np.asarray(res.step_us)
     res.prefill_us_p50 = _pct(times[kinds == "prefill"], 50)
@@ -386,15 +416,12 @@ class _Simulation:
   def _prefill(self, batch, copy_out, frees, copy_in) -> bool:
     rows, pre, seq = (np.array(c, np.int64) for c in zip(*batch))
     pages = int(np.sum(steps.new_pages(pre, seq, self.ps)))
-    ok, dev_pages, us = self._prefill_call(copy_out, frees, copy_in,
-                                           self._batch(rows, pre, seq, self.B))
+    status, us = self._prefill_call(copy_out, frees, copy_in,
+                                    self._batch(rows, pre, seq, self.B))
     self.res.step_us.append(us)
     self.res.step_kind.append("prefill")
-    if ok:
-      self.free_pages -= pages
-    self._check_pages(self.res.steps, dev_pages)
-    if not ok:
-      return False
+    self.free_pages -= pages
+    self._expect(status, self.free_pages)
     self.res.prefill_steps += 1
     self.res.tokens_allocated += int(np.sum(seq - pre))
     self.res.pages_allocated += pages
@@ -423,15 +450,12 @@ class _Simulation:
   def _decode(self, rows, copy_out, frees, bar) -> bool:
     seq = self.seq[rows] + 1
     pages = int(np.sum(steps.new_pages(self.seq[rows], seq, self.ps)))
-    ok, dev_pages, us = self._decode_call(copy_out, frees,
-                                          self._batch(rows, seq - 1, seq, self.R))
+    status, us = self._decode_call(copy_out, frees,
+                                   self._batch(rows, seq - 1, seq, self.R))
     self.res.step_us.append(us)
     self.res.step_kind.append("decode")
-    if ok:
-      self.free_pages -= pages
-    self._check_pages(self.res.steps, dev_pages)
-    if not ok:
-      return False
+    self.free_pages -= pages
+    self._expect(status, self.free_pages)
     self.res.decode_steps += 1
     self.res.tokens_allocated += int(rows.size)
     self.res.pages_allocated += pages
@@ -537,7 +561,8 @@ def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
 
 
 _SYNTHETIC_ONLY = ("prefix cache hits", "pool reserved peak (in use + promised)",
-                   "running requests mean", "sim time (iterations)", "pages allocated")
+                   "running requests mean", "sim time (iterations)", "pages allocated",
+                   "wall time per step (us)")
 
 
 def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
@@ -567,6 +592,7 @@ def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
       row("free-list runs (mean/final)", lambda r: f"{r.runs_mean:.0f} / {r.runs_final}"),
       row("step time p50 (us)", lambda r: f"{r.step_us_p50:.0f}"),
       row("step time p99 (us)", lambda r: f"{r.step_us_p99:.0f}"),
+      row("wall time per step (us)", lambda r: f"{r.step_wall_us:.0f}"),
       row("prefill / decode p50 (us)",
           lambda r: f"{r.prefill_us_p50:.0f} / {r.decode_us_p50:.0f}"),
       row("sim time (iterations)", lambda r: f"{r.sim_time}"),
