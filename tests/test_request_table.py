@@ -237,19 +237,22 @@ def test_bad_arguments_raise():
 # Random workloads against the model.
 # ---------------------------------------------------------------------------------------
 
-# Fast set: every page size, need_sort on and off across it and the scan test below; the
+# Fast set: every page size, need_sort on and off across it and the scan test below, and
+# debug mode once (borrowed pages and row releases must not look like misuse to it); the
 # other combinations run with the slow tests.
-FAST = [(1, False, "token"), (4, True, "paged"), (16, False, "paged"), (64, True, "paged")]
+FAST = [(1, False, "token", False), (4, True, "paged", False), (16, False, "paged", True),
+        (64, True, "paged", False)]
 CONFIGS = FAST + [
-    pytest.param(ps, ns, kind, marks=pytest.mark.slow)
+    pytest.param(ps, ns, kind, False, marks=pytest.mark.slow)
     for ps, ns, kind in [(1, False, "paged"), (1, True, "paged"), (1, True, "token"),
-                         (4, False, "paged"), (16, True, "paged"), (64, False, "paged")]]
+                         (4, False, "paged"), (16, False, "paged"), (16, True, "paged"),
+                         (64, False, "paged")]]
 
 
-def _config(ps, need_sort, kind):
+def _config(ps, need_sort, kind, debug=False):
   # A pool a little smaller than the table can hold, so that shortfalls happen.
   return kv.AllocatorConfig(size=ps * (MAX_REQS * MAX_PAGES * 2 // 3), page_size=ps,
-                            need_sort=need_sort, kind=kind)
+                            need_sort=need_sort, kind=kind, debug=debug)
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,9 +347,9 @@ def _compare_result(op, got, want):
     assert not slots[n:].any()
 
 
-@pytest.mark.parametrize("ps,need_sort,kind", CONFIGS)
-def test_random_workload_matches_model(ps, need_sort, kind):
-  cfg = _config(ps, need_sort, kind)
+@pytest.mark.parametrize("ps,need_sort,kind,debug", CONFIGS)
+def test_random_workload_matches_model(ps, need_sort, kind, debug):
+  cfg = _config(ps, need_sort, kind, debug)
   fns = _jitted(cfg)
   rng = np.random.default_rng([ps, need_sort, kind == "token"])
   model = ModelTable(ModelAllocator(cfg.size, ps, need_sort, kind), MAX_REQS, MAX_PAGES)
@@ -366,6 +369,8 @@ def test_random_workload_matches_model(ps, need_sort, kind):
     np.testing.assert_array_equal(att.page_indices, model.pages())
     np.testing.assert_array_equal(att.kv_lens, model.lens())
     np.testing.assert_array_equal(att.cu_q_lens, np.concatenate([[0], np.cumsum(q)]))
+  if debug:
+    assert int(state.debug.code) == 0, state.debug   # no misuse recorded
 
 
 def _scan_program(rng, ps, steps):
