@@ -48,6 +48,7 @@ from jax_kvalloc import freeing as _free
 from jax_kvalloc import host_ops
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
+from jax_kvalloc import warmup as _warmup
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.state import AllocatorState
 
@@ -361,6 +362,40 @@ class BaseAllocator:
       self._call(_MERGE)
     elif self._release_len > 0:
       self._merge_now()
+
+  def warmup(self, max_batch: int = 256, max_tokens: int = 8192,
+             max_free: Optional[int] = None, exact_sizes: Sequence[int] = (),
+             verbose: bool = False) -> _warmup.WarmupReport:
+    """Compiles, before serving, every program a call within these maxima can need.
+
+    Device backend: every shape bucket of alloc (up to max_tokens slots), alloc_decode
+    (up to max_batch rows), alloc_extend (every rows x tokens bucket pair), free and
+    free_page_ids (up to max_free indices, default max_tokens; donating and copying
+    variants) and the need_sort merge, plus the exact-length output slices of
+    `exact_sizes` (an output shorter than its bucket is cut by a tiny program compiled
+    once per (bucket, length): list the lengths you expect, e.g. range(1, max_batch + 1)
+    for decode). The state is not changed. The host backend and debug mode compile
+    nothing here (debug mode compiles its programs on first use).
+
+    Returns WarmupReport(programs, seconds). With JAX's persistent compilation cache on
+    (jax_kvalloc.warmup.enable_persistent_cache; README "Compile once") a second process
+    loads these programs from disk instead of compiling them.
+    """
+    for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
+      validate.count(value, name)
+    max_free = max_tokens if max_free is None else validate.count(max_free, "max_free")
+    if self.backend == "host" or self._legacy:
+      report = _warmup.WarmupReport(0, 0.0)
+    else:
+      report = _warmup.warmup_device_ops(
+          self._dev, self._state, max_batch=max(max_batch, 1),
+          max_tokens=max(max_tokens, 1), max_free=max(max_free, 1),
+          exact_sizes=[validate.count(n, "exact_sizes") for n in exact_sizes if n],
+          extend=hasattr(self, "alloc_extend"))
+    if verbose:
+      print(f"{type(self).__name__}.warmup: {report.programs} programs in "
+            f"{report.seconds:.2f} s")
+    return report
 
   def __repr__(self) -> str:
     c = self.config

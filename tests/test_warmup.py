@@ -1,0 +1,89 @@
+"""`warmup` compiles every program a serving loop within the maxima needs, and JAX's
+persistent compilation cache lets a second process skip those compiles."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jax_kvalloc as kv
+from jax_kvalloc import warmup
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_bucket_sizes():
+  assert warmup.bucket_sizes(1, 8) == [8]
+  assert warmup.bucket_sizes(9, 8) == [8, 16]
+  assert warmup.bucket_sizes(1000, 64) == [64, 128, 256, 512, 1024]
+
+
+def _cache_sizes(a):
+  return {k: f._cache_size() for k, f in a._dev._fns.items()}  # pylint: disable=protected-access
+
+
+def test_no_compile_after_warmup():
+  ps = 4
+  a = kv.PagedTokenToKVPoolAllocator(256 * ps, ps, need_sort=True, kernel="jnp",
+                                     debug=False)
+  report = a.warmup(max_batch=16, max_tokens=64, exact_sizes=range(1, 65))
+  assert report.programs > 0 and report.seconds > 0
+  before = _cache_sizes(a)
+  assert all(n == 1 for n in before.values())
+  rng = np.random.default_rng(0)
+  for _ in range(30):  # random serving calls within the maxima
+    bs = int(rng.integers(1, 17))
+    seq = rng.integers(1, 64 // bs + 1, bs)
+    z = np.zeros(bs, np.int64)
+    out = a.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum()))
+    if out is None:
+      a.clear()
+      continue
+    a.free(np.asarray(out)[: int(rng.integers(1, out.shape[0] + 1))])
+    a.merge_and_sort_free()
+    dec = a.alloc_decode(np.full(bs, 4 * ps + 1), None, np.full(bs, 4 * ps - 1 + ps))
+    del dec
+  assert _cache_sizes(a) == before  # no new program, no recompile
+
+
+def test_host_backend_compiles_nothing():
+  a = kv.PagedTokenToKVPoolAllocator(64, 4, backend="host")
+  assert a.warmup(max_batch=8, max_tokens=64) == warmup.WarmupReport(0, 0.0)
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    from jax._src import monitoring
+    import jax_kvalloc as kv
+    from jax_kvalloc import warmup
+    warmup.enable_persistent_cache(sys.argv[1])
+    counts = {}
+    monitoring.register_event_listener(
+        lambda event, **kw: counts.__setitem__(event, counts.get(event, 0) + 1))
+    a = kv.PagedTokenToKVPoolAllocator(512, 4, kernel="jnp", debug=False)
+    a.warmup(max_batch=8, max_tokens=64)
+    print(counts.get("/jax/compilation_cache/cache_hits", 0),
+          counts.get("/jax/compilation_cache/cache_misses", 0))
+""")
+
+
+@pytest.mark.slow
+def test_persistent_cache_second_process_compiles_nothing(tmp_path):
+  cache = tmp_path / "jax_cache"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+  def child():
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(cache)], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=600, check=True)
+    hits, misses = (int(x) for x in out.stdout.split()[-2:])
+    return hits, misses
+
+  hits1, misses1 = child()
+  assert misses1 > 0 and any(cache.iterdir())
+  hits2, misses2 = child()
+  assert misses2 == 0, f"the second process compiled {misses2} programs"
+  assert hits2 >= misses1
