@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table")
+COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class")
 
 
 def int_list(text: str) -> List[int]:
@@ -154,7 +154,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(
       prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
       epilog="Without a command, runs `simulate`.")
-  sub = parser.add_subparsers(dest="command", metavar="{simulate,bench,parity,demo,bench-table}")
+  sub = parser.add_subparsers(dest="command",
+                              metavar="{simulate,bench,parity,demo,bench-table,bench-class}")
   simulate_parser(sub)
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   bench.add_parser(sub)
@@ -162,6 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   demo.add_parser(sub)
   from jax_kvalloc.tools import bench_table  # pylint: disable=g-import-not-at-top
   bench_table.add_parser(sub)
+  from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
+  bench_class.add_parser(sub)
   if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
     argv = ["simulate"] + argv
   args = parser.parse_args(argv)
@@ -171,6 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return demo.run_cli(args)
   if args.command == "bench-table":
     return bench_table.run_cli(args)
+  if args.command == "bench-class":
+    return bench_class.main_args(args)
   return run_simulate(args)
 
 
