@@ -163,13 +163,17 @@ def test_alloc_extend_num_new_pages():
   assert a.alloc_extend([0], None, [5], None, [-1], 5, num_new_pages=2).tolist() == [
       4, 5, 6, 7, 8]
   assert a.alloc_extend([5], None, [6], None, [8], 1, 0).tolist() == [9]  # positional
-  config = kv.AllocatorConfig(32, 4)
   fn = jax.jit(allocation.alloc_extend, static_argnames=("config", "max_tokens"))
   args = (jnp.array([0, 0]), jnp.array([5, 11]), jnp.array([-1, -1]))  # 2 + 3 pages
-  for given, ok in ((None, True), (5, True), (4, False), (-1, False), (99, False)):
-    s, out, got = fn(config, st.init(config), *args, max_tokens=16, num_new_pages=given)
-    assert bool(got) == ok, given
-    assert int(s.free_len) == (3 if ok else 8) and (ok or not out.any())
+  # pallas_interpret runs the fused Triton allocation (in interpret mode) on CPU: its
+  # take is undone when the count disagrees.
+  for kernel in ("jnp", "pallas_interpret"):
+    config = kv.AllocatorConfig(32, 4, kernel=kernel)
+    for given, ok in ((None, True), (5, True), (4, False), (-1, False), (99, False)):
+      s, out, got = fn(config, st.init(config), *args, max_tokens=16, num_new_pages=given)
+      assert bool(got) == ok, (kernel, given)
+      assert int(s.free_len) == (3 if ok else 8) and (ok or not out.any())
+      assert int(s.free_head) == (5 if ok else 0)
   dconfig = kv.AllocatorConfig(32, 4, debug=True)
   s, _, ok = allocation.alloc_extend(dconfig, st.init(dconfig), *args, max_tokens=16,
                                      num_new_pages=4)
