@@ -88,6 +88,10 @@ def test_vmapped_need_sort_decode_sorts_only_in_a_branch():
   seq, last = _decode_args(4)
   hlo = jax.jit(functools.partial(ranks.alloc_decode, cfg)).lower(state, seq, last)
   assert ungated_sorts(hlo.compile().as_text()) == 0
+  for op, args in ((functools.partial(ranks.alloc, cfg, max_size=64), (seq[:, 0] * 16,)),
+                   (functools.partial(ranks.alloc_extend, cfg, max_tokens=64),
+                    (seq * 0, seq * 4, last))):
+    assert ungated_sorts(jax.jit(op).lower(state, *args).compile().as_text()) == 0
   # Plain vmap of the single-pool function, and vmap of vmap, too.
   rc = ranks.rank_config(cfg, 4)
   dec = functools.partial(allocation.alloc_decode, rc)
