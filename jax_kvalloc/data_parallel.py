@@ -155,6 +155,15 @@ class DataParallel:
     return "\n".join(f"rank {r}: {a.debug_print()}" for r, a in enumerate(self._dp_ranks))
 
   # -- every rank ----------------------------------------------------------------------
+  def warmup(self, *args, **kwargs):
+    """BaseAllocator.warmup on every rank (ranks of one config on one device share their
+    programs, so all but the first find them compiled). Returns the summed report."""
+    if self._dp_ranks is None:
+      return super().warmup(*args, **kwargs)
+    reports = [rank.warmup(*args, **kwargs) for rank in self._dp_ranks]
+    return reports[0]._replace(programs=sum(r.programs for r in reports),
+                               seconds=sum(r.seconds for r in reports))
+
   def clear(self, dp_rank: Optional[int] = None) -> None:
     """Back to the initial state (SPEC 2): rank dp_rank, or every rank when None. Closes
     the free group (of that rank, or of all)."""

@@ -375,6 +375,23 @@ def test_sharded_results_equal_unsharded():
   np.testing.assert_array_equal(placed.available_size(b), plain.available_size(a))
 
 
+def test_ranks_compose_with_scan_and_donation():
+  cfg = kv.AllocatorConfig(size=2 * 8 * 4, page_size=4, need_sort=True, kernel="jnp")
+  r = ranks.ranks_allocator(cfg, 2)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def run(state):
+    def step(c, _):  # every step: one decode row per rank, freed at once (need_sort)
+      state, seq = c
+      state, out, ok = r.alloc_decode(state, seq[:, None], jnp.full((2, 1), -1, jnp.int32))
+      return (r.free(state, out), seq), ok
+    return jax.lax.scan(step, (state, jnp.ones((2,), jnp.int32)), None, length=20)
+
+  (state, _), ok = run(r.init())
+  assert np.asarray(ok).all()  # 8 pages per rank, 20 steps: the shortfall merges kept it going
+  np.testing.assert_array_equal(r.available_size(state), [32, 32])
+
+
 # ---------------------------------------------------------------------------------------
 # Shapes, configs and errors.
 # ---------------------------------------------------------------------------------------
