@@ -33,3 +33,8 @@ def test_cli_demo_prints_identical(capsys):
   out = capsys.readouterr().out
   assert "tokens identical to the contiguous-cache run: YES" in out
   assert "tokens/s" in out and f"on {jax.devices()[0]}" in out
+
+
+def test_cli_demo_bad_setting_is_a_clear_error(capsys):
+  assert cli.main(["demo", "--prefix-len", "5"]) == 2   # not whole pages of 4
+  assert "prefix_len=5 must be a multiple of page_size=4" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -480,13 +481,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_cli(args) -> int:
-  cfg = DemoConfig(num_requests=args.num_requests, num_layers=args.num_layers,
-                   d_model=args.d_model, page_size=args.page_size, max_reqs=args.max_reqs,
-                   max_pages_per_req=args.max_pages_per_req, pool_pages=args.pool_pages,
-                   max_tokens=args.max_tokens, chunk=args.chunk,
-                   prefix_len=args.prefix_len, prompt_len=tuple(args.prompt_len),
-                   new_tokens=tuple(args.new_tokens), seed=args.seed)
-  res = run(cfg)
+  try:
+    cfg = DemoConfig(num_requests=args.num_requests, num_layers=args.num_layers,
+                     d_model=args.d_model, page_size=args.page_size, max_reqs=args.max_reqs,
+                     max_pages_per_req=args.max_pages_per_req, pool_pages=args.pool_pages,
+                     max_tokens=args.max_tokens, chunk=args.chunk,
+                     prefix_len=args.prefix_len, prompt_len=tuple(args.prompt_len),
+                     new_tokens=tuple(args.new_tokens), seed=args.seed)
+    res = run(cfg)
+  except (ValueError, RuntimeError) as e:  # a bad setting, or a pool too small to finish
+    print(f"jax-kvalloc demo: {e}", file=sys.stderr)
+    return 2
   print(f"jax-kvalloc demo on {res['device']}: {cfg.num_layers}-layer toy decoder "
         f"(d_model {cfg.d_model}, vocab {cfg.vocab}), {cfg.num_requests} requests, page "
         f"size {cfg.page_size}, pool {cfg.pool_pages} pages, {cfg.max_reqs} rows")
