@@ -23,7 +23,11 @@ The baseline rows ("pool") time the single-pool function on one device with one 
 load (no rank axis, no vmap, no shard_map): the cost of the rank machinery is the
 difference with the 1-device, 1-rank row. With --need-sort the ranks run need_sort pools
 (the merge branch present but not taken); the time should match need_sort off, since
-the merge (a sort of the pool) runs only on a shortfall, also under vmap.
+the merge (a sort of the pool) runs only on a shortfall, also under vmap. With
+--compare-select those rows are timed again with the merge as a plain `lax.cond`, which
+vmap turns into a select that sorts every rank's pool on every step (what the allocator
+did before jax_kvalloc.gated). Chained need_sort calls in one loop iteration (--unroll > 1)
+also pay a copy of the rings between XLA's conditionals; --unroll 1 avoids it.
 
 On CPU, force host devices first (they share the CPU's cores, so expect no scaling):
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m jax_kvalloc.tools.bench_ranks
@@ -31,6 +35,7 @@ On CPU, force host devices first (they share the CPU's cores, so expect no scali
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -42,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_kvalloc import allocation
+from jax_kvalloc import freeing
 from jax_kvalloc import ranks
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
@@ -62,6 +68,21 @@ def _config(load: Load, dp: int, need_sort: bool, kernel: str) -> AllocatorConfi
   return AllocatorConfig(size=dp * load.pages_per_rank * load.page_size,
                          page_size=load.page_size, need_sort=need_sort, kind="paged",
                          kernel=kernel, debug=False)
+
+
+@contextlib.contextmanager
+def plain_cond_merge():
+  """For comparison only: the need_sort merge as a plain lax.cond (a select under vmap)."""
+  def merge(config, state, shortfall):
+    if not config.need_sort:
+      return state
+    return jax.lax.cond(shortfall & (state.release_len > 0),
+                        lambda s: freeing.merge_and_sort_free(config, s), lambda s: s, state)
+  saved, allocation.maybe_merge = allocation.maybe_merge, merge
+  try:
+    yield
+  finally:
+    allocation.maybe_merge = saved
 
 
 def _steady(state: st.AllocatorState, free_len: jax.Array) -> st.AllocatorState:
@@ -107,8 +128,14 @@ def _step_fn(config: AllocatorConfig, load: Load, op: str):
 
 def time_ranks(load: Load, op: str, devices: Sequence[jax.Device], ranks_per_device: int,
                *, need_sort: bool, kernel: str, unroll: int, min_time: float,
-               reps: int) -> Dict[str, Any]:
-  """µs per step of `op` on every rank, the ranks sharded over `devices`."""
+               reps: int, select: bool = False) -> Dict[str, Any]:
+  """µs per step of `op` on every rank, the ranks sharded over `devices` (select: the
+  merge as a plain lax.cond, see plain_cond_merge)."""
+  if select:
+    with plain_cond_merge():
+      row = time_ranks(load, op, devices, ranks_per_device, need_sort=need_sort,
+                       kernel=kernel, unroll=unroll, min_time=min_time, reps=reps)
+    return dict(row, select=True)
   n = len(devices)
   dp = n * ranks_per_device
   config = _config(load, dp, need_sort, kernel)
@@ -123,7 +150,7 @@ def time_ranks(load: Load, op: str, devices: Sequence[jax.Device], ranks_per_dev
   hlo = timing.chain_loop(call, unroll).lower(
       carry, (), timing.sink_init(call, carry, ()), np.int32(1)).compile().as_text()
   return {"op": op, "devices": n, "ranks_per_device": ranks_per_device, "ranks": dp,
-          "need_sort": need_sort, "us": res["s"] * 1e6, "spread": res["spread"],
+          "need_sort": need_sort, "select": select, "us": res["s"] * 1e6, "spread": res["spread"],
           "collectives": ranks.collectives_in(hlo)}
 
 
@@ -136,12 +163,12 @@ def time_pool(load: Load, op: str, *, kernel: str, unroll: int, min_time: float,
   res = timing.chain_time(lambda c, i: (step(c), ()), carry, (), unroll=unroll,
                           min_time=min_time, reps=reps)
   return {"op": op, "devices": 1, "ranks_per_device": 0, "ranks": 0, "need_sort": False,
-          "us": res["s"] * 1e6, "spread": res["spread"], "collectives": {}}
+          "select": False, "us": res["s"] * 1e6, "spread": res["spread"], "collectives": {}}
 
 
 def run(load: Load, device_counts: Sequence[int], ranks_per_device: Sequence[int],
         ops: Sequence[str], *, need_sort: bool, kernel: str, unroll: int, min_time: float,
-        reps: int) -> List[Dict[str, Any]]:
+        reps: int, compare_select: bool = False) -> List[Dict[str, Any]]:
   devices = jax.devices()
   rows = []
   for op in ops:
@@ -153,9 +180,12 @@ def run(load: Load, device_counts: Sequence[int], ranks_per_device: Sequence[int
               file=sys.stderr)
         continue
       for r in ranks_per_device:
-        for ns in ((False, True) if need_sort else (False,)):
+        variants = [(False, False)] + ([(True, False)] if need_sort else [])
+        variants += [(True, True)] if compare_select else []
+        for ns, select in variants:
           rows.append(time_ranks(load, op, devices[:n], r, need_sort=ns, kernel=kernel,
-                                 unroll=unroll, min_time=min_time, reps=reps))
+                                 unroll=unroll, min_time=min_time, reps=reps,
+                                 select=select))
           print(_line(rows[-1]), file=sys.stderr)
   return rows
 
@@ -164,7 +194,8 @@ def _line(row: Dict[str, Any]) -> str:
   who = ("pool (no ranks)" if not row["ranks"] else
          f"{row['devices']} dev x {row['ranks_per_device']} rank(s)")
   coll = ", ".join(f"{k} x{v}" for k, v in row["collectives"].items()) or "none"
-  return (f"| {row['op']} | {who} | {'on' if row['need_sort'] else 'off'} | "
+  sort = ("on, plain cond" if row.get("select") else "on") if row["need_sort"] else "off"
+  return (f"| {row['op']} | {who} | {sort} | "
           f"{row['us']:.1f} | {row['spread']:.2f} | {coll} |")
 
 
@@ -190,6 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--extend-tokens", type=int, default=Load.extend_tokens)
   p.add_argument("--need-sort", action="store_true",
                  help="also time need_sort pools (the merge branch, never taken)")
+  p.add_argument("--compare-select", action="store_true",
+                 help="also time need_sort ranks with the merge as a plain lax.cond")
   p.add_argument("--kernel", default="auto")
   p.add_argument("--unroll", type=int, default=8)
   p.add_argument("--min-time", type=float, default=0.2)
@@ -202,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   ints = lambda s: [int(x) for x in s.split(",") if x]
   rows = run(load, ints(a.devices), ints(a.ranks_per_device), a.ops.split(","),
              need_sort=a.need_sort, kernel=a.kernel, unroll=a.unroll,
-             min_time=a.min_time, reps=a.reps)
+             min_time=a.min_time, reps=a.reps, compare_select=a.compare_select)
   platform = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
   print(table(rows, load, platform))
   if a.json:
