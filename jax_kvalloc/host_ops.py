@@ -175,3 +175,122 @@ def from_jax(state: AllocatorState) -> AllocatorState:
       free_ring=np.array(state.free_ring, np.int32), free_head=int(state.free_head),
       free_len=int(state.free_len), release_ring=np.array(state.release_ring, np.int32),
       release_head=int(state.release_head), release_len=int(state.release_len), debug=None)
+
+
+# ---------------------------------------------------------------------------------------
+# Small batches as Python ints. numpy costs about a microsecond per call whatever the
+# array size, so a batch of a few requests spends most of its time in call overhead; up
+# to SMALL_BATCH requests the same rules run on Python ints instead (slots are written
+# as runs of numpy slices, never token by token). Any argument these do not accept
+# (wrong type, a value the checks refuse) returns None and the caller takes the general
+# path, which validates and raises with the usual message (and takes batches of more
+# than SMALL_PAGES new pages, whose pages the small path would walk one by one). tests/test_host_backend.py
+# checks both paths against each other.
+# ---------------------------------------------------------------------------------------
+
+SMALL_BATCH = 8
+SMALL_PAGES = 64  # alloc_extend_small walks the new pages in Python: keep them few
+_INT32_MAX = 2**31 - 1
+
+
+def small_ints(x) -> "list | None":
+  """x as a list of Python ints when it is a 1-D integer numpy array or list of ints of
+  1..SMALL_BATCH entries; None otherwise."""
+  if type(x) is np.ndarray:
+    if x.ndim == 1 and x.dtype.kind in "iu" and 0 < x.shape[0] <= SMALL_BATCH:
+      return x.tolist()
+    return None
+  if type(x) is list and 0 < len(x) <= SMALL_BATCH and all(type(v) is int for v in x):
+    return x
+  return None
+
+
+def decode_plan_small(config: AllocatorConfig, seq: list, last: list) -> "int | None":
+  """Pages a small alloc_decode batch needs, or None if an argument fails a check."""
+  ps, slots = config.page_size, config.num_slots
+  if len(seq) != len(last):
+    return None
+  k = 0
+  for s, l in zip(seq, last):
+    if not (0 < s <= _INT32_MAX and -1 <= l < slots and (l + 2 - s) % ps == 0):
+      return None
+    k += (s - 1) % ps == 0  # the request's new token starts a page (SPEC 4.3)
+  return k
+
+
+def alloc_decode_small(config: AllocatorConfig, state: AllocatorState, seq: list,
+                       last: list, k: int) -> Tuple[AllocatorState, np.ndarray]:
+  """alloc_decode of a batch `decode_plan_small` accepted (k pages, known to fit)."""
+  ps = config.page_size
+  pages = []
+  if k:
+    state, window = _take(config, state, k)
+    pages = window.tolist()
+  out, j = [], 0
+  for s, l in zip(seq, last):
+    if (s - 1) % ps == 0:
+      out.append(pages[j] * ps)
+      j += 1
+    else:
+      out.append(l + 1)
+  return state, np.array(out, np.int32)
+
+
+def extend_plan_small(config: AllocatorConfig, pre: list, seq: list, last: list,
+                      extend_num_tokens) -> "Tuple[int, int] | None":
+  """(total tokens, new pages) of a small alloc_extend batch, or None if an argument
+  fails a check (extend_num_tokens included)."""
+  ps, slots = config.page_size, config.num_slots
+  if not len(pre) == len(seq) == len(last) or type(extend_num_tokens) is not int:
+    return None
+  total = pages = 0
+  for p, s, l in zip(pre, seq, last):
+    if not (0 <= p <= s <= _INT32_MAX and -1 <= l < slots and (l + 1 - p) % ps == 0):
+      return None
+    total += s - p
+    pages += -(-s // ps) + (-p // ps)
+  if total != extend_num_tokens or pages > SMALL_PAGES:
+    return None
+  return total, pages
+
+
+def alloc_extend_small(config: AllocatorConfig, state: AllocatorState, pre: list,
+                       seq: list, last: list, total: int,
+                       new_pages: int) -> Tuple[AllocatorState, np.ndarray]:
+  """alloc_extend (SPEC 4.2) of a batch `extend_plan_small` accepted, known to fit.
+
+  The output is runs of consecutive slots: each request's Part 1 (from last_loc + 1),
+  then each of its new pages (runs that continue one another, as consecutive free pages
+  do, merge). It is built as arange(total) plus one constant per run: a numpy call per
+  run instead of per token.
+  """
+  ps = config.page_size
+  state, window = _take(config, state, new_pages)
+  pages = window.tolist()
+  runs = []  # [output position, first slot, length]
+
+  def add(pos, start, n):
+    if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == start:
+      runs[-1][2] += n
+    else:
+      runs.append([pos, start, n])
+
+  pos = page = 0
+  for p, s, l in zip(pre, seq, last):
+    ext = s - p
+    if ext == 0:
+      continue
+    part1 = min(ext, -(-p // ps) * ps - p)
+    if part1:
+      add(pos, l + 1, part1)
+    done = part1
+    while done < ext:  # Parts 2 and 3: whole new pages, then the partial last one
+      n = min(ps, ext - done)
+      add(pos + done, pages[page] * ps, n)
+      page += 1
+      done += n
+    pos += ext
+  out = np.arange(total, dtype=np.int32)
+  for at, start, n in runs:
+    out[at:at + n] += start - at
+  return state, out

@@ -58,6 +58,12 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       (last_loc + 1) % page_size == prefix_lens % page_size, or a wrong extend_num_tokens
       or num_new_pages.
     """
+    if self.backend == "host" and not self._legacy and num_new_pages is None:
+      out = self._extend_small(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
+                               seq_lens if seq_lens_cpu is None else seq_lens_cpu,
+                               last_loc, extend_num_tokens)
+      if out is not False:
+        return out
     pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
                              "prefix_lens")
     seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
@@ -113,6 +119,11 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       arrays of different lengths, values beyond int32, seq_lens < 1, or a last_loc
       outside the pool or breaking (last_loc + 2) % page_size == seq_lens % page_size.
     """
+    if self.backend == "host" and not self._legacy:
+      out = self._decode_small(seq_lens if seq_lens_cpu is None else seq_lens_cpu,
+                               last_loc)
+      if out is not False:
+        return out
     seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
     last = validate.host_ints(last_loc, "last_loc")
     validate.decode_args(seq, last, page_size=self.page_size,
@@ -135,4 +146,40 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
     else:
       self._state, out = self._dev.alloc_decode(self._state, seq, last)
     self._free_len -= pages
+    return out
+
+  def _decode_small(self, seq_lens, last_loc):
+    """Host backend, a few requests: alloc_decode on Python ints (host_ops says why).
+    Returns False when the arguments need the general path (it validates and raises)."""
+    seq, last = host_ops.small_ints(seq_lens), host_ops.small_ints(last_loc)
+    if seq is None or last is None:
+      return False
+    pages = host_ops.decode_plan_small(self.config, seq, last)
+    if pages is None:
+      return False
+    self._merge_if(len(seq) > self._free_len)  # SPEC 4.3's need_sort trigger
+    if pages > self._free_len:
+      return None
+    self._state, out = host_ops.alloc_decode_small(self.config, self._state, seq, last,
+                                                   pages)
+    self._free_len -= pages
+    return out
+
+  def _extend_small(self, prefix_lens, seq_lens, last_loc, extend_num_tokens):
+    """Host backend, a few requests: alloc_extend on Python ints (host_ops says why).
+    Returns False when the arguments need the general path (it validates and raises)."""
+    pre, seq = host_ops.small_ints(prefix_lens), host_ops.small_ints(seq_lens)
+    last = host_ops.small_ints(last_loc)
+    if pre is None or seq is None or last is None:
+      return False
+    plan = host_ops.extend_plan_small(self.config, pre, seq, last, extend_num_tokens)
+    if plan is None:
+      return False
+    total, new_pages = plan
+    self._merge_if(total // self.page_size + len(pre) + 1 > self._free_len)
+    if new_pages > self._free_len:
+      return None
+    self._state, out = host_ops.alloc_extend_small(self.config, self._state, pre, seq,
+                                                   last, total, new_pages)
+    self._free_len -= new_pages
     return out

@@ -1,0 +1,110 @@
+"""The host backend (backend="host"): numpy results, its small-batch path (Python ints)
+equal to its general vectorized path and to the device backend, O(1) snapshots that copy
+a ring only when a free writes it."""
+import numpy as np
+import pytest
+
+import jax_kvalloc as kv
+from jax_kvalloc import host_ops
+from serving_driver import run_workload
+
+
+def _pair(ps, num_pages, need_sort):
+  return [kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+                                         backend=b, debug=False) for b in ("host", "device")]
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_small_path_matches_general_path_and_device(ps, need_sort, monkeypatch):
+  rng = np.random.default_rng(ps)
+  small, dev = _pair(ps, 64, need_sort)
+  general = kv.PagedTokenToKVPoolAllocator(64 * ps, ps, need_sort=need_sort, backend="host",
+                                           debug=False)
+  lens = []  # live requests: (seq_len, last slot)
+  for step in range(80):
+    if rng.random() < 0.5 or not lens:
+      bs = int(rng.integers(1, 9))
+      pre = np.zeros(bs, np.int64)
+      seq = rng.integers(0, 3 * ps + 3, bs)
+      args = (pre, pre, seq, seq, np.full(bs, -1), int(seq.sum()))
+      outs = [a.alloc_extend(*args) for a in (small, dev)]
+      with monkeypatch.context() as m:
+        m.setattr(host_ops, "SMALL_BATCH", 0)
+        outs.append(general.alloc_extend(*args))
+      if outs[0] is not None:
+        starts = np.concatenate([[0], np.cumsum(seq)])
+        lens += [(int(s), int(outs[0][starts[i + 1] - 1])) for i, s in enumerate(seq) if s]
+    else:
+      pick = lens[: int(rng.integers(1, 9))]
+      seq = np.array([s + 1 for s, _ in pick])
+      last = np.array([l for _, l in pick])
+      outs = [a.alloc_decode(seq, None, last) for a in (small, dev)]
+      with monkeypatch.context() as m:
+        m.setattr(host_ops, "SMALL_BATCH", 0)
+        outs.append(general.alloc_decode(seq, None, last))
+      if outs[0] is not None:
+        lens = [(s + 1, int(o)) for (s, _), o in zip(pick, outs[0])] + lens[len(pick):]
+    assert (outs[0] is None) == (outs[1] is None) == (outs[2] is None), step
+    if outs[0] is not None:
+      assert isinstance(outs[0], np.ndarray) and outs[0].dtype == np.int32
+      np.testing.assert_array_equal(outs[0], np.asarray(outs[1]), err_msg=f"step {step}")
+      np.testing.assert_array_equal(outs[0], outs[2], err_msg=f"step {step}")
+    if rng.random() < 0.15:
+      for a in (small, dev, general):
+        a.clear()
+      lens = []
+
+
+@pytest.mark.parametrize("kind,ps", [("token", 1), ("paged", 4)])
+def test_general_path_on_random_traces(kind, ps, monkeypatch):
+  monkeypatch.setattr(host_ops, "SMALL_BATCH", 0)
+  for need_sort in (False, True):
+    if kind == "token":
+      impl = kv.TokenToKVPoolAllocator(40, need_sort=need_sort, backend="host")
+    else:
+      impl = kv.PagedTokenToKVPoolAllocator(24 * ps, ps, need_sort=need_sort, backend="host")
+    run_workload(impl, size=impl.size, page_size=ps, need_sort=need_sort, kind=kind,
+                 steps=120, seed=5)
+
+
+def test_small_path_refuses_bad_input_with_the_usual_message():
+  a = kv.PagedTokenToKVPoolAllocator(64, 4, backend="host")
+  with pytest.raises(ValueError, match=r"last_loc\[0\]=4 breaks"):
+    a.alloc_decode([3], None, [4])
+  with pytest.raises(ValueError, match="extend_num_tokens=4 != "):
+    a.alloc_extend([0], None, [3], None, [-1], 4)
+  with pytest.raises(TypeError):
+    a.alloc_decode(np.array([3.0]), None, np.array([4]))
+  assert a.available_size() == 64
+
+
+def test_snapshots_are_o1_and_copy_on_write():
+  a = kv.PagedTokenToKVPoolAllocator(64 * 4, 4, backend="host")
+  out = a.alloc(16)
+  ring = a._state.free_ring  # pylint: disable=protected-access
+  snap = a.backup_state()
+  a.alloc(8)                   # allocation never writes the ring: still shared, no copy
+  assert a._state.free_ring is ring  # pylint: disable=protected-access
+  a.restore_state(snap)
+  assert a._state.free_ring is ring  # pylint: disable=protected-access
+  a.free(out)                  # the first write copies (the snapshot keeps its ring)
+  assert a._state.free_ring is not ring  # pylint: disable=protected-access
+  before = a._state.free_ring  # pylint: disable=protected-access
+  a.free(a.alloc(8))           # no snapshot holds the new ring: written in place
+  assert a._state.free_ring is before  # pylint: disable=protected-access
+  a.restore_state(snap)
+  np.testing.assert_array_equal(a.free_pages, np.arange(5, 65))
+  assert a.available_size() == 60 * 4
+
+
+def test_device_snapshot_restore_copies_nothing():
+  a = kv.PagedTokenToKVPoolAllocator(64 * 4, 4, kernel="jnp")
+  a.alloc(16)
+  snap = a.backup_state()
+  ring = a._state.free_ring  # pylint: disable=protected-access
+  for _ in range(3):
+    a.restore_state(snap)
+    a.alloc_decode(np.array([5, 9]), None, np.array([19, 23]))
+    assert a._state.free_ring is ring  # pylint: disable=protected-access
+  assert not ring.is_deleted()
