@@ -64,16 +64,38 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, pre: np.ndarray
                  new_pages: int) -> Tuple[AllocatorState, np.ndarray]:
   """A prefill batch's slots (SPEC 4.2). pre/seq/last: i64[bs]; total = sum(seq - pre),
   new_pages its page count (both from validate.extend_args). Returns (state,
-  i32[total])."""
+  i32[total]).
+
+  index_jnp.extend_indices' rule (each request: Part 1 from last_loc + 1, then its new
+  pages in order) in a host form that does per-token work only three times: the output
+  is runs of consecutive slots (a request's Part 1; each new page), so it is
+  arange(total) plus each run's offset repeated over the run. Everything else is per
+  request or per page. tests/test_host_backend.py checks it against extend_indices.
+  """
   ps = config.page_size
+  bs = pre.shape[0]
   ext = seq - pre
+  first_new = -(-pre // ps)                      # ceil(pre / ps)
+  part1 = np.minimum(ext, first_new * ps - pre)  # the rest of the current page
+  per_row = -(-seq // ps) - first_new            # new pages per request
   tok_start = np.cumsum(ext) - ext
-  per_row = index_jnp.cdiv(seq, ps) - index_jnp.cdiv(pre, ps)
   page_start = np.cumsum(per_row) - per_row
   state, window = _take(config, state, new_pages)
-  out = index_jnp.extend_indices(window if new_pages else _EMPTY_WINDOW, pre, seq, last,
-                                 tok_start, page_start, page_size=ps, out_len=total, xp=np)
-  return state, out
+  owner = np.repeat(np.arange(bs), per_row)      # request of each new page
+  k = np.arange(new_pages) - page_start[owner]   # the page's rank within its request
+  # Runs in output order: request r's Part 1 run, then its page runs.
+  starts = np.empty((bs + new_pages,), np.int64)
+  lens = np.empty((bs + new_pages,), np.int64)
+  pos = np.empty((bs + new_pages,), np.int64)
+  r1 = page_start + np.arange(bs)
+  starts[r1], lens[r1], pos[r1] = last + 1, part1, tok_start
+  r2 = np.arange(new_pages) + owner + 1
+  run_pos = tok_start[owner] + part1[owner] + k * ps
+  starts[r2] = window * ps
+  lens[r2] = np.minimum(ps, tok_start[owner] + ext[owner] - run_pos)
+  pos[r2] = run_pos
+  out = np.repeat(starts - pos, lens) + np.arange(total)
+  return state, out.astype(np.int32)
 
 
 def decode_pages(config: AllocatorConfig, seq: np.ndarray) -> Tuple[np.ndarray, int]:

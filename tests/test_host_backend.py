@@ -108,3 +108,27 @@ def test_device_snapshot_restore_copies_nothing():
     a.alloc_decode(np.array([5, 9]), None, np.array([19, 23]))
     assert a._state.free_ring is ring  # pylint: disable=protected-access
   assert not ring.is_deleted()
+
+
+@pytest.mark.parametrize("ps", [1, 2, 4, 16])
+def test_host_extend_runs_equal_the_shared_index_rule(ps):
+  """host_ops.alloc_extend (runs of slots) == index_jnp.extend_indices with xp=numpy."""
+  from jax_kvalloc import index_jnp  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(ps)
+  cfg = kv.AllocatorConfig(size=4096 * ps, page_size=ps, kind="paged")
+  for _ in range(50):
+    bs = int(rng.integers(1, 40))
+    pre = rng.integers(0, 5 * ps, bs)
+    seq = pre + rng.integers(0, 4 * ps, bs) * (rng.random(bs) < 0.9)
+    last = np.where(pre > 0, ps * rng.integers(1, 4000, bs) + (pre - 1) % ps, -1)
+    ext = seq - pre
+    per_row = -(-seq // ps) - (-(-pre // ps))
+    total, pages = int(ext.sum()), int(per_row.sum())
+    state = host_ops.init(cfg)
+    state = state._replace(free_ring=rng.permutation(state.free_ring).astype(np.int32))
+    window = np.array(state.free_ring[:max(pages, 1)])
+    _, got = host_ops.alloc_extend(cfg, state, pre, seq, last, total, pages)
+    want = index_jnp.extend_indices(window, pre, seq, last, np.cumsum(ext) - ext,
+                                    np.cumsum(per_row) - per_row, page_size=ps,
+                                    out_len=total, xp=np)
+    np.testing.assert_array_equal(got, want)
