@@ -246,8 +246,7 @@ def alloc_decode_small(config: AllocatorConfig, state: AllocatorState, seq: list
   ps = config.page_size
   pages = []
   if k:
-    state, window = _take(config, state, k)
-    pages = window.tolist()
+    state, pages = _take_list(config, state, k)
   out, j = [], 0
   for s, l in zip(seq, last):
     if (s - 1) % ps == 0:
@@ -276,27 +275,32 @@ def extend_plan_small(config: AllocatorConfig, pre: list, seq: list, last: list,
   return total, pages
 
 
+def _take_list(config: AllocatorConfig, state: AllocatorState,
+               k: int) -> Tuple[AllocatorState, list]:
+  """_take for the small paths: the pages as a list, the state rebuilt without the
+  namedtuple's (slow) _replace."""
+  ring, head, length = state.free_ring, state.free_head, state.free_len
+  cap = ring.shape[0]
+  if head + k <= cap:
+    pages = ring[head:head + k].tolist()
+  else:
+    pages = ring[head:].tolist() + ring[:head + k - cap].tolist()
+  return AllocatorState(ring, (head + k) % cap, length - k, *state[3:]), pages
+
+
 def alloc_extend_small(config: AllocatorConfig, state: AllocatorState, pre: list,
                        seq: list, last: list, total: int,
                        new_pages: int) -> Tuple[AllocatorState, np.ndarray]:
   """alloc_extend (SPEC 4.2) of a batch `extend_plan_small` accepted, known to fit.
 
   The output is runs of consecutive slots: each request's Part 1 (from last_loc + 1),
-  then each of its new pages (runs that continue one another, as consecutive free pages
-  do, merge). It is built as arange(total) plus one constant per run: a numpy call per
-  run instead of per token.
+  then its new pages (one run when they are consecutive page ids, as a fresh or
+  LIFO-recycled free list mostly gives; else a run per page). It is built as
+  arange(total) plus one constant per run: a numpy call per run, never per token.
   """
   ps = config.page_size
-  state, window = _take(config, state, new_pages)
-  pages = window.tolist()
-  runs = []  # [output position, first slot, length]
-
-  def add(pos, start, n):
-    if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == start:
-      runs[-1][2] += n
-    else:
-      runs.append([pos, start, n])
-
+  state, pages = _take_list(config, state, new_pages)
+  runs = []  # (output position, first slot, length)
   pos = page = 0
   for p, s, l in zip(pre, seq, last):
     ext = s - p
@@ -304,15 +308,24 @@ def alloc_extend_small(config: AllocatorConfig, state: AllocatorState, pre: list
       continue
     part1 = min(ext, -(-p // ps) * ps - p)
     if part1:
-      add(pos, l + 1, part1)
-    done = part1
-    while done < ext:  # Parts 2 and 3: whole new pages, then the partial last one
-      n = min(ps, ext - done)
-      add(pos + done, pages[page] * ps, n)
-      page += 1
-      done += n
+      runs.append((pos, l + 1, part1))
+    rest = ext - part1
+    if rest:
+      n = -(-rest // ps)  # the request's new pages (Parts 2 and 3)
+      mine = pages[page:page + n]
+      at = pos + part1
+      if mine[-1] - mine[0] == n - 1 and mine == list(range(mine[0], mine[0] + n)):
+        runs.append((at, mine[0] * ps, rest))
+      else:
+        for q, pg in enumerate(mine):
+          runs.append((at + q * ps, pg * ps, min(ps, rest - q * ps)))
+      page += n
     pos += ext
+  if len(runs) == 1:
+    at, start, n = runs[0]
+    return state, np.arange(start, start + n, dtype=np.int32)
   out = np.arange(total, dtype=np.int32)
   for at, start, n in runs:
-    out[at:at + n] += start - at
+    if start != at:
+      out[at:at + n] += start - at
   return state, out

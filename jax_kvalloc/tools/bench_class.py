@@ -24,6 +24,10 @@ Rows (page size --page-size, pool --pool slots):
 
 Writes a JSON record (--json) and prints a table with each implementation's median and
 the ratios to sglang-jax (CPU target: host >= 1.5x faster) and to SGLang's class.
+
+--stalls N (device backend only): N random alloc_extend + free calls (1..--stall-max-batch
+requests) on a fresh allocator, once cold and once after `warmup(...)` up to the same
+maxima; reports the calls slower than 50 ms and their total (compile stalls).
 """
 from __future__ import annotations
 
@@ -204,6 +208,38 @@ def run_row(impl: _Impl, row: Dict[str, Any], reps: int) -> Dict[str, float]:
   return _time(lambda: impl.a.free(holder["idx"]), before, reps, impl.sync)
 
 
+def stalls(args) -> Dict[str, Any]:
+  """Compile stalls of a random serving sequence, cold and after warm-up."""
+  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
+  ps, max_bs = args.page_size, args.stall_max_batch
+  max_tokens = max_bs * args.extend_tokens
+  out = {}
+  for mode in ("cold", "warm"):
+    a = kv.PagedTokenToKVPoolAllocator(args.pool, ps, device=args.device, debug=False)
+    warm_s = 0.0
+    if mode == "warm":
+      warm_s = a.warmup(max_batch=max_bs, max_tokens=max_tokens).seconds
+    rng = np.random.default_rng(1)
+    times = []
+    for _ in range(args.stalls):
+      bs = int(rng.integers(1, max_bs + 1))
+      z = np.zeros(bs, np.int64)
+      seq = rng.integers(1, args.extend_tokens + 1, bs)
+      t0 = time.perf_counter()
+      got = a.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum()))
+      if got is not None:
+        a.free(ps * np.arange(1, bs + 1))  # host data: a slot of each of pages 1..bs
+      times.append(time.perf_counter() - t0)
+      a.clear()
+    slow = [t for t in times if t > 0.05]
+    out[mode] = {"calls": len(times), "stalls_over_50ms": len(slow),
+                 "stall_s": sum(slow), "median_us": statistics.median(times) * 1e6,
+                 "warmup_s": warm_s}
+    print(f"  stalls {mode}: {len(slow)} of {len(times)} calls > 50 ms, {sum(slow):.2f} s"
+          f" (warm-up {warm_s:.1f} s)", flush=True)
+  return out
+
+
 def run(args) -> Dict[str, Any]:
   rows = _rows(args)
   results: Dict[str, Dict[str, Any]] = {}
@@ -223,9 +259,12 @@ def run(args) -> Dict[str, Any]:
         results.setdefault(key, {})[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
       print(f"  {key:28s} {name:10s} "
             f"{results[key][name].get('median_us', float('nan')):10.1f} us", flush=True)
-  return {"machine": platform.node(), "python": sys.version.split()[0],
-          "platform": _platform(), "pool": args.pool, "page_size": args.page_size,
-          "reps": args.reps, "skipped": skipped, "rows": results}
+  record = {"machine": platform.node(), "python": sys.version.split()[0],
+            "platform": _platform(), "pool": args.pool, "page_size": args.page_size,
+            "reps": args.reps, "skipped": skipped, "rows": results}
+  if args.stalls:
+    record["stalls"] = stalls(args)
+  return record
 
 
 def _platform() -> str:
@@ -248,6 +287,9 @@ def table(record: Dict[str, Any]) -> str:
     lines.append(f"{key:28s}{cells}     {ratio('host', 'sgljax')}     {ratio('device', 'sglang')}")
   for name, why in record["skipped"].items():
     lines.append(f"skipped {name}: {why}")
+  for mode, st in record.get("stalls", {}).items():
+    lines.append(f"stalls ({mode}): {st['stalls_over_50ms']} of {st['calls']} calls over "
+                 f"50 ms, {st['stall_s']:.2f} s in all; warm-up {st['warmup_s']:.1f} s")
   return "\n".join(lines)
 
 
@@ -277,6 +319,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--restore-free", type=ints, default=[1024])
   p.add_argument("--reps", type=int, default=50)
   p.add_argument("--json", default=None, help="write the record here")
+  p.add_argument("--stalls", type=int, default=0,
+                 help="random alloc_extend+free calls for the compile-stall count (0: off)")
+  p.add_argument("--stall-max-batch", type=int, default=256)
 
 
 def main_args(args) -> int:
