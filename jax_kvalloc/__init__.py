@@ -13,7 +13,9 @@ Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) an
   ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool along a leading
   axis, optionally sharded over a mesh (shard_map, no collectives).
 SGLang-compatible classes on top:
-  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator.
+  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator (backend="device": jax arrays, no
+  waits; backend="host": NumPy), with `warmup(...)`; jax_kvalloc.warmup also has
+  warmup_calls (functional API) and enable_persistent_cache.
 """
 from jax_kvalloc.allocation import alloc
 from jax_kvalloc.allocator import Allocator
@@ -50,6 +52,9 @@ from jax_kvalloc.state import init
 from jax_kvalloc.state import live_free_pages
 from jax_kvalloc.state import live_release_pages
 from jax_kvalloc.token import TokenToKVPoolAllocator
+from jax_kvalloc.warmup import WarmupReport
+from jax_kvalloc.warmup import enable_persistent_cache
+from jax_kvalloc.warmup import warmup_calls
 
 __version__ = "0.1.0"
 
@@ -64,6 +69,7 @@ __all__ = [
     "RankedAllocator",
     "RequestTable",
     "TokenToKVPoolAllocator",
+    "WarmupReport",
     "admit_rows",
     "alloc",
     "alloc_decode",
@@ -72,6 +78,7 @@ __all__ = [
     "available_size",
     "borrow_pages",
     "decode_rows",
+    "enable_persistent_cache",
     "extend_rows",
     "free",
     "free_full",
@@ -89,4 +96,5 @@ __all__ = [
     "ranks_allocator",
     "release_rows",
     "token_allocator",
+    "warmup_calls",
 ]
