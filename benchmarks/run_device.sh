@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The accelerator run behind BENCHMARKS.md, on a 2-GPU machine (one GPU each, in parallel):
-#   GPU 0: `jax-kvalloc bench` (microbenchmarks: Pallas, jnp, torch_ref and SGLang's
-#          released kernels side by side; serving loop), --extra-consumer, JSON + plot;
+# The accelerator run behind BENCHMARKS.md, on a 2-GPU machine (one GPU each, in parallel;
+# on one GPU set GPU1=0):
+#   GPU 0: `jax-kvalloc bench` microbenchmarks of decode and extend: Pallas (linked and
+#          bare), jnp, torch_ref and SGLang's released kernels side by side; JSON + plot;
 #   GPU 1: the GPU tests (tests/test_pallas_gpu.py), a check that kernel="auto" compiles
-#          to one branch on the GPU, then the kernel tunings (tests/gpu_check.py).
-# SGLang's kernels file is not in the repository: pass its path (an ignored folder that
-# travels with the run), e.g. SGLANG_KERNELS=.sglang_kernels/allocator.py.
+#          to one branch on the GPU, then `bench --ops free --extra-consumer` and the
+#          serving loop (`bench --no-micro`).
+# EXTRA=--extra-consumer adds the one-more-consumer check to GPU 0's run (it then needs
+# about 530 s). SGLang's kernels file is not in the repository: pass its path (an ignored
+# folder that travels with the run), e.g. SGLANG_KERNELS=.sglang_kernels/allocator.py.
 # Writes into $OUT (default benchmarks/out). Run from the repository root:
 #   SGLANG_KERNELS=.sglang_kernels/allocator.py bash benchmarks/run_device.sh
 set -u
@@ -24,12 +27,13 @@ SGL=${SGLANG_KERNELS:+--sglang-kernels $SGLANG_KERNELS}
 'triton', triton.__version__, jax.devices())" 2>&1
   [ -n "${SGLANG_KERNELS:-}" ] && cat "$(dirname "$SGLANG_KERNELS")/VERSION" 2>/dev/null
 } > "$OUT/machine.txt"
-( CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_TIMEOUT:-530}" $PY -m jax_kvalloc bench \
-    --no-progress --extra-consumer $SGL --json "$OUT/bench.json" --plot "$OUT/bench.png" \
-    ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1; echo "bench exit $?" >> "$OUT/bench.txt" ) &
+( CUDA_VISIBLE_DEVICES=${GPU0:-0} timeout "${BENCH_TIMEOUT:-500}" $PY -m jax_kvalloc bench \
+    --no-progress --ops decode,extend --no-serving --bare ${EXTRA:-} $SGL \
+    --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
+  echo "bench exit $?" >> "$OUT/bench.txt" ) &
 BENCH=$!
 (
-  export CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=${GPU1:-1}
   $PY - <<'PY' 2>&1
 import functools, jax, jax.numpy as jnp
 import jax_kvalloc as kv
@@ -40,13 +44,16 @@ hlo = jax.jit(functools.partial(kv.alloc_decode, cfg)).lower(
 print("auto on GPU: conditional in compiled HLO:", "conditional" in hlo,
       "| triton custom calls:", hlo.count("__gpu$xla.gpu.triton"))
 PY
-  timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -m gpu -x -p no:cacheprovider \
+  timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -m gpu -x -p no:cacheprovider \
     tests/test_pallas_gpu.py 2>&1 | tail -n 15
   echo "gpu tests exit ${PIPESTATUS[0]}"
-  timeout "${TUNE_TIMEOUT:-280}" $PY tests/gpu_check.py --no-tests --budget 250 \
-    --out "$OUT" 2>&1 | tail -n 40
+  timeout "${FREE_TIMEOUT:-120}" $PY -m jax_kvalloc bench --no-progress --ops free \
+    --paths jnp,torch --no-serving --extra-consumer --json "$OUT/bench_free.json" 2>&1 | \
+    tail -n 16
+  timeout "${SERVING_TIMEOUT:-150}" $PY -m jax_kvalloc bench --no-progress --no-micro \
+    --json "$OUT/bench_serving.json" 2>&1 | tail -n 16
 ) > "$OUT/gpu1.txt" 2>&1
 wait $BENCH
 cat "$OUT/machine.txt"
 cat "$OUT/gpu1.txt"
-tail -n 75 "$OUT/bench.txt"
+tail -n 60 "$OUT/bench.txt"

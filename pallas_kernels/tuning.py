@@ -1,37 +1,21 @@
 """Tile sizes and warp counts of the Triton kernels, from H200 measurements.
 
-Source: `python -m pallas_kernels.gpu_check` on an NVIDIA H200, jax 0.11.2, triton 3.6.0,
-2026-11-30 (whole jitted alloc calls, fori_loop of 32 dependent calls, slope; us/call,
-the loop's floor of 1.09 us/call included; page_size 16):
+Source: `tests/gpu_check.py` on an NVIDIA H200 (2026-11-30, jax 0.11.2, triton 3.6.0;
+benchmarks/h200_machine.txt), alloc_extend_triton timed in the bench harness
+(jax_kvalloc.tools.timing: every output consumed, calls linked), page size 64, us/call:
 
-  fused extend (tile, warps)  (256, 1)  (512, 2)  (1024, 4)  (2048, 8)
-    bs 1,    8k tokens          2.70      2.56      2.73       2.73
-    bs 16,   65k tokens         3.70      3.93        -        4.56
-    bs 256,  65k tokens         5.22      4.72      5.58       6.14
-    bs 1024, 65k tokens        10.01      7.27      6.83       6.62
-  fused decode warps            1         2         4
-    bs 1                        1.43      1.51      1.49
-    bs 64                       1.69      1.70      1.66
-    bs 256                      3.53      1.85      1.70
-  fused decode bs 16384 (row block, warps): (2048, 16) 4.54, (4096, 8) 11.61,
-    (16384, 16) 14.73.
+  fused extend          default  (256,1)  (1024,4)  (2048,8)  one-hot: default  8 warps  tile 128
+    bs 1,   8k tokens     5.68     5.78     5.61      5.70            9.30      6.78     4.85
+    bs 16,  8k tokens     7.04     6.89     7.04      7.60           20.71     13.09    11.43
+    bs 64,  33k tokens    7.95     7.76     7.74      8.40           15.85     13.40    16.04
+    bs 256, 65k tokens    8.39     8.58     8.92      9.85           44.48     98.18    72.23
 
-Every configuration in the table was checked bit for bit against the jnp path on the
-H200 (tests/test_pallas_gpu.py); the kernels are correct for any power-of-two choice.
-
-Whole-call times with the defaults of that run (extend tile 1024 / 4 warps, decode 1 warp
-up to 256 rows; the choices below replace those where the table says so), us/call:
-
-  decode  bs        1     64    256   1024   4096  16384
-          ps 16   1.43  1.69  3.53*  2.75   3.77   4.54     (* 1.70 with 4 warps)
-          ps 1    1.42  1.70  3.99*  2.47   3.71   6.54
-  extend  bs/tok  1/8k  1/65k  16/8k  64/65k  256/8k  256/65k  1024/65k
-          ps 16   2.73  2.70   4.21   4.30    7.15    5.58     6.83
-          ps 1    2.50  2.53   4.02   4.09    7.31    5.37     6.45
-
-That run's extend rows for 4096 and 16384 requests (262k tokens; the contract path) are
-not valid: the kernel's only output was unused and XLA pruned it (gpu_check now folds it
-into a sink). Its jnp-path numbers are lower bounds: XLA fuses across the chained calls.
+The defaults are within the noise of the best (tile, warps) at every size; the one-hot
+row search (EXTEND_ONEHOT_MAX_ROWS) wins only at one row. The decode tunings were not
+reached in that run. Figures from the earlier loop (which kept one call's outputs and
+let XLA drop the rest) were removed. Every configuration is checked bit for bit against
+the jnp path (tests/test_pallas_gpu.py); the kernels are correct for any power-of-two
+choice.
 """
 from __future__ import annotations
 

@@ -63,6 +63,7 @@ class BenchConfig:
   serving: bool = True
   sglang_kernels: Optional[str] = None
   extra_consumer: bool = False
+  bare: bool = False
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -105,6 +106,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="SGLang's sglang/kernels/ops/memory/allocator.py (from the sglang wheel; it "
     "imports only torch and triton): its Triton kernels are timed in the same run "
     "(CUDA only)")
+  a("--bare", action="store_true",
+    help="also time the pallas call unlinked where it compiles to one kernel launch "
+    "(comparable with SGLang's kernel alone, 'SGLang bare')")
   a("--extra-consumer", action="store_true",
     help="time every JAX figure a second time with one more consumer of the call's "
     "outputs and report the change (a figure that moves was not counting all its work)")
@@ -185,7 +189,7 @@ def resolve(args) -> Tuple[BenchConfig, List[str]]:
       serving_steps=args.serving_steps or (50 if q else 1000),
       serving_warmup=5 if q else 20, seed=args.seed, micro=not args.no_micro,
       serving=not args.no_serving, sglang_kernels=sglang_kernels,
-      extra_consumer=args.extra_consumer)
+      extra_consumer=args.extra_consumer, bare=args.bare)
   return cfg, notes
 
 
@@ -233,7 +237,7 @@ def run(cfg: BenchConfig, *, progress: bool = True,
         ops=(op,), paths=jax_paths, torch_on=torch_on, batch_sizes=cfg.batch_sizes,
         extend_cases=cfg.extend_cases, page_size=cfg.page_size, unroll=cfg.unroll,
         min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, sglang=sglang,
-        extra_consumer=cfg.extra_consumer, progress=tick)
+        extra_consumer=cfg.extra_consumer, bare=cfg.bare, progress=tick)
     save(result)
 
   ops = list(cfg.ops if cfg.micro else ())
@@ -286,6 +290,9 @@ def micro_tables(result: Dict[str, Any]) -> str:
       header += ["jnp eager host (us)"]
     if torch_on:
       header += ["torch_ref (us)"]
+    bare = any("bare_us" in c for r in rows for c in r["jax"].values())
+    if bare:
+      header += ["pallas bare (us)"]
     if sgl:
       header += ["SGLang (us)", "SGLang bare (us)"]
     if torch_on:
@@ -293,6 +300,8 @@ def micro_tables(result: Dict[str, Any]) -> str:
       header += ["torch_ref / jnp host"] if op == "free" else []
     if sgl:
       header += [f"SGLang / {p}" for p in paths]
+    if sgl and bare:
+      header += ["SGLang bare / pallas bare"]
     if extra:
       header += [f"{p} +1 consumer" for p in paths]
     header += ["check"]
@@ -308,6 +317,9 @@ def micro_tables(result: Dict[str, Any]) -> str:
       g = _us(r.get("sglang"))
       if torch_on:
         cells.append(fmt_us(t) if t is not None else "error")
+      pb = (r["jax"].get("pallas") or {}).get("bare_us")
+      if bare:
+        cells.append(fmt_us(pb))
       if sgl:
         cells += [fmt_us(g) if g is not None else "error",
                   fmt_us((r.get("sglang") or {}).get("bare_us"))]
@@ -318,6 +330,8 @@ def micro_tables(result: Dict[str, Any]) -> str:
           cells += [fmt_ratio(_ratio(t, j[p])) for p in paths]
       if sgl:
         cells += [fmt_ratio(_ratio(g, j[p])) for p in paths]
+      if sgl and bare:
+        cells.append(fmt_ratio(_ratio((r.get("sglang") or {}).get("bare_us"), pb)))
       if extra:
         cells += [f"{100 * r['jax'][p]['extra_consumer_change']:+.0f}%"
                   if "extra_consumer_change" in (r["jax"].get(p) or {}) else "-"
@@ -404,6 +418,18 @@ def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
                   f"worst bs={worst['bs']}: {_us(worst[ref]) / t(worst):.2f}x"
                   + (f"; slower at bs {', '.join(str(r['bs']) for r in slower)}"
                      if slower else ""),
+                  "met" if not slower else f"MISSED at {len(slower)}/{len(cmp)}"))
+    tb = lambda r: (r["jax"].get("pallas") or {}).get("bare_us")
+    gb = lambda r: (r.get("sglang") or {}).get("bare_us")
+    cmp = [r for r in rows if tb(r) and gb(r)]
+    if cmp:
+      slower = [r for r in cmp if tb(r) > gb(r)]
+      worst = min(cmp, key=lambda r: gb(r) / tb(r))
+      out.append((f"{op}: pallas kernel at least as fast as SGLang's kernel, both bare "
+                  f"(same run) at every size", f"worst bs={worst['bs']}: "
+                  f"{gb(worst) / tb(worst):.2f}x" + (
+                      f"; slower at bs {', '.join(str(r['bs']) for r in slower)}"
+                      if slower else ""),
                   "met" if not slower else f"MISSED at {len(slower)}/{len(cmp)}"))
     big = sorted((r for r in rows if r["bs"] >= 1024), key=lambda r: r["bs"])
     if len(big) >= 2:

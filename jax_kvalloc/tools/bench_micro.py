@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -148,11 +149,22 @@ def _jax_output(case: Case, once) -> np.ndarray:
 
 
 def time_jax(case: Case, path: str, *, unroll: int, min_time: float, reps: int,
-             consumers: int = 1) -> Tuple[Dict[str, float], np.ndarray]:
+             consumers: int = 1, linked: bool = True) -> Tuple[Dict[str, float], np.ndarray]:
   once, call, carry, inputs = jax_call(case, path)
   out = _jax_output(case, once)
   return bt.chain_time(call, carry, inputs, unroll=unroll, min_time=min_time, reps=reps,
-                       consumers=consumers), out
+                       consumers=consumers, linked=linked), out
+
+
+def one_custom_call(case: Case, path: str) -> bool:
+  """Whether the compiled call is a single kernel launch of ours and nothing else that
+  launches (the condition under which a bare, unlinked chain loses no work)."""
+  _, call, carry, inputs = jax_call(case, path)
+  text = jax.jit(call).lower(carry, inputs).compile().as_text()
+  body = text[text.index("ENTRY"):]
+  launches = len(re.findall(r"= [^=]*? (fusion|custom-call|gather|scatter|sort|reduce)\(",
+                            body))
+  return body.count("custom-call(") == 1 and launches == 1
 
 
 def time_floor(case: Case, *, unroll: int, min_time: float, reps: int) -> Dict[str, float]:
@@ -349,11 +361,14 @@ def _jax_host_free(case: Case, *, min_time: float, reps: int) -> Dict[str, float
 def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         batch_sizes: Sequence[int], extend_cases: Sequence[Tuple[int, int]],
         page_size: int, unroll: int, min_time: float, reps: int, seed: int,
-        sglang=None, extra_consumer: bool = False, progress=None) -> List[Dict[str, Any]]:
+        sglang=None, extra_consumer: bool = False, bare: bool = False,
+        progress=None) -> List[Dict[str, Any]]:
   """Times every case; returns one row (dict) per case. `sglang`: the module of
   `load_sglang_kernels` (or None). `extra_consumer`: time every JAX path a second time
-  with one more consumer of its outputs (timing.chain_time consumers=2). `progress(desc)`
-  is called before each measurement."""
+  with one more consumer of its outputs (timing.chain_time consumers=2). `bare`: also
+  time the "pallas" call unlinked where it compiles to one kernel launch (the figure
+  comparable with SGLang's kernel alone). `progress(desc)` is called before each
+  measurement."""
   rows = []
   for op, bs, tokens in cases(ops, batch_sizes, extend_cases):
     case = make_case(op, bs, tokens, page_size, seed)   # one draw for every path
@@ -373,6 +388,15 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         continue
       cell = {"us": timing["s"] * 1e6, "min_us": timing["min_s"] * 1e6,
               "spread": timing["spread"], "compile_s": timing["compile_s"]}
+      if bare and path == "pallas" and op != "free":
+        try:
+          cell["single_launch"] = one_custom_call(case, path)
+          if cell["single_launch"]:
+            tb, _ = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps,
+                             linked=False)
+            cell["bare_us"] = tb["s"] * 1e6
+        except Exception as e:  # pylint: disable=broad-except
+          cell["bare_error"] = _err(e)["error"]
       if extra_consumer:
         t2, _ = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps,
                          consumers=2)

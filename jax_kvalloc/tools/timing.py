@@ -90,9 +90,14 @@ def _xor_fold(folds, outs_per_call):
   return tuple(out)
 
 
-def chain_loop(call: Call, unroll: int, consumers: int = 1):
+def chain_loop(call: Call, unroll: int, consumers: int = 1, linked: bool = True):
   """jit(carry, inputs, sink, n) -> (carry, inputs, sink) after n iterations of `unroll`
-  chained, linked calls (see the module docstring). `sink` from `sink_init`."""
+  chained, linked calls (see the module docstring). `sink` from `sink_init`.
+
+  linked=False ("bare") drops the link: only the call's scalar outputs reach the sink and
+  the inputs stay the same. That is valid only for a call that is one custom call (a
+  fused Pallas kernel): XLA never runs part of one, and the next call depends on it
+  through the carry; for anything else XLA may drop or hoist work."""
   barrier = jax.lax.optimization_barrier
 
   @jax.jit
@@ -104,8 +109,11 @@ def chain_loop(call: Call, unroll: int, consumers: int = 1):
       for _ in range(unroll):
         carry, inputs, outs = barrier((carry, inputs, outs))
         carry, out = call(carry, inputs)
-        dep = link(out)
-        inputs = _add(inputs, dep)
+        if linked:
+          dep = link(out)
+          inputs = _add(inputs, dep)
+        else:
+          dep = link([x for x in jax.tree_util.tree_leaves(out) if not jnp.ndim(x)])
         total = total + dep
         outs = outs + ((out,) if consumers > 1 else ())
       if consumers < 2:
@@ -117,7 +125,7 @@ def chain_loop(call: Call, unroll: int, consumers: int = 1):
 
 
 def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-               reps: int, consumers: int = 1) -> Dict[str, float]:
+               reps: int, consumers: int = 1, linked: bool = True) -> Dict[str, float]:
   """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
   one jit (see the module docstring).
 
@@ -125,7 +133,7 @@ def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: fl
   fastest run of each length, "spread": (max - min) / median of the slopes, "iters": n,
   "compile_s": first call}.
   """
-  run = chain_loop(call, unroll, consumers)
+  run = chain_loop(call, unroll, consumers, linked)
   sink = sink_init(call, carry, inputs, consumers)
   one = np.int32(1)
   compile_s = _wall(lambda: run(carry, inputs, sink, one))
