@@ -149,7 +149,8 @@ def _jax_output(case: Case, once) -> np.ndarray:
 
 
 def time_jax(case: Case, path: str, *, unroll: int, min_time: float, reps: int,
-             consumers: int = 1, linked: bool = True) -> Tuple[Dict[str, float], np.ndarray]:
+             consumers: int = bt.DEFAULT_CONSUMERS,
+             linked: bool = True) -> Tuple[Dict[str, float], np.ndarray]:
   once, call, carry, inputs = jax_call(case, path)
   out = _jax_output(case, once)
   return bt.chain_time(call, carry, inputs, unroll=unroll, min_time=min_time, reps=reps,
@@ -365,7 +366,7 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         progress=None) -> List[Dict[str, Any]]:
   """Times every case; returns one row (dict) per case. `sglang`: the module of
   `load_sglang_kernels` (or None). `extra_consumer`: time every JAX path a second time
-  with one more consumer of its outputs (timing.chain_time consumers=2). `bare`: also
+  with one more consumer of its outputs (timing.chain_time consumers=3). `bare`: also
   time the "pallas" call unlinked where it compiles to one kernel launch (the figure
   comparable with SGLang's kernel alone). `progress(desc)` is called before each
   measurement."""
@@ -399,7 +400,7 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
           cell["bare_error"] = _err(e)["error"]
       if extra_consumer:
         t2, _ = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps,
-                         consumers=2)
+                         consumers=bt.DEFAULT_CONSUMERS + 1)
         cell["us_extra_consumer"] = t2["s"] * 1e6
         cell["extra_consumer_change"] = t2["s"] / timing["s"] - 1 if timing["s"] else 0.0
       row["jax"][path] = cell

@@ -18,9 +18,14 @@ barriers before fusion, so a barrier alone does not keep calls apart):
   same link (`torch_graph_time(link=...)`), so ratios compare like with like.
 - The carry, inputs and outputs also pass `jax.lax.optimization_barrier` between calls
   (what keeps them apart on TPU, where barriers survive).
-- `consumers=2` adds a second consumer: at the end of each iteration every output of
-  every call is XOR-folded into a per-output sink. A figure that moves by more than its
-  noise under it was not counting all of its work (`jax-kvalloc bench --extra-consumer`).
+- The fold (consumers >= 2, the default): at the end of each iteration every output of
+  every call is also XOR-folded into a per-output sink. With the link as its only
+  consumer, XLA fused a jnp output into the link's reduction and never wrote it to
+  memory (H200, 2026-11-30: jnp decode figures 4-37% low); a second consumer makes it
+  write every output, as a caller would need.
+- `consumers=3` adds a third consumer (every output summed into one more sink): a figure
+  that moves by more than its noise under it was not counting all of its work
+  (`jax-kvalloc bench --extra-consumer`).
 
 `chain_loop` builds the loop alone, so that tests can compile it at two unroll counts and
 count the call's characteristic ops (tests/test_bench_harness.py).
@@ -70,14 +75,26 @@ def _add(inputs: Any, dep: jax.Array) -> Any:
   return jax.tree_util.tree_map(lambda x: x + dep.astype(x.dtype), inputs)
 
 
-def sink_init(call: Call, carry: Any, inputs: Any, consumers: int = 1) -> Any:
-  """The sink `chain_loop` folds outputs into: (i32[] link sum, per-output XOR folds
-  when consumers > 1)."""
+DEFAULT_CONSUMERS = 2
+
+
+def sink_init(call: Call, carry: Any, inputs: Any,
+              consumers: int = DEFAULT_CONSUMERS) -> Any:
+  """The sink `chain_loop` folds outputs into: (i32[] link sum, per-output XOR folds when
+  consumers >= 2, i32[] sum of every output when consumers >= 3)."""
+  zero = jnp.zeros((), jnp.int32)
   if consumers < 2:
-    return (jnp.zeros((), jnp.int32),)
+    return (zero,)
   outs = jax.eval_shape(call, carry, inputs)[1]
-  return (jnp.zeros((), jnp.int32),
-          tuple(jnp.zeros(o.shape, jnp.int32) for o in jax.tree_util.tree_leaves(outs)))
+  folds = tuple(jnp.zeros(o.shape, jnp.int32) for o in jax.tree_util.tree_leaves(outs))
+  return (zero, folds) + ((zero,) if consumers >= 3 else ())
+
+
+def _sum_fold(total, outs_per_call):
+  for o in outs_per_call:
+    for x in jax.tree_util.tree_leaves(o):
+      total = total + jnp.sum(_as_bits(x))
+  return total
 
 
 def _xor_fold(folds, outs_per_call):
@@ -90,7 +107,8 @@ def _xor_fold(folds, outs_per_call):
   return tuple(out)
 
 
-def chain_loop(call: Call, unroll: int, consumers: int = 1, linked: bool = True):
+def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
+               linked: bool = True):
   """jit(carry, inputs, sink, n) -> (carry, inputs, sink) after n iterations of `unroll`
   chained, linked calls (see the module docstring). `sink` from `sink_init`.
 
@@ -119,13 +137,17 @@ def chain_loop(call: Call, unroll: int, consumers: int = 1, linked: bool = True)
       if consumers < 2:
         return carry, inputs, (total,)
       carry, inputs, outs = barrier((carry, inputs, outs))
-      return carry, inputs, (total, _xor_fold(sink[1], outs))
+      folds = (total, _xor_fold(sink[1], outs))
+      if consumers >= 3:
+        folds = folds + (_sum_fold(sink[2], outs),)
+      return carry, inputs, folds
     return jax.lax.fori_loop(0, n, iteration, (carry, inputs, sink))
   return run
 
 
 def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-               reps: int, consumers: int = 1, linked: bool = True) -> Dict[str, float]:
+               reps: int, consumers: int = DEFAULT_CONSUMERS,
+               linked: bool = True) -> Dict[str, float]:
   """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
   one jit (see the module docstring).
 
