@@ -1,7 +1,7 @@
 """The Pallas kernels compiled for a real GPU (Triton lowering), bit for bit against the jnp
 path on the same device and against the model. Skipped without a CUDA GPU.
 
-Run: pytest -m gpu tests/test_pallas_gpu.py   (pallas_kernels/gpu_check.py runs it too)
+Run: pytest -m gpu tests/test_pallas_gpu.py   (benchmarks/run_device.sh runs it too)
 JAX_KVALLOC_GPU_TEST_KERNEL=pallas_interpret runs the same tests on CPU (slowly), to
 check the tests themselves.
 """

@@ -211,7 +211,7 @@ def _step_call(step, carry, x):
 
 def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time: float,
             reps: int) -> Dict[str, Any]:
-  """jit/step (full and bookkeeping-only), its blocking latency, and the scan variants;
+  """jit/step (async, syncing once per step, bookkeeping-only) and the scan variants;
   also the final table, lengths and free list after warmup + steps steps (parity)."""
   cfg = _config(case)
   jit_step = jax.jit(functools.partial(serve_step, cfg, case.max_frees), donate_argnums=0)
