@@ -245,6 +245,9 @@ def run(args) -> Dict[str, Any]:
   results: Dict[str, Dict[str, Any]] = {}
   skipped: Dict[str, str] = {}
   for name in args.impls:
+    if name not in IMPLS:
+      skipped[name] = f"unknown implementation (choose from {', '.join(IMPLS)})"
+      continue
     try:
       _Impl(name, args.pool, args.page_size, args)
     except Exception as e:  # pylint: disable=broad-except
