@@ -132,3 +132,12 @@ def test_host_extend_runs_equal_the_shared_index_rule(ps):
                                     np.cumsum(per_row) - per_row, page_size=ps,
                                     out_len=total, xp=np)
     np.testing.assert_array_equal(got, want)
+
+
+def test_parity_with_host_backend_leading():
+  """`jax-kvalloc parity --impls jax-host,...`: the host backend leads generated traces,
+  matched step by step by the device backend and (when installed) torch_ref / SGLang."""
+  pytest.importorskip("torch", reason="parity's torch_ref needs torch")
+  from jax_kvalloc.tools import cli  # pylint: disable=g-import-not-at-top
+  assert cli.main(["parity", "--impls", "jax-host,jax,torch", "--torch-kernel", "torch",
+                   "--generate", "2", "--steps", "120", "--quiet"]) == 0

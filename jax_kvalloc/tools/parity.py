@@ -113,9 +113,11 @@ class Stats:
 # Implementations.
 # ---------------------------------------------------------------------------------------
 
-def jax_impl(kernel: str = "jnp", device: str = "cpu") -> Impl:
-  """jax_kvalloc's SGLang-compatible classes, with the given index kernel."""
-  return Impl(f"jax_kvalloc[{kernel}]", traces.Replayer(traces.jax_factory(kernel, device)))
+def jax_impl(kernel: str = "jnp", device: str = "cpu", backend: str = "device") -> Impl:
+  """jax_kvalloc's SGLang-compatible classes, with the given index kernel and backend
+  ("host": NumPy state, the index kernel unused)."""
+  name = f"jax_kvalloc[{kernel}]" if backend == "device" else "jax_kvalloc[host]"
+  return Impl(name, traces.Replayer(traces.jax_factory(kernel, device, backend)))
 
 
 def torch_impl(kernel: str = "auto", device: str = "cpu") -> Impl:
@@ -291,8 +293,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="compare with the installed SGLang too (auto: when importable)")
   p.add_argument("--impls", default="jax,torch",
                  help="implementations to compare besides SGLang, the first leading "
-                      "(default jax,torch; e.g. torch alone checks torch_ref against a "
-                      "trace file's recorded results without compiling any jax)")
+                      "(default jax,torch; jax-host is jax_kvalloc's host backend; e.g. "
+                      "torch alone checks torch_ref against a trace file's recorded "
+                      "results without compiling any jax)")
   p.add_argument("--write", metavar="OUT.jsonl",
                  help="write the generated traces (or, on a mismatch, the trace so far)")
   p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -307,6 +310,7 @@ def _build(args: argparse.Namespace) -> List[Impl]:
     raise RuntimeError(f"--torch-kernel {args.torch_kernel!r}: use triton, torch, auto "
                        f"or a comma list of them")
   makers = {"jax": lambda: [jax_impl(args.kernel, args.device)],
+            "jax-host": lambda: [jax_impl(args.kernel, args.device, "host")],
             "torch": lambda: [torch_impl(k, args.device) for k in torch_kernels]}
   names = [n.strip() for n in args.impls.split(",") if n.strip()]
   unknown = [n for n in names if n not in makers]
