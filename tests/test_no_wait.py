@@ -5,7 +5,8 @@ Transfer guards do not fire for CPU arrays (the host copy is zero-copy), so on t
 `no_device_reads` makes every device-to-host path raise instead: a jax.Array's
 __int__/__bool__/__index__/__float__/__array__/item/tolist/block_until_ready,
 numpy.asarray/numpy.array of a jax.Array, jax.device_get and jax.block_until_ready. A
-serving sequence of class calls runs inside it, fed host data only (the slots to free
+serving sequence of class calls (free groups, free_segment, free_page_ids, snapshots,
+merges included) runs inside it, fed host data only (the slots to free
 come from the model running in lock step); a negative control shows the guard trips. On a
 GPU the same sequence runs under jax.transfer_guard_device_to_host("disallow") (marker
 gpu; skipped without one).
@@ -74,6 +75,14 @@ def _serving_sequence(a, m, need_sort, outputs):
         m.free(slots)
       a.free_group_end()
       m.free_group_end()
+    elif step % 7 == 5 and reqs:  # finish one through SGLang 0.5.23's unsorted frees
+      slots = reqs.pop(0)
+      a.free_segment(np.asarray(slots, np.int64), start_pos=0)
+      m.free_segment(slots, 0)
+      if reqs:
+        pages = sorted({s // ps for s in reqs.pop(0)}, reverse=True)
+        a.free_page_ids(np.asarray(pages, np.int64))
+        m.free_page_ids(pages)
     if step % 5 == 0:  # prefill new requests
       seq = rng.integers(1, 3 * ps + 2, 3)
       zeros = np.zeros(3, np.int64)
