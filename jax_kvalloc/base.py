@@ -187,7 +187,13 @@ class BaseAllocator:
     """Puts a snapshot from `backup_state` of an allocator of the same config back. O(1);
     a snapshot without lengths (built by hand) has them read from its state (a wait)."""
     validate.snapshot(state, self.config, AllocatorSnapshot)
-    self._state = state.state
+    snap = state.state
+    on_host = not isinstance(snap.free_ring, jax.Array)
+    if self.backend == "host" and not self._legacy and not on_host:
+      snap = host_ops.from_jax(snap)  # a device-backend snapshot (a copy and a wait)
+    elif (self.backend == "device" or self._legacy) and on_host:
+      snap = jax.device_put(jax.tree.map(np.asarray, snap), self._jax_device)
+    self._state = snap
     self._free_shared = self._release_shared = True
     if state.lengths is None:
       self._sync_mirror()
