@@ -267,6 +267,9 @@ class BaseAllocator:
       self._merge_now()
 
   def _merge_now(self) -> None:
+    if self._legacy:
+      self._call(_MERGE)
+      return
     if self.backend == "host":
       self._state = host_ops.merge_and_sort_free(self.config, self._state,
                                                  self._free_shared)
