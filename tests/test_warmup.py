@@ -71,8 +71,8 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_persistent_cache_second_process_compiles_nothing(tmp_path):
+  # Two subprocesses, 3-10 s in all: fast enough for the default set.
   cache = tmp_path / "jax_cache"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
