@@ -7,7 +7,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 import jax_kvalloc as kv
 from jax_kvalloc import warmup
