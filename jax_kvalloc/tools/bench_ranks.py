@@ -39,7 +39,7 @@ import contextlib
 import dataclasses
 import json
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -168,12 +168,21 @@ def time_pool(load: Load, op: str, *, kernel: str, unroll: int, min_time: float,
 
 def run(load: Load, device_counts: Sequence[int], ranks_per_device: Sequence[int],
         ops: Sequence[str], *, need_sort: bool, kernel: str, unroll: int, min_time: float,
-        reps: int, compare_select: bool = False) -> List[Dict[str, Any]]:
+        reps: int, compare_select: bool = False,
+        on_row: Optional[Callable[[List[Dict[str, Any]]], None]] = None
+        ) -> List[Dict[str, Any]]:
+  """Every row; `on_row(rows so far)` after each (partial results survive a time limit)."""
   devices = jax.devices()
   rows = []
+
+  def add(row):
+    rows.append(row)
+    print(_line(row), file=sys.stderr)
+    if on_row is not None:
+      on_row(rows)
+
   for op in ops:
-    rows.append(time_pool(load, op, kernel=kernel, unroll=unroll, min_time=min_time,
-                          reps=reps))
+    add(time_pool(load, op, kernel=kernel, unroll=unroll, min_time=min_time, reps=reps))
     for n in device_counts:
       if n > len(devices):
         print(f"skipping {n} devices: only {len(devices)} ({devices[0].platform})",
@@ -183,10 +192,8 @@ def run(load: Load, device_counts: Sequence[int], ranks_per_device: Sequence[int
         variants = [(False, False)] + ([(True, False)] if need_sort else [])
         variants += [(True, True)] if compare_select else []
         for ns, select in variants:
-          rows.append(time_ranks(load, op, devices[:n], r, need_sort=ns, kernel=kernel,
-                                 unroll=unroll, min_time=min_time, reps=reps,
-                                 select=select))
-          print(_line(rows[-1]), file=sys.stderr)
+          add(time_ranks(load, op, devices[:n], r, need_sort=ns, kernel=kernel,
+                         unroll=unroll, min_time=min_time, reps=reps, select=select))
   return rows
 
 
@@ -225,7 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="also time need_sort ranks with the merge as a plain lax.cond")
   p.add_argument("--kernel", default="auto")
   p.add_argument("--unroll", type=int, default=8)
-  p.add_argument("--min-time", type=float, default=0.2)
+  p.add_argument("--min-time", type=float, default=0.05)
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--json", help="write the rows (and the load) to this file")
   a = p.parse_args(argv)
@@ -233,15 +240,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.error("--extend-tokens must be a multiple of --page-size (page-aligned prefixes)")
   load = Load(a.pages_per_rank, a.page_size, a.decode_rows, a.extend_rows, a.extend_tokens)
   ints = lambda s: [int(x) for x in s.split(",") if x]
+  platform = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
+
+  def save(rows):
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump({"platform": platform, "load": dataclasses.asdict(load), "rows": rows}, f,
+                  indent=1)
+
   rows = run(load, ints(a.devices), ints(a.ranks_per_device), a.ops.split(","),
              need_sort=a.need_sort, kernel=a.kernel, unroll=a.unroll,
-             min_time=a.min_time, reps=a.reps, compare_select=a.compare_select)
-  platform = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
+             min_time=a.min_time, reps=a.reps, compare_select=a.compare_select,
+             on_row=save)
   print(table(rows, load, platform))
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump({"platform": platform, "load": dataclasses.asdict(load), "rows": rows}, f,
-                indent=1)
   return 0
 
 
