@@ -87,6 +87,8 @@ class DataParallel:
 
   def _rank_for(self, dp_rank: Any) -> Optional[Any]:
     """The allocator of rank dp_rank, or None when this object is the only rank."""
+    if self._dp_ranks is None and type(dp_rank) is int and dp_rank == 0:
+      return None  # the default, checked without a call: every method passes here
     r = check_dp_rank(dp_rank, self.dp_size)
     return None if self._dp_ranks is None else self._dp_ranks[r]
 

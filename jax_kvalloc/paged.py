@@ -10,10 +10,11 @@ from jax_kvalloc import host_ops
 from jax_kvalloc import validate
 from jax_kvalloc.base import BaseAllocator, _ALLOC_DECODE, _ALLOC_EXTEND
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.data_parallel import DataParallel
 from jax_kvalloc.newer_ops import NewerOperations
 
 
-class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
+class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
   """Hands out KV slots a page at a time; page 0 is reserved (SPEC 4).
 
   Args:
@@ -24,19 +25,23 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
     backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
       (NumPy state and results, for host schedulers); see jax_kvalloc.base.
+    dp_size: data-parallel ranks (sglang-jax's dp_size), each a pool of size // dp_size
+      slots with rank-local page ids; every method then takes `dp_rank=` (default 0).
+      See jax_kvalloc.data_parallel.
   """
 
   def __init__(self, size: int, page_size: int, dtype: Any = None, device: Any = None,
                kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device"):
+               backend: str = "device", dp_size: int = 1):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
     config = AllocatorConfig(size=size, page_size=page_size, need_sort=need_sort,
                              kind="paged", **extra)
-    super().__init__(config, dtype, device, kvcache, backend)
+    super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size)
 
   def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                   extend_num_tokens: int, num_new_pages: Optional[int] = None):
+                   extend_num_tokens: int, num_new_pages: Optional[int] = None,
+                   dp_rank: int = 0):
     """Slots for a prefill batch (SPEC 4.2), or None if its new pages do not fit.
 
     Args:
@@ -46,6 +51,7 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       extend_num_tokens: sum(seq_lens - prefix_lens).
       num_new_pages: optional, the batch's new-page count as the caller computed it
         (SGLang 0.5.23); it must equal sum(ceil(seq/ps) - ceil(pre/ps)).
+      dp_rank: the data-parallel rank (dp_size > 1) whose pool serves the batch.
 
     Returns:
       i32[extend_num_tokens] in batch order (a jax array, returned without waiting, on
@@ -58,6 +64,10 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       (last_loc + 1) % page_size == prefix_lens % page_size, or a wrong extend_num_tokens
       or num_new_pages.
     """
+    rank = self._rank_for(dp_rank)
+    if rank is not None:
+      return rank.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                               last_loc, extend_num_tokens, num_new_pages)
     if self.backend == "host" and not self._legacy and num_new_pages is None:
       out = self._extend_small(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
                                seq_lens if seq_lens_cpu is None else seq_lens_cpu,
@@ -102,13 +112,14 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
         num_reqs=np.int32(pre.shape[0]))
     return self._output(out, ok, total)
 
-  def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+  def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, dp_rank: int = 0):
     """One slot per request for its new token (SPEC 4.3), or None if the pages needed
     do not fit.
 
     Args:
       seq_lens: [bs] lengths counting the new token (seq_lens_cpu used when given).
       last_loc: [bs] slot of each request's previous token.
+      dp_rank: the data-parallel rank (dp_size > 1) whose pool serves the batch.
 
     Returns:
       i32[bs] (jax array without waiting / numpy, as alloc_extend), or None (nothing
@@ -119,6 +130,9 @@ class PagedTokenToKVPoolAllocator(NewerOperations, BaseAllocator):
       arrays of different lengths, values beyond int32, seq_lens < 1, or a last_loc
       outside the pool or breaking (last_loc + 2) % page_size == seq_lens % page_size.
     """
+    rank = self._rank_for(dp_rank)
+    if rank is not None:
+      return rank.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
     if self.backend == "host" and not self._legacy:
       out = self._decode_small(seq_lens if seq_lens_cpu is None else seq_lens_cpu,
                                last_loc)
