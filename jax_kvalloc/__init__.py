@@ -25,6 +25,7 @@ from jax_kvalloc.allocation import alloc_decode
 from jax_kvalloc.allocation import alloc_extend
 from jax_kvalloc.base import AllocatorSnapshot
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.data_parallel import RankedSnapshot
 from jax_kvalloc.debug import AllocatorDebugError
 from jax_kvalloc.freeing import free
 from jax_kvalloc.freeing import free_full
@@ -67,6 +68,7 @@ __all__ = [
     "AttentionInputs",
     "PagedTokenToKVPoolAllocator",
     "RankedAllocator",
+    "RankedSnapshot",
     "RequestTable",
     "TokenToKVPoolAllocator",
     "WarmupReport",
