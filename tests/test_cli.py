@@ -159,7 +159,7 @@ def test_bench_quick(tmp_path, capsys):
   data = json.loads(out_json.read_text())
   assert {r["op"] for r in data["micro"]} == {"free"}
   for r in data["micro"]:
-    assert r["check"] == "ok" and r["jax"]["jnp"]["us"] >= 0
+    assert r["check"] == "ok" and r["jax"]["jnp"]["us"] > 0
   (serv,) = data["serving"]
   assert serv["ok"] and serv["jit_step_us"] > 0 and serv["scan_us"] > 0
   if "torch" in data["config"]["paths"]:
@@ -200,3 +200,22 @@ def test_helpers():
   assert cli.int_list("1, 16,64") == [1, 16, 64]
   t = report.table(["a", "b"], [["x", 1], ["yy", 22]])
   assert t.splitlines()[0] == "| a  |  b |" and t.splitlines()[1] == "|----|---:|"
+
+
+def test_chain_time_reports_noise_as_an_error_not_as_zero(monkeypatch):
+  """A timed run that is never slower with more iterations has no measurable slope: the
+  harness first lengthens the run, then raises, instead of clamping the slope to 0."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  lengths = []
+
+  def wall(fn):
+    fn()
+    lengths.append(1)
+    return 1e-3  # every run "takes" the same time, however many iterations
+  monkeypatch.setattr(timing, "_wall", wall)
+  monkeypatch.setattr(timing, "MAX_ITERS", 64)
+  with pytest.raises(timing.TimingError, match="noise dominates"):
+    timing.chain_time(lambda c, x: (c + 1, x + c), jnp.zeros((), jnp.int32),
+                      jnp.zeros((4,), jnp.int32), unroll=2, min_time=0.0, reps=2)
+  assert len(lengths) > 8  # it tried longer runs before giving up
+

@@ -164,15 +164,28 @@ def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: fl
   while n < MAX_ITERS and _wall(lambda: run(carry, inputs, sink, np.int32(n))) < max(
       min_time, 8 * t1):
     n *= 2
-  ta, tb = [], []
-  for _ in range(reps):
-    ta.append(_wall(lambda: run(carry, inputs, sink, one)))
-    tb.append(_wall(lambda: run(carry, inputs, sink, np.int32(n))))
-  slopes = [max(b - a, 0.0) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
-  med = statistics.median(slopes)
-  return {"s": med, "min_s": max(min(tb) - min(ta), 0.0) / ((n - 1) * unroll),
-          "spread": (max(slopes) - min(slopes)) / med if med > 0 else 0.0, "iters": n,
+  while True:
+    ta, tb = [], []
+    for _ in range(reps):
+      ta.append(_wall(lambda: run(carry, inputs, sink, one)))
+      tb.append(_wall(lambda: run(carry, inputs, sink, np.int32(n))))
+    slopes = [(b - a) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
+    med = statistics.median(slopes)
+    if med > 0 or n >= MAX_ITERS:
+      break
+    n *= 4  # noise outweighed the work: time longer runs rather than report 0
+  if med <= 0:
+    raise TimingError(
+        f"the run of {n} iterations was not slower than the run of 1 (median slope "
+        f"{med * 1e6:.3g} us): noise dominates this measurement; raise --min-time")
+  return {"s": med, "min_s": (min(tb) - min(ta)) / ((n - 1) * unroll),
+          "spread": (max(slopes) - min(slopes)) / med, "iters": n,
           "compile_s": compile_s}
+
+
+class TimingError(RuntimeError):
+  """A measurement that cannot be told apart from noise (a slope that is not positive):
+  reported as an error, never as a time of 0."""
 
 
 def loop_overhead(*, unroll: int, min_time: float, reps: int) -> float:
