@@ -16,6 +16,20 @@ SGLang-compatible classes on top:
   TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator (backend="device": jax arrays, no
   waits; backend="host": NumPy), with `warmup(...)`; jax_kvalloc.warmup also has
   warmup_calls (functional API) and enable_persistent_cache.
+
+Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
+  config.py       AllocatorConfig              state.py      AllocatorState, ring buffers
+  allocator.py    paged_/token_allocator       allocation.py alloc, alloc_extend, alloc_decode
+  freeing.py      free, free_page_ids, free_segment, merge_and_sort_free
+  gated.py        a merge branch that stays a branch under vmap
+  index_jnp.py    the index arithmetic (jnp / numpy): the reference the kernels match
+  kernels.py      choice of index path (jnp or pallas_kernels) by the pool's device
+  buckets.py      shape buckets               validate.py   host checks, clear errors
+  debug.py        debug-mode checks under jit request_table.py  SPEC 11
+  ranks.py        SPEC 12, functional          warmup.py     compile ahead of serving
+  base.py, token.py, paged.py   SGLang's classes (one per allocator, shared base)
+  newer_ops.py    the classes' SPEC 10 methods  data_parallel.py  the classes' dp_size
+  device_ops.py   the device backend's one-launch programs  host_ops.py  the host backend
 """
 from jax_kvalloc.allocation import alloc
 from jax_kvalloc.allocator import Allocator
