@@ -161,3 +161,35 @@ def check_ints(**arrays: Any) -> Tuple[Array, ...]:
       raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
     out.append(x.astype(jnp.int32))
   return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonCall:
+  """The pallas_call of one Triton kernel configuration (hashable: a primitive
+  parameter). A kernel file subclasses it and defines `spec() -> (out_shape, body,
+  grid)`; `run(*args)` casts the arguments to int32 and calls it, through `quiet_triton`
+  unless interpreting."""
+  name: str        # the pallas_call's name, also shown in jaxprs
+  p: Any           # the kernel's static parameters (a frozen dataclass)
+  num_warps: int
+  interpret: bool
+
+  def spec(self):
+    raise NotImplementedError
+
+  def __call__(self, *args):
+    import functools  # pylint: disable=g-import-not-at-top
+    from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    out_shape, body, grid = self.spec()
+    return pl.pallas_call(
+        functools.partial(body, p=self.p), out_shape=out_shape, grid=grid,
+        compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
+        interpret=self.interpret, name=self.name)(*args)
+
+  def run(self, *args):
+    args = tuple(jnp.asarray(a, jnp.int32) for a in args)
+    if self.interpret:
+      return tuple(self(*args))
+    return quiet_triton(self, *args)
+

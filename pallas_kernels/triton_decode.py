@@ -15,13 +15,11 @@ two entry points share the kernel file:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Tuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
 from pallas_kernels import tuning
@@ -109,29 +107,17 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
 # Grid, shapes and wrappers.
 # ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  """The pallas_call of one kernel configuration (hashable: a primitive parameter)."""
-  name: str        # the pallas_call's name, also shown in jaxprs
-  p: _Params
-  num_warps: int
-  interpret: bool
+class _Call(_util.TritonCall):
+  """The decode kernels' pallas_call: one program per block of rows."""
 
-  def __call__(self, *args):
+  def spec(self):
     p = self.p
     out = jax.ShapeDtypeStruct((p.num_rows,), jnp.int32)
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
-      out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_))
-      body = _fused_kernel
-    else:
-      out_shape = (out,)
-      body = _contract_kernel
-    return pl.pallas_call(
-        functools.partial(body, p=p), out_shape=out_shape,
-        grid=(p.rows_pad // p.row_block,),
-        compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
-        interpret=self.interpret, name=self.name)(*args)
+      return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_)), _fused_kernel,
+              (p.rows_pad // p.row_block,))
+    return (out,), _contract_kernel, (p.rows_pad // p.row_block,)
 
 
 def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interpret):
@@ -145,13 +131,6 @@ def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interp
     num_warps = tuning.decode_warps(rows_pad if fused else row_block)
   name = "jax_kvalloc_alloc_decode_triton" if fused else "jax_kvalloc_decode_indices_triton"
   return _Call(name, p, num_warps, interpret)
-
-
-def _run(call: _Call, *args):
-  args = tuple(jnp.asarray(a, jnp.int32) for a in args)
-  if call.interpret:
-    return tuple(call(*args))
-  return _util.quiet_triton(call, *args)
 
 
 MAX_FUSED_ROWS = 2**16
@@ -177,7 +156,7 @@ def decode_indices_triton(free_window: Array, seq_lens: Array, last_loc: Array,
   call = _make_call(False, b, page_size, free_window.shape[0],
                     row_block or tuning.CONTRACT_DECODE_ROW_BLOCK,
                     num_warps, interpret)
-  (out,) = _run(call, free_window, seq_lens, last_loc, page_start)
+  (out,) = call.run(free_window, seq_lens, last_loc, page_start)
   return out
 
 
@@ -211,7 +190,7 @@ def alloc_decode_triton(free_ring: Array, free_head: Array, free_len: Array,
     raise ValueError(f"alloc_decode_triton does not take {b=} rows, ring length {n} "
                      f"(see fused_supported)")
   call = _make_call(True, b, page_size, n, row_block, num_warps, interpret)
-  out, head, length, ok = _run(call, free_ring, jnp.reshape(free_head, (1,)),
+  out, head, length, ok = call.run(free_ring, jnp.reshape(free_head, (1,)),
                                jnp.reshape(free_len, (1,)), jnp.reshape(num_reqs, (1,)),
                                seq_lens, last_loc)
   return out, head.reshape(()), length.reshape(()), ok.reshape(())

@@ -33,7 +33,6 @@ window (contract), and every index is clamped into its array: no read leaves its
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Tuple
 
 import jax
@@ -291,15 +290,10 @@ def _default_warps(p: _Params) -> int:
   return warps
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  """The pallas_call of one kernel configuration (hashable: a primitive parameter)."""
-  name: str        # the pallas_call's name, also shown in jaxprs
-  p: _Params
-  num_warps: int
-  interpret: bool
+class _Call(_util.TritonCall):
+  """The extend kernels' pallas_call: one program per tile of output tokens."""
 
-  def __call__(self, *args):
+  def spec(self):
     p = self.p
     grid = pl.cdiv(p.out_len, p.tile)
     out = jax.ShapeDtypeStruct((p.out_len,), jnp.int32)
@@ -307,21 +301,9 @@ class _Call:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
       scratch = jax.ShapeDtypeStruct((1 if p.onehot else grid * p.window * _LINE,),
                                      jnp.int32)
-      out_shape = (out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch)
-      body = _fused_kernel
-    else:
-      out_shape = (out,)
-      body = _contract_kernel
-    return pl.pallas_call(
-        functools.partial(body, p=p), out_shape=out_shape, grid=(grid,),
-        compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
-        interpret=self.interpret, name=self.name)(*args)
-
-
-def _run(call: _Call, *args):
-  if call.interpret:
-    return tuple(call(*args))
-  return _util.quiet_triton(call, *args)
+      return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch),
+              _fused_kernel, (grid,))
+    return (out,), _contract_kernel, (grid,)
 
 
 def _i32(x) -> Array:
@@ -350,7 +332,7 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
   p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret)
   call = _Call("jax_kvalloc_extend_indices_triton", p, num_warps or _default_warps(p),
                interpret)
-  (out,) = _run(call, *map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
+  (out,) = call.run(*map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
                                   page_start)))
   return out
 
@@ -392,5 +374,5 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
                interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),
           _i32(num_reqs).reshape(1), prefix_lens, seq_lens, last_loc)
-  out, head, length, ok, _ = _run(call, *map(_i32, args))
+  out, head, length, ok, _ = call.run(*map(_i32, args))
   return out, head.reshape(()), length.reshape(()), ok.reshape(())
