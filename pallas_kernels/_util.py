@@ -163,6 +163,30 @@ def check_ints(**arrays: Any) -> Tuple[Array, ...]:
   return tuple(out)
 
 
+def extend_contract_args(out_len: int, free_window, prefix_lens, seq_lens, last_loc,
+                         tok_start, page_start):
+  """The extend contract kernels' common entry: `check_ints` of the six arrays and the
+  results that need no kernel. Returns (checked arrays, None), or (arrays, i32[out_len]
+  zeros) when there is nothing to compute (out_len 0 or no rows)."""
+  args = check_ints(free_window=free_window, prefix_lens=prefix_lens, seq_lens=seq_lens,
+                    last_loc=last_loc, tok_start=tok_start, page_start=page_start)
+  if out_len == 0:
+    return args, jnp.zeros((0,), jnp.int32)
+  if args[1].shape[0] == 0:  # prefix_lens: no rows
+    return args, jnp.zeros((out_len,), jnp.int32)
+  return args, None
+
+
+def store_take(head_out, len_out, ok_out, *, head, length, ring_len: int, pages, ok) -> None:
+  """The fused kernels' last write (one program): the free list's new head and length
+  after taking `pages` from its front when `ok`, and `ok` itself. i32/bool[1] refs."""
+  taken = jnp.where(ok, pages, 0)
+  new_head = head + taken
+  head_out[0] = jnp.where(new_head >= ring_len, new_head - ring_len, new_head)
+  len_out[0] = length - taken
+  ok_out[0] = ok
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonCall:
   """The pallas_call of one Triton kernel configuration (hashable: a primitive

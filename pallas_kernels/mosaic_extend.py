@@ -152,14 +152,12 @@ def extend_indices_mosaic(free_window: Array, prefix_lens: Array, seq_lens: Arra
   interpreter, which also checks every DMA and SMEM read for out-of-bounds accesses).
   TypeError naming the argument for a non-integer dtype.
   """
-  free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = _util.check_ints(
-      free_window=free_window, prefix_lens=prefix_lens, seq_lens=seq_lens,
-      last_loc=last_loc, tok_start=tok_start, page_start=page_start)
+  args, trivial = _util.extend_contract_args(out_len, free_window, prefix_lens, seq_lens,
+                                             last_loc, tok_start, page_start)
+  if trivial is not None:
+    return trivial
+  free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = args
   b = prefix_lens.shape[0]
-  if out_len == 0:
-    return jnp.zeros((0,), jnp.int32)
-  if b == 0:
-    return jnp.zeros((out_len,), jnp.int32)
   i32 = lambda x: jnp.asarray(x, jnp.int32)
   pre, seq, last, ts, pst = map(i32, (prefix_lens, seq_lens, last_loc, tok_start,
                                       page_start))

@@ -96,11 +96,8 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
 
   @pl.when(pid == 0)
   def _():
-    taken = jnp.where(ok, total_pages, 0)
-    new_head = head + taken
-    head_out[0] = jnp.where(new_head >= n, new_head - n, new_head)
-    len_out[0] = flen - taken
-    ok_out[0] = ok
+    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
+                     pages=total_pages, ok=ok)
 
 
 # ---------------------------------------------------------------------------------------

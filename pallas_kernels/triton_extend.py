@@ -231,11 +231,8 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
 
   @pl.when(pid == 0)
   def _():
-    taken = jnp.where(ok, total_pages, 0)
-    new_head = head + taken
-    head_out[0] = jnp.where(new_head >= n, new_head - n, new_head)
-    len_out[0] = flen - taken
-    ok_out[0] = ok
+    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
+                     pages=total_pages, ok=ok)
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,14 +318,12 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
   (the contract kernel searches the caller's tok_start directly). TypeError naming the
   argument for a non-integer dtype.
   """
-  free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = _util.check_ints(
-      free_window=free_window, prefix_lens=prefix_lens, seq_lens=seq_lens,
-      last_loc=last_loc, tok_start=tok_start, page_start=page_start)
+  args, trivial = _util.extend_contract_args(out_len, free_window, prefix_lens, seq_lens,
+                                             last_loc, tok_start, page_start)
+  if trivial is not None:
+    return trivial
+  free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = args
   b = prefix_lens.shape[0]
-  if out_len == 0:
-    return jnp.zeros((0,), jnp.int32)
-  if b == 0:
-    return jnp.zeros((out_len,), jnp.int32)
   p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret)
   call = _Call("jax_kvalloc_extend_indices_triton", p, num_warps or _default_warps(p),
                interpret)
