@@ -19,6 +19,7 @@ import pytest
 
 import jax_kvalloc as kv
 import pallas_kernels
+from pallas_kernels import lowering_check
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from model import ModelAllocator
@@ -281,12 +282,37 @@ def _kernel_names(cfg):
                             "jax_kvalloc_extend_indices_mosaic") if name in text}
 
 
+def _lowered_kernel_names(cfg, platform=None):
+  s = kv.init(cfg)
+  rows = jnp.zeros((8,), jnp.int32)
+  step = lambda s: (kv.alloc_extend(cfg, s, rows, rows + 3, rows, max_tokens=64),
+                    kv.alloc_decode(cfg, s, rows + 1, rows))
+  if platform is None:
+    text = jax.jit(step).lower(s).as_text()
+  else:  # an abstract H200 (jax.export), on any machine
+    text = lowering_check.export_for(platform, step, s).mlir_module()
+  return {name for name in ("jax_kvalloc_alloc_extend_triton", "jax_kvalloc_alloc_decode_triton",
+                            "jax_kvalloc_extend_indices_triton",
+                            "jax_kvalloc_decode_indices_triton",
+                            "jax_kvalloc_extend_indices_mosaic") if name in text}
+
+
 def test_kernel_choice(monkeypatch):
   monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
   base = kv.AllocatorConfig(size=64, page_size=4, kernel="jnp", debug=False)
   fused = {"jax_kvalloc_alloc_extend_triton", "jax_kvalloc_alloc_decode_triton"}
   on_accelerator = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
-  assert kernels.resolve("auto") == ("pallas" if on_accelerator else "jnp")
+  # "auto" under jit traces every platform's branch (lax.platform_dependent) and lowers
+  # only the pool's: on the CPU the lowered program holds no kernel, on a GPU the fused
+  # Triton kernels (what the program holds, not the function's formula again).
+  auto = _lowered_kernel_names(dataclasses.replace(base, kernel="auto"))
+  if not on_accelerator:
+    assert _kernel_names(dataclasses.replace(base, kernel="auto")) >= fused  # traced...
+    assert auto == set() and kernels.resolve("auto") == "jnp"               # ...not lowered
+    assert _lowered_kernel_names(dataclasses.replace(base, kernel="auto"), "h200") == fused
+  elif jax.default_backend() != "tpu":
+    assert auto == fused and kernels.resolve("auto") == "pallas"
+  assert kernels.resolve("pallas_interpret") == "pallas_interpret"
   assert _kernel_names(base) == set()
   if jax.default_backend() != "tpu":
     assert _kernel_names(dataclasses.replace(base, kernel="pallas_interpret")) == fused
