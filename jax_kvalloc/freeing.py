@@ -103,9 +103,15 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
     values, count = st.compact(free_index, valid)
   if config.debug:
     state, count = debug.finish_free(config, state, free_index, values, count, op)
-  room = n - state.free_len - state.release_len
-  count = jnp.minimum(count, room)
+  return _give_back(config, state, values, count)
 
+
+def _give_back(config: AllocatorConfig, state: AllocatorState, values: Array,
+               count: Array) -> AllocatorState:
+  """Adds values[:count] to release_pages (need_sort) or free_pages: prepended as one
+  block (paged) or appended (token). A count that would overflow the pool (only possible
+  through double frees) is cut to fit, so the lists never overwrite one another."""
+  count = jnp.minimum(count, config.num_pages - state.free_len - state.release_len)
   if config.need_sort:
     ring, head, length = state.release_ring, state.release_head, state.release_len
   else:
@@ -150,13 +156,7 @@ def _prepend_pages(config: AllocatorConfig, state: AllocatorState, pages: Array,
   if config.debug:
     state, count = debug.finish_free_page_ids(config, state, op, pages, given, positions,
                                               values, count, err)
-  count = jnp.minimum(count, n - state.free_len - state.release_len)
-  if config.need_sort:
-    ring, head = st.ring_push_front(state.release_ring, state.release_head, values, count)
-    return state._replace(release_ring=ring, release_head=head,
-                          release_len=state.release_len + count)
-  ring, head = st.ring_push_front(state.free_ring, state.free_head, values, count)
-  return state._replace(free_ring=ring, free_head=head, free_len=state.free_len + count)
+  return _give_back(config, state, values, count)
 
 
 def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Array,
