@@ -122,21 +122,15 @@ class DataParallel:
     rank = self._rank_for(dp_rank)
     return super().free_segments(segments) if rank is None else rank.free_segments(segments)
 
+  # The free_full* aliases are the plain frees of the rank named (no sliding-window peer).
   def free_full(self, free_index, dp_rank: int = 0) -> None:
-    rank = self._rank_for(dp_rank)
-    return super().free_full(free_index) if rank is None else rank.free_full(free_index)
+    return self.free(free_index, dp_rank=dp_rank)
 
   def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
-    rank = self._rank_for(dp_rank)
-    if rank is None:
-      return super().free_full_segment(free_index, start_pos=start_pos)
-    return rank.free_full_segment(free_index, start_pos=start_pos)
+    return self.free_segment(free_index, start_pos=start_pos, dp_rank=dp_rank)
 
   def free_full_segments(self, segments, dp_rank: int = 0) -> None:
-    rank = self._rank_for(dp_rank)
-    if rank is None:
-      return super().free_full_segments(segments)
-    return rank.free_full_segments(segments)
+    return self.free_segments(segments, dp_rank=dp_rank)
 
   def merge_and_sort_free(self, dp_rank: int = 0) -> None:
     rank = self._rank_for(dp_rank)
