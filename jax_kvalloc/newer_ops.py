@@ -85,9 +85,8 @@ class NewerOperations:
   def _free_page_ids_now(self, ids: np.ndarray) -> None:
     """Prepends validated, distinct page ids (int64 host array) as one block."""
     ids = ids.astype(np.int32)
-    write = getattr(self, "_write", None)
-    if write is not None and not getattr(self, "_legacy", True):
-      write("free_page_ids", ids, ids.shape[0])  # the base's fast path (no wait)
+    if not self._legacy:
+      self._write("free_page_ids", ids, ids.shape[0])  # the base's fast path (no wait)
       return
     n = buckets.bucket(ids.shape[0], buckets.MIN_FREE)
     self._call(_FREE_PAGE_IDS, buckets.pad(ids, n), np.int32(ids.shape[0]))
@@ -233,16 +232,11 @@ class NewerOperations:
       err = _debug.get_error(state)
       if err is not None:
         raise err
-    host = getattr(self, "backend", "device") == "host" and not getattr(
-        self, "_legacy", True)
-    if host:
+    if self.backend == "host" and not self._legacy:
       from jax_kvalloc import host_ops  # pylint: disable=g-import-not-at-top
       state = host_ops.from_jax(state)
     elif not isinstance(state.free_ring, jax.Array):
       state = jax.tree_util.tree_map(jax.numpy.asarray, state)
     self._state = state
-    for held in ("_shared", "_free_shared", "_release_shared"):
-      if hasattr(self, held):
-        setattr(self, held, True)
-    if hasattr(self, "_free_len"):  # the base's host mirror of the lengths
-      self._free_len, self._release_len = int(state.free_len), int(state.release_len)
+    self._free_shared = self._release_shared = True
+    self._sync_mirror()  # the base's host mirror of the lengths
