@@ -39,14 +39,13 @@ AllocResult = Tuple[AllocatorState, Array, Array]
 
 
 T = TypeVar("T")
-_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def resolve(kernel: str) -> str:
   """The concrete path ("jnp", "pallas" or "pallas_interpret") that `kernel` selects on
   the default backend (for "auto" the allocator itself uses `by_device`)."""
   if kernel == "auto":
-    return "pallas" if jax.default_backend() in _ACCELERATORS else "jnp"
+    return _auto(jax.default_backend())[0]
   return kernel
 
 
@@ -63,6 +62,7 @@ def platform_of(x) -> Optional[str]:
 
 
 def _auto(platform: str) -> Tuple[str, Optional[str]]:
+  """(path, Pallas backend) that "auto" selects on `platform`."""
   if platform in ("gpu", "cuda", "rocm"):
     return "pallas", "triton"
   if platform == "tpu":
