@@ -199,8 +199,7 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
   _leading(num_ranks(state), prefix_lens=prefix_lens, seq_lens=seq_lens,
            last_loc=last_loc, num_reqs=num_reqs)
   fn = functools.partial(allocation.alloc_extend, rc, max_tokens=max_tokens)
-  if num_reqs is None:
-    return jax.vmap(fn)(state, prefix_lens, seq_lens, last_loc)
+  # A None num_reqs is an empty pytree: vmap passes it through unchanged.
   return jax.vmap(lambda s, p, q, l, n: fn(s, p, q, l, num_reqs=n))(
       state, prefix_lens, seq_lens, last_loc, num_reqs)
 
@@ -219,8 +218,6 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
   rc = _config_of(config, state)
   _leading(num_ranks(state), seq_lens=seq_lens, last_loc=last_loc, num_reqs=num_reqs)
   fn = functools.partial(allocation.alloc_decode, rc)
-  if num_reqs is None:
-    return jax.vmap(fn)(state, seq_lens, last_loc)
   return jax.vmap(lambda s, q, l, n: fn(s, q, l, num_reqs=n))(state, seq_lens, last_loc,
                                                               num_reqs)
 
@@ -239,10 +236,7 @@ def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Arra
   i32[dp_size] (entries at index >= num, and zeros, are padding)."""
   rc = _config_of(config, state)
   _leading(num_ranks(state), page_ids=page_ids, num=num)
-  fn = functools.partial(freeing.free_page_ids, rc)
-  if num is None:
-    return jax.vmap(fn)(state, page_ids)
-  return jax.vmap(fn)(state, page_ids, num)
+  return jax.vmap(functools.partial(freeing.free_page_ids, rc))(state, page_ids, num)
 
 
 def free_segment(config: AllocatorConfig, state: AllocatorState, free_index: Array,
@@ -251,10 +245,8 @@ def free_segment(config: AllocatorConfig, state: AllocatorState, free_index: Arr
   optional num: i32[dp_size]."""
   rc = _config_of(config, state)
   _leading(num_ranks(state), free_index=free_index, start_pos=start_pos, num=num)
-  fn = functools.partial(freeing.free_segment, rc)
-  if num is None:
-    return jax.vmap(fn)(state, free_index, start_pos)
-  return jax.vmap(fn)(state, free_index, start_pos, num)
+  return jax.vmap(functools.partial(freeing.free_segment, rc))(state, free_index,
+                                                                start_pos, num)
 
 
 def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
