@@ -248,10 +248,7 @@ class BaseAllocator:
       return None
     if self.backend == "host":
       return np.array(np.asarray(out)[:n], np.int32)
-    return self._exact(out, n)
-
-  def _exact(self, out, n: int):
-    return device_ops.ops_for(self.config).exact(out, n)
+    return self._dev.exact(out, n)  # the instance's cached slice programs
 
   def _empty_out(self):
     """An empty index array of the backend's kind."""
