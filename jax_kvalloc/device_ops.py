@@ -128,7 +128,7 @@ class DeviceOps:
       return jax.jit(decode_fn)
     if op in ("free", "free_page_ids"):
       _, donate = shape
-      body = freeing.free if op == "free" else getattr(freeing, "free_page_ids")
+      body = freeing.free if op == "free" else freeing.free_page_ids
 
       def free_fn(ring, head, length, other_len, values):
         return _written(cfg, body(cfg, _write_state(cfg, ring, head, length, other_len),
