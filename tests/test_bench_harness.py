@@ -73,3 +73,30 @@ def test_link_is_zero_and_reads_every_output():
   outs = (np.array([3, 0, 7], np.int32), np.array(True), np.array(5, np.int32))
   assert int(timing.link(outs)) == 0
   assert int(timing.link((np.array([-3, -2], np.int32),))) == -2  # reads the max
+
+
+def test_extra_consumer_check_nets_out_the_consumers_own_cost(monkeypatch):
+  """The +1 consumer verdict reads (t3 - t2 - (floor3 - floor2)) / t2: a consumer that
+  costs 1 us on the stand-in as on the call is not counted as missing work; work the
+  call gains under the consumer is."""
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bench_micro, "time_floor", lambda case, **kw: {"s": 3e-6})
+  row = {"floor_us": 2.0, "jax": {
+      "pallas": {"us": 5.0, "us_extra_consumer": 6.0, "extra_consumer_change": 0.2},
+      "jnp": {"us": 5.0, "us_extra_consumer": 8.0, "extra_consumer_change": 0.6}}}
+  bench_micro._net_changes(row, None, unroll=2, min_time=0.0, reps=1)  # pylint: disable=protected-access
+  assert row["floor_extra_consumer_us"] == pytest.approx(3.0)
+  assert row["jax"]["pallas"]["extra_consumer_net_change"] == pytest.approx(0.0)
+  assert row["jax"]["jnp"]["extra_consumer_net_change"] == pytest.approx(0.4)
+  assert bench._consumer_cell(row["jax"]["jnp"]) == "+60% (+40%)"  # pylint: disable=protected-access
+  assert bench._consumer_change(row["jax"]["pallas"]) == pytest.approx(0.0)  # pylint: disable=protected-access
+  assert bench._consumer_change({"extra_consumer_change": 0.3}) == 0.3  # pylint: disable=protected-access
+
+
+def test_floor_stand_in_outputs_are_not_broadcasts():
+  """The stand-in's array outputs vary along their first axis (iota + a loop-variant
+  scalar), so XLA cannot fold them into the consumers' reductions as a broadcast."""
+  outs = (jax.ShapeDtypeStruct((8,), np.int32), jax.ShapeDtypeStruct((), np.bool_))
+  c, (arr, flag) = timing.stand_in(outs)(np.int32(4), (np.array([10, 0], np.int32),))
+  assert int(c) == 5 and arr.shape == (8,) and flag.dtype == np.bool_
+  np.testing.assert_array_equal(arr, np.arange(8) + 14)

@@ -168,11 +168,13 @@ def one_custom_call(case: Case, path: str) -> bool:
   return body.count("custom-call(") == 1 and launches == 1
 
 
-def time_floor(case: Case, *, unroll: int, min_time: float, reps: int) -> Dict[str, float]:
+def time_floor(case: Case, *, unroll: int, min_time: float, reps: int,
+               consumers: int = bt.DEFAULT_CONSUMERS) -> Dict[str, float]:
   """The harness's own cost at this case's output shapes (timing.floor_time)."""
   _, call, carry, inputs = jax_call(case, "jnp")
   outs = jax.eval_shape(call, carry, inputs)[1]
-  return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps)
+  return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps,
+                       consumers=consumers)
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,6 +361,26 @@ def _jax_host_free(case: Case, *, min_time: float, reps: int) -> Dict[str, float
                       min_time=min_time, reps=reps)
 
 
+def _net_changes(row: Dict[str, Any], case: Case, *, unroll: int, min_time: float,
+                 reps: int) -> None:
+  """Adds each JAX cell's "extra_consumer_net_change": the +1 consumer change less what
+  that consumer costs by itself, measured on the floor's stand-in (same output shapes,
+  no allocator work): (t3 - t2 - (floor3 - floor2)) / t2. What is left is work the
+  figure did not count before the consumer forced it."""
+  try:
+    f3 = time_floor(case, unroll=unroll, min_time=min_time, reps=reps,
+                    consumers=bt.DEFAULT_CONSUMERS + 1)["s"] * 1e6
+  except Exception as e:  # pylint: disable=broad-except
+    row["floor_extra_error"] = _err(e)["error"]
+    return
+  row["floor_extra_consumer_us"] = f3
+  cost = f3 - row["floor_us"]
+  for cell in row["jax"].values():
+    if "us_extra_consumer" in cell and cell.get("us"):
+      cell["extra_consumer_net_change"] = (
+          cell["us_extra_consumer"] - cell["us"] - cost) / cell["us"]
+
+
 def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         batch_sizes: Sequence[int], extend_cases: Sequence[Tuple[int, int]],
         page_size: int, unroll: int, min_time: float, reps: int, seed: int,
@@ -413,6 +435,8 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
                                    reps=reps)["s"] * 1e6
     except Exception as e:  # pylint: disable=broad-except
       row["floor_error"] = _err(e)["error"]
+    if extra_consumer and "floor_us" in row:
+      _net_changes(row, case, unroll=unroll, min_time=min_time, reps=reps)
     if op == "free":
       try:
         row["jax_host"] = {"us": _jax_host_free(case, min_time=min_time,
@@ -435,10 +459,10 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
       if progress:
         progress(f"{op} bs={bs} tokens={case.tokens} sglang")
       try:
-        linked, bare, out = time_sglang(case, sglang, unroll=unroll, min_time=min_time,
-                                        reps=reps)
+        linked, alone, out = time_sglang(case, sglang, unroll=unroll, min_time=min_time,
+                                         reps=reps)
         row["sglang"] = {"us": linked["s"] * 1e6, "spread": linked["spread"],
-                         "bare_us": bare["s"] * 1e6}
+                         "bare_us": alone["s"] * 1e6}
         if ref is not None and not np.array_equal(np.asarray(out, np.int64),
                                                   np.asarray(ref, np.int64)):
           row["check"] = "MISMATCH: SGLang's kernel differs from jax"

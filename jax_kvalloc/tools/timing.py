@@ -197,18 +197,30 @@ def loop_overhead(*, unroll: int, min_time: float, reps: int) -> float:
   return res["s"]
 
 
-def floor_time(out_shapes: Any, inputs: Any, *, unroll: int, min_time: float, reps: int
-               ) -> Dict[str, float]:
-  """Per-call seconds of a stand-in call that writes outputs of `out_shapes` (a pytree of
-  ShapeDtypeStruct) from its inputs and does nothing else, in the same harness: what
-  the link and the loop cost at these sizes, plus one small XLA kernel."""
+def stand_in(out_shapes: Any) -> Call:
+  """A call (c, x) -> (c + 1, outputs of `out_shapes`) that does no other work. Each
+  array output is iota + a loop-variant scalar (not a broadcast, which XLA could fold
+  into its consumers' reductions), so its consumers cost what they cost on a real
+  call's outputs."""
+  def fill(o, v):
+    if not o.shape:
+      return jnp.full(o.shape, v, o.dtype)
+    iota = jax.lax.broadcasted_iota(jnp.int32, o.shape, 0)
+    return (iota + v).astype(o.dtype)
+
   def call(c, x):
     first = jax.tree_util.tree_leaves(x)[0].reshape(-1)[0]
-    outs = jax.tree_util.tree_map(
-        lambda o: jnp.full(o.shape, first + c, o.dtype), out_shapes)
+    outs = jax.tree_util.tree_map(lambda o: fill(o, first + c), out_shapes)
     return c + 1, outs
-  return chain_time(call, jnp.zeros((), jnp.int32), inputs, unroll=unroll,
-                    min_time=min_time, reps=reps)
+  return call
+
+
+def floor_time(out_shapes: Any, inputs: Any, *, unroll: int, min_time: float, reps: int,
+               consumers: int = DEFAULT_CONSUMERS) -> Dict[str, float]:
+  """Per-call seconds of `stand_in(out_shapes)` in the same harness: what the link, the
+  loop and `consumers` consumers cost at these sizes, plus one small XLA kernel."""
+  return chain_time(stand_in(out_shapes), jnp.zeros((), jnp.int32), inputs, unroll=unroll,
+                    min_time=min_time, reps=reps, consumers=consumers)
 
 
 def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: float,
