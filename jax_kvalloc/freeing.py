@@ -24,7 +24,7 @@ FREE_METHODS = ("auto", "sort", "bitmap")
 # scatter); the sort costs O(M log M), and XLA's GPU sort is a chain of many small kernels
 # (free took 55-82 us for M = 8k..262k on an H200), so the bitmap should win there unless
 # the pool dwarfs M (a 16M-page pool freed 64 pages at a time). On CPU (jit, 2026-11-30)
-# the bitmap is 2-7x faster up to ratio 32 and 1.4x slower at ratio 128 (n = 2**20,
+# the bitmap is 1.7-10x faster up to ratio 32 and 1.0-1.4x slower at ratio 128 (n = 2**20,
 # M = 8192); 128 leans to the GPU, whose sort costs more kernels than the CPU's.
 BITMAP_RATIO = 128
 
@@ -155,7 +155,8 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   words = jnp.sum(jnp.where(marks.reshape(words_n, 32), bits, jnp.uint32(0)), axis=1,
                   dtype=jnp.uint32)  # distinct bits: the sum is their OR
   per_word = jax.lax.population_count(words).astype(jnp.int32)
-  before = jnp.cumsum(per_word) - per_word  # marked pages in the words before each word
+  upto = jnp.cumsum(per_word)  # marked pages in the words up to each word
+  before = upto - per_word
   # Page p's place: the marked pages below it, i.e. those of the earlier words and the
   # lower bits of its own word. Repeats of a page write the same value to the same
   # place (< M: at most M pages are marked), so any write that lands is exact; M drops.
@@ -164,7 +165,7 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   below = jax.lax.population_count(words[word] & (jnp.left_shift(jnp.uint32(1), bit) - 1))
   slot = jnp.where(valid, before[word] + below.astype(jnp.int32), m)
   values = jnp.zeros((m,), jnp.int32).at[slot].set(pages, mode="drop")
-  return values, jnp.sum(per_word)
+  return values, upto[-1]  # the count: an element, not one more reduction (kernel)
 
 
 def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,

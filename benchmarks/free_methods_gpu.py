@@ -1,0 +1,194 @@
+"""The paged `free`'s two ways to the sorted unique pages, timed (issue 13 item 2).
+
+    python benchmarks/free_methods_gpu.py --json $OUT/free_methods.json   # the H200
+    python benchmarks/free_methods_gpu.py --small                         # CPU, < 1 min
+
+For each case (page size, pool slots, M slots freed; free_index = every slot of M / ps
+random held pages, shuffled, like `jax-kvalloc bench`'s free case) it times, per call,
+in the project's harness (jax_kvalloc.tools.timing.chain_time: calls chained in one jit,
+every output consumed, linked to the next call's inputs):
+
+  free sort / free bitmap / free auto   freeing.free(cfg, state, free_index, method=...)
+                                        (the carry keeps the new ring and head, the free
+                                        length stays fixed, as bench_micro's free case)
+  pages sort / pages bitmap             the page computation alone: free_index // ps,
+                                        then freeing.free_pages_sorted_unique
+  floor                                 the harness's own cost at free's output shapes
+
+Before timing, both methods' (values, count) and states are checked to be equal. It also
+prints the kernels of the compiled programs (fusions, custom calls, sorts, scatters, ...
+of the ENTRY computation) of each method at the kernel-count case (M = 32768; with
+--small, the largest small M), and writes everything to --json.
+"""
+import argparse
+import functools
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import freeing
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.tools import timing
+
+# (page_size, pool slots, M): page size 64 over 2**24 slots (262144 pages); page size 1
+# over 2**20 slots.
+CASES = [(64, 2**24, m) for m in (8192, 32768, 65536, 262144)] + [(1, 2**20, 8192)]
+SMALL_CASES = [(64, 2**16, 512), (64, 2**16, 4096), (1, 2**12, 512)]
+KERNEL_M = 32768
+METHODS = ("sort", "bitmap")
+
+LAUNCH = re.compile(r"= [^=]*? (fusion|custom-call|gather|scatter|sort|reduce|copy|"
+                    r"dynamic-update-slice|dynamic-slice|while|conditional|call)\(")
+
+
+def kernels(compiled_text: str):
+  """(count, {op: count}, the launching lines) of a compiled program's ENTRY."""
+  body = compiled_text[compiled_text.index("ENTRY"):]
+  lines = [l.strip() for l in body.splitlines() if LAUNCH.search(l)]
+  ops = [LAUNCH.search(l).group(1) for l in lines]
+  return len(ops), {k: ops.count(k) for k in sorted(set(ops))}, lines
+
+
+def make_case(ps: int, slots: int, m: int, seed: int = 0):
+  """(config, state, free_index): a shuffled pool whose first m // ps pages are held,
+  and every slot of those pages, shuffled."""
+  cfg = AllocatorConfig(size=slots, page_size=ps, debug=False)
+  n = cfg.num_pages
+  if m % ps or m // ps > n:
+    raise ValueError(f"M={m} is not a whole number of pages of {ps} within {n} pages")
+  rng = np.random.default_rng([seed, ps, slots, m])
+  ring = (rng.permutation(n) + 1).astype(np.int32)
+  held = m // ps
+  state = st.init(cfg)._replace(free_ring=jnp.asarray(ring),
+                                free_head=jnp.asarray(held % n, jnp.int32),
+                                free_len=jnp.asarray(n - held, jnp.int32))
+  free_index = (ring[:held, None].astype(np.int64) * ps + np.arange(ps)).reshape(-1)
+  return cfg, state, jnp.asarray(rng.permutation(free_index).astype(np.int32))
+
+
+def free_call(cfg: AllocatorConfig, method: str):
+  """bench_micro's chained free: the carry keeps the new ring and head, not the length."""
+  def call(state, free_index):
+    res = freeing.free(cfg, state, free_index, method=method)
+    return (state._replace(free_ring=res.free_ring, free_head=res.free_head),
+            (res.free_head, res.free_len))
+  return call
+
+
+def pages_fn(cfg: AllocatorConfig, method: str):
+  """The page computation of the paged `free` alone (free_index // ps included)."""
+  def fn(free_index):
+    pages = jnp.where(free_index >= 0, free_index // cfg.page_size, 0)
+    return freeing.free_pages_sorted_unique(pages, cfg.num_pages, method)
+  return fn
+
+
+def check(cfg, state, free_index):
+  """Both methods give the same (values, count) and the same state; raises otherwise."""
+  got = [jax.jit(pages_fn(cfg, m))(free_index) for m in METHODS]
+  for a, b in zip(got[0], got[1]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  want = np.unique(np.asarray(free_index) // cfg.page_size)
+  count = int(got[0][1])
+  if count != want.size or not np.array_equal(np.asarray(got[0][0])[:count], want):
+    raise AssertionError("the sorted unique pages differ from numpy's")
+  states = [jax.jit(functools.partial(freeing.free, cfg, method=m))(state, free_index)
+            for m in METHODS]
+  jax.tree.map(np.testing.assert_array_equal, states[0], states[1])
+
+
+def time_case(ps, slots, m, *, unroll, min_time, reps, log):
+  cfg, state, free_index = make_case(ps, slots, m)
+  n = cfg.num_pages
+  check(cfg, state, free_index)
+  rec = {"page_size": ps, "pool_slots": slots, "num_pages": n, "M": m,
+         "pages_freed": m // ps, "auto": freeing.free_method(n, m), "us": {},
+         "spread": {}, "min_us": {}}
+  runs = [(f"free {meth}", free_call(cfg, meth), state) for meth in METHODS + ("auto",)]
+  for meth in METHODS:
+    fn = pages_fn(cfg, meth)
+    runs.append((f"pages {meth}", lambda c, x, fn=fn: (c, fn(x)),
+                 jnp.zeros((), jnp.int32)))
+  for name, call, carry in runs:
+    res = timing.chain_time(call, carry, free_index, unroll=unroll, min_time=min_time,
+                            reps=reps)
+    rec["us"][name] = res["s"] * 1e6
+    rec["spread"][name] = res["spread"]
+    rec["min_us"][name] = res["min_s"] * 1e6
+    log(f"  {name:14s} {res['s'] * 1e6:9.2f} us  (spread {res['spread']:.2f}, "
+        f"compile {res['compile_s']:.1f} s)")
+  outs = jax.eval_shape(free_call(cfg, "sort"), state, free_index)[1]
+  res = timing.floor_time(outs, free_index, unroll=unroll, min_time=min_time, reps=reps)
+  rec["us"]["floor"] = res["s"] * 1e6
+  rec["spread"]["floor"] = res["spread"]
+  return rec
+
+
+def kernel_counts(ps, slots, m, log):
+  cfg, state, free_index = make_case(ps, slots, m)
+  out = {"page_size": ps, "pool_slots": slots, "M": m}
+  for meth in METHODS:
+    for what, fn, args in (
+        ("free", functools.partial(freeing.free, cfg, method=meth), (state, free_index)),
+        ("pages", pages_fn(cfg, meth), (free_index,))):
+      count, by_op, lines = kernels(jax.jit(fn).lower(*args).compile().as_text())
+      out[f"{what} {meth}"] = {"kernels": count, "by_op": by_op, "lines": lines}
+      log(f"  {what} {meth:7s} {count:3d} kernels {by_op}")
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--json", help="write the results here")
+  p.add_argument("--small", action="store_true", help="small sizes (CPU, < 1 min)")
+  p.add_argument("--unroll", type=int, default=None)
+  p.add_argument("--min-time", type=float, default=None)
+  p.add_argument("--reps", type=int, default=None)
+  args = p.parse_args(argv)
+  accel = jax.default_backend() != "cpu"
+  unroll = args.unroll or (4 if args.small else 32 if accel else 8)
+  min_time = args.min_time or (0.01 if args.small else 0.05 if accel else 0.02)
+  reps = args.reps or (3 if args.small else 5)
+  cases = SMALL_CASES if args.small else CASES
+  log = functools.partial(print, flush=True)
+  t0 = time.perf_counter()
+  log(f"{jax.devices()[0]} jax {jax.__version__}; unroll {unroll}, min_time {min_time}, "
+      f"reps {reps}; auto: bitmap when num_pages <= {freeing.BITMAP_RATIO} * M")
+  rec = {"device": str(jax.devices()[0]), "backend": jax.default_backend(),
+         "jax": jax.__version__, "unroll": unroll, "min_time": min_time, "reps": reps,
+         "bitmap_ratio": freeing.BITMAP_RATIO, "cases": []}
+  for ps, slots, m in cases:
+    log(f"page size {ps}, {slots} slots, M = {m} (auto: "
+        f"{freeing.free_method(slots // ps, m)})")
+    rec["cases"].append(time_case(ps, slots, m, unroll=unroll, min_time=min_time,
+                                  reps=reps, log=log))
+  km = max(c[2] for c in cases) if args.small else KERNEL_M
+  kps, kslots = (cases[0][0], cases[0][1])
+  log(f"kernels of the compiled programs at page size {kps}, {kslots} slots, M = {km}:")
+  rec["kernels"] = kernel_counts(kps, kslots, km, log)
+
+  cols = ["free sort", "free bitmap", "free auto", "pages sort", "pages bitmap", "floor"]
+  log("\nus per call (median; the floor is the harness's own cost at free's outputs)")
+  log(f"{'ps':>3} {'pages':>7} {'M':>7} {'auto':>6} " +
+      " ".join(f"{c:>12}" for c in cols) + f" {'sort/bitmap':>11}")
+  for c in rec["cases"]:
+    u = c["us"]
+    log(f"{c['page_size']:3d} {c['num_pages']:7d} {c['M']:7d} {c['auto']:>6} " +
+        " ".join(f"{u[k]:12.2f}" for k in cols) +
+        f" {u['free sort'] / u['free bitmap']:10.2f}x")
+  rec["wall_s"] = time.perf_counter() - t0
+  log(f"wall {rec['wall_s']:.1f} s")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rec, f, indent=1)
+  return rec
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() else 1)
