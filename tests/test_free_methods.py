@@ -203,3 +203,19 @@ def test_default_free_takes_auto():
     auto = jax.jit(functools.partial(freeing.free, cfg))(state, free_index)
     named = _free_fn(cfg, freeing.free_method(n, m))(state, free_index)
     jax.tree.map(np.testing.assert_array_equal, auto, named)
+
+
+def test_methods_agree_under_vmap():
+  """Stacked pools (jax_kvalloc.ranks vmaps `free`): the bitmap's scatters batch too."""
+  ps, n, m = 16, 64, 40
+  cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False)
+  rng = np.random.default_rng(3)
+  states = [_taken_state(cfg, rng, t) for t in (30, 64)]
+  stacked = jax.tree.map(lambda *x: jnp.stack(x), *states)
+  free_index = jnp.asarray(rng.integers(-5, (n + 6) * ps, (2, m)), jnp.int32)
+  outs = [jax.vmap(functools.partial(freeing.free, cfg, method=method))(stacked, free_index)
+          for method in METHODS]
+  jax.tree.map(np.testing.assert_array_equal, outs[0], outs[1])
+  for r in range(2):  # and each rank equals its own unbatched call
+    one = _free_fn(cfg, "bitmap")(states[r], free_index[r])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[r], b), outs[1], one)
