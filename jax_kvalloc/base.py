@@ -113,6 +113,8 @@ class BaseAllocator:
     # Debug mode keeps its checks in a jax state and reads them after every call, on
     # either backend (the host backend then keeps that state on the CPU device).
     self._legacy = config.debug
+    self._host = backend == "host" and not self._legacy  # host_ops runs the calls
+    self._hc = host_ops.host_config(config) if self._host else None
     self._jax_device = (resolve_device("cpu") if backend == "host" and self._legacy
                         else None if backend == "host" else resolve_device(device))
     self._kvcache = kvcache

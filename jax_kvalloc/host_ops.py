@@ -5,29 +5,36 @@ For schedulers that live on the host (sglang-jax's setting) the classes accept
 whose heads and lengths are Python ints, and every operation runs here, vectorized and
 O(work) (no Python loop over requests or pages; nothing pool-sized except a merge).
 
-The arithmetic is not a second copy: the slot indices come from
-`jax_kvalloc.index_jnp` and the ring reads and writes from `jax_kvalloc.state`, called
-with `xp=numpy`, the same functions the jitted device path calls with jax.numpy.
+The ring reads and writes are `jax_kvalloc.state`'s, called with `xp=numpy`, the same
+functions the jitted device path calls with jax.numpy. The slot indices follow
+`jax_kvalloc.index_jnp`'s rules but are computed in host forms written for few numpy
+calls (numpy costs about half a microsecond per call whatever the size, which dominates
+a serving step's batch): the table gather of `alloc_extend`, the mask assignment of
+`alloc_decode`, and for batches of up to SMALL_BATCH requests the same rules on Python
+ints. tests/test_host_backend.py checks them against index_jnp (xp=numpy) and
+tests/test_host_paths.py against the independent model.
 
-Contract of every function here: its arguments were validated by the class (the host
-checks of jax_kvalloc.validate), the class has already decided that the call fits (it
-keeps the lengths) and run any need_sort merge the shortfall triggers, and arrays are
-exact-length int64 host arrays. Outputs are fresh numpy int32 arrays. Rings are written in
-place; a ring that a snapshot still holds (`shared`) is copied first (copy-on-write), so
+Contract: alloc_extend / alloc_decode take the plan of `extend_plan` / `decode_plan`
+(their `_small` variants: of `*_plan_small`), which check the input themselves and return
+None when a check fails (the class then runs jax_kvalloc.validate, which raises naming
+the argument); the other functions take arguments the class validated. The class has
+decided that the call fits (it keeps the lengths) and run any need_sort merge the
+shortfall triggers. Outputs are fresh numpy int32 arrays. Rings are written in place; a
+ring that a snapshot still holds (`shared`) is copied first (copy-on-write), so
 `backup_state` and an allocation never copy anything.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, NamedTuple, Tuple
 
 import numpy as np
 
-from jax_kvalloc import index_jnp
 from jax_kvalloc import state as st
+from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.state import AllocatorState
 
-_EMPTY_WINDOW = np.zeros((1,), np.int32)  # read by index_jnp only where it is masked off
+_STATE_NEW = tuple.__new__  # AllocatorState without its Python-level __new__
 
 
 def init(config: AllocatorConfig) -> AllocatorState:
@@ -38,13 +45,16 @@ def init(config: AllocatorConfig) -> AllocatorState:
                         release_len=0, debug=None)
 
 
-def _take(config: AllocatorConfig, state: AllocatorState,
-          k: int) -> Tuple[AllocatorState, np.ndarray]:
+def _take(state: AllocatorState, k: int) -> Tuple[AllocatorState, np.ndarray]:
   """(state without the first k free pages, those pages: a view or copy, i32[k])."""
-  pages = st.ring_window(state.free_ring, state.free_head, state.free_len, k, xp=np)
-  state = state._replace(free_head=(state.free_head + k) % config.num_pages,
-                         free_len=state.free_len - k)
-  return state, pages
+  ring, head, length = state[:3]
+  cap = ring.shape[0]
+  if head + k <= cap:  # st.ring_window's host case, inlined: the hot path of every call
+    pages = ring[head:head + k]
+  else:
+    pages = st.ring_window(ring, head, length, k, xp=np)
+  # The state rebuilt without namedtuple's _replace (a Python-level call, ~0.5 us).
+  return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
 
 def alloc(config: AllocatorConfig, state: AllocatorState,
@@ -52,74 +62,183 @@ def alloc(config: AllocatorConfig, state: AllocatorState,
   """`need_size` slots (a multiple of page_size) off the front of the free list (SPEC 3,
   4.1). Returns (state, i32[need_size])."""
   ps = config.page_size
-  state, pages = _take(config, state, need_size // ps)
+  state, pages = _take(state, need_size // ps)
   if ps == 1:
     return state, np.array(pages, np.int32)
   out = pages[:, None] * ps + np.arange(ps, dtype=np.int32)
   return state, out.reshape(-1)
 
 
-def alloc_extend(config: AllocatorConfig, state: AllocatorState, pre: np.ndarray,
-                 seq: np.ndarray, last: np.ndarray, total: int,
-                 new_pages: int) -> Tuple[AllocatorState, np.ndarray]:
-  """A prefill batch's slots (SPEC 4.2). pre/seq/last: i64[bs]; total = sum(seq - pre),
-  new_pages its page count (both from validate.extend_args). Returns (state,
-  i32[total]).
+# ---------------------------------------------------------------------------------------
+# alloc_extend / alloc_decode on numpy arrays. numpy costs about half a microsecond per
+# call whatever the array size, so these are written for few calls: a plan (the checks
+# and the page counts, on which the class decides success and the need_sort merge) and
+# the slots. A plan returns None when any check fails; the class then runs the checks of
+# jax_kvalloc.validate, which raise naming the argument (nothing has changed by then).
+# ---------------------------------------------------------------------------------------
 
-  index_jnp.extend_indices' rule (each request: Part 1 from last_loc + 1, then its new
-  pages in order) in a host form that does per-token work only three times: the output
-  is runs of consecutive slots (a request's Part 1; each new page), so it is
-  arange(total) plus each run's offset repeated over the run. Everything else is per
-  request or per page. tests/test_host_backend.py checks it against extend_indices.
-  """
+_U64 = np.uint64
+
+
+class HostConfig(NamedTuple):
+  """A config's numbers as the host paths read them, built once per allocator
+  (`host_config`): Python ints, and constants as 0-d numpy arrays (an array op with a
+  0-d array operand costs about half of one with a Python int, which numpy converts on
+  every call)."""
+  config: AllocatorConfig
+  ps: int              # page_size
+  slots: int           # num_slots
+  rem: Any             # ufunc: rem(x, by) == x % ps (bitwise_and for a power of two)
+  rem_by: np.ndarray   # i64[] ps, or ps - 1 for a power of two
+  div: Any             # ufunc: div(x, by) == x // ps (right_shift for a power of two)
+  div_by: np.ndarray   # i64[] ps, or log2(ps) for a power of two
+  ps64: np.ndarray     # i64[] ps
+  ps32: np.ndarray     # i32[] ps
+  one: np.ndarray      # i64[] 1
+  head: np.ndarray     # i64[] 2 * ps - 1
+  lanes: np.ndarray    # i32[ps] 0..ps-1
+
+
+def host_config(config: AllocatorConfig) -> HostConfig:
+  """The HostConfig of `config` (arrays read-only: they are shared by every call)."""
   ps = config.page_size
+  pow2 = ps & (ps - 1) == 0
+  consts = [np.array(v, np.int64) for v in (
+      ps - 1 if pow2 else ps, ps.bit_length() - 1 if pow2 else ps, ps, 1, 2 * ps - 1)]
+  lanes = np.arange(ps, dtype=np.int32)
+  for arr in consts + [lanes]:
+    arr.flags.writeable = False
+  rem_by, div_by, ps64, one, head = consts
+  return HostConfig(config, ps, config.num_slots, np.bitwise_and if pow2 else np.remainder,
+                    rem_by, np.right_shift if pow2 else np.floor_divide, div_by, ps64,
+                    np.array(ps, np.int32), one, head, lanes)
+
+
+def i64(x) -> "np.ndarray | None":
+  """x as a 1-D int64 array (x itself when it is one: the plans never write their
+  inputs), or None when x is not a non-empty 1-D integer numpy array. Unsigned values
+  beyond int64 wrap negative here, which the plans refuse."""
+  if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and x.shape[0]:
+    return x if x.dtype == np.int64 else x.astype(np.int64)
+  return None
+
+
+def extend_plan(hc: HostConfig, pre: np.ndarray, seq: np.ndarray, last: np.ndarray,
+                extend_num_tokens) -> "tuple | None":
+  """Checks an alloc_extend batch (int64 host arrays of one length bs >= 1) as
+  validate.extend_args does and counts its tokens and new pages.
+
+  Returns None when a check fails, else the plan `alloc_extend` takes, a tuple
+  (total, new_pages, ext, ends, head, rows, row_ends, base): the batch's tokens
+  (== extend_num_tokens) and new pages as ints, and i64[bs] arrays: ext = seq - pre,
+  ends = cumsum(ext), head = ext - gap + 2 * ps - 1 where gap = -pre % ps is the room
+  left in the page the prefix ends in (Part 1's length when ext allows), rows = 1 + the
+  request's new pages, row_ends = cumsum(rows), base = last_loc + 1 + gap (where the
+  prefix's page ends). Every value is range checked before it is used (as uint64 views,
+  in which negatives are huge), so int64 wrap-around cannot pass a bad value. TypeError
+  (validate.count) for an extend_num_tokens that is not an integer.
+  """
   bs = pre.shape[0]
+  if seq.shape[0] != bs or last.shape[0] != bs:
+    return None
   ext = seq - pre
-  first_new = -(-pre // ps)                      # ceil(pre / ps)
-  part1 = np.minimum(ext, first_new * ps - pre)  # the rest of the current page
-  per_row = -(-seq // ps) - first_new            # new pages per request
-  tok_start = np.cumsum(ext) - ext
-  page_start = np.cumsum(per_row) - per_row
-  state, window = _take(config, state, new_pages)
-  owner = np.repeat(np.arange(bs), per_row)      # request of each new page
-  k = np.arange(new_pages) - page_start[owner]   # the page's rank within its request
-  # Runs in output order: request r's Part 1 run, then its page runs.
-  starts = np.empty((bs + new_pages,), np.int64)
-  lens = np.empty((bs + new_pages,), np.int64)
-  pos = np.empty((bs + new_pages,), np.int64)
-  r1 = page_start + np.arange(bs)
-  starts[r1], lens[r1], pos[r1] = last + 1, part1, tok_start
-  r2 = np.arange(new_pages) + owner + 1
-  run_pos = tok_start[owner] + part1[owner] + k * ps
-  starts[r2] = window * ps
-  lens[r2] = np.minimum(ps, tok_start[owner] + ext[owner] - run_pos)
-  pos[r2] = run_pos
-  out = np.repeat(starts - pos, lens) + np.arange(total)
-  return state, out.astype(np.int32)
+  lp1 = last + hc.one
+  # pre, seq, ext in 0..INT32_MAX (so pre <= seq) and last_loc in -1..num_slots-1.
+  top = np.maximum(pre.view(_U64), seq.view(_U64))
+  np.maximum(top, ext.view(_U64), out=top)
+  if top.max() > _INT32_MAX or lp1.view(_U64).max() > hc.slots:
+    return None
+  gap = hc.rem(np.negative(pre), hc.rem_by)
+  base = lp1 + gap
+  if hc.ps > 1 and np.count_nonzero(hc.rem(base, hc.rem_by)):
+    return None  # (last_loc + 1) % ps != pre % ps
+  ends = ext.cumsum()
+  total = int(ends[-1])
+  if type(extend_num_tokens) is not int:
+    extend_num_tokens = validate.count(extend_num_tokens, "extend_num_tokens")
+  if extend_num_tokens != total:
+    return None
+  head = ext - gap
+  head += hc.head
+  # 1 + ceil(seq/ps) - ceil(pre/ps) = ceil((ext - gap + ps) / ps) (ext - gap + ps >= 1).
+  rows = hc.div(head, hc.div_by)
+  row_ends = rows.cumsum()
+  return total, int(row_ends[-1]) - bs, ext, ends, head, rows, row_ends, base
 
 
-def decode_pages(config: AllocatorConfig, seq: np.ndarray) -> Tuple[np.ndarray, int]:
-  """(bool[bs] rows whose new token starts a page, their count) for alloc_decode."""
-  # ceil(seq/ps) > ceil((seq-1)/ps) (SPEC 4.3) is, for seq >= 1, (seq - 1) % ps == 0.
-  needs = (seq - 1) % config.page_size == 0
-  return needs, int(np.count_nonzero(needs))
+def alloc_extend(hc: HostConfig, state: AllocatorState,
+                 plan: tuple) -> Tuple[AllocatorState, np.ndarray]:
+  """A prefill batch's slots (SPEC 4.2) from its `extend_plan`, which the class found to
+  fit. Returns (state, i32[total]).
+
+  index_jnp.extend_indices' rule written for few numpy calls. Each request gets
+  consecutive rows of a table of pages: first the page its prefix ends in (its Part 1
+  is that page's tail, from last_loc + 1), then its new pages in free-list order (Parts
+  2 and 3). Row by row the table holds every slot, so a request's tokens are a
+  contiguous range of the flattened table, and the output is one gather:
+  table[repeat(offset, ext) + arange(total)]. The table has (bs + new_pages) * ps
+  entries. tests/test_host_backend.py checks it against extend_indices.
+  """
+  total, new_pages, ext, ends, head, rows, row_ends, base = plan
+  state, window = _take(state, new_pages)
+  if total == 0:
+    return state, np.zeros((0,), np.int32)
+  first_row = row_ends - rows
+  # Table position of each request's first token minus its output position, plus
+  # ps - 1: first_row * ps + (ps - gap) - (ends - ext) + ps - 1.
+  offset = first_row * hc.ps64
+  offset += head
+  offset -= ends
+  at = offset.repeat(ext)
+  at += np.arange(1 - hc.ps, total + 1 - hc.ps)
+  table = np.empty((rows.shape[0] + new_pages,), np.int32)
+  new = np.empty(table.shape, bool)
+  new.fill(True)
+  new[first_row] = False
+  table[new] = window * hc.ps32
+  table[first_row] = base - hc.ps64  # the first slot of the page the prefix ends in
+  if hc.ps > 1:
+    table = (table[:, None] + hc.lanes).reshape(-1)
+  return state, table[at]
 
 
-def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq: np.ndarray,
-                 last: np.ndarray, needs: np.ndarray,
-                 k: int) -> Tuple[AllocatorState, np.ndarray]:
-  """One slot per request (SPEC 4.3). seq/last: i64[bs]; needs, k from `decode_pages`.
-  Returns (state, i32[bs]).
+def decode_plan(hc: HostConfig, seq: np.ndarray,
+                last: np.ndarray) -> "Tuple[np.ndarray, np.ndarray, int] | None":
+  """Checks an alloc_decode batch (int64 host arrays of one length >= 1) as
+  validate.decode_args does. Returns (last_loc + 1, bool[bs] rows whose new token starts
+  a page or None when all do, their count), or None when a check fails."""
+  if seq.shape[0] != last.shape[0]:
+    return None
+  lp1 = last + hc.one
+  sm1 = seq - hc.one
+  # seq_lens in 1..INT32_MAX, last_loc in -1..num_slots-1 (uint64 views: negatives huge).
+  if sm1.view(_U64).max() > _INT32_MAX - 1 or lp1.view(_U64).max() > hc.slots:
+    return None
+  if hc.ps == 1:
+    return lp1, None, seq.shape[0]  # every token starts a page
+  off = hc.rem(lp1, hc.rem_by)
+  if np.count_nonzero(off != hc.rem(sm1, hc.rem_by)):
+    return None  # (last_loc + 2) % ps != seq_lens % ps
+  # ceil(seq/ps) > ceil((seq-1)/ps) (SPEC 4.3) is (seq - 1) % ps == 0, here off == 0.
+  needs = np.logical_not(off)
+  return lp1, needs, int(np.count_nonzero(needs))
+
+
+def alloc_decode(hc: HostConfig, state: AllocatorState, lp1: np.ndarray,
+                 needs: "np.ndarray | None", k: int) -> Tuple[AllocatorState, np.ndarray]:
+  """One slot per request (SPEC 4.3) from its `decode_plan`, which the class found to
+  fit. Returns (state, i32[bs]).
 
   index_jnp.decode_indices' rule in its host form: the rows that need a page take the
-  first k free pages in batch order, which on the host is one boolean-mask assignment
-  (no prefix sum or gather needed).
+  first k free pages in batch order, one boolean-mask assignment on the host.
   """
-  del seq
-  out = (last + 1).astype(np.int32)
+  if k == lp1.shape[0]:
+    state, window = _take(state, k)
+    return state, window * hc.ps32
+  out = lp1.astype(np.int32)
   if k:
-    state, window = _take(config, state, k)
-    out[needs] = window * config.page_size
+    state, window = _take(state, k)
+    out[needs] = window * hc.ps32
   return state, out
 
 
@@ -212,6 +331,7 @@ def from_jax(state: AllocatorState) -> AllocatorState:
 
 SMALL_BATCH = 8
 SMALL_PAGES = 64  # alloc_extend_small walks the new pages in Python: keep them few
+_SLICE_RUNS = 3   # alloc_extend_small: up to this many runs, a slice update per run
 _INT32_MAX = 2**31 - 1
 
 
@@ -227,9 +347,9 @@ def small_ints(x) -> "list | None":
   return None
 
 
-def decode_plan_small(config: AllocatorConfig, seq: list, last: list) -> "int | None":
+def decode_plan_small(hc: HostConfig, seq: list, last: list) -> "int | None":
   """Pages a small alloc_decode batch needs, or None if an argument fails a check."""
-  ps, slots = config.page_size, config.num_slots
+  ps, slots = hc.ps, hc.slots
   if len(seq) != len(last):
     return None
   k = 0
@@ -240,13 +360,13 @@ def decode_plan_small(config: AllocatorConfig, seq: list, last: list) -> "int | 
   return k
 
 
-def alloc_decode_small(config: AllocatorConfig, state: AllocatorState, seq: list,
+def alloc_decode_small(hc: HostConfig, state: AllocatorState, seq: list,
                        last: list, k: int) -> Tuple[AllocatorState, np.ndarray]:
   """alloc_decode of a batch `decode_plan_small` accepted (k pages, known to fit)."""
-  ps = config.page_size
+  ps = hc.ps
   pages = []
   if k:
-    state, pages = _take_list(config, state, k)
+    state, pages = _take_list(state, k)
   out, j = [], 0
   for s, l in zip(seq, last):
     if (s - 1) % ps == 0:
@@ -257,11 +377,11 @@ def alloc_decode_small(config: AllocatorConfig, state: AllocatorState, seq: list
   return state, np.array(out, np.int32)
 
 
-def extend_plan_small(config: AllocatorConfig, pre: list, seq: list, last: list,
+def extend_plan_small(hc: HostConfig, pre: list, seq: list, last: list,
                       extend_num_tokens) -> "Tuple[int, int] | None":
   """(total tokens, new pages) of a small alloc_extend batch, or None if an argument
   fails a check (extend_num_tokens included)."""
-  ps, slots = config.page_size, config.num_slots
+  ps, slots = hc.ps, hc.slots
   if not len(pre) == len(seq) == len(last) or type(extend_num_tokens) is not int:
     return None
   total = pages = 0
@@ -275,8 +395,7 @@ def extend_plan_small(config: AllocatorConfig, pre: list, seq: list, last: list,
   return total, pages
 
 
-def _take_list(config: AllocatorConfig, state: AllocatorState,
-               k: int) -> Tuple[AllocatorState, list]:
+def _take_list(state: AllocatorState, k: int) -> Tuple[AllocatorState, list]:
   """_take for the small paths: the pages as a list, the state rebuilt without the
   namedtuple's (slow) _replace."""
   ring, head, length = state.free_ring, state.free_head, state.free_len
@@ -285,10 +404,10 @@ def _take_list(config: AllocatorConfig, state: AllocatorState,
     pages = ring[head:head + k].tolist()
   else:
     pages = ring[head:].tolist() + ring[:head + k - cap].tolist()
-  return AllocatorState(ring, (head + k) % cap, length - k, *state[3:]), pages
+  return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
 
-def alloc_extend_small(config: AllocatorConfig, state: AllocatorState, pre: list,
+def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
                        seq: list, last: list, total: int,
                        new_pages: int) -> Tuple[AllocatorState, np.ndarray]:
   """alloc_extend (SPEC 4.2) of a batch `extend_plan_small` accepted, known to fit.
@@ -298,8 +417,8 @@ def alloc_extend_small(config: AllocatorConfig, state: AllocatorState, pre: list
   LIFO-recycled free list mostly gives; else a run per page). It is built as
   arange(total) plus one constant per run: a numpy call per run, never per token.
   """
-  ps = config.page_size
-  state, pages = _take_list(config, state, new_pages)
+  ps = hc.ps
+  state, pages = _take_list(state, new_pages)
   runs = []  # (output position, first slot, length)
   pos = page = 0
   for p, s, l in zip(pre, seq, last):
@@ -324,6 +443,11 @@ def alloc_extend_small(config: AllocatorConfig, state: AllocatorState, pre: list
   if len(runs) == 1:
     at, start, n = runs[0]
     return state, np.arange(start, start + n, dtype=np.int32)
+  if len(runs) > _SLICE_RUNS:  # one repeat beats a slice update (~0.7 us) per run
+    shift = np.array([start - at for at, start, _ in runs], np.int32)
+    out = np.repeat(shift, [n for _, _, n in runs])
+    out += np.arange(total, dtype=np.int32)
+    return state, out
   out = np.arange(total, dtype=np.int32)
   for at, start, n in runs:
     if start != at:

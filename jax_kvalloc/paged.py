@@ -68,15 +68,16 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     if rank is not None:
       return rank.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                                last_loc, extend_num_tokens, num_new_pages)
-    if self.backend == "host" and not self._legacy and num_new_pages is None:
-      out = self._extend_small(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
-                               seq_lens if seq_lens_cpu is None else seq_lens_cpu,
-                               last_loc, extend_num_tokens)
+    pre_arg = prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu
+    seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+    if self._host:
+      out = self._extend_host(pre_arg, seq_arg, last_loc, extend_num_tokens, num_new_pages)
       if out is not False:
         return out
-    pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
-                             "prefix_lens")
-    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
+    # The checks that name what is wrong (the host backend gets here only for input its
+    # fast checks did not take: bad values, lists and tensors, empty batches).
+    pre = validate.host_ints(pre_arg, "prefix_lens")
+    seq = validate.host_ints(seq_arg, "seq_lens")
     last = validate.host_ints(last_loc, "last_loc")
     total, new_pages = validate.extend_args(pre, seq, last, extend_num_tokens,
                                             page_size=self.page_size,
@@ -88,16 +89,14 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
       return self._empty_out()
     if self._legacy:
       return self._legacy_extend(pre, seq, last, total, new_pages)
+    if self._host:  # valid input that is not a numpy array: the arrays made above
+      return self._extend_host(pre, seq, last, total, None)
     # need_sort merge trigger (SPEC 4.2), then capacity: decided on the host. A batch of
     # zero-extension rows still counts: the trigger counts bs.
     self._merge_if(total // self.page_size + bs + 1 > self._free_len)
     if new_pages > self._free_len:
       return None
-    if self.backend == "host":
-      self._state, out = host_ops.alloc_extend(self.config, self._state, pre, seq, last,
-                                               total, new_pages)
-    else:
-      self._state, out = self._dev.alloc_extend(self._state, pre, seq, last, total)
+    self._state, out = self._dev.alloc_extend(self._state, pre, seq, last, total)
     self._free_len -= new_pages
     return out
 
@@ -133,12 +132,12 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     rank = self._rank_for(dp_rank)
     if rank is not None:
       return rank.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-    if self.backend == "host" and not self._legacy:
-      out = self._decode_small(seq_lens if seq_lens_cpu is None else seq_lens_cpu,
-                               last_loc)
+    seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+    if self._host:
+      out = self._decode_host(seq_arg, last_loc)
       if out is not False:
         return out
-    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu, "seq_lens")
+    seq = validate.host_ints(seq_arg, "seq_lens")
     last = validate.host_ints(last_loc, "last_loc")
     validate.decode_args(seq, last, page_size=self.page_size,
                          num_slots=self.config.num_slots)
@@ -150,50 +149,81 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
       out, ok = self._call(_ALLOC_DECODE, buckets.pad(seq, rows),
                            buckets.pad(last, rows, -1), num_reqs=np.int32(bs))
       return self._output(out, ok, bs)
-    needs, pages = host_ops.decode_pages(self.config, seq)
+    if self._host:  # valid input that is not a numpy array: the arrays made above
+      return self._decode_host(seq, last)
+    pages = int(np.count_nonzero((seq - 1) % self.page_size == 0))  # SPEC 4.3
     self._merge_if(bs > self._free_len)  # SPEC 4.3's need_sort trigger
     if pages > self._free_len:
       return None
-    if self.backend == "host":
-      self._state, out = host_ops.alloc_decode(self.config, self._state, seq, last, needs,
-                                               pages)
-    else:
-      self._state, out = self._dev.alloc_decode(self._state, seq, last)
+    self._state, out = self._dev.alloc_decode(self._state, seq, last)
     self._free_len -= pages
     return out
 
-  def _decode_small(self, seq_lens, last_loc):
-    """Host backend, a few requests: alloc_decode on Python ints (host_ops says why).
-    Returns False when the arguments need the general path (it validates and raises)."""
-    seq, last = host_ops.small_ints(seq_lens), host_ops.small_ints(last_loc)
+  # -- host backend ----------------------------------------------------------------------
+  # Batches of up to host_ops.SMALL_BATCH requests run on Python ints, larger ones on
+  # numpy arrays in a few whole-batch calls (host_ops says why). Both check the input
+  # themselves and return False when a check fails or the input is of another kind
+  # (lists, tensors, empty batches): the caller then runs jax_kvalloc.validate, which
+  # raises naming the argument, or converts the input and calls again. Nothing has
+  # changed when they return False.
+
+  def _decode_host(self, seq_lens, last_loc):
+    """alloc_decode on the host backend, or False (see above)."""
+    seq = host_ops.small_ints(seq_lens)
+    last = host_ops.small_ints(last_loc) if seq is not None else None
+    if last is not None:
+      pages = host_ops.decode_plan_small(self._hc, seq, last)
+      if pages is None:
+        return False
+      return self._host_alloc(len(seq) > self._free_len, pages,  # SPEC 4.3's trigger
+                              host_ops.alloc_decode_small, seq, last, pages)
+    seq, last = host_ops.i64(seq_lens), host_ops.i64(last_loc)
     if seq is None or last is None:
       return False
-    pages = host_ops.decode_plan_small(self.config, seq, last)
-    if pages is None:
-      return False
-    self._merge_if(len(seq) > self._free_len)  # SPEC 4.3's need_sort trigger
-    if pages > self._free_len:
-      return None
-    self._state, out = host_ops.alloc_decode_small(self.config, self._state, seq, last,
-                                                   pages)
-    self._free_len -= pages
-    return out
-
-  def _extend_small(self, prefix_lens, seq_lens, last_loc, extend_num_tokens):
-    """Host backend, a few requests: alloc_extend on Python ints (host_ops says why).
-    Returns False when the arguments need the general path (it validates and raises)."""
-    pre, seq = host_ops.small_ints(prefix_lens), host_ops.small_ints(seq_lens)
-    last = host_ops.small_ints(last_loc)
-    if pre is None or seq is None or last is None:
-      return False
-    plan = host_ops.extend_plan_small(self.config, pre, seq, last, extend_num_tokens)
+    plan = host_ops.decode_plan(self._hc, seq, last)
     if plan is None:
       return False
-    total, new_pages = plan
-    self._merge_if(total // self.page_size + len(pre) + 1 > self._free_len)
-    if new_pages > self._free_len:
+    return self._host_alloc(seq.shape[0] > self._free_len, plan[2],  # SPEC 4.3's trigger
+                            host_ops.alloc_decode, *plan)
+
+  def _extend_host(self, prefix_lens, seq_lens, last_loc, extend_num_tokens,
+                   num_new_pages):
+    """alloc_extend on the host backend, or False (see above)."""
+    pre = host_ops.small_ints(prefix_lens)
+    seq = host_ops.small_ints(seq_lens) if pre is not None else None
+    last = host_ops.small_ints(last_loc) if seq is not None else None
+    if last is not None:
+      plan = host_ops.extend_plan_small(self._hc, pre, seq, last, extend_num_tokens)
+      if plan is not None:
+        total, new_pages = plan
+        if num_new_pages is not None:
+          validate.num_new_pages(num_new_pages, new_pages)
+        # SPEC 4.2's need_sort trigger counts every row, empty ones too.
+        return self._host_alloc(total // self._hc.ps + len(pre) + 1 > self._free_len,
+                                new_pages, host_ops.alloc_extend_small, pre, seq, last,
+                                total, new_pages)
+      # Refused, or more new pages than the small path walks: the numpy path decides.
+    pre, seq = host_ops.i64(prefix_lens), host_ops.i64(seq_lens)
+    last = host_ops.i64(last_loc)
+    if pre is None or seq is None or last is None:
+      return False
+    plan = host_ops.extend_plan(self._hc, pre, seq, last, extend_num_tokens)
+    if plan is None:
+      return False
+    total, new_pages = plan[:2]
+    if num_new_pages is not None:
+      validate.num_new_pages(num_new_pages, new_pages)
+    return self._host_alloc(total // self._hc.ps + pre.shape[0] + 1 > self._free_len,
+                            new_pages, host_ops.alloc_extend, plan)
+
+  def _host_alloc(self, trigger: bool, pages: int, fn, *args):
+    """What every host-backend allocation ends with: the need_sort merge when its
+    trigger fired, None when `pages` do not fit, else the slots of
+    fn(host config, state, *args), the state it returns kept."""
+    if trigger:
+      self._merge_if(True)
+    if pages > self._free_len:
       return None
-    self._state, out = host_ops.alloc_extend_small(self.config, self._state, pre, seq,
-                                                   last, total, new_pages)
-    self._free_len -= new_pages
+    self._state, out = fn(self._hc, self._state, *args)
+    self._free_len -= pages
     return out

@@ -110,28 +110,38 @@ def test_device_snapshot_restore_copies_nothing():
   assert not ring.is_deleted()
 
 
-@pytest.mark.parametrize("ps", [1, 2, 4, 16])
-def test_host_extend_runs_equal_the_shared_index_rule(ps):
-  """host_ops.alloc_extend (runs of slots) == index_jnp.extend_indices with xp=numpy."""
+@pytest.mark.parametrize("ps", [1, 2, 3, 4, 16])
+def test_host_extend_equals_the_shared_index_rule(ps):
+  """host_ops.alloc_extend (a gather from a table of pages) == index_jnp.extend_indices
+  with xp=numpy, on random batches with empty rows, page-boundary prefixes and ends."""
   from jax_kvalloc import index_jnp  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(ps)
   cfg = kv.AllocatorConfig(size=4096 * ps, page_size=ps, kind="paged")
-  for _ in range(50):
+  hc = host_ops.host_config(cfg)
+  for _ in range(60):
     bs = int(rng.integers(1, 40))
-    pre = rng.integers(0, 5 * ps, bs)
+    pre = rng.integers(0, 5 * ps, bs) * (rng.random(bs) < 0.8)
+    pre = np.where(rng.random(bs) < 0.2, pre - pre % ps, pre)  # prefix on a boundary
     seq = pre + rng.integers(0, 4 * ps, bs) * (rng.random(bs) < 0.9)
+    seq = np.where(rng.random(bs) < 0.2, -(-seq // ps) * ps, seq)  # end on a boundary
     last = np.where(pre > 0, ps * rng.integers(1, 4000, bs) + (pre - 1) % ps, -1)
     ext = seq - pre
     per_row = -(-seq // ps) - (-(-pre // ps))
     total, pages = int(ext.sum()), int(per_row.sum())
+    plan = host_ops.extend_plan(hc, pre, seq, last, total)
+    assert plan is not None and plan[:2] == (total, pages)
     state = host_ops.init(cfg)
-    state = state._replace(free_ring=rng.permutation(state.free_ring).astype(np.int32))
-    window = np.array(state.free_ring[:max(pages, 1)])
-    _, got = host_ops.alloc_extend(cfg, state, pre, seq, last, total, pages)
+    state = state._replace(free_ring=rng.permutation(state.free_ring).astype(np.int32),
+                           free_head=int(rng.integers(0, cfg.num_pages)))
+    window = np.roll(state.free_ring, -state.free_head)[:max(pages, 1)]
+    after, got = host_ops.alloc_extend(hc, state, plan)
     want = index_jnp.extend_indices(window, pre, seq, last, np.cumsum(ext) - ext,
                                     np.cumsum(per_row) - per_row, page_size=ps,
                                     out_len=total, xp=np)
+    assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
+    assert after.free_len == cfg.num_pages - pages
+    assert after.free_head == (state.free_head + pages) % cfg.num_pages
 
 
 def test_parity_with_host_backend_leading():
