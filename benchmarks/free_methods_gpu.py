@@ -13,6 +13,13 @@ every output consumed, linked to the next call's inputs):
                                         length stays fixed, as bench_micro's free case)
   pages sort / pages bitmap             the page computation alone: free_index // ps,
                                         then freeing.free_pages_sorted_unique
+  free bitmap/blocked, pages bitmap/blocked
+                                        the bitmap with its prefix sum over the u32 words
+                                        (jnp.cumsum: a reduce-window tree in jax <= 0.11,
+                                        chlo.scan in 0.12) replaced by `blocked_prefix`
+                                        (three reductions, exact int32, the same kernels
+                                        on every jax version): which one `freeing` should
+                                        keep
   floor                                 the harness's own cost at free's output shapes
 
 Before timing, both methods' (values, count) and states are checked to be equal. It also
@@ -21,6 +28,7 @@ of the ENTRY computation) of each method at the kernel-count case (M = 32768; wi
 --small, the largest small M), and writes everything to --json.
 """
 import argparse
+import contextlib
 import functools
 import json
 import re
@@ -45,6 +53,37 @@ METHODS = ("sort", "bitmap")
 
 LAUNCH = re.compile(r"= [^=]*? (fusion|custom-call|gather|scatter|sort|reduce|copy|"
                     r"dynamic-update-slice|dynamic-slice|while|conditional|call)\(")
+
+
+def blocked_prefix(x: jax.Array) -> jax.Array:
+  """i32[W] -> i32[W] exclusive prefix sum in three reductions, no scan: blocks of k
+  entries; each block's total (a reduction), the totals before each block (a masked
+  [B, B] reduction), the entries before each one within its block (a masked [B, k, k]
+  reduction). k balances B**2 against W * k (B = W / k ~ (W**2 / 2) ** (1/3))."""
+  w = x.shape[0]
+  b = max(1, round((w * w / 2) ** (1 / 3)))
+  k = -(-w // b)
+  b = -(-w // k)
+  xb = jnp.pad(x, (0, b * k - w)).reshape(b, k)
+  tot = jnp.sum(xb, axis=1)
+  j = jnp.arange(b)
+  blk = jnp.sum(jnp.where(j[None, :] < j[:, None], tot[None, :], 0), axis=1)
+  i = jnp.arange(k)
+  within = jnp.sum(jnp.where(i[None, None, :] < i[None, :, None], xb[:, None, :], 0),
+                   axis=2)
+  return (blk[:, None] + within).reshape(-1)[:w]
+
+
+@contextlib.contextmanager
+def prefix(kind: str):
+  """Traces inside use freeing's own prefix sum ("cumsum") or `blocked_prefix`."""
+  saved = freeing._exclusive_prefix  # pylint: disable=protected-access
+  if kind == "blocked":
+    freeing._exclusive_prefix = blocked_prefix  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    freeing._exclusive_prefix = saved  # pylint: disable=protected-access
 
 
 def kernels(compiled_text: str):
@@ -89,18 +128,29 @@ def pages_fn(cfg: AllocatorConfig, method: str):
   return fn
 
 
+VARIANTS = (("sort", "cumsum"), ("bitmap", "cumsum"), ("bitmap", "blocked"))
+
+
 def check(cfg, state, free_index):
-  """Both methods give the same (values, count) and the same state; raises otherwise."""
-  got = [jax.jit(pages_fn(cfg, m))(free_index) for m in METHODS]
-  for a, b in zip(got[0], got[1]):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  """Every variant gives the same (values, count) and the same state; raises otherwise."""
+  got, states = [], []
+  for meth, kind in VARIANTS:
+    with prefix(kind):
+      got.append(jax.jit(pages_fn(cfg, meth))(free_index))
+      states.append(jax.jit(functools.partial(freeing.free, cfg, method=meth))(
+          state, free_index))
   want = np.unique(np.asarray(free_index) // cfg.page_size)
   count = int(got[0][1])
   if count != want.size or not np.array_equal(np.asarray(got[0][0])[:count], want):
     raise AssertionError("the sorted unique pages differ from numpy's")
-  states = [jax.jit(functools.partial(freeing.free, cfg, method=m))(state, free_index)
-            for m in METHODS]
-  jax.tree.map(np.testing.assert_array_equal, states[0], states[1])
+  for other, other_state in zip(got[1:], states[1:]):
+    for a, b in zip(got[0], other):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jax.tree.map(np.testing.assert_array_equal, states[0], other_state)
+
+
+def variant_name(what: str, meth: str, kind: str) -> str:
+  return f"{what} {meth}" + ("/blocked" if kind == "blocked" else "")
 
 
 def time_case(ps, slots, m, *, unroll, min_time, reps, log):
@@ -110,18 +160,21 @@ def time_case(ps, slots, m, *, unroll, min_time, reps, log):
   rec = {"page_size": ps, "pool_slots": slots, "num_pages": n, "M": m,
          "pages_freed": m // ps, "auto": freeing.free_method(n, m), "us": {},
          "spread": {}, "min_us": {}}
-  runs = [(f"free {meth}", free_call(cfg, meth), state) for meth in METHODS + ("auto",)]
-  for meth in METHODS:
+  runs = [(variant_name("free", meth, kind), kind, free_call(cfg, meth), state)
+          for meth, kind in VARIANTS]
+  runs.append(("free auto", "cumsum", free_call(cfg, "auto"), state))
+  for meth, kind in VARIANTS:
     fn = pages_fn(cfg, meth)
-    runs.append((f"pages {meth}", lambda c, x, fn=fn: (c, fn(x)),
+    runs.append((variant_name("pages", meth, kind), kind, lambda c, x, fn=fn: (c, fn(x)),
                  jnp.zeros((), jnp.int32)))
-  for name, call, carry in runs:
-    res = timing.chain_time(call, carry, free_index, unroll=unroll, min_time=min_time,
-                            reps=reps)
+  for name, kind, call, carry in runs:
+    with prefix(kind):
+      res = timing.chain_time(call, carry, free_index, unroll=unroll, min_time=min_time,
+                              reps=reps)
     rec["us"][name] = res["s"] * 1e6
     rec["spread"][name] = res["spread"]
     rec["min_us"][name] = res["min_s"] * 1e6
-    log(f"  {name:14s} {res['s'] * 1e6:9.2f} us  (spread {res['spread']:.2f}, "
+    log(f"  {name:22s} {res['s'] * 1e6:9.2f} us  (spread {res['spread']:.2f}, "
         f"compile {res['compile_s']:.1f} s)")
   outs = jax.eval_shape(free_call(cfg, "sort"), state, free_index)[1]
   res = timing.floor_time(outs, free_index, unroll=unroll, min_time=min_time, reps=reps)
@@ -133,13 +186,15 @@ def time_case(ps, slots, m, *, unroll, min_time, reps, log):
 def kernel_counts(ps, slots, m, log):
   cfg, state, free_index = make_case(ps, slots, m)
   out = {"page_size": ps, "pool_slots": slots, "M": m}
-  for meth in METHODS:
+  for meth, kind in VARIANTS:
     for what, fn, args in (
         ("free", functools.partial(freeing.free, cfg, method=meth), (state, free_index)),
         ("pages", pages_fn(cfg, meth), (free_index,))):
-      count, by_op, lines = kernels(jax.jit(fn).lower(*args).compile().as_text())
-      out[f"{what} {meth}"] = {"kernels": count, "by_op": by_op, "lines": lines}
-      log(f"  {what} {meth:7s} {count:3d} kernels {by_op}")
+      with prefix(kind):
+        count, by_op, lines = kernels(jax.jit(fn).lower(*args).compile().as_text())
+      name = variant_name(what, meth, kind)
+      out[name] = {"kernels": count, "by_op": by_op, "lines": lines}
+      log(f"  {name:22s} {count:3d} kernels {by_op}")
   return out
 
 
@@ -173,10 +228,13 @@ def main(argv=None):
   log(f"kernels of the compiled programs at page size {kps}, {kslots} slots, M = {km}:")
   rec["kernels"] = kernel_counts(kps, kslots, km, log)
 
-  cols = ["free sort", "free bitmap", "free auto", "pages sort", "pages bitmap", "floor"]
-  log("\nus per call (median; the floor is the harness's own cost at free's outputs)")
+  cols = ["free sort", "free bitmap", "free bitmap/blocked", "free auto", "pages sort",
+          "pages bitmap", "pages bitmap/blocked", "floor"]
+  log("\nus per call (median; the floor is the harness's own cost at free's outputs; "
+      "/blocked: the bitmap with blocked_prefix)")
   log(f"{'ps':>3} {'pages':>7} {'M':>7} {'auto':>6} " +
-      " ".join(f"{c:>12}" for c in cols) + f" {'sort/bitmap':>11}")
+      " ".join(f"{c.replace('bitmap/blocked', 'blocked'):>12}" for c in cols) +
+      f" {'sort/bitmap':>11}")
   for c in rec["cases"]:
     u = c["us"]
     log(f"{c['page_size']:3d} {c['num_pages']:7d} {c['M']:7d} {c['auto']:>6} " +

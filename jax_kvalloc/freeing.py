@@ -155,8 +155,7 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   words = jnp.sum(jnp.where(marks.reshape(words_n, 32), bits, jnp.uint32(0)), axis=1,
                   dtype=jnp.uint32)  # distinct bits: the sum is their OR
   per_word = jax.lax.population_count(words).astype(jnp.int32)
-  upto = jnp.cumsum(per_word)  # marked pages in the words up to each word
-  before = upto - per_word
+  before = _exclusive_prefix(per_word)  # marked pages in the words before each word
   # Page p's place: the marked pages below it, i.e. those of the earlier words and the
   # lower bits of its own word. Repeats of a page write the same value to the same
   # place (< M: at most M pages are marked), so any write that lands is exact; M drops.
@@ -165,7 +164,14 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   below = jax.lax.population_count(words[word] & (jnp.left_shift(jnp.uint32(1), bit) - 1))
   slot = jnp.where(valid, before[word] + below.astype(jnp.int32), m)
   values = jnp.zeros((m,), jnp.int32).at[slot].set(pages, mode="drop")
-  return values, upto[-1]  # the count: an element, not one more reduction (kernel)
+  # The count from elements, not from one more reduction (kernel).
+  return values, before[-1] + per_word[-1]
+
+
+def _exclusive_prefix(x: Array) -> Array:
+  """i32[W] -> i32[W]: out[i] = sum(x[:i]). One place, so that benchmarks can try other
+  prefix sums (benchmarks/free_methods_gpu.py)."""
+  return jnp.cumsum(x) - x
 
 
 def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
