@@ -27,7 +27,7 @@ def _same_state(a, model, where):
 def _extend_rows(rng, ps, live, bs, avail_pages):
   """A batch of bs rows: continued live requests (each at most once) and new ones, with
   empty rows, prefixes and ends on page boundaries, and sometimes exactly the free
-  pages. Returns (ids, pre, seq, last)."""
+  pages or one more. Returns (ids, pre, seq, last)."""
   ids, pre, seq, last = [], [], [], []
   cont = list(rng.permutation(list(live)))[:int(rng.integers(0, bs + 1))]
   for rid in cont:
@@ -48,12 +48,13 @@ def _extend_rows(rng, ps, live, bs, avail_pages):
     elif kind < 0.45:
       seq.append(p + int(rng.integers(0, max(-p % ps, 1))))  # needs no new page
     else:
-      seq.append(p + int(rng.integers(1, 4 * ps + 2)))
-  if bs and rng.random() < 0.15 and avail_pages > 0:
-    # One new request takes exactly what is left after the others (an exact fit).
+      seq.append(p + int(rng.integers(1, (4 if bs <= 8 else 2) * ps + 2)))
+  if bs and rng.random() < 0.2 and avail_pages > 0:
+    # One new request takes exactly what is left after the others (an exact fit), or
+    # one page more (a failure).
     others = sum(-(-s // ps) - (-(-p // ps)) for p, s in zip(pre[:-1], seq[:-1]))
     if ids[-1] is None and others < avail_pages:
-      seq[-1] = (avail_pages - others) * ps
+      seq[-1] = (avail_pages - others + (rng.random() < 0.5)) * ps
   return ids, np.array(pre, np.int64), np.array(seq, np.int64), np.array(last, np.int64)
 
 
@@ -66,12 +67,13 @@ def test_fast_paths_match_the_model(ps, need_sort, monkeypatch):
   rows needing no page, page-boundary prefixes and ends, exact fits of the free list,
   failures, and need_sort merges (frees park pages that shortfalls merge back)."""
   rng = np.random.default_rng(ps * 10 + need_sort)
-  num_pages = 48
+  num_pages = 128
   small, numpy_only = _host(ps, num_pages, need_sort), _host(ps, num_pages, need_sort)
   model = ModelAllocator(num_pages * ps, ps, need_sort=need_sort, kind="paged")
   live = {}  # request id -> its slots
   next_id = 0
   snap = None
+  seen = {"failures": 0, "exact fits": 0, "merges": 0, "numpy extends": 0}
 
   def both(call):
     out = call(small)
@@ -80,18 +82,24 @@ def test_fast_paths_match_the_model(ps, need_sort, monkeypatch):
       out_np = call(numpy_only)
     return out, out_np
 
-  for step in range(150):
+  for step in range(200):
     where = f"step {step}"
-    op = rng.random()
+    # Free while the pool runs low, so that most calls can succeed.
+    low = len(model.free_pages) + len(model.release_pages) < num_pages // 4
+    op = 1.0 if low and live else rng.random()
     if op < 0.45:
       bs = int(rng.choice([0, 1, 2, 5, 8, 9, 16, 24]))
       avail = len(model.free_pages) + (len(model.release_pages) if need_sort else 0)
       ids, pre, seq, last = _extend_rows(rng, ps, live, bs, avail)
       total = int((seq - pre).sum())
+      parked = len(model.release_pages)
       # (An empty batch returns before SPEC's merge trigger: not the model's business.)
       want = model.alloc_extend(pre.tolist(), seq.tolist(), last.tolist()) if bs else []
       got, got_np = both(lambda a: a.alloc_extend(pre, pre, seq, seq, last, total))
+      seen["merges"] += bool(parked and not model.release_pages)
+      seen["numpy extends"] += bs > host_ops.SMALL_BATCH and want is not None
       if want is not None:
+        seen["exact fits"] += bs > 0 and not model.free_pages
         pos = 0
         for rid, p, s in zip(ids, pre, seq):
           if rid is None:
@@ -120,6 +128,7 @@ def test_fast_paths_match_the_model(ps, need_sort, monkeypatch):
         snap = ([a.backup_state() for a in (small, numpy_only)], model.backup_state(),
                 dict(live))
     if want is None:
+      seen["failures"] += op < 0.75
       assert got is None and got_np is None, where
     else:
       for out in (got, got_np):
@@ -134,6 +143,9 @@ def test_fast_paths_match_the_model(ps, need_sort, monkeypatch):
       live = dict(snap[2])
       for a in (small, numpy_only):
         _same_state(a, model, where)
+  if not need_sort:
+    del seen["merges"]
+  assert all(seen.values()), seen  # every case above was met
 
 
 def _extend_cases(rng, ps, slots):
