@@ -331,7 +331,7 @@ def from_jax(state: AllocatorState) -> AllocatorState:
 
 SMALL_BATCH = 8
 SMALL_PAGES = 64  # alloc_extend_small walks the new pages in Python: keep them few
-_SLICE_RUNS = 3   # alloc_extend_small: up to this many runs, a slice update per run
+_ARANGE_RUNS = 5  # alloc_extend_small: up to this many runs, an arange per run
 _INT32_MAX = 2**31 - 1
 
 
@@ -414,8 +414,9 @@ def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
 
   The output is runs of consecutive slots: each request's Part 1 (from last_loc + 1),
   then its new pages (one run when they are consecutive page ids, as a fresh or
-  LIFO-recycled free list mostly gives; else a run per page). It is built as
-  arange(total) plus one constant per run: a numpy call per run, never per token.
+  LIFO-recycled free list mostly gives; else a run per page). Few runs are joined
+  aranges; many are arange(total) plus each run's shift repeated over it (one repeat):
+  numpy calls per run at most, never per token.
   """
   ps = hc.ps
   state, pages = _take_list(state, new_pages)
@@ -443,13 +444,13 @@ def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
   if len(runs) == 1:
     at, start, n = runs[0]
     return state, np.arange(start, start + n, dtype=np.int32)
-  if len(runs) > _SLICE_RUNS:  # one repeat beats a slice update (~0.7 us) per run
-    shift = np.array([start - at for at, start, _ in runs], np.int32)
-    out = np.repeat(shift, [n for _, _, n in runs])
-    out += np.arange(total, dtype=np.int32)
-    return state, out
-  out = np.arange(total, dtype=np.int32)
-  for at, start, n in runs:
-    if start != at:
-      out[at:at + n] += start - at
+  if not runs:  # every row empty
+    return state, np.zeros((0,), np.int32)
+  if len(runs) <= _ARANGE_RUNS:  # an arange per run (~0.3 us each), joined
+    return state, np.concatenate([np.arange(start, start + n, dtype=np.int32)
+                                  for _, start, n in runs])
+  # Many runs: one repeat of each run's shift, plus arange(total).
+  shift = np.array([start - at for at, start, _ in runs], np.int32)
+  out = np.repeat(shift, [n for _, _, n in runs])
+  out += np.arange(total, dtype=np.int32)
   return state, out
