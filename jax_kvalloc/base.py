@@ -373,6 +373,7 @@ class BaseAllocator:
 
   def warmup(self, max_batch: int = 256, max_tokens: int = 8192,
              max_free: Optional[int] = None, exact_sizes: Sequence[int] = (),
+             device_last_loc: bool = False,
              verbose: bool = False) -> _warmup.WarmupReport:
     """Compiles, before serving, every program a call within these maxima can need.
 
@@ -382,8 +383,10 @@ class BaseAllocator:
     variants) and the need_sort merge, plus the exact-length output slices of
     `exact_sizes` (an output shorter than its bucket is cut by a tiny program compiled
     once per (bucket, length): list the lengths you expect, e.g. range(1, max_batch + 1)
-    for decode). The state is not changed. The host backend and debug mode compile
-    nothing here (debug mode compiles its programs on first use).
+    for decode). `device_last_loc=True` when last_loc will come as a device array: also
+    the programs that take it so, and its pads from each of `exact_sizes` rows. The state
+    is not changed. The host backend and debug mode compile nothing here (debug mode
+    compiles its programs on first use).
 
     Returns WarmupReport(programs, seconds). With JAX's persistent compilation cache on
     (jax_kvalloc.warmup.enable_persistent_cache; README "Compile once") a second process
@@ -399,7 +402,7 @@ class BaseAllocator:
           self._dev, self._state, max_batch=max(max_batch, 1),
           max_tokens=max(max_tokens, 1), max_free=max(max_free, 1),
           exact_sizes=[validate.count(n, "exact_sizes") for n in exact_sizes if n],
-          extend=hasattr(self, "alloc_extend"))
+          extend=hasattr(self, "alloc_extend"), device_last_loc=device_last_loc)
     if verbose:
       print(f"{type(self).__name__}.warmup: {report.programs} programs in "
             f"{report.seconds:.2f} s")

@@ -7,7 +7,9 @@ call fits and whether need_sort must merge first. What is left for the device is
 index computation and the ring write, launched here without waiting:
 
   * inputs travel in one transfer: the per-request ints are packed into one i32 array
-    (`pack`) that the jitted function slices apart again;
+    that the jitted function slices apart again; a `last_loc` that is already a device
+    array (SGLang computes it on the device) is not read back but passed as a second
+    input, padded to the row bucket on the device by a cached tiny program (`padded`);
   * an allocation takes only (free_ring, free_head, free_len) and returns the new head,
     length and indices: it never writes a ring, so nothing is donated or copied and a
     snapshot that holds the rings stays valid for free;
@@ -111,21 +113,26 @@ class DeviceOps:
     if op == "extend":
       rows, tokens = shape
 
-      def extend_fn(ring, head, length, packed):
+      def extend_fn(ring, head, length, packed, last=None):
+        last = packed[2 * rows:3 * rows] if last is None else last
         s, out, _ = allocation.alloc_extend(
             acfg, _alloc_state(ring, head, length), packed[:rows], packed[rows:2 * rows],
-            packed[2 * rows:3 * rows], max_tokens=tokens, num_reqs=packed[3 * rows])
+            last, max_tokens=tokens, num_reqs=packed[3 * rows])
         return s.free_head, s.free_len, out
       return jax.jit(extend_fn)
     if op == "decode":
       (rows,) = shape
 
-      def decode_fn(ring, head, length, packed):
+      def decode_fn(ring, head, length, packed, last=None):
+        last = packed[rows:2 * rows] if last is None else last
         s, out, _ = allocation.alloc_decode(
-            acfg, _alloc_state(ring, head, length), packed[:rows], packed[rows:2 * rows],
+            acfg, _alloc_state(ring, head, length), packed[:rows], last,
             num_reqs=packed[2 * rows])
         return s.free_head, s.free_len, out
       return jax.jit(decode_fn)
+    if op == "pad":
+      n, rows, fill = shape
+      return jax.jit(lambda x: jnp.pad(x, (0, rows - n), constant_values=fill))
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
@@ -144,6 +151,14 @@ class DeviceOps:
       return jax.jit(merge_fn, donate_argnums=(0,) if donate else ())
     raise ValueError(f"unknown operation {op!r}")
 
+  def padded(self, x: Array, rows: int, fill: int) -> Array:
+    """A device i32[n] padded with `fill` to i32[rows] without waiting: `x` itself when
+    it has that length, else one launch of a cached jitted pad (compiled once per
+    (n, rows, fill), like `exact`)."""
+    if x.shape[0] == rows:
+      return x
+    return self._fn(("pad", x.shape[0], rows, fill))(x)
+
   def exact(self, out: Array, n: int) -> Array:
     """out[:n] without waiting: `out` itself when it has that length, else one launch of
     a cached jitted slice."""
@@ -159,29 +174,41 @@ class DeviceOps:
     return state._replace(free_head=head, free_len=length), self.exact(out, need_size)
 
   def alloc_extend(self, state: AllocatorState, pre: np.ndarray, seq: np.ndarray,
-                   last: np.ndarray, total: int) -> Tuple[AllocatorState, Array]:
+                   last: Any, total: int) -> Tuple[AllocatorState, Array]:
+    """`last`: host int64[bs], or a device i32[bs] (jax.Array) taken as it is: padded on
+    the device, never read back."""
     bs = pre.shape[0]
     rows = buckets.bucket(bs, buckets.MIN_BATCH)
     packed = np.zeros((3 * rows + 1,), np.int32)
     packed[:bs] = pre
     packed[rows:rows + bs] = seq
-    packed[2 * rows:3 * rows] = -1
-    packed[2 * rows:2 * rows + bs] = last
+    extra = ()
+    if isinstance(last, jax.Array):
+      extra = (self.padded(last, rows, -1),)
+    else:
+      packed[2 * rows:3 * rows] = -1
+      packed[2 * rows:2 * rows + bs] = last
     packed[3 * rows] = bs
     head, length, out = self._fn(("extend", rows, buckets.bucket(total, buckets.MIN_TOKENS)))(
-        state.free_ring, state.free_head, state.free_len, packed)
+        state.free_ring, state.free_head, state.free_len, packed, *extra)
     return state._replace(free_head=head, free_len=length), self.exact(out, total)
 
   def alloc_decode(self, state: AllocatorState, seq: np.ndarray,
-                   last: np.ndarray) -> Tuple[AllocatorState, Array]:
+                   last: Any) -> Tuple[AllocatorState, Array]:
+    """`last`: host int64[bs], or a device i32[bs] (jax.Array) taken as it is: padded on
+    the device, never read back."""
     bs = seq.shape[0]
     rows = buckets.bucket(bs, buckets.MIN_BATCH)
     packed = np.zeros((2 * rows + 1,), np.int32)
     packed[:bs] = seq
-    packed[rows:rows + bs] = last
+    extra = ()
+    if isinstance(last, jax.Array):
+      extra = (self.padded(last, rows, -1),)
+    else:
+      packed[rows:rows + bs] = last
     packed[2 * rows] = bs
     head, length, out = self._fn(("decode", rows))(
-        state.free_ring, state.free_head, state.free_len, packed)
+        state.free_ring, state.free_head, state.free_len, packed, *extra)
     return state._replace(free_head=head, free_len=length), self.exact(out, bs)
 
   def _write(self, op: str, state: AllocatorState, values: np.ndarray, minimum: int,

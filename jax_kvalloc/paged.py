@@ -48,6 +48,9 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
       prefix_lens, seq_lens: [bs] integers (any array type or list); the *_cpu copies
         are used instead when given (SGLang passes both; either may be None).
       last_loc: [bs] slot of each request's last prefix token, -1 for an empty prefix.
+        On the device backend a jax.Array is taken as it is, without reading it back
+        (as SGLang passes it, computed on the device): only its shape and dtype are
+        checked (debug mode checks its values).
       extend_num_tokens: sum(seq_lens - prefix_lens).
       num_new_pages: optional, the batch's new-page count as the caller computed it
         (SGLang 0.5.23); it must equal sum(ceil(seq/ps) - ceil(pre/ps)).
@@ -78,7 +81,9 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     # fast checks did not take: bad values, lists and tensors, empty batches).
     pre = validate.host_ints(pre_arg, "prefix_lens")
     seq = validate.host_ints(seq_arg, "seq_lens")
-    last = validate.host_ints(last_loc, "last_loc")
+    dev_last = self._device_last_loc(last_loc, pre.shape[0])
+    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
+            else validate.aligned_last_loc(pre, self.page_size, 1))
     total, new_pages = validate.extend_args(pre, seq, last, extend_num_tokens,
                                             page_size=self.page_size,
                                             num_slots=self.config.num_slots)
@@ -96,7 +101,8 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     self._merge_if(total // self.page_size + bs + 1 > self._free_len)
     if new_pages > self._free_len:
       return None
-    self._state, out = self._dev.alloc_extend(self._state, pre, seq, last, total)
+    self._state, out = self._dev.alloc_extend(self._state, pre, seq,
+                                              last if dev_last is None else dev_last, total)
     self._free_len -= new_pages
     return out
 
@@ -111,13 +117,22 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
         num_reqs=np.int32(pre.shape[0]))
     return self._output(out, ok, total)
 
+  def _device_last_loc(self, last_loc, bs: int):
+    """last_loc as the device backend takes a jax.Array (validate.device_last_loc: as it
+    is, never read back); None where the host checks apply (host data, the host backend,
+    debug mode, an empty batch)."""
+    if self._host or self._legacy or bs == 0:
+      return None
+    return validate.device_last_loc(last_loc, bs)
+
   def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, dp_rank: int = 0):
     """One slot per request for its new token (SPEC 4.3), or None if the pages needed
     do not fit.
 
     Args:
       seq_lens: [bs] lengths counting the new token (seq_lens_cpu used when given).
-      last_loc: [bs] slot of each request's previous token.
+      last_loc: [bs] slot of each request's previous token (a jax.Array is taken as
+        it is on the device backend, as in alloc_extend).
       dp_rank: the data-parallel rank (dp_size > 1) whose pool serves the batch.
 
     Returns:
@@ -138,7 +153,9 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
       if out is not False:
         return out
     seq = validate.host_ints(seq_arg, "seq_lens")
-    last = validate.host_ints(last_loc, "last_loc")
+    dev_last = self._device_last_loc(last_loc, seq.shape[0])
+    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
+            else validate.aligned_last_loc(seq, self.page_size, 2))
     validate.decode_args(seq, last, page_size=self.page_size,
                          num_slots=self.config.num_slots)
     bs = seq.shape[0]
@@ -155,7 +172,8 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     self._merge_if(bs > self._free_len)  # SPEC 4.3's need_sort trigger
     if pages > self._free_len:
       return None
-    self._state, out = self._dev.alloc_decode(self._state, seq, last)
+    self._state, out = self._dev.alloc_decode(self._state, seq,
+                                              last if dev_last is None else dev_last)
     self._free_len -= pages
     return out
 

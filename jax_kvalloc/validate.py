@@ -365,3 +365,32 @@ def group_end(open_group: Any) -> None:
   """A free group must be open."""
   if open_group is None:
     raise RuntimeError("free_group_end() called without free_group_begin()")
+
+
+def device_last_loc(x: Any, bs: int) -> Any:
+  """`last_loc` as the device backend takes it when it is a jax.Array: as it is, never
+  read back (a read would wait for every launch queued before it, the forward pass
+  included). Returns the i32[bs] array, or None when `x` is host data (then the host
+  checks apply).
+
+  Only what the array's metadata shows is checked: TypeError naming last_loc for a
+  non-integer dtype, ValueError for a shape other than [bs]. Its values are not checked
+  (SGLang checks none either; debug mode reads and checks them): a wrong last_loc gives
+  wrong slots for the rows that continue a page, and never touches the free list.
+  """
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return None
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"last_loc must hold integers, got dtype {x.dtype}")
+  if x.shape != (bs,):
+    raise ValueError(f"last_loc must have shape ({bs},) (one entry per request), got "
+                     f"{x.shape}")
+  return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+
+
+def aligned_last_loc(lens: np.ndarray, page_size: int, offset: int) -> np.ndarray:
+  """A host stand-in for a device `last_loc` that passes its alignment and range checks,
+  so that `decode_args` (offset 2, lens = seq_lens) and `extend_args` (offset 1, lens =
+  prefix_lens) check the other arguments unchanged: -1 where lens < offset, else
+  (lens - offset) % page_size."""
+  return np.where(lens >= offset, (lens - offset) % page_size, -1)

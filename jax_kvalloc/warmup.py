@@ -63,10 +63,11 @@ def warmup_calls(fn: Callable[..., Any], args_for: Callable[[int], tuple],
 
 def warmup_device_ops(ops: Any, state: Any, *, max_batch: int, max_tokens: int,
                       max_free: int, exact_sizes: Iterable[int] = (),
-                      extend: bool = True) -> WarmupReport:
+                      extend: bool = True, device_last_loc: bool = False) -> WarmupReport:
   """Runs every fast-path program of jax_kvalloc.device_ops up to the maxima on
   throwaway inputs (the state is not changed: allocation programs are pure and the
-  donating ones get copies). Waits at the end."""
+  donating ones get copies). `device_last_loc`: also the variants that take last_loc
+  as a device array, and its pads from each of `exact_sizes` rows. Waits at the end."""
   cfg = ops.config
   t0 = time.perf_counter()
   outs, n = [], 0
@@ -78,13 +79,16 @@ def warmup_device_ops(ops: Any, state: Any, *, max_batch: int, max_tokens: int,
     n += 1
   for rows in rows_list:
     packed = np.zeros((2 * rows + 1,), np.int32)
-    outs.append(ops._fn(("decode", rows))(ring, head, length, packed))
-    n += 1
+    dev_last = (jnp.zeros((rows,), jnp.int32),) if device_last_loc else ()
+    for last in ((),) + ((dev_last,) if dev_last else ()):
+      outs.append(ops._fn(("decode", rows))(ring, head, length, packed, *last))
+      n += 1
     if extend and cfg.kind == "paged":
       for tokens in token_list:
         packed = np.zeros((3 * rows + 1,), np.int32)
-        outs.append(ops._fn(("extend", rows, tokens))(ring, head, length, packed))
-        n += 1
+        for last in ((),) + ((dev_last,) if dev_last else ()):
+          outs.append(ops._fn(("extend", rows, tokens))(ring, head, length, packed, *last))
+          n += 1
   if cfg.need_sort:
     w_ring, w_head, w_len, other = (state.release_ring, state.release_head,
                                     state.release_len, state.free_len)
@@ -110,6 +114,10 @@ def warmup_device_ops(ops: Any, state: Any, *, max_batch: int, max_tokens: int,
       if bucket_len != size:
         outs.append(ops.exact(jnp.zeros((bucket_len,), jnp.int32), size))
         n += 1
+    rows = buckets.bucket(size, buckets.MIN_BATCH)
+    if device_last_loc and rows != size:
+      outs.append(ops.padded(jnp.zeros((size,), jnp.int32), rows, -1))
+      n += 1
   jax.block_until_ready(outs)
   return WarmupReport(n, time.perf_counter() - t0)
 

@@ -58,10 +58,13 @@ def no_device_reads():
     mp.undo()
 
 
-def _serving_sequence(a, m, need_sort, outputs):
-  """A serving loop's class calls on `a` (device backend) with host inputs only; `m`
-  (the model) runs alongside to know which slots each request holds. Appends every
-  device output to `outputs` (checked afterwards, outside the guard)."""
+def _serving_sequence(a, m, need_sort, outputs, device_last=False):
+  """A serving loop's class calls on `a` (device backend) with host inputs only (or,
+  with device_last, last_loc as a device array, as SGLang passes it); `m` (the model)
+  runs alongside to know which slots each request holds. Appends every device output
+  to `outputs` (checked afterwards, outside the guard)."""
+  put = (lambda x: jnp.asarray(np.asarray(x, np.int32))) if device_last else (
+      lambda x: x)
   ps = a.page_size
   reqs = []
   rng = np.random.default_rng(0)
@@ -87,7 +90,7 @@ def _serving_sequence(a, m, need_sort, outputs):
       seq = rng.integers(1, 3 * ps + 2, 3)
       zeros = np.zeros(3, np.int64)
       last = np.full(3, -1, np.int64)
-      out = a.alloc_extend(zeros, zeros, seq, seq, last, int(seq.sum()))
+      out = a.alloc_extend(zeros, zeros, seq, seq, put(last), int(seq.sum()))
       want = m.alloc_extend([0] * 3, seq.tolist(), [-1] * 3)
       assert (out is None) == (want is None)
       if want is not None:
@@ -99,7 +102,7 @@ def _serving_sequence(a, m, need_sort, outputs):
       last = np.array([r[-1] for r in reqs])
       snap = a.backup_state() if step % 4 == 1 else None  # speculative decoding
       msnap = m.backup_state() if snap is not None else None
-      out = a.alloc_decode(seq, seq, last)
+      out = a.alloc_decode(seq, seq, put(last))
       want = m.alloc_decode(seq.tolist(), last.tolist())
       assert (out is None) == (want is None)
       if snap is not None:
@@ -121,19 +124,20 @@ def _serving_sequence(a, m, need_sort, outputs):
     m.merge_and_sort_free()
 
 
-@pytest.mark.parametrize("need_sort", [False, True])
-def test_device_class_calls_do_not_wait(need_sort):
+@pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
+                                                   (False, True)])
+def test_device_class_calls_do_not_wait(need_sort, device_last):
   ps = 4
   a = kv.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, kernel="jnp",
                                      debug=False)
   m = ModelAllocator(48 * ps, ps, need_sort)
   warm = []
-  _serving_sequence(a, m, need_sort, warm)  # compiles every program the run needs
+  _serving_sequence(a, m, need_sort, warm, device_last)  # compiles every program needed
   a.clear()
   m = ModelAllocator(48 * ps, ps, need_sort)
   outputs = []
   with no_device_reads():
-    _serving_sequence(a, m, need_sort, outputs)
+    _serving_sequence(a, m, need_sort, outputs, device_last)
   assert outputs
   for out, want in outputs:
     np.testing.assert_array_equal(np.asarray(out), want)
@@ -173,17 +177,18 @@ def _has_gpu() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
-@pytest.mark.parametrize("need_sort", [False, True])
-def test_device_class_calls_do_not_wait_on_gpu(need_sort):
+@pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
+                                                   (False, True)])
+def test_device_class_calls_do_not_wait_on_gpu(need_sort, device_last):
   ps = 16
   a = kv.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, device="cuda",
                                      debug=False)
-  _serving_sequence(a, ModelAllocator(48 * ps, ps, need_sort), need_sort, [])
+  _serving_sequence(a, ModelAllocator(48 * ps, ps, need_sort), need_sort, [], device_last)
   a.clear()
   m = ModelAllocator(48 * ps, ps, need_sort)
   outputs = []
   with jax.transfer_guard_device_to_host("disallow"):
-    _serving_sequence(a, m, need_sort, outputs)
+    _serving_sequence(a, m, need_sort, outputs, device_last)
     # Negative control, before anything is read: the guard is live (once an array has
     # been read, jax keeps its host copy and a second read transfers nothing).
     with pytest.raises(Exception):

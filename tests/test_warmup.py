@@ -86,3 +86,50 @@ def test_persistent_cache_second_process_compiles_nothing(tmp_path):
   hits2, misses2 = child()
   assert misses2 == 0, f"the second process compiled {misses2} programs"
   assert hits2 >= misses1
+
+
+def test_device_last_loc_after_warmup_compiles_nothing():
+  """last_loc as a device array (as SGLang passes it) takes its own program variants and
+  pads: warmup(device_last_loc=True) compiles them, so serving with it compiles none."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ps = 4
+  a = kv.PagedTokenToKVPoolAllocator(256 * ps, ps, kernel="jnp", debug=False)
+  a.warmup(max_batch=16, max_tokens=64, exact_sizes=range(1, 65), device_last_loc=True)
+  before = _cache_sizes(a)
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    bs = int(rng.integers(1, 17))
+    seq = rng.integers(1, 64 // bs + 1, bs)
+    z = np.zeros(bs, np.int64)
+    out = a.alloc_extend(z, z, seq, seq, jnp.full((bs,), -1, jnp.int32), int(seq.sum()))
+    if out is None:
+      a.clear()
+      continue
+    dec = a.alloc_decode(np.full(bs, 4 * ps + 1), None,
+                         jnp.full((bs,), 4 * ps - 1 + ps, jnp.int32))
+    assert dec is not None and dec.shape == (bs,)
+    a.clear()
+  assert _cache_sizes(a) == before
+
+
+def test_device_last_loc_is_checked_by_shape_and_dtype():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  a = kv.PagedTokenToKVPoolAllocator(64 * 4, 4, kernel="jnp", debug=False)
+  size = a.available_size()
+  seq = np.array([5, 9])
+  with pytest.raises(ValueError, match="last_loc must have shape"):
+    a.alloc_decode(seq, None, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(TypeError, match="last_loc must hold integers"):
+    a.alloc_decode(seq, None, jnp.zeros((2,), jnp.float32))
+  with pytest.raises(ValueError, match="seq_lens"):  # the host checks still run
+    a.alloc_decode(np.array([0, 9]), None, jnp.zeros((2,), jnp.int32))
+  assert a.available_size() == size
+  # Same slots as with a host last_loc: row 0 continues its page (last_loc + 1), row 1
+  # starts one.
+  seq = np.array([6, 9])
+  host = np.asarray(a.alloc_decode(seq, None, np.array([4, 7])))
+  a.clear()
+  dev = np.asarray(a.alloc_decode(seq, None, jnp.asarray([4, 7], jnp.int32)))
+  assert host[0] == 5
+  np.testing.assert_array_equal(host, dev)
