@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Dict, Tuple
 
 import jax
@@ -75,6 +76,23 @@ def _written(config: AllocatorConfig, state: AllocatorState) -> Tuple[Array, Arr
   return state.free_ring, state.free_head, state.free_len
 
 
+def _compiler_options() -> Dict[str, Any]:
+  """XLA options for the fast-path programs: on a GPU host, a CUDA graph for every
+  program, however few its kernels (`xla_gpu_graph_min_graph_size=1`; XLA's default
+  needs 5). These programs are 1-10 small kernels, and launching each one separately
+  costs host time: H200 run of 2026-11-30, the 64-row decode program's dispatch took
+  85.6 us with XLA's default and 57.0 us with graphs (benchmarks/device_probe.py).
+  JAX_KVALLOC_GPU_GRAPHS=0 turns it off (to compare). CPU compiles ignore the option; it
+  is not passed where there is no GPU (TPU hosts)."""
+  if os.environ.get("JAX_KVALLOC_GPU_GRAPHS", "1") == "0":
+    return {}
+  try:
+    has_gpu = bool(jax.devices("gpu"))
+  except RuntimeError:
+    has_gpu = False
+  return {"xla_gpu_graph_min_graph_size": 1} if has_gpu else {}
+
+
 @functools.lru_cache(maxsize=None)
 def ops_for(config: AllocatorConfig) -> "DeviceOps":
   """The (shared) fast-path programs of one config."""
@@ -89,6 +107,7 @@ class DeviceOps:
     # The host runs any merge as its own call first, so allocations need no merge branch.
     self._alloc_cfg = dataclasses.replace(config, need_sort=False)
     self._fns: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
+    self._options = _compiler_options()
 
   # -- program cache -------------------------------------------------------------------
   def _fn(self, key: Tuple[Any, ...]) -> Callable[..., Any]:
@@ -98,10 +117,11 @@ class DeviceOps:
     return fn
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
+    jit = functools.partial(jax.jit, compiler_options=self._options)
     acfg, cfg = self._alloc_cfg, self.config
     if op == "slice":
       n = shape[1]
-      return jax.jit(lambda x: x[:n])
+      return jit(lambda x: x[:n])
     if op == "alloc":
       (size,) = shape
 
@@ -109,7 +129,7 @@ class DeviceOps:
         s, out, _ = allocation.alloc(acfg, _alloc_state(ring, head, length), need,
                                      max_size=size)
         return s.free_head, s.free_len, out
-      return jax.jit(alloc_fn)
+      return jit(alloc_fn)
     if op == "extend":
       rows, tokens = shape
 
@@ -119,7 +139,7 @@ class DeviceOps:
             acfg, _alloc_state(ring, head, length), packed[:rows], packed[rows:2 * rows],
             last, max_tokens=tokens, num_reqs=packed[3 * rows])
         return s.free_head, s.free_len, out
-      return jax.jit(extend_fn)
+      return jit(extend_fn)
     if op == "decode":
       (rows,) = shape
 
@@ -129,10 +149,10 @@ class DeviceOps:
             acfg, _alloc_state(ring, head, length), packed[:rows], last,
             num_reqs=packed[2 * rows])
         return s.free_head, s.free_len, out
-      return jax.jit(decode_fn)
+      return jit(decode_fn)
     if op == "pad":
       n, rows, fill = shape
-      return jax.jit(lambda x: jnp.pad(x, (0, rows - n), constant_values=fill))
+      return jit(lambda x: jnp.pad(x, (0, rows - n), constant_values=fill))
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
@@ -140,7 +160,7 @@ class DeviceOps:
       def free_fn(ring, head, length, other_len, values):
         return _written(cfg, body(cfg, _write_state(cfg, ring, head, length, other_len),
                                   values))
-      return jax.jit(free_fn, donate_argnums=(0,) if donate else ())
+      return jit(free_fn, donate_argnums=(0,) if donate else ())
     if op == "merge":
       (donate,) = shape
 
@@ -148,7 +168,7 @@ class DeviceOps:
         s = freeing.merge_and_sort_free(cfg, AllocatorState(
             free_ring, free_head, free_len, release_ring, release_head, release_len))
         return s.free_ring, s.free_head, s.free_len, s.release_head, s.release_len
-      return jax.jit(merge_fn, donate_argnums=(0,) if donate else ())
+      return jit(merge_fn, donate_argnums=(0,) if donate else ())
     raise ValueError(f"unknown operation {op!r}")
 
   def padded(self, x: Array, rows: int, fill: int) -> Array:

@@ -133,3 +133,23 @@ def test_device_last_loc_is_checked_by_shape_and_dtype():
   dev = np.asarray(a.alloc_decode(seq, None, jnp.asarray([4, 7], jnp.int32)))
   assert host[0] == 5
   np.testing.assert_array_equal(host, dev)
+
+
+def test_gpu_graph_option_only_with_a_gpu(monkeypatch):
+  """The fast-path programs ask XLA for CUDA graphs only on a GPU host, and
+  JAX_KVALLOC_GPU_GRAPHS=0 turns that off."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc import device_ops  # pylint: disable=g-import-not-at-top
+  real = jax.devices
+
+  def devices(backend=None):
+    if backend == "gpu":
+      return ["fake-gpu"]
+    return real(backend)
+  monkeypatch.delenv("JAX_KVALLOC_GPU_GRAPHS", raising=False)
+  if not any(d.platform == "gpu" for d in real()):
+    assert device_ops._compiler_options() == {}  # pylint: disable=protected-access
+  monkeypatch.setattr(jax, "devices", devices)
+  assert device_ops._compiler_options() == {"xla_gpu_graph_min_graph_size": 1}  # pylint: disable=protected-access
+  monkeypatch.setenv("JAX_KVALLOC_GPU_GRAPHS", "0")
+  assert device_ops._compiler_options() == {}  # pylint: disable=protected-access
