@@ -105,16 +105,16 @@ def host_config(config: AllocatorConfig) -> HostConfig:
   pow2 = ps & (ps - 1) == 0
   consts = [np.array(v, np.int64) for v in (
       ps - 1 if pow2 else ps, ps.bit_length() - 1 if pow2 else ps, ps, 1, 2 * ps - 1)]
-  lanes = np.arange(ps, dtype=np.int32)
-  for arr in consts + [lanes]:
+  ps32, lanes = np.array(ps, np.int32), np.arange(ps, dtype=np.int32)
+  for arr in consts + [ps32, lanes]:
     arr.flags.writeable = False
   rem_by, div_by, ps64, one, head = consts
   return HostConfig(config, ps, config.num_slots, np.bitwise_and if pow2 else np.remainder,
                     rem_by, np.right_shift if pow2 else np.floor_divide, div_by, ps64,
-                    np.array(ps, np.int32), one, head, lanes)
+                    ps32, one, head, lanes)
 
 
-def i64(x) -> "np.ndarray | None":
+def i64(x: Any) -> "np.ndarray | None":
   """x as a 1-D int64 array (x itself when it is one: the plans never write their
   inputs), or None when x is not a non-empty 1-D integer numpy array. Unsigned values
   beyond int64 wrap negative here, which the plans refuse."""
