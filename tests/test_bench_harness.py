@@ -76,21 +76,54 @@ def test_link_is_zero_and_reads_every_output():
 
 
 def test_extra_consumer_check_nets_out_the_consumers_own_cost(monkeypatch):
-  """The +1 consumer verdict reads (t3 - t2 - (floor3 - floor2)) / t2: a consumer that
-  costs 1 us on the stand-in as on the call is not counted as missing work; work the
-  call gains under the consumer is."""
+  """The +1 consumer check times the call and a stand-in of its outputs at 2 and 3
+  consumers, interleaved, and reports (t3 - t2 - (f3 - f2)) / t2 as the net change: a
+  consumer that costs 1 us on the stand-in as on the call is not counted as missing
+  work; work the call gains under the consumer is. The jnp path's stand-in is an XLA
+  one, the Pallas paths' a Pallas kernel."""
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(bench_micro, "time_floor", lambda case, **kw: {"s": 3e-6})
-  row = {"floor_us": 2.0, "jax": {
-      "pallas": {"us": 5.0, "us_extra_consumer": 6.0, "extra_consumer_change": 0.2},
-      "jnp": {"us": 5.0, "us_extra_consumer": 8.0, "extra_consumer_change": 0.6}}}
-  bench_micro._net_changes(row, None, unroll=2, min_time=0.0, reps=1)  # pylint: disable=protected-access
-  assert row["floor_extra_consumer_us"] == pytest.approx(3.0)
-  assert row["jax"]["pallas"]["extra_consumer_net_change"] == pytest.approx(0.0)
-  assert row["jax"]["jnp"]["extra_consumer_net_change"] == pytest.approx(0.4)
-  assert bench._consumer_cell(row["jax"]["jnp"]) == "+60% (+40%)"  # pylint: disable=protected-access
-  assert bench._consumer_change(row["jax"]["pallas"]) == pytest.approx(0.0)  # pylint: disable=protected-access
+  seen = {}
+
+  def fake(variants, **kw):
+    seen["n"] = [v["consumers"] for v in variants]
+    seen["stand"] = variants[2]["call"]
+    return [{"s": s * 1e-6, "min_s": s * 1e-6, "spread": 0.0, "iters": 2,
+             "compile_s": 0.0} for s in (5.0, 8.0, 2.0, 3.0)]
+  monkeypatch.setattr(timing, "chain_time_interleaved", fake)
+  case = bench_micro.make_case("decode", 4, 4, 16, seed=0)
+  res, out = bench_micro.time_with_extra_consumer(case, "jnp", unroll=2, min_time=0.0,
+                                                  reps=1)
+  assert seen["n"] == [2, 3, 2, 3] and out.shape == (4,)
+  assert res["s"] == pytest.approx(5e-6)
+  assert res["extra_consumer_change"] == pytest.approx(0.6)
+  assert res["extra_consumer_net_change"] == pytest.approx(0.4)
+  cell = {k: res[k] for k in ("extra_consumer_change", "extra_consumer_net_change")}
+  assert bench._consumer_cell(cell) == "+60% (+40%)"  # pylint: disable=protected-access
+  assert bench._consumer_change(cell) == pytest.approx(0.4)  # pylint: disable=protected-access
   assert bench._consumer_change({"extra_consumer_change": 0.3}) == 0.3  # pylint: disable=protected-access
+  bench_micro.time_with_extra_consumer(case, "pallas_interpret", unroll=2, min_time=0.0,
+                                       reps=1)
+  assert seen["stand"].__qualname__.startswith("stand_in_pallas")
+
+
+def test_pallas_stand_in_writes_the_outputs():
+  outs = (jax.ShapeDtypeStruct((1500,), np.int32), jax.ShapeDtypeStruct((), np.bool_),
+          jax.ShapeDtypeStruct((), np.int32))
+  call = timing.stand_in_pallas(outs, interpret=True)
+  c, (arr, flag, scalar) = jax.jit(call)(np.int32(4), (np.array([10, 0], np.int32),))
+  assert int(c) == 5 and arr.shape == (1500,) and flag.shape == () and scalar.shape == ()
+  np.testing.assert_array_equal(arr, np.arange(1500) + 14)
+  assert int(scalar) == 14 and bool(flag)
+
+
+def test_interleaved_timing_returns_one_result_per_variant():
+  call = lambda c, x: (c + x, c)
+  zero, one = jax.numpy.zeros((), np.int32), jax.numpy.ones((), np.int32)
+  res = timing.chain_time_interleaved(
+      [dict(call=call, carry=zero, inputs=one, consumers=2),
+       dict(call=call, carry=zero, inputs=one, consumers=3)],
+      unroll=2, min_time=0.001, reps=2)
+  assert len(res) == 2 and all(r["s"] > 0 and r["iters"] >= 2 for r in res)
 
 
 def test_floor_stand_in_outputs_are_not_broadcasts():

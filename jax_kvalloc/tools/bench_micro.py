@@ -361,24 +361,37 @@ def _jax_host_free(case: Case, *, min_time: float, reps: int) -> Dict[str, float
                       min_time=min_time, reps=reps)
 
 
-def _net_changes(row: Dict[str, Any], case: Case, *, unroll: int, min_time: float,
-                 reps: int) -> None:
-  """Adds each JAX cell's "extra_consumer_net_change": the +1 consumer change less what
-  that consumer costs by itself, measured on the floor's stand-in (same output shapes,
-  no allocator work): (t3 - t2 - (floor3 - floor2)) / t2. What is left is work the
-  figure did not count before the consumer forced it."""
-  try:
-    f3 = time_floor(case, unroll=unroll, min_time=min_time, reps=reps,
-                    consumers=bt.DEFAULT_CONSUMERS + 1)["s"] * 1e6
-  except Exception as e:  # pylint: disable=broad-except
-    row["floor_extra_error"] = _err(e)["error"]
-    return
-  row["floor_extra_consumer_us"] = f3
-  cost = f3 - row["floor_us"]
-  for cell in row["jax"].values():
-    if "us_extra_consumer" in cell and cell.get("us"):
-      cell["extra_consumer_net_change"] = (
-          cell["us_extra_consumer"] - cell["us"] - cost) / cell["us"]
+def time_with_extra_consumer(case: Case, path: str, *, unroll: int, min_time: float,
+                             reps: int) -> Tuple[Dict[str, Any], np.ndarray]:
+  """The +1 consumer check of one path: the call with DEFAULT_CONSUMERS and with one more
+  consumer, and a stand-in that writes the same outputs the way the path does (an XLA
+  fusion for jnp, one Pallas kernel launch for the Pallas paths) with the same two
+  consumer counts, all four timed with their repetitions interleaved
+  (timing.chain_time_interleaved). Returns (timing of the call as chain_time's, with
+  "us_extra_consumer", "extra_consumer_change" = t3 / t2 - 1 and
+  "extra_consumer_net_change" = (t3 - t2 - (f3 - f2)) / t2: the change less what the
+  consumer costs by itself on the stand-in, i.e. work the figure did not count before
+  the consumer forced it), the call's output)."""
+  once, call, carry, inputs = jax_call(case, path)
+  out = _jax_output(case, once)
+  shapes = jax.eval_shape(call, carry, inputs)[1]
+  if path == "jnp":
+    stand = bt.stand_in(shapes)
+  else:
+    stand = bt.stand_in_pallas(shapes, interpret=path == "pallas_interpret")
+  zero = jnp.zeros((), jnp.int32)
+  base = bt.DEFAULT_CONSUMERS
+  t2, t3, f2, f3 = bt.chain_time_interleaved(
+      [dict(call=call, carry=carry, inputs=inputs, consumers=base),
+       dict(call=call, carry=carry, inputs=inputs, consumers=base + 1),
+       dict(call=stand, carry=zero, inputs=inputs, consumers=base),
+       dict(call=stand, carry=zero, inputs=inputs, consumers=base + 1)],
+      unroll=unroll, min_time=min_time, reps=reps)
+  res = dict(t2)
+  res.update(us_extra_consumer=t3["s"] * 1e6, extra_consumer_change=t3["s"] / t2["s"] - 1,
+             extra_consumer_net_change=(t3["s"] - t2["s"] - (f3["s"] - f2["s"])) / t2["s"],
+             stand_in_us=f2["s"] * 1e6, stand_in_extra_consumer_us=f3["s"] * 1e6)
+  return res, out
 
 
 def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
@@ -387,8 +400,9 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         sglang=None, extra_consumer: bool = False, bare: bool = False,
         progress=None) -> List[Dict[str, Any]]:
   """Times every case; returns one row (dict) per case. `sglang`: the module of
-  `load_sglang_kernels` (or None). `extra_consumer`: time every JAX path a second time
-  with one more consumer of its outputs (timing.chain_time consumers=3). `bare`: also
+  `load_sglang_kernels` (or None). `extra_consumer`: time every JAX path together with
+  one more consumer of its outputs and with a stand-in of the same outputs
+  (`time_with_extra_consumer`). `bare`: also
   time the "pallas" call unlinked where it compiles to one kernel launch (the figure
   comparable with SGLang's kernel alone). `progress(desc)` is called before each
   measurement."""
@@ -405,12 +419,20 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
       if progress:
         progress(f"{op} bs={bs} tokens={case.tokens} {path}")
       try:
-        timing, out = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps)
+        if extra_consumer:
+          timing, out = time_with_extra_consumer(case, path, unroll=unroll,
+                                                 min_time=min_time, reps=reps)
+        else:
+          timing, out = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps)
       except Exception as e:  # pylint: disable=broad-except
         row["jax"][path] = _err(e)
         continue
       cell = {"us": timing["s"] * 1e6, "min_us": timing["min_s"] * 1e6,
               "spread": timing["spread"], "compile_s": timing["compile_s"]}
+      for key in ("us_extra_consumer", "extra_consumer_change", "extra_consumer_net_change",
+                  "stand_in_us", "stand_in_extra_consumer_us"):
+        if key in timing:
+          cell[key] = timing[key]
       if bare and path == "pallas" and op != "free":
         try:
           cell["single_launch"] = one_custom_call(case, path)
@@ -420,11 +442,6 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
             cell["bare_us"] = tb["s"] * 1e6
         except Exception as e:  # pylint: disable=broad-except
           cell["bare_error"] = _err(e)["error"]
-      if extra_consumer:
-        t2, _ = time_jax(case, path, unroll=unroll, min_time=min_time, reps=reps,
-                         consumers=bt.DEFAULT_CONSUMERS + 1)
-        cell["us_extra_consumer"] = t2["s"] * 1e6
-        cell["extra_consumer_change"] = t2["s"] / timing["s"] - 1 if timing["s"] else 0.0
       row["jax"][path] = cell
       if ref is None:
         ref = out
@@ -435,8 +452,6 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
                                    reps=reps)["s"] * 1e6
     except Exception as e:  # pylint: disable=broad-except
       row["floor_error"] = _err(e)["error"]
-    if extra_consumer and "floor_us" in row:
-      _net_changes(row, case, unroll=unroll, min_time=min_time, reps=reps)
     if op == "free":
       try:
         row["jax_host"] = {"us": _jax_host_free(case, min_time=min_time,

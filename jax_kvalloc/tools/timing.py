@@ -25,7 +25,11 @@ barriers before fusion, so a barrier alone does not keep calls apart):
   write every output, as a caller would need.
 - `consumers=3` adds a third consumer (every output summed into one more sink): a figure
   that moves by more than its noise under it was not counting all of its work
-  (`jax-kvalloc bench --extra-consumer`).
+  (`jax-kvalloc bench --extra-consumer`). That consumer has a cost of its own, so the
+  check also times a stand-in that writes the same outputs the same way (`stand_in`,
+  an XLA fusion, for jnp; `stand_in_pallas`, one Pallas kernel launch, for Pallas) at
+  both consumer counts, and the four loops' repetitions are interleaved
+  (`chain_time_interleaved`) so that drift falls on all of them alike.
 
 `chain_loop` builds the loop alone, so that tests can compile it at two unroll counts and
 count the call's characteristic ops (tests/test_bench_harness.py).
@@ -36,6 +40,7 @@ is how a scheduler pays for eager calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable, Dict, Tuple
@@ -145,6 +150,35 @@ def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
   return run
 
 
+def _prepared(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
+              consumers: int, linked: bool):
+  """(timed(n) -> seconds of one run of n iterations, n, compile seconds): the loop
+  compiled and n grown until a run takes `min_time` (and 8 runs of 1 iteration)."""
+  run = chain_loop(call, unroll, consumers, linked)
+  sink = sink_init(call, carry, inputs, consumers)
+  timed = lambda k: _wall(lambda: run(carry, inputs, sink, np.int32(k)))
+  compile_s = timed(1)
+  t1 = min(timed(1) for _ in range(3))
+  n = 2
+  while n < MAX_ITERS and timed(n) < max(min_time, 8 * t1):
+    n *= 2
+  return timed, n, compile_s
+
+
+def _result(ta, tb, n: int, unroll: int, compile_s: float) -> Dict[str, float]:
+  slopes = [(b - a) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
+  med = statistics.median(slopes)
+  return {"s": med, "min_s": (min(tb) - min(ta)) / ((n - 1) * unroll),
+          "spread": (max(slopes) - min(slopes)) / med if med > 0 else float("inf"),
+          "iters": n, "compile_s": compile_s}
+
+
+def _noise_error(n: int, med: float) -> "TimingError":
+  return TimingError(
+      f"the run of {n} iterations was not slower than the run of 1 (median slope "
+      f"{med * 1e6:.3g} us): noise dominates this measurement; raise --min-time")
+
+
 def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
                reps: int, consumers: int = DEFAULT_CONSUMERS,
                linked: bool = True) -> Dict[str, float]:
@@ -155,32 +189,44 @@ def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: fl
   fastest run of each length, "spread": (max - min) / median of the slopes, "iters": n,
   "compile_s": first call}.
   """
-  run = chain_loop(call, unroll, consumers, linked)
-  sink = sink_init(call, carry, inputs, consumers)
-  one = np.int32(1)
-  compile_s = _wall(lambda: run(carry, inputs, sink, one))
-  t1 = min(_wall(lambda: run(carry, inputs, sink, one)) for _ in range(3))
-  n = 2
-  while n < MAX_ITERS and _wall(lambda: run(carry, inputs, sink, np.int32(n))) < max(
-      min_time, 8 * t1):
-    n *= 2
+  timed, n, compile_s = _prepared(call, carry, inputs, unroll=unroll, min_time=min_time,
+                                  consumers=consumers, linked=linked)
   while True:
     ta, tb = [], []
     for _ in range(reps):
-      ta.append(_wall(lambda: run(carry, inputs, sink, one)))
-      tb.append(_wall(lambda: run(carry, inputs, sink, np.int32(n))))
-    slopes = [(b - a) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
-    med = statistics.median(slopes)
-    if med > 0 or n >= MAX_ITERS:
+      ta.append(timed(1))
+      tb.append(timed(n))
+    res = _result(ta, tb, n, unroll, compile_s)
+    if res["s"] > 0 or n >= MAX_ITERS:
       break
     n *= 4  # noise outweighed the work: time longer runs rather than report 0
-  if med <= 0:
-    raise TimingError(
-        f"the run of {n} iterations was not slower than the run of 1 (median slope "
-        f"{med * 1e6:.3g} us): noise dominates this measurement; raise --min-time")
-  return {"s": med, "min_s": (min(tb) - min(ta)) / ((n - 1) * unroll),
-          "spread": (max(slopes) - min(slopes)) / med, "iters": n,
-          "compile_s": compile_s}
+  if res["s"] <= 0:
+    raise _noise_error(n, res["s"])
+  return res
+
+
+def chain_time_interleaved(variants, *, unroll: int, min_time: float,
+                           reps: int) -> list:
+  """`chain_time` of several variants, each a dict(call, carry, inputs, consumers), with
+  their repetitions interleaved (rep 1 of every variant, then rep 2, ...), so that a
+  drift of the machine (clocks, the other lane's load on the shared host) falls on all
+  of them alike: what a comparison between them needs. Returns one result per variant,
+  as chain_time's."""
+  prepared = [_prepared(v["call"], v["carry"], v["inputs"], unroll=unroll,
+                        min_time=min_time, consumers=v.get("consumers", DEFAULT_CONSUMERS),
+                        linked=True) for v in variants]
+  times = [([], []) for _ in variants]
+  for _ in range(reps):
+    for (timed, n, _), (ta, tb) in zip(prepared, times):
+      ta.append(timed(1))
+      tb.append(timed(n))
+  out = []
+  for (_, n, compile_s), (ta, tb) in zip(prepared, times):
+    res = _result(ta, tb, n, unroll, compile_s)
+    if res["s"] <= 0:
+      raise _noise_error(n, res["s"])
+    out.append(res)
+  return out
 
 
 class TimingError(RuntimeError):
@@ -212,6 +258,51 @@ def stand_in(out_shapes: Any) -> Call:
     first = jax.tree_util.tree_leaves(x)[0].reshape(-1)[0]
     outs = jax.tree_util.tree_map(lambda o: fill(o, first + c), out_shapes)
     return c + 1, outs
+  return call
+
+
+STAND_IN_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _StandInParams:
+  sizes: Tuple[int, ...]    # each output's length (scalars as 1)
+  dtypes: Tuple[str, ...]
+
+
+def _stand_in_body(x_ref, *out_refs, p):
+  from pallas_kernels import _util  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  v = x_ref[0]
+  idx = pl.program_id(0) * STAND_IN_BLOCK + jnp.arange(STAND_IN_BLOCK, dtype=jnp.int32)
+  for ref, n, dtype in zip(out_refs, p.sizes, p.dtypes):
+    _util.store(ref, idx, (idx + v).astype(dtype), idx < n)
+
+
+def stand_in_pallas(out_shapes: Any, interpret: bool = False) -> Call:
+  """`stand_in`, but its outputs written by one Pallas-Triton kernel launch (GPU; Pallas'
+  interpreter with interpret=True), the way the "pallas" path's fused kernels write
+  theirs: consumers read them from memory, as they read that path's outputs, instead of
+  fusing the producer as they can with an XLA stand-in. The floor of the Pallas
+  figures' +1 consumer check (bench_micro)."""
+  from pallas_kernels import _util  # pylint: disable=g-import-not-at-top
+  leaves, treedef = jax.tree_util.tree_flatten(out_shapes)
+  p = _StandInParams(tuple(max(int(np.prod(o.shape)), 1) for o in leaves),
+                     tuple(jnp.dtype(o.dtype).name for o in leaves))
+
+  class _Kernel(_util.TritonCall):
+    def spec(self):
+      outs = tuple(jax.ShapeDtypeStruct((n,), d) for n, d in zip(p.sizes, p.dtypes))
+      grid = (-(-max(p.sizes) // STAND_IN_BLOCK),)
+      return outs, _stand_in_body, grid
+
+  kernel = _Kernel("jax_kvalloc_bench_stand_in", p, 4, interpret)
+
+  def call(c, x):
+    first = jax.tree_util.tree_leaves(x)[0].reshape(-1)[:1]
+    outs = kernel.run(first + c)
+    outs = [o.reshape(leaf.shape) for o, leaf in zip(outs, leaves)]
+    return c + 1, jax.tree_util.tree_unflatten(treedef, outs)
   return call
 
 
