@@ -133,3 +133,16 @@ def test_floor_stand_in_outputs_are_not_broadcasts():
   c, (arr, flag) = timing.stand_in(outs)(np.int32(4), (np.array([10, 0], np.int32),))
   assert int(c) == 5 and arr.shape == (8,) and flag.dtype == np.bool_
   np.testing.assert_array_equal(arr, np.arange(8) + 14)
+
+
+def test_pallas_stand_in_lowers_for_h200():
+  """The Pallas stand-in of the +1 consumer check lowers through Triton for an abstract
+  H200 (the real compiler's Python side), not only in the interpreter."""
+  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  outs = (jax.ShapeDtypeStruct((1500,), np.int32), jax.ShapeDtypeStruct((), np.bool_),
+          jax.ShapeDtypeStruct((), np.int32))
+  call = timing.stand_in_pallas(outs)
+  exported = lowering_check.export_for(
+      "h200", call, jax.ShapeDtypeStruct((), np.int32),
+      (jax.ShapeDtypeStruct((2,), np.int32),))
+  assert lowering_check.TRITON_CUSTOM_CALL in lowering_check.custom_call_targets(exported)
