@@ -28,6 +28,18 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+def searchsorted_right(sorted_: Array, values: Array, xp: Any = jnp) -> Array:
+  """xp.searchsorted(sorted_, values, side="right"). For jax.numpy the binary search is
+  unrolled (method="scan_unrolled"): the same result as the default while loop, but
+  XLA fuses its log2(len) steps instead of running one loop iteration (several kernel
+  launches on a GPU) per step. Measured on the H200 (2026-11-30): the jnp alloc_extend
+  took 124-185 us at 16-1024 rows with the loop; on the 2-core CPU the unrolled search
+  alone is 1.4-1.8x faster."""
+  if xp is jnp:
+    return jnp.searchsorted(sorted_, values, side="right", method="scan_unrolled")
+  return xp.searchsorted(sorted_, values, side="right")
+
+
 def cdiv(a: Array, b: int) -> Array:
   """Ceil division for non-negative a (also right for a = -1 with b >= 1: gives 0)."""
   return -((-a) // b)
@@ -62,7 +74,7 @@ def extend_indices(free_window: Array, prefix_lens: Array, seq_lens: Array,
   total = tok_end[-1] if num_rows else xp.zeros((), xp.int32)
   t = xp.arange(out_len, dtype=xp.int32)
   # First row whose token range ends after t; empty rows (ext = 0) are skipped.
-  row = xp.searchsorted(tok_end, t, side="right").astype(xp.int32)
+  row = searchsorted_right(tok_end, t, xp).astype(xp.int32)
   row = xp.minimum(row, num_rows - 1)
   pre = prefix_lens[row]
   j = t - tok_start[row]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import index_jnp
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
@@ -206,7 +207,7 @@ def extend_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTa
   total_pages = page_end[-1]
   k = jnp.arange(max(1, min(config.num_pages, max_tokens // ps + rows.shape[0])),
                  dtype=jnp.int32)
-  b = jnp.minimum(jnp.searchsorted(page_end, k, side="right").astype(jnp.int32),
+  b = jnp.minimum(index_jnp.searchsorted_right(page_end, k).astype(jnp.int32),
                   rows.shape[0] - 1)
   col = cdiv(pre[b], ps) + k - (page_end[b] - new_pages[b])
   at = jnp.clip(tok_start[b] + col * ps - pre[b], 0, max_tokens - 1)

@@ -166,7 +166,8 @@ def extend_indices_mosaic(free_window: Array, prefix_lens: Array, seq_lens: Arra
   grid = pl.cdiv(out_len, TILE)
   tok_end = ts + (seq - pre)
   tile_start = jnp.arange(grid, dtype=jnp.int32) * TILE
-  tile_row = jnp.minimum(jnp.searchsorted(tok_end, tile_start, side="right"), b - 1)
+  tile_row = jnp.minimum(  # unrolled: fused, not a while loop of small launches
+      jnp.searchsorted(tok_end, tile_start, side="right", method="scan_unrolled"), b - 1)
   total = tok_end[-1:]
   if p == 0:  # nothing to read; any page reads as 0 (never used by a valid call)
     win = jnp.zeros((1,), jnp.int32)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvalloc import index_jnp
 from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
@@ -199,7 +200,7 @@ def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool =
   ps, tokens = cfg.page_size, x["tokens"]
   t = jnp.arange(tokens.shape[0], dtype=jnp.int32)
   cu = att.cu_q_lens
-  b = jnp.clip(jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32), 0,
+  b = jnp.clip(index_jnp.searchsorted_right(cu[1:], t).astype(jnp.int32), 0,
                num_entries - 1)
   real = t < cu[-1]
   q_len = cu[b + 1] - cu[b]

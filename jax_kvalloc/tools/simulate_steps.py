@@ -28,6 +28,7 @@ import numpy as np
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import index_jnp
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
@@ -153,7 +154,7 @@ def prefill_step(config: AllocatorConfig, state: AllocatorState, table: Array,
                                              max_tokens=max_tokens, num_reqs=num_reqs)
   tok_start = jnp.cumsum(ext) - ext
   t = jnp.arange(max_tokens, dtype=jnp.int32)
-  r = jnp.searchsorted(tok_start + ext, t, side="right").astype(jnp.int32)
+  r = index_jnp.searchsorted_right(tok_start + ext, t).astype(jnp.int32)
   r = jnp.minimum(r, b - 1)
   pos = pre[r] + t - tok_start[r]
   table = _write(table, rows[r], pos, out, ok & (t < jnp.sum(ext)))
