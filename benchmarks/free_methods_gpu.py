@@ -8,10 +8,16 @@ random held pages, shuffled, like `jax-kvalloc bench`'s free case) it times, per
 in the project's harness (jax_kvalloc.tools.timing.chain_time: calls chained in one jit,
 every output consumed, linked to the next call's inputs):
 
-  free sort / free bitmap / free auto   freeing.free(cfg, state, free_index, method=...)
+  free sort / free bitmap / free pallas / free auto
+                                        freeing.free(cfg, state, free_index, method=...)
                                         (the carry keeps the new ring and head, the free
-                                        length stays fixed, as bench_micro's free case)
-  pages sort / pages bitmap             the page computation alone: free_index // ps,
+                                        length stays fixed, as bench_micro's free case);
+                                        pallas: the Triton kernels of
+                                        pallas_kernels.triton_free, which also write the
+                                        ring (in Pallas' interpreter on CPU); auto: the
+                                        kernels on a GPU, the sort/bitmap rule on CPU
+  pages sort / pages bitmap / pages pallas
+                                        the page computation alone: free_index // ps,
                                         then freeing.free_pages_sorted_unique
   free bitmap/blocked, pages bitmap/blocked
                                         the bitmap with its prefix sum over the u32 words
@@ -40,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import freeing
+from jax_kvalloc import kernels as kernel_paths
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.tools import timing
@@ -111,8 +118,24 @@ def make_case(ps: int, slots: int, m: int, seed: int = 0):
   return cfg, state, jnp.asarray(rng.permutation(free_index).astype(np.int32))
 
 
+def concrete(method: str) -> str:
+  """The method to run: "pallas" in Pallas' interpreter on CPU (it compiles for a GPU
+  only)."""
+  return "pallas_interpret" if method == "pallas" and jax.default_backend() == "cpu" \
+      else method
+
+
+def auto_runs(cfg: AllocatorConfig, m: int) -> str:
+  """The method free(method="auto") runs for a pool on the default device."""
+  path, backend = kernel_paths.by_device(cfg.kernel, jnp.zeros((1,), jnp.int32),
+                                         lambda path, backend: (path, backend))
+  return freeing._auto_method(cfg, m=m, path=path, backend=backend)  # pylint: disable=protected-access
+
+
 def free_call(cfg: AllocatorConfig, method: str):
   """bench_micro's chained free: the carry keeps the new ring and head, not the length."""
+  method = concrete(method)
+
   def call(state, free_index):
     res = freeing.free(cfg, state, free_index, method=method)
     return (state._replace(free_ring=res.free_ring, free_head=res.free_head),
@@ -122,13 +145,16 @@ def free_call(cfg: AllocatorConfig, method: str):
 
 def pages_fn(cfg: AllocatorConfig, method: str):
   """The page computation of the paged `free` alone (free_index // ps included)."""
+  method = concrete(method)
+
   def fn(free_index):
     pages = jnp.where(free_index >= 0, free_index // cfg.page_size, 0)
     return freeing.free_pages_sorted_unique(pages, cfg.num_pages, method)
   return fn
 
 
-VARIANTS = (("sort", "cumsum"), ("bitmap", "cumsum"), ("bitmap", "blocked"))
+VARIANTS = (("sort", "cumsum"), ("bitmap", "cumsum"), ("bitmap", "blocked"),
+            ("pallas", "cumsum"))
 
 
 def check(cfg, state, free_index):
@@ -137,7 +163,7 @@ def check(cfg, state, free_index):
   for meth, kind in VARIANTS:
     with prefix(kind):
       got.append(jax.jit(pages_fn(cfg, meth))(free_index))
-      states.append(jax.jit(functools.partial(freeing.free, cfg, method=meth))(
+      states.append(jax.jit(functools.partial(freeing.free, cfg, method=concrete(meth)))(
           state, free_index))
   want = np.unique(np.asarray(free_index) // cfg.page_size)
   count = int(got[0][1])
@@ -158,7 +184,7 @@ def time_case(ps, slots, m, *, unroll, min_time, reps, log):
   n = cfg.num_pages
   check(cfg, state, free_index)
   rec = {"page_size": ps, "pool_slots": slots, "num_pages": n, "M": m,
-         "pages_freed": m // ps, "auto": freeing.free_method(n, m), "us": {},
+         "pages_freed": m // ps, "auto": auto_runs(cfg, m), "us": {},
          "spread": {}, "min_us": {}}
   runs = [(variant_name("free", meth, kind), kind, free_call(cfg, meth), state)
           for meth, kind in VARIANTS]
@@ -188,7 +214,8 @@ def kernel_counts(ps, slots, m, log):
   out = {"page_size": ps, "pool_slots": slots, "M": m}
   for meth, kind in VARIANTS:
     for what, fn, args in (
-        ("free", functools.partial(freeing.free, cfg, method=meth), (state, free_index)),
+        ("free", functools.partial(freeing.free, cfg, method=concrete(meth)),
+         (state, free_index)),
         ("pages", pages_fn(cfg, meth), (free_index,))):
       with prefix(kind):
         count, by_op, lines = kernels(jax.jit(fn).lower(*args).compile().as_text())
@@ -220,7 +247,7 @@ def main(argv=None):
          "bitmap_ratio": freeing.BITMAP_RATIO, "cases": []}
   for ps, slots, m in cases:
     log(f"page size {ps}, {slots} slots, M = {m} (auto: "
-        f"{freeing.free_method(slots // ps, m)})")
+        f"{auto_runs(AllocatorConfig(size=slots, page_size=ps, debug=False), m)})")
     rec["cases"].append(time_case(ps, slots, m, unroll=unroll, min_time=min_time,
                                   reps=reps, log=log))
   km = max(c[2] for c in cases) if args.small else KERNEL_M
@@ -228,18 +255,19 @@ def main(argv=None):
   log(f"kernels of the compiled programs at page size {kps}, {kslots} slots, M = {km}:")
   rec["kernels"] = kernel_counts(kps, kslots, km, log)
 
-  cols = ["free sort", "free bitmap", "free bitmap/blocked", "free auto", "pages sort",
-          "pages bitmap", "pages bitmap/blocked", "floor"]
+  cols = ["free sort", "free bitmap", "free bitmap/blocked", "free pallas", "free auto",
+          "pages sort", "pages bitmap", "pages bitmap/blocked", "pages pallas", "floor"]
   log("\nus per call (median; the floor is the harness's own cost at free's outputs; "
       "/blocked: the bitmap with blocked_prefix)")
   log(f"{'ps':>3} {'pages':>7} {'M':>7} {'auto':>6} " +
       " ".join(f"{c.replace('bitmap/blocked', 'blocked'):>12}" for c in cols) +
-      f" {'sort/bitmap':>11}")
+      f" {'sort/bitmap':>11} {'bitmap/pallas':>13}")
   for c in rec["cases"]:
     u = c["us"]
     log(f"{c['page_size']:3d} {c['num_pages']:7d} {c['M']:7d} {c['auto']:>6} " +
         " ".join(f"{u[k]:12.2f}" for k in cols) +
-        f" {u['free sort'] / u['free bitmap']:10.2f}x")
+        f" {u['free sort'] / u['free bitmap']:10.2f}x"
+        f" {u['free bitmap'] / u['free pallas']:12.2f}x")
   rec["wall_s"] = time.perf_counter() - t0
   log(f"wall {rec['wall_s']:.1f} s")
   if args.json:

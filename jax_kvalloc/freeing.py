@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jax_kvalloc import debug
 from jax_kvalloc import gated
+from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
@@ -17,8 +18,11 @@ from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 
-# The two ways of computing `free`'s sorted unique pages (free_pages_sorted_unique).
-FREE_METHODS = ("auto", "sort", "bitmap")
+# The ways of computing `free`'s sorted unique pages (free_pages_sorted_unique): two in
+# XLA, and the Triton kernels of pallas_kernels.triton_free ("pallas" compiles for a GPU
+# only; "pallas_interpret" runs them in Pallas' interpreter, for tests).
+FREE_METHODS = ("auto", "sort", "bitmap", "pallas", "pallas_interpret")
+PALLAS_METHODS = ("pallas", "pallas_interpret")
 # "auto" takes the bitmap when num_pages <= BITMAP_RATIO * M. The bitmap costs O(num_pages
 # + M) in a few kernels (scatter, one reduction, a prefix sum over num_pages / 32 words,
 # scatter); the sort costs O(M log M), and XLA's GPU sort is a chain of many small kernels
@@ -89,8 +93,14 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
       are ignored; in debug mode any such entry other than 0, or a double free, is an
       error (recorded in state.debug) and the call frees nothing.
     method: how the paged allocator finds the sorted unique pages (static; see
-      `free_pages_sorted_unique`): "auto" (default), "sort" or "bitmap". Every method
-      gives the same state; the token allocator ignores it.
+      `free_pages_sorted_unique`): "auto" (default), "sort", "bitmap", "pallas" or
+      "pallas_interpret". Every method gives the same state; the token allocator ignores
+      it. "auto" runs the Triton kernels (one memset and three launches that also write
+      the ring, `pallas_kernels.free_push_front_triton`) where config.kernel selects the
+      Pallas path on the Triton backend, judged by the pool's device as for alloc
+      (kernels.by_device: a CPU pool never compiles them), outside debug mode and for
+      sizes `pallas_kernels.free_preferred` takes (pools up to 2**20 pages, or 128 * M);
+      else `free_method`'s rule (sort or bitmap).
 
   Returns:
     The new state. An all-padding `free_index` returns an equal state. Frees that would
@@ -106,10 +116,10 @@ def free_method(num_pages: int, m: int, method: str = "auto") -> str:
   Args:
     num_pages: the pool's pages.
     m: the number of page ids given.
-    method: "auto", "sort" or "bitmap" (ValueError otherwise).
+    method: one of FREE_METHODS (ValueError otherwise).
 
   Returns:
-    "sort" or "bitmap": `method` itself unless it is "auto", which takes the bitmap when
+    `method` itself unless it is "auto", which is "sort" or "bitmap": the bitmap when
     num_pages <= BITMAP_RATIO * m (the bitmap's O(num_pages) share is then at most
     BITMAP_RATIO times the input) and num_pages <= 2**30 (the map's indices stay far
     inside int32), else the sort.
@@ -133,7 +143,11 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
       "bitmap" sets one bit per given page in a bitmap of num_pages + 1 bits (a scatter
       into bool[] and a reduction into u32 words), takes a prefix sum of the words'
       popcounts, and scatters each page to its place (the marked pages below it):
-      O(num_pages + M), no sort. "auto": `free_method`'s static rule.
+      O(num_pages + M), no sort. "pallas" / "pallas_interpret": the same marks in the
+      Triton kernels of pallas_kernels.triton_free (one memset and three launches; GPU
+      only, or Pallas' interpreter), for num_pages that `pallas_kernels.free_supported`
+      takes (ValueError otherwise). "auto": `free_method`'s static rule (no pool here to
+      tell the device; `free` picks the kernels by the pool's device).
 
   Returns:
     (values, count): i32[M] with the pages in values[:count] and 0 after them, and
@@ -143,7 +157,12 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   m = pages.shape[0]
   n = num_pages
   valid = (pages >= 1) & (pages <= n)
-  if free_method(n, m, method) == "sort":
+  method = free_method(n, m, method)
+  if method in PALLAS_METHODS:
+    import pallas_kernels  # pylint: disable=g-import-not-at-top
+    return pallas_kernels.free_sorted_unique_triton(
+        pages, num_pages=n, interpret=method == "pallas_interpret")
+  if method == "sort":
     pages = jnp.sort(jnp.where(valid, pages, st.SENTINEL))
     is_first = jnp.concatenate([jnp.ones((1,), bool), pages[1:] != pages[:-1]])
     return st.compact(pages, is_first & (pages != st.SENTINEL))
@@ -182,6 +201,14 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
   ps = config.page_size
   n = config.num_pages
   free_method(n, free_index.shape[0], method)  # a bad method fails on every kind
+  if config.kind == "paged" and not config.debug:
+    if method == "auto":
+      return kernels.by_device(
+          config.kernel, state.free_ring,
+          lambda path, backend: _free_paged(config, state, free_index,
+                                            _auto_method(config, m=free_index.shape[0],
+                                                         path=path, backend=backend)))
+    return _free_paged(config, state, free_index, method)
   if config.kind == "paged":
     pages = jnp.where(free_index >= 0, free_index // ps, 0)
     values, count = free_pages_sorted_unique(pages, n, method)
@@ -191,6 +218,42 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
   if config.debug:
     state, count = debug.finish_free(config, state, free_index, values, count, op)
   return _give_back(config, state, values, count)
+
+
+def _auto_method(config: AllocatorConfig, *, m: int, path: str,
+                 backend: Optional[str]) -> str:
+  """The method "auto" runs for a non-debug paged `free`, given the kernel path and Pallas
+  backend that kernels.by_device resolved for the pool's device."""
+  if path in PALLAS_METHODS and m > 0:
+    import pallas_kernels  # pylint: disable=g-import-not-at-top
+    if ((backend or pallas_kernels.default_backend()) == "triton"
+        and pallas_kernels.free_preferred(config.num_pages, m)):
+      return path
+  return free_method(config.num_pages, m, "auto")
+
+
+def _free_paged(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+                method: str) -> AllocatorState:
+  """The paged `free` outside debug mode with a concrete method: the Triton kernels
+  write the ring themselves; the XLA methods go through `_give_back`."""
+  n = config.num_pages
+  if method not in PALLAS_METHODS or free_index.shape[0] == 0:
+    pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
+    values, count = free_pages_sorted_unique(pages, n, method)
+    return _give_back(config, state, values, count)
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  if config.need_sort:
+    ring, head, length = state.release_ring, state.release_head, state.release_len
+    other = state.free_len
+  else:
+    ring, head, length = state.free_ring, state.free_head, state.free_len
+    other = state.release_len
+  ring, head, length = pallas_kernels.free_push_front_triton(
+      free_index, ring, head, length, other, page_size=config.page_size,
+      interpret=method == "pallas_interpret")
+  if config.need_sort:
+    return state._replace(release_ring=ring, release_head=head, release_len=length)
+  return state._replace(free_ring=ring, free_head=head, free_len=length)
 
 
 def _give_back(config: AllocatorConfig, state: AllocatorState, values: Array,

@@ -9,7 +9,9 @@ backend picks the kernel: "triton" (GPU, Pallas' Triton lowering: triton_extend,
 triton_decode) or "mosaic" (TPU, Mosaic: mosaic_extend); None means `default_backend()`.
 
 The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
-`alloc_decode_triton` (free ring in, indices and new head/length out).
+`alloc_decode_triton` (free ring in, indices and new head/length out), and the paged
+`free` in one memset and three launches: `free_push_front_triton` (its sorted unique
+pages alone: `free_sorted_unique_triton`).
 
 `lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
@@ -34,6 +36,10 @@ _LAZY = {
     "extend_indices_triton": ("triton_extend", "extend_indices_triton"),
     "extend_fused_preferred": ("triton_extend", "fused_preferred"),
     "extend_fused_supported": ("triton_extend", "fused_supported"),
+    "free_preferred": ("triton_free", "preferred"),
+    "free_push_front_triton": ("triton_free", "free_push_front_triton"),
+    "free_sorted_unique_triton": ("triton_free", "sorted_unique_pages_triton"),
+    "free_supported": ("triton_free", "supported"),
 }
 
 
@@ -113,4 +119,8 @@ __all__ = [
     "extend_indices",
     "extend_indices_mosaic",
     "extend_indices_triton",
+    "free_preferred",
+    "free_push_front_triton",
+    "free_sorted_unique_triton",
+    "free_supported",
 ]

@@ -201,6 +201,11 @@ class TritonCall:
   def spec(self):
     raise NotImplementedError
 
+  def aliases(self) -> dict:
+    """The pallas_call's input_output_aliases ({input index: output index}); none by
+    default."""
+    return {}
+
   def __call__(self, *args):
     import functools  # pylint: disable=g-import-not-at-top
     from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
@@ -209,7 +214,8 @@ class TritonCall:
     return pl.pallas_call(
         functools.partial(body, p=self.p), out_shape=out_shape, grid=grid,
         compiler_params=pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1),
-        interpret=self.interpret, name=self.name)(*args)
+        input_output_aliases=self.aliases(), interpret=self.interpret,
+        name=self.name)(*args)
 
   def run(self, *args):
     args = tuple(jnp.asarray(a, jnp.int32) for a in args)
