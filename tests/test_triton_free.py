@@ -170,6 +170,23 @@ def test_room_cut_and_wrapping_head():
     assert int(got.free_len) == n  # ~all 50 pages freed: always cut
 
 
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_debug_mode_with_the_kernel_method(need_sort):
+  """method="pallas_interpret" in debug mode: the values kernel feeds debug's checks;
+  the same states and error records as the sort (valid frees, junk, double frees)."""
+  ps, n, m = 4, 30, 48
+  cfg = AllocatorConfig(size=n * ps, page_size=ps, need_sort=need_sort, debug=True)
+  rng = np.random.default_rng([8, need_sort])
+  state = _taken_state(cfg, rng, 20)
+  held = st.live_free_pages(state._replace(free_head=jnp.int32(0), free_len=jnp.int32(20)))
+  for k, slots in enumerate(_slot_inputs(rng, cfg, held, m)):
+    free_index = jnp.asarray(np.asarray(slots, np.int64).astype(np.int32))
+    got = _free_fn(cfg, "pallas_interpret")(state, free_index)
+    want = _free_fn(cfg, "sort")(state, free_index)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"input {k}")
+
+
 def test_vmapped_pools():
   """Stacked pools (ranks.free vmaps `free`): each rank equals its own call."""
   ps, n, m = 16, 64, 40
