@@ -233,12 +233,15 @@ def run(cfg: BenchConfig, *, progress: bool = True,
   save = checkpoint or (lambda r: None)
 
   def micro(op):
-    result["micro"] += bench_micro.run(
-        ops=(op,), paths=jax_paths, torch_on=torch_on, batch_sizes=cfg.batch_sizes,
-        extend_cases=cfg.extend_cases, page_size=cfg.page_size, unroll=cfg.unroll,
-        min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, sglang=sglang,
-        extra_consumer=cfg.extra_consumer, bare=cfg.bare, progress=tick)
-    save(result)
+    sizes = ([((bs,), cfg.extend_cases) for bs in cfg.batch_sizes] if op == "decode"
+             else [(cfg.batch_sizes, (case,)) for case in cfg.extend_cases])
+    for batch_sizes, extend_cases in sizes:  # one case at a time, saved after each
+      result["micro"] += bench_micro.run(
+          ops=(op,), paths=jax_paths, torch_on=torch_on, batch_sizes=batch_sizes,
+          extend_cases=extend_cases, page_size=cfg.page_size, unroll=cfg.unroll,
+          min_time=cfg.min_time, reps=cfg.reps, seed=cfg.seed, sglang=sglang,
+          extra_consumer=cfg.extra_consumer, bare=cfg.bare, progress=tick)
+      save(result)
 
   ops = list(cfg.ops if cfg.micro else ())
   for op in ops:
