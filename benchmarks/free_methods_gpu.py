@@ -232,12 +232,17 @@ def main(argv=None):
   p.add_argument("--unroll", type=int, default=None)
   p.add_argument("--min-time", type=float, default=None)
   p.add_argument("--reps", type=int, default=None)
+  p.add_argument("--only-m", type=int, default=None,
+                 help="time only the cases freeing this many slots (and skip the kernel "
+                 "counts)")
   args = p.parse_args(argv)
   accel = jax.default_backend() != "cpu"
   unroll = args.unroll or (4 if args.small else 32 if accel else 8)
   min_time = args.min_time or (0.01 if args.small else 0.05 if accel else 0.02)
   reps = args.reps or (3 if args.small else 5)
   cases = SMALL_CASES if args.small else CASES
+  if args.only_m:
+    cases = [c for c in cases if c[2] == args.only_m]
   log = functools.partial(print, flush=True)
   t0 = time.perf_counter()
   log(f"{jax.devices()[0]} jax {jax.__version__}; unroll {unroll}, min_time {min_time}, "
@@ -250,10 +255,11 @@ def main(argv=None):
         f"{auto_runs(AllocatorConfig(size=slots, page_size=ps, debug=False), m)})")
     rec["cases"].append(time_case(ps, slots, m, unroll=unroll, min_time=min_time,
                                   reps=reps, log=log))
-  km = max(c[2] for c in cases) if args.small else KERNEL_M
-  kps, kslots = (cases[0][0], cases[0][1])
-  log(f"kernels of the compiled programs at page size {kps}, {kslots} slots, M = {km}:")
-  rec["kernels"] = kernel_counts(kps, kslots, km, log)
+  if not args.only_m:
+    km = max(c[2] for c in cases) if args.small else KERNEL_M
+    kps, kslots = (cases[0][0], cases[0][1])
+    log(f"kernels of the compiled programs at page size {kps}, {kslots} slots, M = {km}:")
+    rec["kernels"] = kernel_counts(kps, kslots, km, log)
 
   cols = ["free sort", "free bitmap", "free bitmap/blocked", "free pallas", "free auto",
           "pages sort", "pages bitmap", "pages bitmap/blocked", "pages pallas", "floor"]

@@ -25,12 +25,16 @@ FREE_METHODS = ("auto", "sort", "bitmap", "pallas", "pallas_interpret")
 PALLAS_METHODS = ("pallas", "pallas_interpret")
 # "auto" takes the bitmap when num_pages <= BITMAP_RATIO * M. The bitmap costs O(num_pages
 # + M) in a few kernels (scatter, one reduction, a prefix sum over num_pages / 32 words,
-# scatter); the sort costs O(M log M), and XLA's GPU sort is a chain of many small kernels
-# (free took 55-82 us for M = 8k..262k on an H200), so the bitmap should win there unless
-# the pool dwarfs M (a 16M-page pool freed 64 pages at a time). On CPU (jit, 2026-11-30)
-# the bitmap is 1.7-10x faster up to ratio 32 and 1.0-1.4x slower at ratio 128 (n = 2**20,
-# M = 8192); 128 leans to the GPU, whose sort costs more kernels than the CPU's.
-BITMAP_RATIO = 128
+# scatter); the sort costs O(M log M). On an H200 (2026-11-30, M = 8k-262k over 262144
+# pages, ratio 1-32) the bitmap took 20.6-55.8 us against the sort's 59.7-82.1 (XLA's GPU
+# sort is a chain of many small kernels); on a GPU "auto" now runs the Triton kernels
+# instead (pallas_kernels.triton_free: 9.8-14.4 us). On this 2-core CPU (jit, medians) the
+# bitmap wins at ratio <= 16 (27.9 vs 32.4 us at 8192 pages, M = 512; 56.8 vs 91.4 at
+# 32768 / 2048) and at ratio 32 with large M (204 vs 391 us at 262144 / 8192), and loses
+# at ratio 32 with small M (36.3 vs 29.8 us, 16384 / 512) and beyond (37.9 vs 29.8 at
+# ratio 64): `jax-kvalloc simulate` at page size 1 (32768 pages) took 67 us per step with
+# ratio 128 and 49 us with the sort. 32 keeps every GPU case above on the bitmap.
+BITMAP_RATIO = 32
 
 
 def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState) -> AllocatorState:

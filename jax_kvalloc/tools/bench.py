@@ -357,7 +357,8 @@ def micro_tables(result: Dict[str, Any]) -> str:
       body.append(cells)
     tmethod = next((r["torch"]["method"] for r in rows
                     if r.get("torch") and "method" in r["torch"]), None)
-    note = "; free has no Pallas kernel: one XLA path" if op == "free" else ""
+    note = ("; free: the XLA path (kernel='jnp'; the Pallas free kernel is timed by "
+            "benchmarks/free_methods_gpu.py)" if op == "free" else "")
     out.append(f"{op} (page_size {rows[0]['page_size']}; us per call, median{note}"
                + (f"; torch_ref: {tmethod}" if tmethod else "")
                + ("; SGLang: its Triton kernel, CUDA graph replay, linked like ours "

@@ -413,7 +413,8 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
                            "page_size": page_size, "num_pages": case.num_pages,
                            "jax": {}, "torch": None, "sglang": None, "check": "ok"}
     ref = None
-    # free has no Pallas kernel: one XLA path, timed once.
+    # free: the XLA path only (kernel="jnp"); benchmarks/free_methods_gpu.py times the
+    # Pallas free kernel against it.
     op_paths = [p for p in paths if op != "free" or p == "jnp"] or list(paths[:1])
     for path in op_paths:
       if progress:
