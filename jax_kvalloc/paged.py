@@ -90,7 +90,8 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     if num_new_pages is not None:
       validate.num_new_pages(num_new_pages, new_pages)
     bs = pre.shape[0]
-    if bs == 0:
+    if bs == 0:  # SPEC 4.2's trigger still fires: 0 // ps + 0 + 1 > len(free_pages)
+      self._merge_if(1 > self._free_len)
       return self._empty_out()
     if self._legacy:
       return self._legacy_extend(pre, seq, last, total, new_pages)

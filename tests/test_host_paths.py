@@ -345,3 +345,25 @@ def test_need_sort_merge_triggers_at_their_boundaries(bs, merge):
     np.testing.assert_array_equal(got, want)
     assert (len(model.release_pages) == 0) == merge
     _same_state(a, model, f"{op} bs={bs} merge={merge}")
+
+
+@pytest.mark.parametrize("backend,debug", [("host", False), ("device", False),
+                                           ("device", True)])
+def test_empty_extend_batch_still_runs_the_need_sort_trigger(backend, debug):
+  """SGLang's alloc_extend merges when extend_num_tokens // ps + bs + 1 > len(free_pages),
+  also for an empty batch (0 + 0 + 1 > 0 once the free list is empty)."""
+  ps = 4
+  a = kv.PagedTokenToKVPoolAllocator(8 * ps, ps, need_sort=True, backend=backend,
+                                     kernel="jnp", debug=debug)
+  m = ModelAllocator(8 * ps, ps, True)
+  got, want = a.alloc(8 * ps), m.alloc(8 * ps)       # empties the free list
+  np.testing.assert_array_equal(np.asarray(got), want)
+  a.free(np.asarray(want[:2 * ps], np.int64))         # two pages to release_pages
+  m.free(want[:2 * ps])
+  empty = np.zeros((0,), np.int64)
+  out = a.alloc_extend(empty, None, empty, None, empty, 0)
+  assert m.alloc_extend([], [], []) == []
+  assert np.asarray(out).shape == (0,)
+  np.testing.assert_array_equal(a.free_pages, m.free_pages)  # merged: [1, 2]
+  np.testing.assert_array_equal(a.release_pages, m.release_pages)
+  assert list(m.free_pages) == [1, 2]
