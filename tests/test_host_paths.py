@@ -93,8 +93,8 @@ def test_fast_paths_match_the_model(ps, need_sort, monkeypatch):
       ids, pre, seq, last = _extend_rows(rng, ps, live, bs, avail)
       total = int((seq - pre).sum())
       parked = len(model.release_pages)
-      # (An empty batch returns before SPEC's merge trigger: not the model's business.)
-      want = model.alloc_extend(pre.tolist(), seq.tolist(), last.tolist()) if bs else []
+      # An empty batch too runs SPEC 4.2's need_sort trigger (as SGLang's does).
+      want = model.alloc_extend(pre.tolist(), seq.tolist(), last.tolist())
       got, got_np = both(lambda a: a.alloc_extend(pre, pre, seq, seq, last, total))
       seen["merges"] += bool(parked and not model.release_pages)
       seen["numpy extends"] += bs > host_ops.SMALL_BATCH and want is not None
