@@ -56,6 +56,16 @@ SLOW_TESTS = [
      lambda it: _param(it, "ps") == 16, "page sizes 1 and 4 run by default"),
     ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",
      lambda it: "[0]" not in it.name, "the TPU interpreter; case 0 runs by default"),
+    ("test_triton_free.py", "test_unique_pages_equal_the_sort",
+     lambda it: "-default]" not in it.name and "[23-40-1-small]" not in it.name,
+     "Pallas' interpreter; the default blocks and one many-program case run by default"),
+    ("test_triton_free.py", "test_free_states_equal_the_sort",
+     lambda it: "-default-" not in it.name and "[1-300-500-small-True]" not in it.name,
+     "Pallas' interpreter; the default blocks and one release-list case run by default"),
+    ("test_free_methods.py", "test_free_states_are_identical_and_match_the_model",
+     lambda it: "True]" in it.name, "need_sort off (the default) runs by default"),
+    ("test_warmup.py", "test_device_last_loc_after_warmup_compiles_nothing", None,
+     "compiles every bucket twice"),
 ]
 
 
