@@ -25,7 +25,10 @@ def test_paged_tokens_equal_contiguous():
   assert any(len(r["prompt"]) > cfg.chunk for r in reqs)         # chunked prefill
   assert cfg.num_requests > cfg.max_reqs - 1                       # rows reused
   assert res["deferred"] > 0                                       # admission at work
-  assert res["decode_steps"] > 0 and 0 < res["share"]["share"] < 1
+  assert res["decode_steps"] > 0
+  # The allocator's share of a step is a timing (replayed steps against whole steps): it
+  # is reported, never asserted beyond being measured (under load it can exceed 1).
+  assert res["share"]["share"] > 0
 
 
 def test_cli_demo_prints_identical(capsys):
