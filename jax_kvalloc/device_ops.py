@@ -44,6 +44,7 @@ import numpy as np
 from jax_kvalloc import allocation
 from jax_kvalloc import buckets
 from jax_kvalloc import freeing
+from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.state import AllocatorState
 
@@ -71,9 +72,7 @@ def _write_state(config: AllocatorConfig, ring: Array, head: Array, length: Arra
 
 
 def _written(config: AllocatorConfig, state: AllocatorState) -> Tuple[Array, Array, Array]:
-  if config.need_sort:
-    return state.release_ring, state.release_head, state.release_len
-  return state.free_ring, state.free_head, state.free_len
+  return st.freed_list(config.need_sort, state)[:3]
 
 
 def _compiler_options() -> Dict[str, Any]:
@@ -233,19 +232,10 @@ class DeviceOps:
 
   def _write(self, op: str, state: AllocatorState, values: np.ndarray, minimum: int,
              shared: bool) -> AllocatorState:
-    cfg = self.config
-    if cfg.need_sort:
-      ring, head, length, other = (state.release_ring, state.release_head,
-                                   state.release_len, state.free_len)
-    else:
-      ring, head, length, other = (state.free_ring, state.free_head, state.free_len,
-                                   state.release_len)
     padded = buckets.pad(values, buckets.bucket(values.shape[0], minimum))
     ring, head, length = self._fn((op, padded.shape[0], not shared))(
-        ring, head, length, other, padded)
-    if cfg.need_sort:
-      return state._replace(release_ring=ring, release_head=head, release_len=length)
-    return state._replace(free_ring=ring, free_head=head, free_len=length)
+        *st.freed_list(self.config.need_sort, state), padded)
+    return st.with_freed_list(self.config.need_sort, state, ring, head, length)
 
   def free(self, state: AllocatorState, idx: np.ndarray, shared: bool) -> AllocatorState:
     """`free` of validated slots; `shared`: the ring it writes is held by a snapshot."""

@@ -246,18 +246,11 @@ def _free_paged(config: AllocatorConfig, state: AllocatorState, free_index: Arra
     values, count = free_pages_sorted_unique(pages, n, method)
     return _give_back(config, state, values, count)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  if config.need_sort:
-    ring, head, length = state.release_ring, state.release_head, state.release_len
-    other = state.free_len
-  else:
-    ring, head, length = state.free_ring, state.free_head, state.free_len
-    other = state.release_len
+  ring, head, length, other = st.freed_list(config.need_sort, state)
   ring, head, length = pallas_kernels.free_push_front_triton(
       free_index, ring, head, length, other, page_size=config.page_size,
       interpret=method == "pallas_interpret")
-  if config.need_sort:
-    return state._replace(release_ring=ring, release_head=head, release_len=length)
-  return state._replace(free_ring=ring, free_head=head, free_len=length)
+  return st.with_freed_list(config.need_sort, state, ring, head, length)
 
 
 def _give_back(config: AllocatorConfig, state: AllocatorState, values: Array,
@@ -265,19 +258,13 @@ def _give_back(config: AllocatorConfig, state: AllocatorState, values: Array,
   """Adds values[:count] to release_pages (need_sort) or free_pages: prepended as one
   block (paged) or appended (token). A count that would overflow the pool (only possible
   through double frees) is cut to fit, so the lists never overwrite one another."""
-  count = jnp.minimum(count, config.num_pages - state.free_len - state.release_len)
-  if config.need_sort:
-    ring, head, length = state.release_ring, state.release_head, state.release_len
-  else:
-    ring, head, length = state.free_ring, state.free_head, state.free_len
+  ring, head, length, other = st.freed_list(config.need_sort, state)
+  count = jnp.minimum(count, config.num_pages - length - other)
   if config.kind == "paged":
     ring, head = st.ring_push_front(ring, head, values, count)
   else:
     ring = st.ring_push_back(ring, head, length, values, count)
-  length = length + count
-  if config.need_sort:
-    return state._replace(release_ring=ring, release_head=head, release_len=length)
-  return state._replace(free_ring=ring, free_head=head, free_len=length)
+  return st.with_freed_list(config.need_sort, state, ring, head, length + count)
 
 
 def _num_mask(m: int, num: Optional[Array], name: str) -> Array:

@@ -251,10 +251,7 @@ def _push(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
   if count == 0:
     return state
   values = values[:count]
-  name = "release" if config.need_sort else "free"
-  ring = getattr(state, f"{name}_ring")
-  head = getattr(state, f"{name}_head")
-  length = getattr(state, f"{name}_len")
+  ring, head, length, _ = st.freed_list(config.need_sort, state)
   if shared:
     ring = ring.copy()
   if front:
@@ -262,8 +259,7 @@ def _push(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
     head = int(head)
   else:
     ring = st.ring_push_back(ring, head, length, values, count, xp=np)
-  return state._replace(**{f"{name}_ring": ring, f"{name}_head": head,
-                           f"{name}_len": length + count})
+  return st.with_freed_list(config.need_sort, state, ring, head, length + count)
 
 
 def free_count(config: AllocatorConfig, idx: np.ndarray) -> Tuple[np.ndarray, int]:

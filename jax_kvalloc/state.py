@@ -18,7 +18,7 @@ state can leave its arrays, whatever the lengths say.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,22 @@ def init(config: AllocatorConfig) -> AllocatorState:
 def available_size(config: AllocatorConfig, state: AllocatorState) -> Array:
   """Free slots, released ones included: (len(free) + len(release)) * page_size. i32[]."""
   return (state.free_len + state.release_len) * config.page_size
+
+
+def freed_list(need_sort: bool, state: AllocatorState) -> Tuple[Any, Any, Any, Any]:
+  """(ring, head, length, other list's length) of the list that frees write: release_pages
+  when need_sort, else free_pages (SPEC 4.4). The other length bounds the room left."""
+  if need_sort:
+    return state.release_ring, state.release_head, state.release_len, state.free_len
+  return state.free_ring, state.free_head, state.free_len, state.release_len
+
+
+def with_freed_list(need_sort: bool, state: AllocatorState, ring: Any, head: Any,
+                    length: Any) -> AllocatorState:
+  """`state` with the list that frees write (see `freed_list`) replaced."""
+  if need_sort:
+    return state._replace(release_ring=ring, release_head=head, release_len=length)
+  return state._replace(free_ring=ring, free_head=head, free_len=length)
 
 
 # ---------------------------------------------------------------------------------------

@@ -168,13 +168,11 @@ def one_custom_call(case: Case, path: str) -> bool:
   return body.count("custom-call(") == 1 and launches == 1
 
 
-def time_floor(case: Case, *, unroll: int, min_time: float, reps: int,
-               consumers: int = bt.DEFAULT_CONSUMERS) -> Dict[str, float]:
+def time_floor(case: Case, *, unroll: int, min_time: float, reps: int) -> Dict[str, float]:
   """The harness's own cost at this case's output shapes (timing.floor_time)."""
   _, call, carry, inputs = jax_call(case, "jnp")
   outs = jax.eval_shape(call, carry, inputs)[1]
-  return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps,
-                       consumers=consumers)
+  return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps)
 
 
 # ---------------------------------------------------------------------------------------

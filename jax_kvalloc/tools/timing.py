@@ -306,12 +306,12 @@ def stand_in_pallas(out_shapes: Any, interpret: bool = False) -> Call:
   return call
 
 
-def floor_time(out_shapes: Any, inputs: Any, *, unroll: int, min_time: float, reps: int,
-               consumers: int = DEFAULT_CONSUMERS) -> Dict[str, float]:
+def floor_time(out_shapes: Any, inputs: Any, *, unroll: int, min_time: float, reps: int
+               ) -> Dict[str, float]:
   """Per-call seconds of `stand_in(out_shapes)` in the same harness: what the link, the
-  loop and `consumers` consumers cost at these sizes, plus one small XLA kernel."""
+  loop and the consumers cost at these sizes, plus one small XLA kernel."""
   return chain_time(stand_in(out_shapes), jnp.zeros((), jnp.int32), inputs, unroll=unroll,
-                    min_time=min_time, reps=reps, consumers=consumers)
+                    min_time=min_time, reps=reps)
 
 
 def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: float,
