@@ -34,7 +34,7 @@ host: `ndarray.copy`), and only then.
 from __future__ import annotations
 
 import functools
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -297,13 +297,21 @@ class BaseAllocator:
       out, ok = self._call(_ALLOC, np.int32(need_size),
                            max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
       return self._output(out, ok, need_size)
-    self._merge_if(pages > self._free_len)
+    if self._host:
+      run = lambda s: host_ops.alloc(self.config, s, need_size)
+    else:
+      run = lambda s: self._dev.alloc(s, need_size)
+    return self._allocate(pages > self._free_len, pages, run)
+
+  def _allocate(self, trigger: bool, pages: int, run: Callable[[Any], Tuple[Any, Any]]):
+    """What every allocation of the fast paths (both backends) ends with, decided on the
+    host mirror: the need_sort merge when its SPEC trigger fired, None when `pages` do
+    not fit the free list, else the slots of run(state) -> (state, slots), whose state
+    is kept and whose pages leave the mirror."""
+    self._merge_if(trigger)
     if pages > self._free_len:
       return None
-    if self.backend == "host":
-      self._state, out = host_ops.alloc(self.config, self._state, need_size)
-    else:
-      self._state, out = self._dev.alloc(self._state, need_size)
+    self._state, out = run(self._state)
     self._free_len -= pages
     return out
 

@@ -99,13 +99,9 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
       return self._extend_host(pre, seq, last, total, None)
     # need_sort merge trigger (SPEC 4.2), then capacity: decided on the host. A batch of
     # zero-extension rows still counts: the trigger counts bs.
-    self._merge_if(total // self.page_size + bs + 1 > self._free_len)
-    if new_pages > self._free_len:
-      return None
-    self._state, out = self._dev.alloc_extend(self._state, pre, seq,
-                                              last if dev_last is None else dev_last, total)
-    self._free_len -= new_pages
-    return out
+    last = last if dev_last is None else dev_last
+    return self._allocate(total // self.page_size + bs + 1 > self._free_len, new_pages,
+                          lambda s: self._dev.alloc_extend(s, pre, seq, last, total))
 
   def _legacy_extend(self, pre, seq, last, total: int, new_pages: int):
     if new_pages > self.config.num_pages:
@@ -170,13 +166,9 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     if self._host:  # valid input that is not a numpy array: the arrays made above
       return self._decode_host(seq, last)
     pages = int(np.count_nonzero((seq - 1) % self.page_size == 0))  # SPEC 4.3
-    self._merge_if(bs > self._free_len)  # SPEC 4.3's need_sort trigger
-    if pages > self._free_len:
-      return None
-    self._state, out = self._dev.alloc_decode(self._state, seq,
-                                              last if dev_last is None else dev_last)
-    self._free_len -= pages
-    return out
+    last = last if dev_last is None else dev_last
+    return self._allocate(bs > self._free_len, pages,  # SPEC 4.3's need_sort trigger
+                          lambda s: self._dev.alloc_decode(s, seq, last))
 
   # -- host backend ----------------------------------------------------------------------
   # Batches of up to host_ops.SMALL_BATCH requests run on Python ints, larger ones on
@@ -194,16 +186,17 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
       pages = host_ops.decode_plan_small(self._hc, seq, last)
       if pages is None:
         return False
-      return self._host_alloc(len(seq) > self._free_len, pages,  # SPEC 4.3's trigger
-                              host_ops.alloc_decode_small, seq, last, pages)
+      return self._allocate(len(seq) > self._free_len, pages,  # SPEC 4.3's trigger
+                            lambda s: host_ops.alloc_decode_small(self._hc, s, seq, last,
+                                                                  pages))
     seq, last = host_ops.i64(seq_lens), host_ops.i64(last_loc)
     if seq is None or last is None:
       return False
     plan = host_ops.decode_plan(self._hc, seq, last)
     if plan is None:
       return False
-    return self._host_alloc(seq.shape[0] > self._free_len, plan[2],  # SPEC 4.3's trigger
-                            host_ops.alloc_decode, *plan)
+    return self._allocate(seq.shape[0] > self._free_len, plan[2],  # SPEC 4.3's trigger
+                          lambda s: host_ops.alloc_decode(self._hc, s, *plan))
 
   def _extend_host(self, prefix_lens, seq_lens, last_loc, extend_num_tokens,
                    num_new_pages):
@@ -218,9 +211,9 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
         if num_new_pages is not None:
           validate.num_new_pages(num_new_pages, new_pages)
         # SPEC 4.2's need_sort trigger counts every row, empty ones too.
-        return self._host_alloc(total // self._hc.ps + len(pre) + 1 > self._free_len,
-                                new_pages, host_ops.alloc_extend_small, pre, seq, last,
-                                total, new_pages)
+        return self._allocate(total // self._hc.ps + len(pre) + 1 > self._free_len,
+                              new_pages, lambda s: host_ops.alloc_extend_small(
+                                  self._hc, s, pre, seq, last, total, new_pages))
       # Refused, or more new pages than the small path walks: the numpy path decides.
     pre, seq = host_ops.i64(prefix_lens), host_ops.i64(seq_lens)
     last = host_ops.i64(last_loc)
@@ -232,17 +225,5 @@ class PagedTokenToKVPoolAllocator(DataParallel, NewerOperations, BaseAllocator):
     total, new_pages = plan[:2]
     if num_new_pages is not None:
       validate.num_new_pages(num_new_pages, new_pages)
-    return self._host_alloc(total // self._hc.ps + pre.shape[0] + 1 > self._free_len,
-                            new_pages, host_ops.alloc_extend, plan)
-
-  def _host_alloc(self, trigger: bool, pages: int, fn, *args):
-    """What every host-backend allocation ends with: the need_sort merge when its
-    trigger fired, None when `pages` do not fit, else the slots of
-    fn(host config, state, *args), the state it returns kept."""
-    if trigger:
-      self._merge_if(True)
-    if pages > self._free_len:
-      return None
-    self._state, out = fn(self._hc, self._state, *args)
-    self._free_len -= pages
-    return out
+    return self._allocate(total // self._hc.ps + pre.shape[0] + 1 > self._free_len,
+                          new_pages, lambda s: host_ops.alloc_extend(self._hc, s, plan))
