@@ -7,11 +7,7 @@
 #          decode and extend figure (pallas and jnp, interleaved), the free table.
 # SGLJAX=.sgljax OUT=$OUT bash benchmarks/run_device_c.sh
 set -u
-DEST=${OUT:-benchmarks/out}
-OUT=$DEST/run
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+source "$(dirname "$0")/device_run_lib.sh"
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
@@ -42,6 +38,6 @@ B="$KV bench --no-progress --no-serving --extra-consumer --min-time 0.02 --reps 
   timeout 80 $B --ops free --paths jnp,torch --json "$OUT/bench_free.json"; echo "free exit $?"
 ) > "$OUT/gpu1.txt" 2>&1 &
 wait
-tar czf "$DEST/results.tgz" -C "$OUT" . && rm -rf "$OUT"
+pack_results
 tar xzf "$DEST/results.tgz" -O ./machine.txt ./gpu0.txt | grep -v "Warning\|warn(" | tail -n 120
 tar xzf "$DEST/results.tgz" -O ./gpu1.txt | grep -v "Warning\|warn(" | tail -n 150

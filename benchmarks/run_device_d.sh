@@ -4,11 +4,7 @@
 #   GPU 0: decode (pallas, jnp), then free (jnp, torch_ref eager).  GPU 1: extend.
 # OUT=$OUT bash benchmarks/run_device_d.sh
 set -u
-DEST=${OUT:-benchmarks/out}
-OUT=$DEST/run
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+source "$(dirname "$0")/device_run_lib.sh"
 B="python3 -m jax_kvalloc bench --no-progress --no-serving --extra-consumer --min-time 0.02 --reps 5"
 date -u > "$OUT/machine.txt"
 (
@@ -24,5 +20,5 @@ date -u > "$OUT/machine.txt"
     --json "$OUT/check_extend.json"; echo "extend exit $?"
 ) > "$OUT/gpu1.txt" 2>&1 &
 wait
-tar czf "$DEST/results.tgz" -C "$OUT" . && rm -rf "$OUT"
+pack_results
 tar xzf "$DEST/results.tgz" -O ./gpu0.txt ./gpu1.txt | grep -v "Warning\|warn(" | grep -E "^\||exit|wrote" | tail -n 80
