@@ -79,14 +79,15 @@ def warmup_device_ops(ops: Any, state: Any, *, max_batch: int, max_tokens: int,
     n += 1
   for rows in rows_list:
     packed = np.zeros((2 * rows + 1,), np.int32)
-    dev_last = (jnp.zeros((rows,), jnp.int32),) if device_last_loc else ()
-    for last in ((),) + ((dev_last,) if dev_last else ()):
+    # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
+    lasts = [()] + ([(jnp.zeros((rows,), jnp.int32),)] if device_last_loc else [])
+    for last in lasts:
       outs.append(ops._fn(("decode", rows))(ring, head, length, packed, *last))
       n += 1
     if extend and cfg.kind == "paged":
       for tokens in token_list:
         packed = np.zeros((3 * rows + 1,), np.int32)
-        for last in ((),) + ((dev_last,) if dev_last else ()):
+        for last in lasts:
           outs.append(ops._fn(("extend", rows, tokens))(ring, head, length, packed, *last))
           n += 1
   if cfg.need_sort:
