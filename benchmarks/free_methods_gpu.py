@@ -225,6 +225,44 @@ def kernel_counts(ps, slots, m, log):
   return out
 
 
+# (SLOT_BLOCK, PAGE_BLOCK, NUM_WARPS) of pallas_kernels.triton_free tried by --sweep-blocks
+# (the module's defaults first).
+BLOCK_CONFIGS = ((2048, 4096, 4), (1024, 4096, 4), (4096, 4096, 8), (8192, 4096, 8),
+                 (2048, 2048, 4), (2048, 8192, 8), (2048, 4096, 8), (4096, 8192, 8))
+
+
+def sweep_blocks(ms, *, unroll, min_time, reps, log):
+  """'free pallas' at each block configuration (checked against the sort first): the
+  tuning of pallas_kernels.triton_free's block sizes and warps."""
+  from pallas_kernels import triton_free  # pylint: disable=g-import-not-at-top
+  saved = (triton_free.SLOT_BLOCK, triton_free.PAGE_BLOCK, triton_free.NUM_WARPS)
+  out = []
+  try:
+    for m in ms:
+      cfg, state, free_index = make_case(64, 2**24, m)
+      want = jax.jit(functools.partial(freeing.free, cfg, method="sort"))(state, free_index)
+      for sb, pb, warps in BLOCK_CONFIGS:
+        triton_free.SLOT_BLOCK, triton_free.PAGE_BLOCK, triton_free.NUM_WARPS = sb, pb, warps
+        rec = {"M": m, "num_pages": cfg.num_pages, "slot_block": sb, "page_block": pb,
+               "num_warps": warps}
+        try:
+          got = jax.jit(functools.partial(freeing.free, cfg, method=concrete("pallas")))(
+              state, free_index)
+          jax.tree.map(np.testing.assert_array_equal, want, got)
+          res = timing.chain_time(free_call(cfg, "pallas"), state, free_index,
+                                  unroll=unroll, min_time=min_time, reps=reps)
+          rec.update(us=res["s"] * 1e6, spread=res["spread"])
+          log(f"  M={m:7d} slot_block {sb:5d} page_block {pb:5d} warps {warps}: "
+              f"{rec['us']:8.2f} us (spread {res['spread']:.2f})")
+        except Exception as e:  # pylint: disable=broad-except
+          rec["error"] = f"{type(e).__name__}: {e}"[:300]
+          log(f"  M={m} {sb}/{pb}/{warps}: {rec['error']}")
+        out.append(rec)
+  finally:
+    triton_free.SLOT_BLOCK, triton_free.PAGE_BLOCK, triton_free.NUM_WARPS = saved
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--json", help="write the results here")
@@ -235,11 +273,24 @@ def main(argv=None):
   p.add_argument("--only-m", type=int, default=None,
                  help="time only the cases freeing this many slots (and skip the kernel "
                  "counts)")
+  p.add_argument("--sweep-blocks", default=None, metavar="M,M,...",
+                 help="only time the Pallas free at each of BLOCK_CONFIGS for these M "
+                 "(page size 64, 262144 pages)")
   args = p.parse_args(argv)
   accel = jax.default_backend() != "cpu"
   unroll = args.unroll or (4 if args.small else 32 if accel else 8)
   min_time = args.min_time or (0.01 if args.small else 0.05 if accel else 0.02)
   reps = args.reps or (3 if args.small else 5)
+  if args.sweep_blocks:
+    log = functools.partial(print, flush=True)
+    rec = {"device": str(jax.devices()[0]), "jax": jax.__version__, "unroll": unroll,
+           "min_time": min_time, "reps": reps,
+           "sweep": sweep_blocks([int(x) for x in args.sweep_blocks.split(",")],
+                                 unroll=unroll, min_time=min_time, reps=reps, log=log)}
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(rec, f, indent=1)
+    return rec
   cases = SMALL_CASES if args.small else CASES
   if args.only_m:
     cases = [c for c in cases if c[2] == args.only_m]

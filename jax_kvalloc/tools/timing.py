@@ -342,9 +342,9 @@ def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: floa
           "iters": n}
 
 
-def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
-                     reps: int) -> Dict[str, float]:
-  """Per-call seconds of `fn` (CUDA work only) from replays of a graph of `unroll` calls."""
+def torch_graph(fn: Callable[[], Any], unroll: int):
+  """A torch.cuda.CUDAGraph of `unroll` calls of `fn` (warmed up on a side stream first),
+  replayed once."""
   import torch  # pylint: disable=g-import-not-at-top
   side = torch.cuda.Stream()
   side.wait_stream(torch.cuda.current_stream())
@@ -358,6 +358,14 @@ def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
       fn()
   graph.replay()
   torch.cuda.synchronize()
+  return graph
+
+
+def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
+                     reps: int) -> Dict[str, float]:
+  """Per-call seconds of `fn` (CUDA work only) from replays of a graph of `unroll` calls."""
+  import torch  # pylint: disable=g-import-not-at-top
+  graph = torch_graph(fn, unroll)
   start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
   def timed(n: int) -> float:

@@ -1,0 +1,187 @@
+"""Where a bare call's time goes on the GPU: our kernel in the harness's loop against
+SGLang's kernel in a CUDA graph, from the GPU's own timeline (issue 13, item 1).
+
+    python benchmarks/gpu_profile.py --sglang-kernels .sglang_kernels/allocator.py \
+        --json $OUT/profile.json --hlo-dir $OUT
+
+For each case (bench_micro's decode and extend cases, page size 64) it runs
+
+  ours     jax_kvalloc.tools.timing.chain_loop(call, unroll, linked=False) for N
+           iterations: the "pallas bare" figure of `jax-kvalloc bench`
+  sglang   a CUDA graph of `unroll` launches of SGLang's released kernel replayed N times:
+           the "SGLang bare" figure
+
+under torch.profiler (CUPTI records every kernel, memcpy and memset of the process, JAX's
+included) and reports, per call: the GPU span of the run (first activity's start to the
+last one's end), the activities per call by kind and name with their mean durations,
+and the median gap between consecutive activities. It also times both with the bench's
+own methods (chain_time / torch_graph_time) at each unroll in --unrolls, and writes the
+optimized HLO of our bare loop to --hlo-dir (whether XLA put the loop body into a CUDA
+graph shows there). XLA_FLAGS is read from the environment and recorded: run it once per
+flag set to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+from jax_kvalloc.tools import bench_micro as bm
+from jax_kvalloc.tools import timing as bt
+
+CASES = (("decode", 1, 1), ("decode", 64, 64), ("decode", 1024, 1024),
+         ("extend", 1, 8192), ("extend", 16, 32768), ("extend", 256, 65536))
+
+
+def _activities(run) -> list:
+  """GPU activities (kernel / memcpy / memset) of `run()` as (ts_us, dur_us, cat, name)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    run()
+  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+    path = f.name
+  prof.export_chrome_trace(path)
+  with open(path) as f:
+    events = json.load(f)["traceEvents"]
+  os.unlink(path)
+  torch.cuda.synchronize()
+  acts = [(float(e["ts"]), float(e.get("dur", 0.0)), e.get("cat", ""), e.get("name", ""))
+          for e in events if e.get("ph") == "X"
+          and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+  return sorted(acts)
+
+
+def _summary(acts: list, calls: int) -> dict:
+  if not acts:
+    return {"error": "no GPU activity recorded"}
+  span = acts[-1][0] + acts[-1][1] - acts[0][0]
+  by = collections.defaultdict(list)
+  for _, dur, cat, name in acts:
+    by[(cat, name[:80])].append(dur)
+  gaps = [b[0] - (a[0] + a[1]) for a, b in zip(acts, acts[1:])]
+  busy = sum(a[1] for a in acts)
+  return {
+      "calls": calls, "activities": len(acts),
+      "span_per_call_us": span / calls, "busy_per_call_us": busy / calls,
+      "median_gap_us": statistics.median(gaps) if gaps else 0.0,
+      "max_gap_us": max(gaps) if gaps else 0.0,
+      "per_call": [{"cat": c, "name": n, "per_call": len(d) / calls,
+                    "mean_us": statistics.fmean(d)}
+                   for (c, n), d in sorted(by.items(), key=lambda kv: -len(kv[1]))],
+  }
+
+
+def profile_ours(case, unroll: int, iters: int, hlo_dir: str | None, tag: str) -> dict:
+  _, call, carry, inputs = bm.jax_call(case, "pallas")
+  run = bt.chain_loop(call, unroll, bt.DEFAULT_CONSUMERS, linked=False)
+  sink = bt.sink_init(call, carry, inputs, bt.DEFAULT_CONSUMERS)
+  if hlo_dir:
+    text = run.lower(carry, inputs, sink, np.int32(1)).compile().as_text()
+    with open(os.path.join(hlo_dir, f"hlo_{tag}.txt"), "w") as f:
+      f.write(text)
+  jax.block_until_ready(run(carry, inputs, sink, np.int32(2)))
+  acts = _activities(lambda: jax.block_until_ready(run(carry, inputs, sink,
+                                                       np.int32(iters))))
+  return _summary(acts, iters * unroll)
+
+
+def profile_sglang(case, module, unroll: int, iters: int) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+  import triton  # pylint: disable=g-import-not-at-top
+  dev = torch.device("cuda")
+  t64 = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)
+  ps, bs = case.page_size, case.bs
+  free, seq, last = t64(case.free_ring), t64(case.seq), t64(case.last)
+  upper = triton.next_power_of_2(bs)
+  if case.op == "decode":
+    out = torch.empty(bs, dtype=torch.int64, device=dev)
+    call = lambda: module.alloc_decode_kernel[(bs,)](seq, last, free, out, upper, ps)
+  else:
+    pre = t64(case.pre)
+    out = torch.empty(case.tokens, dtype=torch.int64, device=dev)
+    call = lambda: module.alloc_extend_kernel[(bs,)](pre, seq, last, free, out, upper, ps)
+  graph = bt.torch_graph(call, unroll)
+
+  def run():
+    for _ in range(iters):
+      graph.replay()
+    torch.cuda.synchronize()
+  res = _summary(_activities(run), iters * unroll)
+  del graph
+  return res
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--sglang-kernels", default=None)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--hlo-dir", default=None)
+  ap.add_argument("--unroll", type=int, default=32)
+  ap.add_argument("--unrolls", default="32,128", help="bench timings at these unrolls")
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--tag", default="default")
+  args = ap.parse_args(argv)
+  module = bm.load_sglang_kernels(args.sglang_kernels) if args.sglang_kernels else None
+  out = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0]),
+         "jax": jax.__version__, "unroll": args.unroll, "iters": args.iters, "cases": []}
+
+  def save():
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+  for op, bs, tokens in CASES:
+    case = bm.make_case(op, bs, tokens, 64, 0)
+    row = {"op": op, "bs": bs, "tokens": case.tokens}
+    tag = f"{args.tag}_{op}{bs}"
+    try:
+      row["ours"] = profile_ours(case, args.unroll, args.iters,
+                                 args.hlo_dir if bs in (1, 16) else None, tag)
+    except Exception as e:  # pylint: disable=broad-except
+      row["ours"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    if module is not None:
+      try:
+        row["sglang"] = profile_sglang(case, module, args.unroll, args.iters)
+      except Exception as e:  # pylint: disable=broad-except
+        row["sglang"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    row["timed"] = {}
+    for u in [int(x) for x in args.unrolls.split(",") if x]:
+      try:
+        t, _ = bm.time_jax(case, "pallas", unroll=u, min_time=0.02, reps=3, linked=False)
+        row["timed"][f"ours_bare_u{u}_us"] = t["s"] * 1e6
+        if module is not None:
+          _, alone, _ = bm.time_sglang(case, module, unroll=u, min_time=0.02, reps=3)
+          row["timed"][f"sglang_bare_u{u}_us"] = alone["s"] * 1e6
+      except Exception as e:  # pylint: disable=broad-except
+        row["timed"][f"error_u{u}"] = f"{type(e).__name__}: {e}"[:400]
+    out["cases"].append(row)
+    save()
+    print(f"== {op} bs={bs} tokens={case.tokens} [{args.tag}] timed: "
+          + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in row["timed"].items()))
+    for side in ("ours", "sglang"):
+      s = row.get(side)
+      if not s:
+        continue
+      if "error" in s:
+        print(f"  {side}: {s['error']}")
+        continue
+      print(f"  {side}: span/call {s['span_per_call_us']:.3f} us, busy/call "
+            f"{s['busy_per_call_us']:.3f} us, median gap {s['median_gap_us']:.3f} us, "
+            f"max gap {s['max_gap_us']:.1f} us")
+      for a in s["per_call"][:6]:
+        print(f"    {a['per_call']:7.3f}/call  {a['mean_us']:8.3f} us  {a['cat']:10s} "
+              f"{a['name']}")
+  save()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
