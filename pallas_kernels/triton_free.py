@@ -45,16 +45,17 @@ from pallas_kernels._util import cdiv
 
 Array = jax.Array
 
-# Slots per K1 program and pages per K2/K3 program (powers of two). Not tuned: the first
-# choice, a 4k-page block keeps the mark vector and its scan at 32 i32 per thread of 4
-# warps. With them the whole paged free took 9.77 / 10.26 / 10.49 / 14.38 us for M =
-# 8k / 32k / 64k / 256k slots over 262144 pages on an H200 (2026-11-30; XLA's sort 60-82
-# us, its bitmap 21-56 us; benchmarks/free_methods_gpu.py).
+# Slots per K1 program and pages per K2/K3 program (powers of two), and warps, from the
+# H200 sweep (run 11, 2026-11-30, `free_methods_gpu.py --sweep-blocks`; page size 64,
+# 262144 pages; us per paged free, M = 8k / 64k / 256k slots): 2048/2048/4 warps
+# 8.97 / 9.84 / 13.41; the first choice 2048/4096/4 9.80 / 10.57 / 14.46; 1024/4096/4
+# 9.06 / 10.38 / 14.49; 2048/4096/8 9.42 / 10.14 / 14.01; larger slot blocks (4096,
+# 8192) or page blocks (8192) 11-18. XLA's sort took 60-82 us, its bitmap 21-56.
 SLOT_BLOCK = 2048
-PAGE_BLOCK = 4096
+PAGE_BLOCK = 2048
 NUM_WARPS = 4
 # K3 loads every block's count as one vector: at most this many blocks (pools up to
-# MAX_BLOCKS * PAGE_BLOCK - 1 = 2**26 - 1 pages).
+# MAX_BLOCKS * PAGE_BLOCK - 1 = 2**25 - 1 pages).
 MAX_BLOCKS = 2**14
 # `preferred`: the kernels read and write 4 bytes per page of the pool per call (the
 # memset, K2, K3), a sort touches only the M slots. Up to 2**20 pages (4 MiB, about a
