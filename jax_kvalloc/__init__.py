@@ -5,7 +5,9 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
   the config bound (optax style), over an `AllocatorState` pytree; the same functions
   with the static `AllocatorConfig` as first argument: init, alloc, alloc_extend,
   alloc_decode, free, merge_and_sort_free, available_size, and SGLang 0.5.23's newer
-  free_page_ids, free_segment, free_full, free_full_segment, get_all_free_pages.
+  free_page_ids, free_segment, free_full, free_full_segment, get_all_free_pages; and
+  release_and_alloc_decode (a decode step's free_page_ids + alloc_decode, one launch on
+  GPU).
 Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted step):
   init_table, extend_rows, decode_rows, release_rows, borrow_pages, admit_rows,
   attention_inputs (also bound on the Allocator NamedTuple).
@@ -19,7 +21,8 @@ SGLang-compatible classes on top:
 
 Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   config.py       AllocatorConfig              state.py      AllocatorState, ring buffers
-  allocator.py    paged_/token_allocator       allocation.py alloc, alloc_extend, alloc_decode
+  allocator.py    paged_/token_allocator       allocation.py alloc, alloc_extend, alloc_decode,
+                                                             release_and_alloc_decode
   freeing.py      free, free_page_ids, free_segment, merge_and_sort_free
   gated.py        a merge branch that stays a branch under vmap
   index_jnp.py    the index arithmetic (jnp / numpy): the reference the kernels match
@@ -37,6 +40,7 @@ from jax_kvalloc.allocator import paged_allocator
 from jax_kvalloc.allocator import token_allocator
 from jax_kvalloc.allocation import alloc_decode
 from jax_kvalloc.allocation import alloc_extend
+from jax_kvalloc.allocation import release_and_alloc_decode
 from jax_kvalloc.base import AllocatorSnapshot
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.data_parallel import RankedSnapshot
@@ -110,6 +114,7 @@ __all__ = [
     "merge_and_sort_free",
     "paged_allocator",
     "ranks_allocator",
+    "release_and_alloc_decode",
     "release_rows",
     "token_allocator",
     "warmup_calls",

@@ -1,4 +1,5 @@
-"""Handing slots out: `alloc` (SPEC 3, 4.1), `alloc_extend` (4.2), `alloc_decode` (4.3).
+"""Handing slots out: `alloc` (SPEC 3, 4.1), `alloc_extend` (4.2), `alloc_decode` (4.3),
+and `release_and_alloc_decode` (a decode step's free_page_ids, SPEC 10, then 4.3).
 
 Every function is pure and traceable: it takes the static config and a state, and returns
 `(new_state, indices, ok)`. Shapes are static (padded); counts are traced, so a serving
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kvalloc import debug
+from jax_kvalloc import freeing
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
@@ -237,6 +239,14 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
     order; the others get last_loc + 1. ok is False (nothing allocated; only a triggered
     merge kept) when the pages needed exceed the free list or a real row has seq_lens < 1.
   """
+  return _alloc_decode(config, state, seq_lens, last_loc, num_reqs)
+
+
+def _alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
+                  last_loc: Array, num_reqs: Optional[Array],
+                  path: Optional[Tuple[str, Optional[str]]] = None) -> AllocResult:
+  """alloc_decode; `path`: the (kernel path, backend) a caller's kernels.by_device already
+  resolved (None: resolve config.kernel here)."""
   ps = config.page_size
   seq_lens = validate.as_i32(seq_lens, "seq_lens")
   last_loc = validate.as_i32(last_loc, "last_loc")
@@ -270,6 +280,65 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
                                  total_pages, out, real)
     out = jnp.where(ok & real, out, 0)
     return _take_pages(s, total_pages, ok), out, ok
+
+  if path is not None:
+    return rest(*path)
+  # "auto" follows the device that holds the pool (kernels.by_device).
+  return kernels.by_device(config.kernel, state.free_ring, rest)
+
+
+def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
+                             page_ids: Array, seq_lens: Array, last_loc: Array, *,
+                             num: Optional[Array] = None,
+                             num_reqs: Optional[Array] = None) -> AllocResult:
+  """A decode step's allocator work: free the finished requests' pages, then allocate
+  one slot per running request (SPEC 10 `free_page_ids`, then SPEC 4.3).
+
+  Exactly `alloc_decode(config, freeing.free_page_ids(config, state, page_ids, num),
+  seq_lens, last_loc, num_reqs=num_reqs)`, bit for bit. On the Triton backend (a paged
+  pool, need_sort and debug off, up to 2048 rows and 8192 page ids) both run as one
+  kernel launch (`pallas_kernels.release_alloc_decode_triton`; kernels.py says why);
+  elsewhere as the two calls.
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    page_ids: i32[M] pages to free, in request order (as free_page_ids: entries at index
+      >= num and zeros are padding; ids outside 1..num_pages are ignored, an error in
+      debug mode).
+    seq_lens: i32[B] sequence lengths that already count the new token (>= 1).
+    last_loc: i32[B] slot of each request's previous token, as alloc_decode.
+    num: optional i32[], the number of leading page_ids to consider (None: all M).
+    num_reqs: optional i32[], the number of real decode rows (None: all B).
+
+  Returns:
+    (state, i32[B] slots, bool[] ok), as alloc_decode after the release. ok is False
+    (slots all 0, nothing allocated) when the pages needed exceed the free list after the
+    release or a real row has seq_lens < 1; the release is done either way.
+
+  Raises:
+    TypeError naming the argument for a non-integer dtype; ValueError for page_ids that
+    is not 1-D, num or num_reqs that is not a scalar, or rows of different lengths.
+  """
+  page_ids = validate.as_i32(page_ids, "page_ids")
+  if page_ids.ndim != 1:
+    raise ValueError(f"page_ids must be 1-D, got shape {page_ids.shape}")
+  for name, value in (("num", num), ("num_reqs", num_reqs)):
+    if value is not None and validate.as_i32(value, name).ndim != 0:
+      raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}")
+  seq_lens = validate.as_i32(seq_lens, "seq_lens")
+  last_loc = validate.as_i32(last_loc, "last_loc")
+  validate.static_rows(seq_lens=seq_lens, last_loc=last_loc)
+
+  def rest(kernel: str, backend: Optional[str]) -> AllocResult:
+    fused = kernels.release_alloc_decode_fused(config, state, page_ids, num, seq_lens,
+                                               last_loc, num_reqs, kernel=kernel,
+                                               backend=backend)
+    if fused is not None:  # GPU: both in one kernel launch
+      return fused
+    released = freeing.free_page_ids(config, state, page_ids, num)
+    return _alloc_decode(config, released, seq_lens, last_loc, num_reqs,
+                         path=(kernel, backend))
 
   # "auto" follows the device that holds the pool (kernels.by_device).
   return kernels.by_device(config.kernel, state.free_ring, rest)

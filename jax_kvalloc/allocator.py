@@ -56,6 +56,8 @@ class Allocator(NamedTuple):
   borrow_pages: Callable[..., Any]        # (table, rows, page_ids, num_pages, *, num_rows=None) -> (table, ok)
   admit_rows: Callable[..., Any]          # (state, table, rows, n, *, num_rows=None, max_tokens=None) -> i32[]
   attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None) -> AttentionInputs
+  # A decode step's free_page_ids then alloc_decode (one kernel launch on GPU).
+  release_and_alloc_decode: Callable[..., Any]  # (state, page_ids, seq_lens, last_loc, *, num=None, num_reqs=None)
 
 
 def _bind(config: AllocatorConfig) -> Allocator:
@@ -81,6 +83,7 @@ def _bind(config: AllocatorConfig) -> Allocator:
       borrow_pages=bind(request_table.borrow_pages),
       admit_rows=bind(request_table.admit_rows),
       attention_inputs=bind(request_table.attention_inputs),
+      release_and_alloc_decode=bind(allocation.release_and_alloc_decode),
   )
 
 

@@ -18,10 +18,12 @@ On the Triton backend the allocator does not call the index kernel alone: the wh
 alloc_extend / alloc_decode (validity and capacity checks, prefix sums, reads of the free
 ring, indices, new head and length) runs as one kernel launch, `alloc_extend_fused` /
 `alloc_decode_fused`, because on a GPU every separate XLA op of the bookkeeping costs a
-launch of its own. They return None where they do not apply (the jnp path, the Mosaic
-backend, debug mode, and extend batches so large that the fused kernel's per-program
-row work would dominate); the caller then goes on with the index kernel alone. A
-need_sort merge stays with the caller, before the fused call.
+launch of its own; a decode step's free_page_ids and alloc_decode together run as one
+launch too (`release_alloc_decode_fused`). They return None where they do not apply (the
+jnp path, the Mosaic backend, debug mode, and extend batches so large that the fused
+kernel's per-program row work would dominate); the caller then goes on with the index
+kernel alone (or, for the release, with the two calls). A need_sort merge stays with the
+caller, before the fused call.
 """
 from __future__ import annotations
 
@@ -186,3 +188,35 @@ def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens:
       _num_reqs(num_reqs, seq_lens.shape[0]), seq_lens, last_loc,
       page_size=config.page_size, interpret=path == "pallas_interpret")
   return state._replace(free_head=head, free_len=length), out, ok
+
+
+def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
+                               page_ids: Array, num: Optional[Array], seq_lens: Array,
+                               last_loc: Array, num_reqs: Optional[Array], *,
+                               kernel: Optional[str] = None,
+                               backend: Optional[str] = None) -> Optional[AllocResult]:
+  """allocation.release_and_alloc_decode (free_page_ids, then alloc_decode) as one Triton
+  kernel launch.
+
+  Args: as allocation.release_and_alloc_decode (page_ids i32[M], num i32[] or None, i32[B]
+  rows, raw: the kernel masks padding itself); kernel/backend as in `alloc_extend_fused`.
+  Returns (state, i32[B], bool[] ok), bit-identical to the composition on the jnp path,
+  or None where the kernel does not apply: the jnp path, the Mosaic backend, debug mode,
+  need_sort (its release goes to release_pages and its decode may merge first), the
+  token allocator, and sizes `pallas_kernels.release_decode_supported` refuses.
+  """
+  if config.kind != "paged" or config.need_sort:
+    return None
+  path = _fused_path(config, kernel or config.kernel, backend)
+  if path is None:
+    return None
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  m, b = page_ids.shape[0], seq_lens.shape[0]
+  if not pallas_kernels.release_decode_supported(b, m, config.num_pages):
+    return None
+  ring, head, length, out, ok = pallas_kernels.release_alloc_decode_triton(
+      state.free_ring, state.free_head, state.free_len, state.release_len, page_ids,
+      jnp.full((), m, jnp.int32) if num is None else num, _num_reqs(num_reqs, b),
+      seq_lens, last_loc, page_size=config.page_size,
+      interpret=path == "pallas_interpret")
+  return state._replace(free_ring=ring, free_head=head, free_len=length), out, ok

@@ -11,7 +11,8 @@ triton_decode) or "mosaic" (TPU, Mosaic: mosaic_extend); None means `default_bac
 The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 `alloc_decode_triton` (free ring in, indices and new head/length out), and the paged
 `free` in one memset and three launches: `free_push_front_triton` (its sorted unique
-pages alone: `free_sorted_unique_triton`).
+pages alone: `free_sorted_unique_triton`). A decode step's free_page_ids and alloc_decode
+run as one launch: `release_alloc_decode_triton`.
 
 `lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
@@ -34,6 +35,8 @@ _LAZY = {
     "decode_fused_supported": ("triton_decode", "fused_supported"),
     "alloc_extend_triton": ("triton_extend", "alloc_extend_triton"),
     "extend_indices_triton": ("triton_extend", "extend_indices_triton"),
+    "release_alloc_decode_triton": ("triton_decode", "release_alloc_decode_triton"),
+    "release_decode_supported": ("triton_decode", "release_supported"),
     "extend_fused_preferred": ("triton_extend", "fused_preferred"),
     "extend_fused_supported": ("triton_extend", "fused_supported"),
     "free_preferred": ("triton_free", "preferred"),
@@ -123,4 +126,6 @@ __all__ = [
     "free_push_front_triton",
     "free_sorted_unique_triton",
     "free_supported",
+    "release_alloc_decode_triton",
+    "release_decode_supported",
 ]

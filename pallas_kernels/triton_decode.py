@@ -11,6 +11,11 @@ two entry points share the kernel file:
   counts the pages of all earlier rows itself (one masked reduction over every row), so
   no program waits for another. With one program (B <= RB) that count is its own scan.
   Ring reads are masked by the capacity check and wrapped into the ring.
+- `release_alloc_decode_triton`: a serving step's allocator work in one launch, one
+  program: freeing.free_page_ids of the finished requests' pages (the valid ids, in the
+  given order, stored as one block at head - count, count cut to the room left), a CTA
+  barrier so that the program's own ring writes are visible to all its threads, then the
+  fused decode above from the new head and length. The ring is aliased in and out.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
 from pallas_kernels import tuning
@@ -36,6 +42,11 @@ class _Params:
   row_block: int      # RB, rows per program (power of two, <= rows_pad)
   page_size: int
   src_len: int        # ring (fused) or window (contract) length
+  # The release kernel (release_alloc_decode_triton; one program, rows_pad rows):
+  release: bool = False
+  num_ids: int = 0    # M, page ids given
+  ids_pad: int = 0    # next power of two >= M
+  barrier: bool = True  # False in interpret mode (one program, run in order there)
 
 
 def _needs_page(seq: Array, ps: int) -> Array:
@@ -71,8 +82,13 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
   nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
   rows = pid * p.row_block + jnp.arange(p.row_block, dtype=jnp.int32)
   real = rows < nrows
-  seq = _util.load(seq_ref, rows, real, 1)
-  last = _util.load(last_ref, rows, rows < p.num_rows)
+  # The row loads are masked by the static batch size, not by `real` (which waits on
+  # the num_reqs load), so they go out together with the state's loads: one memory
+  # round trip fewer before the ring gather (the kernel alone took 1.23 us against
+  # SGLang's 1.06 at bs 1 on the H200 before; benchmarks/gpu_profile.py).
+  lane = rows < p.num_rows
+  seq = jnp.where(real, _util.load(seq_ref, rows, lane, 1), 1)
+  last = _util.load(last_ref, rows, lane)
   needs = (real & _needs_page(seq, ps)).astype(jnp.int32)
   if p.row_block == p.rows_pad:  # one program: the block is the batch
     bad = jnp.sum((real & (seq < 1)).astype(jnp.int32))
@@ -81,12 +97,26 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
   else:
     r = jnp.arange(p.rows_pad, dtype=jnp.int32)
     real_all = r < nrows
-    seq_all = _util.load(seq_ref, r, real_all, 1)
+    seq_all = jnp.where(real_all, _util.load(seq_ref, r, r < p.num_rows, 1), 1)
     bad = jnp.sum((real_all & (seq_all < 1)).astype(jnp.int32))
     needs_all = (real_all & _needs_page(seq_all, ps)).astype(jnp.int32)
     total_pages = jnp.sum(needs_all)
     before = jnp.sum(jnp.where(r < pid * p.row_block, needs_all, 0))
   ok = (bad == 0) & (total_pages <= flen)
+  _write_slots(p, ring_ref, head, flen, ok, rows, real, last, needs, before, out_ref)
+
+  @pl.when(pid == 0)
+  def _():
+    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
+                     pages=total_pages, ok=ok)
+
+
+def _write_slots(p: _Params, ring_ref, head, flen, ok, rows, real, last, needs, before,
+                 out_ref) -> None:
+  """out[rows]: a needing row's page (ring[head + pages before it], wrapped once) * ps,
+  else last + 1; 0 for padding rows and everywhere when not ok. Ring reads are masked by
+  the capacity check."""
+  ps, n = p.page_size, p.src_len
   k = before + jnp.cumsum(needs) - needs
   i = head + k
   i = jnp.where(i >= n, i - n, i)
@@ -94,10 +124,49 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: state i32[
   out = jnp.where(needs > 0, page * ps, last + 1)
   _util.store(out_ref, rows, jnp.where(ok & real, out, 0), rows < p.num_rows)
 
-  @pl.when(pid == 0)
-  def _():
-    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
-                     pages=total_pages, ok=ok)
+
+def _release_kernel(ring_in, head_ref, flen_ref, other_ref,  # state: i32[n], i32[1] x3
+                    ids_ref, num_ref,                        # release: i32[M], i32[1]
+                    nreq_ref, seq_ref, last_ref,             # batch: i32[1], i32[B] x2
+                    ring_ref, out_ref,                       # outputs: i32[n], i32[B]
+                    head_out, len_out, ok_out,               # i32[1] x2, bool[1]
+                    *, p: _Params):
+  """free_page_ids, then alloc_decode, in one program (grid (1,)). ring_ref is ring_in's
+  buffer (input_output_aliases)."""
+  del ring_in  # the same buffer as ring_ref
+  ps, n = p.page_size, p.src_len
+  # Release, as freeing.free_page_ids -> _give_back: entries at index < num that name a
+  # page 1..n, in order, one block in front of the head; the count cut to the room left
+  # (only double frees reach it).
+  j = jnp.arange(p.ids_pad, dtype=jnp.int32)
+  given = (j < p.num_ids) & (j < num_ref[0])
+  ids = _util.load(ids_ref, j, given)
+  valid = (given & (ids >= 1) & (ids <= n)).astype(jnp.int32)
+  flen = flen_ref[0]
+  count = jnp.minimum(jnp.sum(valid), n - flen - other_ref[0])
+  head = (head_ref[0] - count) % n
+  rank = jnp.cumsum(valid) - valid
+  pos = head + rank  # head < n and rank < count <= n: one wrap at most
+  pos = jnp.where(pos >= n, pos - n, pos)
+  _util.store(ring_ref, pos, ids, (valid > 0) & (rank < count))
+  flen = flen + count
+  if p.barrier:
+    # The decode below reads ring entries that other threads of this program just
+    # stored: a CTA barrier orders those global writes before the reads.
+    pltriton.debug_barrier()
+  # Decode from the new head and length, as _fused_kernel with one program.
+  nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
+  rows = jnp.arange(p.rows_pad, dtype=jnp.int32)
+  real = rows < nrows
+  seq = _util.load(seq_ref, rows, real, 1)
+  last = _util.load(last_ref, rows, rows < p.num_rows)
+  needs = (real & _needs_page(seq, ps)).astype(jnp.int32)
+  bad = jnp.sum((real & (seq < 1)).astype(jnp.int32))
+  total_pages = jnp.sum(needs)
+  ok = (bad == 0) & (total_pages <= flen)
+  _write_slots(p, ring_ref, head, flen, ok, rows, real, last, needs, 0, out_ref)
+  _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
+                   pages=total_pages, ok=ok)
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,11 +179,17 @@ class _Call(_util.TritonCall):
   def spec(self):
     p = self.p
     out = jax.ShapeDtypeStruct((p.num_rows,), jnp.int32)
+    one = jax.ShapeDtypeStruct((1,), jnp.int32)
+    take = (one, one, jax.ShapeDtypeStruct((1,), jnp.bool_))
+    if p.release:
+      ring = jax.ShapeDtypeStruct((p.src_len,), jnp.int32)
+      return (ring, out) + take, _release_kernel, (1,)
     if p.fused:
-      one = jax.ShapeDtypeStruct((1,), jnp.int32)
-      return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_)), _fused_kernel,
-              (p.rows_pad // p.row_block,))
+      return (out,) + take, _fused_kernel, (p.rows_pad // p.row_block,)
     return (out,), _contract_kernel, (p.rows_pad // p.row_block,)
+
+  def aliases(self):
+    return {0: 0} if self.p.release else {}  # the ring, written in place
 
 
 def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interpret):
@@ -191,3 +266,71 @@ def alloc_decode_triton(free_ring: Array, free_head: Array, free_len: Array,
                                jnp.reshape(free_len, (1,)), jnp.reshape(num_reqs, (1,)),
                                seq_lens, last_loc)
   return out, head.reshape(()), length.reshape(()), ok.reshape(())
+
+
+# One program holds the batch's rows and the released page ids in registers.
+MAX_RELEASE_ROWS = 2048    # tuning.DECODE_ROW_BLOCK: the fused decode's one-program size
+MAX_RELEASE_IDS = 8192
+
+
+def release_supported(num_rows: int, num_ids: int, ring_len: int) -> bool:
+  """Whether release_alloc_decode_triton takes these static sizes (one program: rows and
+  page ids, each padded to a power of two, held at once)."""
+  return (1 <= num_rows and _util.next_pow2(num_rows) <= MAX_RELEASE_ROWS
+          and _util.next_pow2(num_ids) <= MAX_RELEASE_IDS and ring_len >= 1)
+
+
+def release_alloc_decode_triton(
+    free_ring: Array, free_head: Array, free_len: Array, release_len: Array,
+    page_ids: Array, num: Array, num_reqs: Array, seq_lens: Array, last_loc: Array, *,
+    page_size: int, interpret: bool = False,
+    num_warps: int | None = None) -> Tuple[Array, Array, Array, Array, Array, Array]:
+  """free_page_ids then alloc_decode (SPEC 10 and 4.3; need_sort off, no debug) in one
+  kernel launch: a decode step's allocator work.
+
+  Args:
+    free_ring: i32[n] the state's free ring (n = num_pages); free_head, free_len: i32[]
+      its head and length; release_len: i32[] the release list's length (the room for
+      the release is n - free_len - release_len).
+    page_ids: i32[M] pages to free, in order; entries at index >= num, zeros and ids
+      outside 1..n are skipped. num: i32[] (pass M to consider all).
+    num_reqs: i32[] real decode rows (rows at index >= num_reqs are padding, output 0).
+    seq_lens, last_loc: i32[B].
+    page_size: static.
+    interpret: run in Pallas' interpreter (CPU tests).
+
+  Returns:
+    (ring i32[n], head i32[], length i32[], i32[B] slots, bool[] ok): the free list
+    after both steps and the decode's result, the bits of
+    `allocation.alloc_decode(config, freeing.free_page_ids(config, state, page_ids, num),
+    seq_lens, last_loc, num_reqs=num_reqs)` on the jnp path. ok False (a real row with
+    seq_lens < 1, or more pages needed than the free list holds after the release): the
+    release is done, the slots are all 0 and nothing is taken.
+
+  Raises TypeError naming the argument for a non-integer dtype, ValueError for sizes
+  `release_supported` refuses.
+  """
+  (free_ring, free_head, free_len, release_len, page_ids, num, num_reqs, seq_lens,
+   last_loc) = _util.check_ints(
+       free_ring=free_ring, free_head=free_head, free_len=free_len,
+       release_len=release_len, page_ids=page_ids, num=num, num_reqs=num_reqs,
+       seq_lens=seq_lens, last_loc=last_loc)
+  page_ids = page_ids.reshape(-1)
+  if page_ids.shape[0] == 0:  # nothing to free: one padding entry keeps shapes >= 1
+    page_ids, num = jnp.zeros((1,), jnp.int32), jnp.zeros((), jnp.int32)
+  b, m, n = seq_lens.shape[0], page_ids.shape[0], free_ring.shape[0]
+  if not release_supported(b, m, n):
+    raise ValueError(f"release_alloc_decode_triton does not take {b=} rows, {m} page "
+                     f"ids, ring length {n} (see release_supported)")
+  rows_pad, ids_pad = _util.next_pow2(b), _util.next_pow2(m)
+  p = _Params(fused=True, num_rows=b, rows_pad=rows_pad, row_block=rows_pad,
+              page_size=page_size, src_len=n, release=True, num_ids=m, ids_pad=ids_pad,
+              barrier=not interpret)
+  if num_warps is None:
+    num_warps = tuning.decode_warps(max(rows_pad, ids_pad))
+  call = _Call("jax_kvalloc_release_alloc_decode_triton", p, num_warps, interpret)
+  one = lambda x: jnp.reshape(x, (1,))
+  ring, out, head, length, ok = call.run(
+      free_ring, one(free_head), one(free_len), one(release_len), page_ids, one(num),
+      one(num_reqs), seq_lens, last_loc)
+  return ring, head.reshape(()), length.reshape(()), out, ok.reshape(())

@@ -9,6 +9,7 @@ an output went unused, merged with a neighbour's, or hoisted out of the loop. Th
 the benchmarks used before (one output kept per iteration) fails this for decode and
 extend: the counts stay flat (2 -> 2 gathers for jnp decode, 7 -> 7 for jnp extend).
 """
+import dataclasses
 import functools
 import re
 
@@ -48,12 +49,15 @@ def test_micro_loops_keep_every_call(op, path):
   _check_doubles(call, carry, inputs)
 
 
-@pytest.mark.parametrize("extra", ["", "alloc", "free", "pages"])
+@pytest.mark.parametrize("extra", ["", "alloc", "free", "pages", "fused",
+                                   "fused_interpret"])
 def test_serving_scan_keeps_every_step(extra):
   case = bench_serving.make_case(16, 16, 40, seed=0)
   cfg = bench_serving._config(case)  # pylint: disable=protected-access
-  if extra == "pages":
-    flags, extra = {"release": "pages"}, ""
+  if extra == "fused_interpret":  # the one-launch kernel, in Pallas' interpreter
+    cfg = dataclasses.replace(cfg, kernel="pallas_interpret")
+  if extra in ("pages", "fused", "fused_interpret"):
+    flags, extra = {"release": extra.split("_")[0]}, ""
   else:
     flags = {"extra": extra} if extra else {}
   step = functools.partial(bench_serving.serve_step, cfg, case.max_frees, **flags)
@@ -146,3 +150,24 @@ def test_pallas_stand_in_lowers_for_h200():
       "h200", call, jax.ShapeDtypeStruct((), np.int32),
       (jax.ShapeDtypeStruct((2,), np.int32),))
   assert lowering_check.TRITON_CUSTOM_CALL in lowering_check.custom_call_targets(exported)
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_bare_graph_program_keeps_every_call(op):
+  """The "pallas bare" program (timing.graph_program: chained calls, no link, no sink)
+  keeps every call's work, and its carry is that of `unroll` calls made one by one."""
+  case = bench_micro.make_case(op, 16, 16 if op == "decode" else 512, 16, seed=0)
+  _, call, carry, inputs = bench_micro.jax_call(case, "pallas_interpret")
+  count = lambda u: len(_OPS.findall(
+      timing.graph_program(call, u).lower(carry, inputs).compile().as_text()))
+  one, two = count(1), count(2)
+  assert one > 0 and two >= 2 * one - 1, (one, two)
+  got, _ = timing.graph_program(call, 3)(carry, inputs)
+  want = carry
+  for _ in range(3):
+    want, _ = jax.jit(call)(want, inputs)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  res = timing.graph_replay_time(lambda c, x: (c + x, c), jax.numpy.zeros((), np.int32),
+                                 jax.numpy.ones((), np.int32), unroll=4, min_time=0.001,
+                                 reps=2)
+  assert res["s"] > 0 and res["iters"] >= 2

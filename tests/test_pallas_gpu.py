@@ -20,6 +20,7 @@ from test_pallas_alloc import _assert_same, _configs, _decode_cases, _extend_cas
 from test_pallas_alloc import _state, check_alloc_decode, check_alloc_extend
 from test_pallas_alloc import check_classes_follow_the_model
 from test_pallas_kernels import _check_decode, _check_extend
+from test_release_decode import check_release_decode
 
 
 def _has_gpu() -> bool:
@@ -137,3 +138,11 @@ def test_capacity_edges_on_gpu():
     want = _extend(ps, "jnp", pre, seq)
     assert bool(want[2]) == fits
     _same(_extend(ps, KERNEL, pre, seq), want)
+
+
+@pytest.mark.parametrize("ps,num_pages,rows,m,count", [
+    (1, 64, 8, 16, 64), (16, 64, 8, 16, 64), (64, 300, 37, 100, 32),
+    (64, 100_000, 1024, 512, 8), (16, 20_000, 2048, 8192, 4), (128, 5000, 2000, 3000, 4)])
+def test_release_and_alloc_decode(ps, num_pages, rows, m, count):
+  # free_page_ids + alloc_decode in one launch == the jnp composition and the model.
+  check_release_decode(ps, num_pages, rows, m, count, "gpu", kernel=KERNEL)

@@ -106,19 +106,28 @@ def initial_carry(case: ServingCase):
           jnp.zeros(case.bs, bool), jnp.ones((), bool))
 
 
+RELEASES = ("sorted", "pages", "fused")
+
+
 def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = True,
                free: bool = True, extra: str = "", release: str = "sorted"):
   """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
   ok_so_far).
 
   alloc=False / free=False replace alloc_decode / free by stand-ins (slot = last_loc + 1,
-  state unchanged): the bookkeeping-only baseline. extra="alloc" / "free" runs one more
+  state unchanged): the bookkeeping-only baseline. release: how the finished rows go
+  back: "sorted" (`free` of their slots: sorted unique pages), "pages" (free_page_ids of
+  their pages, in request order, no sort), "fused" (the same pages through
+  release_and_alloc_decode: the release and the alloc_decode in one call, one kernel
+  launch on GPU). extra="alloc" / "free" runs one more
   alloc_decode / free per step on the same inputs against a dummy state carried as a 7th
   carry element (see `extra_carry`), so the difference from the plain step is what one
   call of it costs in this loop; its inputs get the harness link of the dummy state
   (timing.link: 0, but unknown to XLA) so that XLA cannot share work between the two
   calls, and its outputs stay in the carry.
   """
+  if release not in RELEASES:
+    raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
   dummy = None
   if extra:
     *carry, dummy = carry
@@ -133,6 +142,7 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
   picked = jnp.zeros(max_frees, jnp.int32).at[jnp.where(sel, rank, max_frees)].set(
       rows, mode="drop")
   n_free = jnp.sum(sel)
+  page_ids = None  # release="fused": freed together with the alloc_decode below
   if free:
     k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
     live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
@@ -143,8 +153,10 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
                (d.free_len,))
     # Unconditional (an all-padding group frees nothing): a lax.cond may cost a
     # device-to-host read of its predicate on GPU, more than the free itself.
-    if release == "pages":
-      state = freeing.free_page_ids(config, state, jnp.where(live.reshape(-1), idx // ps, 0))
+    if release in ("pages", "fused"):
+      page_ids = jnp.where(live.reshape(-1), idx // ps, 0)
+      if release == "pages" or not alloc:
+        state = freeing.free_page_ids(config, state, page_ids)
     else:
       state = freeing.free(config, state, idx)
   seq = jnp.where(sel, 0, seq)
@@ -156,7 +168,11 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
     if extra == "alloc":
       d, out2, ok2 = allocation.alloc_decode(config, dummy[0], seq_new + dep(), last)
       dummy = (dummy[0]._replace(free_head=d.free_head), (out2, ok2, d.free_len))
-    state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
+    if release == "fused" and page_ids is not None:
+      state, out, ok = allocation.release_and_alloc_decode(config, state, page_ids,
+                                                           seq_new, last)
+    else:
+      state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
   else:
     out, ok = last + 1, jnp.ones((), bool)
   table = table.at[jnp.where(active, rows, bs), seq_new - 1].set(out, mode="drop")
@@ -233,7 +249,7 @@ def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time
          "free_pages": st.live_free_pages(final[0])}
   variants = {"": {}, "_baseline": dict(alloc=False, free=False),
               "_extra_alloc": dict(extra="alloc"), "_extra_free": dict(extra="free"),
-              "_pages": dict(release="pages")}
+              "_pages": dict(release="pages"), "_fused": dict(release="fused")}
   for name, flags in variants.items():
     carry0 = extra_carry(case, flags["extra"]) if "extra" in flags else initial_carry(case)
     step = functools.partial(serve_step, cfg, case.max_frees, **flags)
@@ -246,6 +262,7 @@ def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time
       out["scan_spread"] = res["spread"]
   out["scan_alloc_us"] = out["scan_us"] - out["scan_baseline_us"]
   out["scan_alloc_pages_us"] = out["scan_pages_us"] - out["scan_baseline_us"]
+  out["scan_alloc_fused_us"] = out["scan_fused_us"] - out["scan_baseline_us"]
   return out
 
 
