@@ -424,3 +424,21 @@ def test_whole_step_is_one_launch_on_h200(monkeypatch):
   e = lowering_check.export_for("h200", jax.vmap(step), pools, i32(3, 512), i32(3, 256),
                                 i32(3, 256), i32(3))
   assert lowering_check.custom_call_targets(e).count(TRITON) == 1
+
+
+def test_serving_step_fused_release_equals_page_release():
+  # The benchmark's release="fused" step (jax_kvalloc.tools.bench_serving) runs the same
+  # loop as release="pages": identical carries after every step, rows finishing included.
+  from jax_kvalloc.tools import bench_serving  # pylint: disable=g-import-not-at-top
+  case = bench_serving.make_case(16, 16, 40, seed=SEED % 1000)
+  cfg = dataclasses.replace(bench_serving._config(case), kernel="pallas_interpret")  # pylint: disable=protected-access
+  steps = {r: jax.jit(functools.partial(bench_serving.serve_step, cfg, case.max_frees,
+                                        release=r)) for r in ("pages", "fused")}
+  assert _runs_kernel(steps["fused"], bench_serving.initial_carry(case))
+  a = b = bench_serving.initial_carry(case)
+  freed = 0
+  for _ in range(40):
+    freed += int(np.sum(np.asarray(a[4])))
+    a, b = steps["pages"](a), steps["fused"](b)
+    _assert_same(b, a, f"seed {SEED}")
+  assert bool(a[5]) and freed > 0
