@@ -342,6 +342,56 @@ def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: floa
           "iters": n}
 
 
+def graph_program(call: Call, unroll: int):
+  """jit(carry, inputs) -> (carry, outputs of the last call): `unroll` calls chained
+  through the carry and nothing else (no link, no sink). On a GPU it compiles to one CUDA
+  graph (`xla_gpu_graph_min_graph_size=1`): the JAX side of a "bare" comparison with a
+  torch CUDA graph of `unroll` launches (`torch_graph`). Valid only for a call that is
+  one custom call (as chain_loop's linked=False): XLA never runs part of one, and each
+  call's carry output is the next one's input, so no call can be dropped or hoisted."""
+  on_gpu = jax.default_backend() == "gpu"
+  options = {"xla_gpu_graph_min_graph_size": 1} if on_gpu else {}
+
+  def program(carry, inputs):
+    out = None
+    for _ in range(unroll):
+      carry, out = call(carry, inputs)
+    return carry, out
+  return jax.jit(program, compiler_options=options or None)
+
+
+def graph_replay_time(call: Call, carry: Any, inputs: Any, *, unroll: int,
+                      min_time: float, reps: int) -> Dict[str, float]:
+  """Seconds per call of `call` alone: `graph_program(call, unroll)` run n times back to
+  back (each run's carry feeds the next; the host only enqueues), per call = (t(n) -
+  t(1)) / ((n - 1) * unroll), median of `reps`. Like `torch_graph_time`, it times the
+  device's work once the launches are queued (at unroll 128 and ~1 us per call a run is
+  ~4x the host's ~30-40 us dispatch of it on an H200)."""
+  program = graph_program(call, unroll)
+
+  def timed(n: int) -> float:
+    c, out = carry, None
+    t0 = time.perf_counter()
+    for _ in range(n):
+      c, out = program(c, inputs)
+    jax.block_until_ready((c, out))
+    return time.perf_counter() - t0
+
+  compile_s = timed(1)
+  n = 2
+  while n < MAX_ITERS and timed(n) < min_time:
+    n *= 2
+  slopes = []
+  for _ in range(reps):
+    a, b = timed(1), timed(n)
+    slopes.append((b - a) / ((n - 1) * unroll))
+  med = statistics.median(slopes)
+  if med <= 0:
+    raise _noise_error(n, med)
+  return {"s": med, "min_s": min(slopes),
+          "spread": (max(slopes) - min(slopes)) / med, "iters": n, "compile_s": compile_s}
+
+
 def torch_graph(fn: Callable[[], Any], unroll: int):
   """A torch.cuda.CUDAGraph of `unroll` calls of `fn` (warmed up on a side stream first),
   replayed once."""
