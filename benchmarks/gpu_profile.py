@@ -1,13 +1,13 @@
-"""Where a bare call's time goes on the GPU: our kernel in the harness's loop against
-SGLang's kernel in a CUDA graph, from the GPU's own timeline (issue 13, item 1).
+"""Where a bare call's time goes on the GPU: our kernel against
+SGLang's kernel, each in a CUDA graph, from the GPU's own timeline (issue 13, item 1).
 
     python benchmarks/gpu_profile.py --sglang-kernels .sglang_kernels/allocator.py \
         --json $OUT/profile.json --hlo-dir $OUT
 
 For each case (bench_micro's decode and extend cases, page size 64) it runs
 
-  ours     jax_kvalloc.tools.timing.chain_loop(call, unroll, linked=False) for N
-           iterations: the "pallas bare" figure of `jax-kvalloc bench`
+  ours     jax_kvalloc.tools.timing.graph_program(call, unroll) (one XLA program of
+           `unroll` chained calls, a CUDA graph) run N times: "pallas bare"
   sglang   a CUDA graph of `unroll` launches of SGLang's released kernel replayed N times:
            the "SGLang bare" figure
 
@@ -15,9 +15,9 @@ under torch.profiler (CUPTI records every kernel, memcpy and memset of the proce
 included) and reports, per call: the GPU span of the run (first activity's start to the
 last one's end), the activities per call by kind and name with their mean durations,
 and the median gap between consecutive activities. It also times both with the bench's
-own methods (chain_time / torch_graph_time) at each unroll in --unrolls, and writes the
-optimized HLO of our bare loop to --hlo-dir (whether XLA put the loop body into a CUDA
-graph shows there). XLA_FLAGS is read from the environment and recorded: run it once per
+own methods (bench_micro.time_bare: graph replay of 128 calls on both sides; the old
+bare loop at each unroll in --unrolls), and writes the
+optimized HLO of our bare program to --hlo-dir. XLA_FLAGS is read from the environment and recorded: run it once per
 flag set to compare.
 """
 from __future__ import annotations
@@ -81,16 +81,19 @@ def _summary(acts: list, calls: int) -> dict:
 
 def profile_ours(case, unroll: int, iters: int, hlo_dir: str | None, tag: str) -> dict:
   _, call, carry, inputs = bm.jax_call(case, "pallas")
-  run = bt.chain_loop(call, unroll, bt.DEFAULT_CONSUMERS, linked=False)
-  sink = bt.sink_init(call, carry, inputs, bt.DEFAULT_CONSUMERS)
+  program = bt.graph_program(call, unroll)
   if hlo_dir:
-    text = run.lower(carry, inputs, sink, np.int32(1)).compile().as_text()
+    text = program.lower(carry, inputs).compile().as_text()
     with open(os.path.join(hlo_dir, f"hlo_{tag}.txt"), "w") as f:
       f.write(text)
-  jax.block_until_ready(run(carry, inputs, sink, np.int32(2)))
-  acts = _activities(lambda: jax.block_until_ready(run(carry, inputs, sink,
-                                                       np.int32(iters))))
-  return _summary(acts, iters * unroll)
+  jax.block_until_ready(program(carry, inputs))
+
+  def run():
+    c, out = carry, None
+    for _ in range(iters):
+      c, out = program(c, inputs)
+    jax.block_until_ready((c, out))
+  return _summary(_activities(run), iters * unroll)
 
 
 def profile_sglang(case, module, unroll: int, iters: int) -> dict:
@@ -124,8 +127,10 @@ def main(argv=None) -> int:
   ap.add_argument("--sglang-kernels", default=None)
   ap.add_argument("--json", default=None)
   ap.add_argument("--hlo-dir", default=None)
-  ap.add_argument("--unroll", type=int, default=32)
-  ap.add_argument("--unrolls", default="32,128", help="bench timings at these unrolls")
+  ap.add_argument("--unroll", type=int, default=bm.BARE_UNROLL)
+  ap.add_argument("--unrolls", default="32",
+                  help="also the old bare loop (timing.chain_loop, linked=False) at these "
+                  "unrolls")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--tag", default="default")
   args = ap.parse_args(argv)
@@ -152,15 +157,18 @@ def main(argv=None) -> int:
       except Exception as e:  # pylint: disable=broad-except
         row["sglang"] = {"error": f"{type(e).__name__}: {e}"[:400]}
     row["timed"] = {}
-    for u in [int(x) for x in args.unrolls.split(",") if x]:
-      try:
+    try:
+      t = bm.time_bare(case, "pallas", min_time=0.02, reps=3)
+      row["timed"]["ours_bare_graph_us"] = t["s"] * 1e6
+      if module is not None:
+        _, alone, _ = bm.time_sglang(case, module, unroll=args.unroll, min_time=0.02,
+                                     reps=3)
+        row["timed"]["sglang_bare_graph_us"] = alone["s"] * 1e6
+      for u in [int(x) for x in args.unrolls.split(",") if x]:
         t, _ = bm.time_jax(case, "pallas", unroll=u, min_time=0.02, reps=3, linked=False)
-        row["timed"][f"ours_bare_u{u}_us"] = t["s"] * 1e6
-        if module is not None:
-          _, alone, _ = bm.time_sglang(case, module, unroll=u, min_time=0.02, reps=3)
-          row["timed"][f"sglang_bare_u{u}_us"] = alone["s"] * 1e6
-      except Exception as e:  # pylint: disable=broad-except
-        row["timed"][f"error_u{u}"] = f"{type(e).__name__}: {e}"[:400]
+        row["timed"][f"ours_bare_loop_u{u}_us"] = t["s"] * 1e6
+    except Exception as e:  # pylint: disable=broad-except
+      row["timed"]["error"] = f"{type(e).__name__}: {e}"[:400]
     out["cases"].append(row)
     save()
     print(f"== {op} bs={bs} tokens={case.tokens} [{args.tag}] timed: "
