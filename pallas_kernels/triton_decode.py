@@ -135,14 +135,25 @@ def _release_kernel(ring_in, head_ref, flen_ref, other_ref,  # state: i32[n], i3
   buffer (input_output_aliases)."""
   del ring_in  # the same buffer as ring_ref
   ps, n = p.page_size, p.src_len
+  # Every input load first, masked by static sizes only, so that they go out together
+  # (one memory round trip before the ring writes; as _fused_kernel's row loads).
+  j = jnp.arange(p.ids_pad, dtype=jnp.int32)
+  ids = _util.load(ids_ref, j, j < p.num_ids)
+  rows = jnp.arange(p.rows_pad, dtype=jnp.int32)
+  lane = rows < p.num_rows
+  seq = _util.load(seq_ref, rows, lane, 1)
+  last = _util.load(last_ref, rows, lane)
+  flen = flen_ref[0]
+  # The decode's page count does not depend on the release.
+  real = rows < jnp.clip(nreq_ref[0], 0, p.num_rows)
+  seq = jnp.where(real, seq, 1)
+  needs = (real & _needs_page(seq, ps)).astype(jnp.int32)
+  bad = jnp.sum((real & (seq < 1)).astype(jnp.int32))
+  total_pages = jnp.sum(needs)
   # Release, as freeing.free_page_ids -> _give_back: entries at index < num that name a
   # page 1..n, in order, one block in front of the head; the count cut to the room left
   # (only double frees reach it).
-  j = jnp.arange(p.ids_pad, dtype=jnp.int32)
-  given = (j < p.num_ids) & (j < num_ref[0])
-  ids = _util.load(ids_ref, j, given)
-  valid = (given & (ids >= 1) & (ids <= n)).astype(jnp.int32)
-  flen = flen_ref[0]
+  valid = ((j < p.num_ids) & (j < num_ref[0]) & (ids >= 1) & (ids <= n)).astype(jnp.int32)
   count = jnp.minimum(jnp.sum(valid), n - flen - other_ref[0])
   head = (head_ref[0] - count) % n
   rank = jnp.cumsum(valid) - valid
@@ -155,14 +166,6 @@ def _release_kernel(ring_in, head_ref, flen_ref, other_ref,  # state: i32[n], i3
     # stored: a CTA barrier orders those global writes before the reads.
     pltriton.debug_barrier()
   # Decode from the new head and length, as _fused_kernel with one program.
-  nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
-  rows = jnp.arange(p.rows_pad, dtype=jnp.int32)
-  real = rows < nrows
-  seq = _util.load(seq_ref, rows, real, 1)
-  last = _util.load(last_ref, rows, rows < p.num_rows)
-  needs = (real & _needs_page(seq, ps)).astype(jnp.int32)
-  bad = jnp.sum((real & (seq < 1)).astype(jnp.int32))
-  total_pages = jnp.sum(needs)
   ok = (bad == 0) & (total_pages <= flen)
   _write_slots(p, ring_ref, head, flen, ok, rows, real, last, needs, 0, out_ref)
   _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
