@@ -26,6 +26,19 @@ where fnp = ceil(pre/ps) and E = fnp*ps - A. They differ in how a token finds it
   work is repeated by every program, so `fused_supported` limits rows * programs; beyond
   it the allocator computes the prefix sums in XLA and calls the contract kernel.
 
+`alloc_extend_triton` has two layouts (static `layout`, default `tuning.extend_layout`):
+
+- "tiles", as above: a program per tile of T output tokens, rows found by a search.
+- "rows": a program per (row, chunk), grid B * C. Every program loads all rows once (the
+  batch's checks and totals, and its row's token and page offsets as masked sums over
+  the rows before it: no prefix scan, no scratch, no barrier), then writes its row's
+  blocks chunk, chunk + C, chunk + 2C, ... of T tokens each (a loop with a traced trip
+  count), and last its share of the zero tail [total, out_len) (blocks pid, pid + B*C,
+  ...; all of out_len when the batch fails). C and T come from the mean row length
+  (`tuning.extend_rows_block`), so a batch of even rows takes about one block per
+  program; a row far above the mean loops on its C programs, and programs whose chunk
+  lies past their row's end do only the row loads.
+
 Every read of the free list is masked by the capacity check (fused) or clamped into the
 window (contract), and every index is clamped into its array: no read leaves its buffer
 (SGLang issue 34399).
@@ -33,7 +46,7 @@ window (contract), and every index is clamped into its array: no read leaves its
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +68,7 @@ _LINE = 8
 
 MAX_FUSED_ROWS = capacity.MAX_EXACT_LANES  # the exact total check's lane limit
 MAX_FUSED_ROW_WORK = 2**17   # rows_pad * programs: beyond, the contract path scales better
+LAYOUTS = ("rows", "tiles")  # alloc_extend_triton's program layouts (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +84,8 @@ class _Params:
   barrier: bool        # False in interpret mode (programs run one after another there)
   exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
   onehot: bool = False  # fused: find rows by a [tile, rows] comparison, no scratch
+  layout: str = "tiles"  # fused: "tiles" or "rows" (the module docstring)
+  chunks: int = 1      # C, programs per row (layout "rows"); `tile` is then their block
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,22 +199,28 @@ def _fill_tile_onehot(p: _Params, pid, table, limit, read_page, out_ref):
   _util.store(out_ref, t, jnp.where(mine, slot, 0), t < p.out_len)
 
 
-def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
-                  pre_ref, seq_ref, last_ref,                              # inputs: batch
-                  out_ref, head_out, len_out, ok_out, scr_ref,            # outputs
-                  *, p: _Params):
-  """ring_ref i32[n]; head/flen/nreq i32[1]; row refs i32[B]; out_ref i32[out_len];
-  head_out/len_out i32[1]; ok_out bool[1]; scr_ref i32[grid * W * 8] (search scratch)."""
+class _Batch(NamedTuple):
+  """The fused kernels' view of the whole batch, which every program computes: per-row
+  i32[rows_pad] vectors (padded rows 0, and all rows 0 when one is invalid) and the
+  verdict."""
+  nrows: Array        # i32[] real rows, num_reqs clipped into [0, B]
+  pre: Array          # prefix_lens
+  fnp: Array          # ceil(pre / ps): the prefix's pages
+  ext: Array          # new tokens, clipped by the capacity rule
+  new_pages: Array    # new pages, clipped likewise
+  total: Array        # i32[] sum(ext), exact when ok
+  total_pages: Array  # i32[] sum(new_pages), exact when ok
+  ok: Array           # bool[] rows valid, tokens <= out_len, pages <= free_len
+
+
+def _batch(p: _Params, flen, nreq_ref, pre_ref, seq_ref) -> _Batch:
+  """Loads every row and applies the validity and capacity checks (capacity.py)."""
   ps, n = p.page_size, p.src_len
-  pid = pl.program_id(0)
-  head = head_ref[0]
-  flen = flen_ref[0]
   nrows = jnp.clip(nreq_ref[0], 0, p.num_rows)
   r = jnp.arange(p.rows_pad, dtype=jnp.int32)
   real = r < nrows
   pre = _util.load(pre_ref, r, real)
   seq = _util.load(seq_ref, r, real)
-  last = _util.load(last_ref, r, r < p.num_rows)
   rows_valid = jnp.sum(jnp.where(real & ((pre < 0) | (seq < pre)), 1, 0)) == 0
   pre = jnp.where(rows_valid, pre, 0)
   seq = jnp.where(rows_valid, seq, 0)
@@ -207,8 +229,6 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   # bounds free_len), so that the sums below wrap only where `exact_totals` says.
   ext = capacity.clip_counts(seq - pre, p.out_len)
   new_pages = capacity.clip_counts(cdiv(seq, ps) - fnp, n)
-  tok_end = jnp.cumsum(ext)
-  page_start = jnp.cumsum(new_pages) - new_pages
   total = jnp.sum(ext)
   total_pages = jnp.sum(new_pages)
   if p.exact_totals:  # the int32 sums could wrap: compare the true sums with the limits
@@ -216,23 +236,106 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
           & ~capacity.sum_exceeds(new_pages, flen))
   else:
     ok = rows_valid & (total <= p.out_len) & (total_pages <= flen)
-  a = pre - (tok_end - ext)
-  table = (tok_end, a, fnp * ps - a, last + 1 - (tok_end - ext), page_start - fnp)
+  return _Batch(nrows, pre, fnp, ext, new_pages, total, total_pages, ok)
+
+
+def _ring_reader(p: _Params, ring_ref, head, flen, ok):
+  """read_page(k, mask): free page k (ring[head + k], wrapped), read only where the
+  batch fits and k is inside the free list; 0 elsewhere."""
+  n = p.src_len
 
   def read_page(k, mask):
     i = head + k
     i = jnp.where(i >= n, i - n, i)
     return _util.load(ring_ref, i, mask & ok & (k >= 0) & (k < flen))
+  return read_page
 
+
+def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
+                  pre_ref, seq_ref, last_ref,                              # inputs: batch
+                  out_ref, head_out, len_out, ok_out, scr_ref,            # outputs
+                  *, p: _Params):
+  """Layout "tiles". ring_ref i32[n]; head/flen/nreq i32[1]; row refs i32[B]; out_ref
+  i32[out_len]; head_out/len_out i32[1]; ok_out bool[1]; scr_ref i32[grid * W * 8]
+  (search scratch)."""
+  ps = p.page_size
+  pid = pl.program_id(0)
+  head = head_ref[0]
+  flen = flen_ref[0]
+  b = _batch(p, flen, nreq_ref, pre_ref, seq_ref)
+  r = jnp.arange(p.rows_pad, dtype=jnp.int32)
+  last = _util.load(last_ref, r, r < p.num_rows)
+  tok_end = jnp.cumsum(b.ext)
+  page_start = jnp.cumsum(b.new_pages) - b.new_pages
+  a = b.pre - (tok_end - b.ext)
+  table = (tok_end, a, b.fnp * ps - a, last + 1 - (tok_end - b.ext), page_start - b.fnp)
+  read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
+  limit = jnp.where(b.ok, b.total, 0)
   if p.onehot:
-    _fill_tile_onehot(p, pid, table, jnp.where(ok, total, 0), read_page, out_ref)
+    _fill_tile_onehot(p, pid, table, limit, read_page, out_ref)
   else:
-    _fill_tile(p, pid, table, jnp.where(ok, total, 0), read_page, out_ref, scr_ref)
+    _fill_tile(p, pid, table, limit, read_page, out_ref, scr_ref)
 
   @pl.when(pid == 0)
   def _():
-    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=n,
-                     pages=total_pages, ok=ok)
+    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=p.src_len,
+                     pages=b.total_pages, ok=b.ok)
+
+
+def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
+                 pre_ref, seq_ref, last_ref,                # inputs: batch
+                 out_ref, head_out, len_out, ok_out,        # outputs
+                 *, p: _Params):
+  """Layout "rows": program pid = row * C + chunk (module docstring). Refs as in
+  _fused_kernel, no scratch."""
+  ps, tile, grid = p.page_size, p.tile, p.num_rows * p.chunks
+  pid = pl.program_id(0)
+  row = floordiv(pid, p.chunks)
+  chunk = mod(pid, p.chunks)
+  head = head_ref[0]
+  flen = flen_ref[0]
+  b = _batch(p, flen, nreq_ref, pre_ref, seq_ref)
+  before = jnp.arange(p.rows_pad, dtype=jnp.int32) < row
+  tok_start = jnp.sum(jnp.where(before, b.ext, 0))
+  page_start = jnp.sum(jnp.where(before, b.new_pages, 0))
+  # The row's own inputs by three scalar loads (a lane of the vectors would cost a
+  # reduction each). Only a row of a batch that fits writes, so its clipped and raw
+  # counts agree and its offsets are exact.
+  live = b.ok & (row < b.nrows)
+  pre = _util.load(pre_ref, row, live)
+  ext = _util.load(seq_ref, row, live) - pre
+  last = _util.load(last_ref, row, live)
+  fnp = cdiv(pre, ps)
+  a = pre - tok_start
+  e, c, bp = fnp * ps - a, last + 1 - tok_start, page_start - fnp
+  tok_end = tok_start + ext
+  lanes = jnp.arange(tile, dtype=jnp.int32)
+  read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
+
+  def row_block(i, carry):
+    t = tok_start + (chunk + i * p.chunks) * tile + lanes
+    mine = t < tok_end
+    _util.store(out_ref, t, _slot(ps, t, a, e, c, bp, read_page, mine), mine)
+    return carry
+
+  blocks = cdiv(ext, tile)  # 0 for padded rows and failed batches
+  lax.fori_loop(0, cdiv(jnp.maximum(blocks - chunk, 0), p.chunks), row_block, 0)
+
+  # The zero tail, blocks spread over all programs.
+  start = jnp.where(b.ok, b.total, 0)
+
+  def tail_block(i, carry):
+    t = start + (pid + i * grid) * tile + lanes
+    _util.store(out_ref, t, jnp.zeros_like(t), t < p.out_len)
+    return carry
+
+  blocks = cdiv(p.out_len - start, tile)
+  lax.fori_loop(0, cdiv(jnp.maximum(blocks - pid, 0), grid), tail_block, 0)
+
+  @pl.when(pid == 0)
+  def _():
+    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=p.src_len,
+                     pages=b.total_pages, ok=b.ok)
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,8 +343,19 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
 # ---------------------------------------------------------------------------------------
 
 def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret,
-            onehot=None):
+            onehot=None, layout="tiles", chunks=None):
   rows_pad = _util.next_pow2(num_rows)
+  if layout == "rows":
+    tile, default_chunks, _ = tuning.extend_rows_block(num_rows, out_len, tile)
+    chunks = default_chunks if chunks is None else chunks
+    if not (_util.is_pow2(tile) and isinstance(chunks, int) and chunks >= 1):
+      raise ValueError(f"tile={tile} must be a power of two and chunks={chunks} an int "
+                       ">= 1")
+    return _Params(fused=True, num_rows=num_rows, rows_pad=rows_pad, tile=tile, window=1,
+                   page_size=page_size, out_len=out_len, src_len=src_len,
+                   barrier=not interpret,
+                   exact_totals=_may_wrap(num_rows, out_len, src_len), layout="rows",
+                   chunks=chunks)
   if onehot is None:
     onehot = fused and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS
   onehot = bool(fused and onehot)
@@ -281,6 +395,8 @@ def fused_preferred(num_rows: int, out_len: int, ring_len: int) -> bool:
 
 
 def _default_warps(p: _Params) -> int:
+  if p.layout == "rows":
+    return tuning.extend_rows_block(p.num_rows, p.out_len, p.tile)[2]
   tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused, p.onehot)
   if p.tile != tile:  # a tile set by hand: warps by the same rule
     warps = max(1, min(8, p.tile // 256))
@@ -288,7 +404,8 @@ def _default_warps(p: _Params) -> int:
 
 
 class _Call(_util.TritonCall):
-  """The extend kernels' pallas_call: one program per tile of output tokens."""
+  """The extend kernels' pallas_call: one program per tile of output tokens, or per
+  (row, chunk) in the fused kernel's "rows" layout."""
 
   def spec(self):
     p = self.p
@@ -296,11 +413,29 @@ class _Call(_util.TritonCall):
     out = jax.ShapeDtypeStruct((p.out_len,), jnp.int32)
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
+      if p.layout == "rows":
+        return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_)), _rows_kernel,
+                (p.num_rows * p.chunks,))
       scratch = jax.ShapeDtypeStruct((1 if p.onehot else grid * p.window * _LINE,),
                                      jnp.int32)
       return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch),
               _fused_kernel, (grid,))
     return (out,), _contract_kernel, (grid,)
+
+
+def _layout(layout: str | None, num_rows: int, out_len: int, onehot: bool | None) -> str:
+  """alloc_extend_triton's layout: the argument, checked, or the default rule."""
+  rows_pad = _util.next_pow2(num_rows)
+  if layout is None:
+    if onehot or (onehot is None and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS):
+      return "tiles"  # the one-hot search is a tiles-layout search
+    return tuning.extend_layout(rows_pad, out_len)
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+  if layout == "rows" and onehot:
+    raise ValueError("onehot=True is a row search of layout='tiles'; layout='rows' has "
+                     "no search")
+  return layout
 
 
 def _i32(x) -> Array:
@@ -337,7 +472,8 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
                         last_loc: Array, *, page_size: int, out_len: int,
                         interpret: bool = False, tile: int | None = None,
                         window: int | None = None, num_warps: int | None = None,
-                        onehot: bool | None = None) -> Tuple[Array, Array, Array, Array]:
+                        onehot: bool | None = None, layout: str | None = None,
+                        chunks: int | None = None) -> Tuple[Array, Array, Array, Array]:
   """A whole alloc_extend (SPEC 4.2, no need_sort merge) in one kernel launch.
 
   Args:
@@ -345,6 +481,12 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     num_reqs: i32[] real rows (rows at index >= num_reqs are padding).
     prefix_lens, seq_lens, last_loc: i32[B].
     page_size, out_len: static.
+    layout: static, "rows" or "tiles" (module docstring); None: `tuning.extend_layout`,
+      or "tiles" when the one-hot search applies (onehot=True, or onehot=None and
+      rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS).
+    tile, window, num_warps, onehot, chunks: static tuning overrides. "tiles": tile
+      (tokens per program), window, onehot; "rows": tile (tokens per block) and chunks
+      (programs per row). Powers of two except chunks (>= 1).
 
   Returns:
     (i32[out_len] slots, i32[] new free_head, i32[] new free_len, bool[] ok), equal to
@@ -352,7 +494,8 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     and length unchanged) when a real row has prefix_lens < 0 or seq_lens < prefix_lens,
     when the tokens exceed out_len, or when the new pages exceed free_len.
 
-  Raises TypeError naming the argument for a non-integer dtype.
+  Raises TypeError naming the argument for a non-integer dtype, ValueError for an
+  unknown layout or onehot=True with layout="rows".
   """
   (free_ring, free_head, free_len, num_reqs, prefix_lens, seq_lens,
    last_loc) = _util.check_ints(free_ring=free_ring, free_head=free_head,
@@ -364,10 +507,12 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
   if not fused_supported(b, out_len, n):
     raise ValueError(f"alloc_extend_triton does not take {b=} rows, {out_len=}, ring "
                      f"length {n} (see fused_supported)")
-  p = _params(True, b, page_size, out_len, n, tile, window, interpret, onehot)
-  call = _Call("jax_kvalloc_alloc_extend_triton", p, num_warps or _default_warps(p),
-               interpret)
+  layout = _layout(layout, b, out_len, onehot)
+  p = _params(True, b, page_size, out_len, n, tile, window, interpret, onehot, layout,
+              chunks)
+  name = "jax_kvalloc_alloc_extend_triton" + ("_rows" if layout == "rows" else "")
+  call = _Call(name, p, num_warps or _default_warps(p), interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),
           _i32(num_reqs).reshape(1), prefix_lens, seq_lens, last_loc)
-  out, head, length, ok, _ = call.run(*map(_i32, args))
+  out, head, length, ok = call.run(*map(_i32, args))[:4]
   return out, head.reshape(()), length.reshape(()), ok.reshape(())

@@ -19,7 +19,7 @@ choice.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from pallas_kernels._util import next_pow2
 
@@ -31,6 +31,19 @@ CONTRACT_DECODE_ROW_BLOCK = 1024
 # ONEHOT_WORK / rows tokens, so the comparison stays the same size.
 EXTEND_ONEHOT_MAX_ROWS = 0
 EXTEND_ONEHOT_WORK = 2**14
+
+# Fused extend layout (alloc_extend_triton; triton_extend's docstring): "rows", a program
+# per (row, chunk) with no row search, for EXTEND_ROWS_MIN_ROWS <= rows_pad <=
+# EXTEND_ROWS_MAX_ROWS; "tiles" otherwise (and whenever the one-hot search is asked for).
+# PLACEHOLDER thresholds: they await the H200 timing of both layouts
+# (`python benchmarks/extend_layouts_gpu.py --json OUT.json`). Until then they follow the
+# bare figures of 2026-11-30 (page size 64, us): the tiles kernel 3.86 / 4.07 / 4.60 /
+# 6.34 at 16 / 64 / 256 / 1024 rows lost to SGLang's per-request kernel (2.08 / 2.42 /
+# 3.17 / 6.08), which has the rows layout's program shape, and won at 1 row (2.74 vs
+# 3.06); past 1024 rows each of the B or more programs loads all B rows.
+EXTEND_ROWS_MIN_ROWS = 2
+EXTEND_ROWS_MAX_ROWS = 1024
+EXTEND_ROWS_BLOCK = (128, 1024)   # bounds of the rows layout's block T (tokens)
 
 
 def extend_tile_warps(rows_pad: int, out_len: int, fused: bool,
@@ -53,3 +66,26 @@ def decode_warps(rows_pad: int) -> int:
   if rows_pad <= 8:
     return 1
   return 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
+
+
+def extend_layout(rows_pad: int, out_len: int) -> str:
+  """The fused extend kernel's default layout, "rows" or "tiles" (see above)."""
+  del out_len  # the measurement may make the rule depend on tokens per row
+  return "rows" if EXTEND_ROWS_MIN_ROWS <= rows_pad <= EXTEND_ROWS_MAX_ROWS else "tiles"
+
+
+def extend_rows_block(num_rows: int, out_len: int,
+                      tile: Optional[int] = None) -> Tuple[int, int, int]:
+  """(T tokens per block, C programs per row, warps) of the fused extend kernel's "rows"
+  layout. out_len / num_rows is the mean row of a full batch. T (unless given) is twice
+  the mean as a power of two in EXTEND_ROWS_BLOCK, so a row of up to twice the mean is
+  one block; where twice the mean is longer than T, C programs share each row so that
+  it still takes one block per program (C * T covers min(2 * mean, out_len)). Programs
+  whose chunk starts past their row's end (short rows) only load the rows."""
+  lo, hi = EXTEND_ROWS_BLOCK
+  span = min(2 * -(-out_len // num_rows), out_len)
+  if tile is None:
+    tile = min(max(next_pow2(span), lo), hi, next_pow2(out_len))
+  chunks = max(1, -(-span // tile))
+  warps = max(1, min(8, max(tile, next_pow2(num_rows)) // 256))
+  return tile, chunks, warps

@@ -79,11 +79,34 @@ def test_extend_tunings(tile, window, warps, rows):
     return out, s.free_head, s.free_len, ok
 
   fn = functools.partial(pallas_kernels.alloc_extend_triton, page_size=ps, out_len=16384,
-                         tile=tile, window=window, num_warps=warps,
+                         tile=tile, window=window, num_warps=warps, layout="tiles",
                          interpret=INTERPRET)
   got = jax.jit(jax.vmap(lambda r, h, l, p, s, la, n: fn(r, h, l, n, p, s, la)))(
       ring, head, length, pre, seq, last, nreq)
   _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, pre, seq, last, nreq))
+
+
+@pytest.mark.parametrize("rows,kwargs", [
+    (16, {}), (1024, {}), (256, dict(num_warps=8)), (256, dict(tile=256)),
+    (64, dict(tile=64, chunks=3, num_warps=2)), (1, {})])
+def test_extend_rows_layout(rows, kwargs):
+  # The rows layout (one program per row and chunk) at the defaults and the tunings
+  # benchmarks/extend_layouts_gpu.py and gpu_check.py time; tiles in test_extend_tunings.
+  from test_extend_layouts import _check_kernel  # pylint: disable=g-import-not-at-top
+  for ps in (1, 16, 64):
+    _check_kernel(ps, rows=rows, max_tokens=16384, num_pages=20000, seed=rows,
+                  layout="rows", interpret=INTERPRET, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ("rows", "tiles"))
+def test_fused_allocation_each_layout(layout, monkeypatch):
+  # The allocator with each layout forced (the default rule picks one per batch size).
+  from test_extend_layouts import force_layout  # pylint: disable=g-import-not-at-top
+  force_layout(monkeypatch, layout)
+  for ps in (1, 3, 64):
+    check_alloc_extend(ps, KERNEL, num_cases=16, model_cases=4, seed=12)
+    check_alloc_extend(ps, KERNEL, rows=1024, max_tokens=65536, num_pages=70000,
+                       num_cases=2, model_cases=1, seed=13)
 
 
 @pytest.mark.parametrize("rows,row_block,warps", [(16384, 4096, 8), (256, 256, 4)])

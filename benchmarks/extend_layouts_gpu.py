@@ -1,0 +1,210 @@
+"""The one-launch extend kernel's two layouts, timed bare on a GPU (issue 13 item 1).
+
+    python benchmarks/extend_layouts_gpu.py --json $OUT/extend_layouts.json  # a GPU, < 90 s
+    python benchmarks/extend_layouts_gpu.py --small                          # CPU, interpreter
+
+For each extend case of `jax-kvalloc bench` on the H200 (bench_micro.make_case, seed 0,
+page size 64: bs 1 x 8192 tokens, 16 x 32768, 64 x 32768, 256 x 65536, 1024 x 65536) it
+runs `pallas_kernels.alloc_extend_triton` with layout="tiles" and layout="rows" (default
+tile, chunks and warps of each), checks the whole result (indices, new head and length,
+ok) against the jnp path (kernel="jnp", the same case), then times it in the project's
+harness unlinked, as `jax-kvalloc bench --bare` times the Pallas call
+(timing.chain_time(linked=False): calls chained in one jit through the state's head, every
+output folded into a sink; valid because the call is one kernel launch). The figures
+compare with SGLang's kernel alone (CUDA-graph replay), which the table quotes from the
+last bench run on file (benchmarks/h200_run7_bench_extend.json: another run, so ratios
+are indicative only).
+
+Prints a table (us per call; the layout tuning.extend_layout picks is marked *) and writes
+every figure, the kernel configurations and the machine to --json. Budget: cases left
+when --budget seconds have passed are skipped (and listed).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from pallas_kernels import tuning
+from pallas_kernels._util import next_pow2
+from jax_kvalloc.tools import bench
+from jax_kvalloc.tools import bench_micro
+from jax_kvalloc.tools import timing
+
+CASES = ((1, 8192), (16, 32768), (64, 32768), (256, 65536), (1024, 65536))
+SMALL_CASES = ((1, 300), (16, 512), (64, 1024))
+LAYOUTS = ("tiles", "rows")
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                         "h200_run7_bench_extend.json")
+
+
+def kernel_config(layout: str, bs: int, tokens: int) -> dict:
+  """The launch of alloc_extend_triton at its defaults (tuning.py's rules)."""
+  rows_pad = next_pow2(bs)
+  if layout == "rows":
+    tile, chunks, warps = tuning.extend_rows_block(bs, tokens)
+    return dict(tile=tile, chunks=chunks, warps=warps, programs=bs * chunks)
+  tile, warps = tuning.extend_tile_warps(rows_pad, tokens, True, False)
+  return dict(tile=tile, warps=warps, programs=-(-tokens // tile))
+
+
+def layout_call(case: bench_micro.Case, layout: str, interpret: bool):
+  """(call(state, inputs) -> (state, outputs), state, inputs): alloc_extend_triton on
+  the case; the state's head moves from call to call (bench_micro.jax_call's chain)."""
+  _, _, state, inputs = bench_micro.jax_call(case, "jnp")
+  nreq = jnp.int32(case.bs)
+  fn = functools.partial(pallas_kernels.alloc_extend_triton, page_size=case.page_size,
+                         out_len=case.tokens, layout=layout, interpret=interpret)
+
+  def call(s, x):
+    out, head, length, ok = fn(s.free_ring, s.free_head, s.free_len, nreq, *x)
+    return s._replace(free_head=head), (out, ok, head, length)
+  return call, state, inputs
+
+
+def check(case: bench_micro.Case, layout: str, interpret: bool, want) -> str:
+  """"ok", or what differs from `want`, the jnp path's (state, indices, ok) on the case
+  (whole result of one call)."""
+  state, out, ok = want
+  if not bool(ok):
+    return "the case does not fit (jnp path refused it)"
+  call, s0, inputs = layout_call(case, layout, interpret)
+  _, (got, got_ok, head, length) = jax.jit(call)(s0, inputs)
+  for name, a, b in (("indices", got, out), ("ok", got_ok, ok),
+                     ("free_head", head, state.free_head),
+                     ("free_len", length, state.free_len)):
+    if not np.array_equal(np.asarray(a), np.asarray(b)):
+      return f"MISMATCH in {name} against the jnp path"
+  return "ok"
+
+
+def reference(page_size: int) -> dict:
+  """{(bs, tokens): (tiles bare us, SGLang bare us)} of the last bench run on file."""
+  try:
+    with open(REFERENCE) as f:
+      d = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  if d.get("config", {}).get("page_size") != page_size:
+    return {}
+  out = {}
+  for r in d.get("micro", []):
+    if r.get("op") == "extend":
+      out[(r["bs"], r["tokens"])] = ((r["jax"].get("pallas") or {}).get("bare_us"),
+                                     (r.get("sglang") or {}).get("bare_us"))
+  return out
+
+
+def header() -> dict:
+  """The bench's record of the machine (bench.environment, without torch) and triton's
+  version."""
+  env = bench.environment("not used")
+  env["command"] = "python " + " ".join(sys.argv)
+  try:
+    env["triton"] = importlib.metadata.version("triton")
+  except importlib.metadata.PackageNotFoundError:
+    env["triton"] = None
+  return env
+
+
+def _fmt(x) -> str:
+  return "-" if x is None or x != x else f"{x:.2f}"
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--json", help="write the results here")
+  ap.add_argument("--small", action="store_true",
+                  help="small cases in Pallas' interpreter (CPU; checks the script)")
+  ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--unroll", type=int, default=None, help="default 32 (small: 2)")
+  ap.add_argument("--min-time", type=float, default=None, help="default 0.03 s")
+  ap.add_argument("--reps", type=int, default=None, help="default 5 (small: 1)")
+  ap.add_argument("--budget", type=float, default=80.0,
+                  help="seconds after which the remaining cases are skipped")
+  args = ap.parse_args(argv)
+  start = time.perf_counter()
+  interpret = args.small
+  if not interpret and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+    print("no GPU: run on a GPU, or with --small (interpreter, CPU)", file=sys.stderr)
+    return 2
+  unroll = args.unroll or (2 if interpret else 32)
+  min_time = args.min_time or (0.001 if interpret else 0.03)
+  reps = args.reps or (1 if interpret else 5)
+  env = header()
+  print(" ".join(f"{k} {env[k]}" for k in ("date", "device", "jax", "triton", "python")),
+        flush=True)
+  ref = reference(args.page_size)
+  results, skipped = [], []
+  for bs, tokens in SMALL_CASES if interpret else CASES:
+    case = bench_micro.make_case("extend", bs, tokens, args.page_size, seed=0)
+    pick = tuning.extend_layout(next_pow2(bs), case.tokens)
+    want = bench_micro.jax_call(case, "jnp")[0]()
+    for layout in LAYOUTS:
+      if time.perf_counter() - start > args.budget:
+        skipped.append(f"bs={bs} {layout}")
+        continue
+      row = {"bs": bs, "tokens": case.tokens, "page_size": args.page_size,
+             "layout": layout, "default": layout == pick,
+             "config": kernel_config(layout, bs, case.tokens)}
+      try:
+        row["check"] = check(case, layout, interpret, want)
+        if row["check"] == "ok":
+          call, state, inputs = layout_call(case, layout, interpret)
+          r = timing.chain_time(call, state, inputs, unroll=unroll, min_time=min_time,
+                                reps=reps, linked=False)
+          row.update(us=r["s"] * 1e6, min_us=r["min_s"] * 1e6, spread=r["spread"],
+                     iters=r["iters"], compile_s=r["compile_s"])
+      except Exception as e:  # pylint: disable=broad-except
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+      row["reference_tiles_bare_us"], row["reference_sglang_bare_us"] = ref.get(
+          (bs, case.tokens), (None, None))
+      results.append(row)
+      print(f"bs={bs} tokens={case.tokens} {layout}: {_fmt(row.get('us'))} us "
+            f"{row['config']} {row.get('check', '')} {row.get('error', '')}", flush=True)
+
+  lines = [f"alloc_extend_triton bare (timing.chain_time linked=False, unroll {unroll}, "
+           f"median of {reps}), page size {args.page_size}, us per call; * = "
+           f"tuning.extend_layout's pick",
+           f"{'bs':>5} {'tokens':>7} {'tiles':>8} {'rows':>8} {'rows/tiles':>10} "
+           f"{'SGLang(ref)':>11} {'tiles(ref)':>10}  check"]
+  for bs, tokens in dict.fromkeys((r["bs"], r["tokens"]) for r in results):
+    by = {r["layout"]: r for r in results if (r["bs"], r["tokens"]) == (bs, tokens)}
+    cell = lambda l: (_fmt(by[l].get("us")) + ("*" if by[l]["default"] else " ")
+                      if l in by else "skipped")
+    t, w = (by.get(l, {}).get("us") for l in LAYOUTS)
+    ratio = f"{w / t:.2f}" if t and w else "-"
+    any_row = next(iter(by.values()))
+    checks = ",".join(sorted({by[l].get("check") or by[l].get("error", "?")[:40]
+                              for l in by}))
+    lines.append(f"{bs:>5} {tokens:>7} {cell('tiles'):>8} {cell('rows'):>8} {ratio:>10} "
+                 f"{_fmt(any_row['reference_sglang_bare_us']):>11} "
+                 f"{_fmt(any_row['reference_tiles_bare_us']):>10}  {checks}")
+  if skipped:
+    lines.append("skipped (budget): " + ", ".join(skipped))
+  print("\n" + "\n".join(lines), flush=True)
+  total = time.perf_counter() - start
+  print(f"total {total:.0f} s", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"env": env, "config": {"unroll": unroll, "min_time": min_time,
+                                        "reps": reps, "interpret": interpret,
+                                        "rows_layout_range": [tuning.EXTEND_ROWS_MIN_ROWS,
+                                                              tuning.EXTEND_ROWS_MAX_ROWS]},
+                 "results": results, "skipped": skipped, "table": lines,
+                 "total_s": total}, f, indent=1)
+  bad = [r for r in results if r.get("check") != "ok"]
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
