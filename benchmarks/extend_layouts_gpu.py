@@ -87,6 +87,14 @@ def check(case: bench_micro.Case, layout: str, interpret: bool, want) -> str:
   return "ok"
 
 
+def single_launch(call, state, inputs) -> bool:
+  """Whether the compiled call is one custom call and no fusion (what makes the bare,
+  unlinked chain lose no work; bench_micro.one_custom_call's condition)."""
+  text = jax.jit(call).lower(state, inputs).compile().as_text()
+  body = text[text.index("ENTRY"):]
+  return body.count("custom-call(") == 1 and "fusion(" not in body
+
+
 def reference(page_size: int) -> dict:
   """{(bs, tokens): (tiles bare us, SGLang bare us)} of the last bench run on file."""
   try:
@@ -160,6 +168,8 @@ def main(argv=None) -> int:
         row["check"] = check(case, layout, interpret, want)
         if row["check"] == "ok":
           call, state, inputs = layout_call(case, layout, interpret)
+          if not interpret:
+            row["single_launch"] = single_launch(call, state, inputs)
           r = timing.chain_time(call, state, inputs, unroll=unroll, min_time=min_time,
                                 reps=reps, linked=False)
           row.update(us=r["s"] * 1e6, min_us=r["min_s"] * 1e6, spread=r["spread"],
