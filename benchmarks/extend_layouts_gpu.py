@@ -1,16 +1,19 @@
-"""The one-launch extend kernel's two layouts, timed bare on a GPU (issue 13 item 1).
+"""The one-launch extend kernel's layouts, timed bare on a GPU (issue 13 item 1).
 
     python benchmarks/extend_layouts_gpu.py --json $OUT/extend_layouts.json  # a GPU, < 90 s
     python benchmarks/extend_layouts_gpu.py --small                          # CPU, interpreter
 
 For each extend case of `jax-kvalloc bench` on the H200 (bench_micro.make_case, seed 0,
-page size 64: bs 1 x 8192 tokens, 16 x 32768, 64 x 32768, 256 x 65536, 1024 x 65536) it
-runs `pallas_kernels.alloc_extend_triton` with layout="tiles" and layout="rows" (default
-tile, chunks and warps of each), checks the whole result (indices, new head and length,
-ok) against the jnp path (kernel="jnp", the same case), then times it in the project's
+page size 64: bs 1 x 8192 tokens, 16 x 32768, 64 x 32768, 256 x 65536, 1024 x 65536),
+and two skewed batches (the same, but one row holds all tokens but 8 per other row: bs
+64 x 32768 and 1024 x 65536), it runs `pallas_kernels.alloc_extend_triton` with
+layout="tiles", "rows" and "blocks" (default tile, chunks and warps of each), checks the
+whole result (indices, new head and length, ok) against the jnp path (kernel="jnp", the
+same case), then times it in the project's
 harness unlinked, as `jax-kvalloc bench --bare` times the Pallas call
-(timing.chain_time(linked=False): calls chained in one jit through the state's head, every
-output folded into a sink; valid because the call is one kernel launch). The figures
+(timing.graph_replay_time: one XLA program of BARE_UNROLL calls chained through the
+state's head, compiled to a CUDA graph and replayed; valid because the call is one kernel
+launch). The figures
 compare with SGLang's kernel alone (CUDA-graph replay), which the table quotes from the
 last bench run on file (benchmarks/h200_run7_bench_extend.json: another run, so ratios
 are indicative only).
@@ -22,6 +25,7 @@ when --budget seconds have passed are skipped (and listed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -40,11 +44,31 @@ from jax_kvalloc.tools import bench
 from jax_kvalloc.tools import bench_micro
 from jax_kvalloc.tools import timing
 
-CASES = ((1, 8192), (16, 32768), (64, 32768), (256, 65536), (1024, 65536))
-SMALL_CASES = ((1, 300), (16, 512), (64, 1024))
-LAYOUTS = ("tiles", "rows")
+# (bs, tokens, skewed)
+CASES = ((1, 8192, False), (16, 32768, False), (64, 32768, False), (256, 65536, False),
+         (1024, 65536, False), (64, 32768, True), (1024, 65536, True))
+SMALL_CASES = ((1, 300, False), (16, 512, False), (64, 1024, False), (16, 512, True))
+LAYOUTS = ("tiles", "rows", "blocks")
+SKEW_OTHERS = 8   # tokens of every row but the first in a skewed batch
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                          "h200_run7_bench_extend.json")
+
+
+def make_case(bs: int, tokens: int, page_size: int, skewed: bool) -> bench_micro.Case:
+  """bench_micro.make_case's extend case; skewed: row 0 holds all tokens but
+  SKEW_OTHERS per other row (same prefixes; a pool with room for it)."""
+  case = bench_micro.make_case("extend", bs, tokens, page_size, seed=0)
+  if not skewed:
+    return case
+  ext = np.full(bs, SKEW_OTHERS, np.int64)
+  ext[0] = tokens - SKEW_OTHERS * (bs - 1)
+  pre = case.pre.astype(np.int64)
+  seq = pre + ext
+  need = int(np.sum(-(-seq // page_size) - (-(-pre // page_size))))
+  num_pages = max(case.num_pages, 2 * need + 1024)
+  ring = (np.random.default_rng([1, bs, tokens]).permutation(num_pages) + 1)
+  return dataclasses.replace(case, seq=seq.astype(np.int32), tokens=int(ext.sum()),
+                             num_pages=num_pages, free_ring=ring.astype(np.int32))
 
 
 def kernel_config(layout: str, bs: int, tokens: int) -> dict:
@@ -53,6 +77,9 @@ def kernel_config(layout: str, bs: int, tokens: int) -> dict:
   if layout == "rows":
     tile, chunks, warps = tuning.extend_rows_block(bs, tokens)
     return dict(tile=tile, chunks=chunks, warps=warps, programs=bs * chunks)
+  if layout == "blocks":
+    tile, _, warps = tuning.extend_rows_block(bs, tokens)
+    return dict(tile=tile, warps=warps, programs=-(-tokens // tile) + bs)
   tile, warps = tuning.extend_tile_warps(rows_pad, tokens, True, False)
   return dict(tile=tile, warps=warps, programs=-(-tokens // tile))
 
@@ -134,7 +161,8 @@ def main(argv=None) -> int:
   ap.add_argument("--small", action="store_true",
                   help="small cases in Pallas' interpreter (CPU; checks the script)")
   ap.add_argument("--page-size", type=int, default=64)
-  ap.add_argument("--unroll", type=int, default=None, help="default 32 (small: 2)")
+  ap.add_argument("--unroll", type=int, default=None,
+                  help="calls per graph, default bench_micro.BARE_UNROLL (small: 2)")
   ap.add_argument("--min-time", type=float, default=None, help="default 0.03 s")
   ap.add_argument("--reps", type=int, default=None, help="default 5 (small: 1)")
   ap.add_argument("--budget", type=float, default=80.0,
@@ -145,7 +173,7 @@ def main(argv=None) -> int:
   if not interpret and jax.default_backend() not in ("gpu", "cuda", "rocm"):
     print("no GPU: run on a GPU, or with --small (interpreter, CPU)", file=sys.stderr)
     return 2
-  unroll = args.unroll or (2 if interpret else 32)
+  unroll = args.unroll or (2 if interpret else bench_micro.BARE_UNROLL)
   min_time = args.min_time or (0.001 if interpret else 0.03)
   reps = args.reps or (1 if interpret else 5)
   env = header()
@@ -170,8 +198,8 @@ def main(argv=None) -> int:
           call, state, inputs = layout_call(case, layout, interpret)
           if not interpret:
             row["single_launch"] = single_launch(call, state, inputs)
-          r = timing.chain_time(call, state, inputs, unroll=unroll, min_time=min_time,
-                                reps=reps, linked=False)
+          r = timing.graph_replay_time(call, state, inputs, unroll=unroll,
+                                       min_time=min_time, reps=reps)
           row.update(us=r["s"] * 1e6, min_us=r["min_s"] * 1e6, spread=r["spread"],
                      iters=r["iters"], compile_s=r["compile_s"])
       except Exception as e:  # pylint: disable=broad-except
@@ -182,7 +210,7 @@ def main(argv=None) -> int:
       print(f"bs={bs} tokens={case.tokens} {layout}: {_fmt(row.get('us'))} us "
             f"{row['config']} {row.get('check', '')} {row.get('error', '')}", flush=True)
 
-  lines = [f"alloc_extend_triton bare (timing.chain_time linked=False, unroll {unroll}, "
+  lines = [f"alloc_extend_triton bare (timing.graph_replay_time, graphs of {unroll} calls, "
            f"median of {reps}), page size {args.page_size}, us per call; * = "
            f"tuning.extend_layout's pick",
            f"{'bs':>5} {'tokens':>7} {'tiles':>8} {'rows':>8} {'rows/tiles':>10} "
