@@ -9,14 +9,13 @@ and two skewed batches (the same, but one row holds all tokens but 8 per other r
 64 x 32768 and 1024 x 65536), it runs `pallas_kernels.alloc_extend_triton` with
 layout="tiles", "rows" and "blocks" (default tile, chunks and warps of each), checks the
 whole result (indices, new head and length, ok) against the jnp path (kernel="jnp", the
-same case), then times it in the project's
-harness unlinked, as `jax-kvalloc bench --bare` times the Pallas call
+same case), then times it alone, as `jax-kvalloc bench --bare` times the Pallas call
 (timing.graph_replay_time: one XLA program of BARE_UNROLL calls chained through the
 state's head, compiled to a CUDA graph and replayed; valid because the call is one kernel
-launch). The figures
-compare with SGLang's kernel alone (CUDA-graph replay), which the table quotes from the
-last bench run on file (benchmarks/h200_run7_bench_extend.json: another run, so ratios
-are indicative only).
+launch, which `single_launch` records). The figures compare with SGLang's kernel alone
+(a CUDA graph of its launches); the table quotes SGLang's and our tiles kernel's bare
+figures of the last bench run on file (benchmarks/h200_run7_bench_extend.json: another
+run and the older bare loop, so those ratios are indicative only).
 
 Prints a table (us per call; the layout tuning.extend_layout picks is marked *) and writes
 every figure, the kernel configurations and the machine to --json. Budget: cases left
@@ -115,8 +114,8 @@ def check(case: bench_micro.Case, layout: str, interpret: bool, want) -> str:
 
 
 def single_launch(call, state, inputs) -> bool:
-  """Whether the compiled call is one custom call and no fusion (what makes the bare,
-  unlinked chain lose no work; bench_micro.one_custom_call's condition)."""
+  """Whether the compiled call is one custom call and no fusion (what makes the bare
+  program lose no work; bench_micro.one_custom_call's condition)."""
   text = jax.jit(call).lower(state, inputs).compile().as_text()
   body = text[text.index("ENTRY"):]
   return body.count("custom-call(") == 1 and "fusion(" not in body
@@ -165,8 +164,10 @@ def main(argv=None) -> int:
                   help="calls per graph, default bench_micro.BARE_UNROLL (small: 2)")
   ap.add_argument("--min-time", type=float, default=None, help="default 0.03 s")
   ap.add_argument("--reps", type=int, default=None, help="default 5 (small: 1)")
-  ap.add_argument("--budget", type=float, default=80.0,
+  ap.add_argument("--budget", type=float, default=65.0,
                   help="seconds after which the remaining cases are skipped")
+  ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                  help="comma-separated layouts to time (default all)")
   args = ap.parse_args(argv)
   start = time.perf_counter()
   interpret = args.small
@@ -181,16 +182,17 @@ def main(argv=None) -> int:
         flush=True)
   ref = reference(args.page_size)
   results, skipped = [], []
-  for bs, tokens in SMALL_CASES if interpret else CASES:
-    case = bench_micro.make_case("extend", bs, tokens, args.page_size, seed=0)
+  for bs, tokens, skewed in SMALL_CASES if interpret else CASES:
+    label = f"bs={bs} tokens={tokens}{' skewed' if skewed else ''}"
+    if time.perf_counter() - start > args.budget:
+      skipped.append(label)
+      continue
+    case = make_case(bs, tokens, args.page_size, skewed)
     pick = tuning.extend_layout(next_pow2(bs), case.tokens)
     want = bench_micro.jax_call(case, "jnp")[0]()
-    for layout in LAYOUTS:
-      if time.perf_counter() - start > args.budget:
-        skipped.append(f"bs={bs} {layout}")
-        continue
-      row = {"bs": bs, "tokens": case.tokens, "page_size": args.page_size,
-             "layout": layout, "default": layout == pick,
+    for layout in args.layouts.split(","):
+      row = {"bs": bs, "tokens": case.tokens, "skewed": skewed,
+             "page_size": args.page_size, "layout": layout, "default": layout == pick,
              "config": kernel_config(layout, bs, case.tokens)}
       try:
         row["check"] = check(case, layout, interpret, want)
@@ -204,28 +206,33 @@ def main(argv=None) -> int:
                      iters=r["iters"], compile_s=r["compile_s"])
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {e}"[:300]
-      row["reference_tiles_bare_us"], row["reference_sglang_bare_us"] = ref.get(
-          (bs, case.tokens), (None, None))
+      row["reference_tiles_bare_us"], row["reference_sglang_bare_us"] = (
+          (None, None) if skewed else ref.get((bs, case.tokens), (None, None)))
       results.append(row)
-      print(f"bs={bs} tokens={case.tokens} {layout}: {_fmt(row.get('us'))} us "
-            f"{row['config']} {row.get('check', '')} {row.get('error', '')}", flush=True)
+      print(f"{label} {layout}: {_fmt(row.get('us'))} us {row['config']} "
+            f"{row.get('check', '')} {row.get('error', '')}", flush=True)
 
   lines = [f"alloc_extend_triton bare (timing.graph_replay_time, graphs of {unroll} calls, "
            f"median of {reps}), page size {args.page_size}, us per call; * = "
            f"tuning.extend_layout's pick",
-           f"{'bs':>5} {'tokens':>7} {'tiles':>8} {'rows':>8} {'rows/tiles':>10} "
-           f"{'SGLang(ref)':>11} {'tiles(ref)':>10}  check"]
-  for bs, tokens in dict.fromkeys((r["bs"], r["tokens"]) for r in results):
-    by = {r["layout"]: r for r in results if (r["bs"], r["tokens"]) == (bs, tokens)}
+           f"{'bs':>5} {'tokens':>7} {'batch':>6} "
+           + "".join(f"{l:>9}" for l in LAYOUTS)
+           + f" {'best/tiles':>10} {'SGLang(ref)':>11} {'tiles(ref)':>10}  check"]
+  keys = dict.fromkeys((r["bs"], r["tokens"], r["skewed"]) for r in results)
+  for bs, tokens, skewed in keys:
+    by = {r["layout"]: r for r in results if (r["bs"], r["tokens"], r["skewed"]) ==
+          (bs, tokens, skewed)}
     cell = lambda l: (_fmt(by[l].get("us")) + ("*" if by[l]["default"] else " ")
-                      if l in by else "skipped")
-    t, w = (by.get(l, {}).get("us") for l in LAYOUTS)
-    ratio = f"{w / t:.2f}" if t and w else "-"
+                      if l in by else "-")
+    us = {l: by[l]["us"] for l in by if by[l].get("us")}
+    best = min((v, l) for l, v in us.items() if l != "tiles") if len(us) > 1 else None
+    ratio = f"{best[0] / us['tiles']:.2f} {best[1]}" if best and "tiles" in us else "-"
     any_row = next(iter(by.values()))
     checks = ",".join(sorted({by[l].get("check") or by[l].get("error", "?")[:40]
                               for l in by}))
-    lines.append(f"{bs:>5} {tokens:>7} {cell('tiles'):>8} {cell('rows'):>8} {ratio:>10} "
-                 f"{_fmt(any_row['reference_sglang_bare_us']):>11} "
+    lines.append(f"{bs:>5} {tokens:>7} {'skewed' if skewed else 'even':>6} "
+                 + "".join(f"{cell(l):>9}" for l in LAYOUTS)
+                 + f" {ratio:>10} {_fmt(any_row['reference_sglang_bare_us']):>11} "
                  f"{_fmt(any_row['reference_tiles_bare_us']):>10}  {checks}")
   if skipped:
     lines.append("skipped (budget): " + ", ".join(skipped))
@@ -236,8 +243,9 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       json.dump({"env": env, "config": {"unroll": unroll, "min_time": min_time,
                                         "reps": reps, "interpret": interpret,
-                                        "rows_layout_range": [tuning.EXTEND_ROWS_MIN_ROWS,
-                                                              tuning.EXTEND_ROWS_MAX_ROWS]},
+                                        "per_row_layout": tuning.EXTEND_ROWS_LAYOUT,
+                                        "per_row_range": [tuning.EXTEND_ROWS_MIN_ROWS,
+                                                          tuning.EXTEND_ROWS_MAX_ROWS]},
                  "results": results, "skipped": skipped, "table": lines,
                  "total_s": total}, f, indent=1)
   bad = [r for r in results if r.get("check") != "ok"]

@@ -26,7 +26,7 @@ where fnp = ceil(pre/ps) and E = fnp*ps - A. They differ in how a token finds it
   work is repeated by every program, so `fused_supported` limits rows * programs; beyond
   it the allocator computes the prefix sums in XLA and calls the contract kernel.
 
-`alloc_extend_triton` has two layouts (static `layout`, default `tuning.extend_layout`):
+`alloc_extend_triton` has three layouts (static `layout`, default `tuning.extend_layout`):
 
 - "tiles", as above: a program per tile of T output tokens, rows found by a search.
 - "rows": a program per (row, chunk), grid B * C. Every program loads all rows once (the
@@ -36,8 +36,15 @@ where fnp = ceil(pre/ps) and E = fnp*ps - A. They differ in how a token finds it
   count), and last its share of the zero tail [total, out_len) (blocks pid, pid + B*C,
   ...; all of out_len when the batch fails). C and T come from the mean row length
   (`tuning.extend_rows_block`), so a batch of even rows takes about one block per
-  program; a row far above the mean loops on its C programs, and programs whose chunk
-  lies past their row's end do only the row loads.
+  program; a row far above the mean loops on its C programs (one row of all out_len
+  tokens: out_len / (C * T) blocks in a row on each), and programs whose chunk lies past
+  their row's end do only the row loads.
+- "blocks": each row's tokens cut into blocks of T (T as for "rows"), program pid writes
+  the pid-th block of the batch and block grid - 1 - pid of the zero tail, grid
+  cdiv(out_len, T) + B (the most row blocks a batch can have). A program finds its
+  row by one prefix scan of the rows' block counts and one count; then as "rows" but
+  with no loop. No row is long for it (a row of all tokens is spread over its blocks'
+  programs); it pays that scan and up to B programs that do only the row loads.
 
 Every read of the free list is masked by the capacity check (fused) or clamped into the
 window (contract), and every index is clamped into its array: no read leaves its buffer
@@ -68,7 +75,7 @@ _LINE = 8
 
 MAX_FUSED_ROWS = capacity.MAX_EXACT_LANES  # the exact total check's lane limit
 MAX_FUSED_ROW_WORK = 2**17   # rows_pad * programs: beyond, the contract path scales better
-LAYOUTS = ("rows", "tiles")  # alloc_extend_triton's program layouts (module docstring)
+LAYOUTS = ("rows", "blocks", "tiles")  # alloc_extend_triton's layouts (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +91,7 @@ class _Params:
   barrier: bool        # False in interpret mode (programs run one after another there)
   exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
   onehot: bool = False  # fused: find rows by a [tile, rows] comparison, no scratch
-  layout: str = "tiles"  # fused: "tiles" or "rows" (the module docstring)
+  layout: str = "tiles"  # fused: one of LAYOUTS (the module docstring)
   chunks: int = 1      # C, programs per row (layout "rows"); `tile` is then their block
 
 
@@ -251,6 +258,27 @@ def _ring_reader(p: _Params, ring_ref, head, flen, ok):
   return read_page
 
 
+def _own_row(p: _Params, b: _Batch, row, pre_ref, seq_ref, last_ref):
+  """A per-row layout's row `row` (i32[], may be >= B: no row): (bool[rows_pad] rows
+  before it, its tokens' span tok_start, tok_end in the output, its _slot constants
+  (a, e, c, bp)). Its offsets are masked sums over the rows before it; its own inputs
+  come by three scalar loads (a lane of the vectors would cost a reduction each). Only
+  a row of a batch that fits has tokens (tok_end > tok_start), and then its clipped and
+  raw counts agree and its offsets are exact."""
+  ps = p.page_size
+  before = jnp.arange(p.rows_pad, dtype=jnp.int32) < row
+  tok_start = jnp.sum(jnp.where(before, b.ext, 0))
+  page_start = jnp.sum(jnp.where(before, b.new_pages, 0))
+  live = b.ok & (row < b.nrows)
+  pre = _util.load(pre_ref, row, live)
+  ext = _util.load(seq_ref, row, live) - pre
+  last = _util.load(last_ref, row, live)
+  fnp = cdiv(pre, ps)
+  a = pre - tok_start
+  return (before, tok_start, tok_start + ext,
+          (a, fnp * ps - a, last + 1 - tok_start, page_start - fnp))
+
+
 def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
                   pre_ref, seq_ref, last_ref,                              # inputs: batch
                   out_ref, head_out, len_out, ok_out, scr_ref,            # outputs
@@ -295,30 +323,17 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
   head = head_ref[0]
   flen = flen_ref[0]
   b = _batch(p, flen, nreq_ref, pre_ref, seq_ref)
-  before = jnp.arange(p.rows_pad, dtype=jnp.int32) < row
-  tok_start = jnp.sum(jnp.where(before, b.ext, 0))
-  page_start = jnp.sum(jnp.where(before, b.new_pages, 0))
-  # The row's own inputs by three scalar loads (a lane of the vectors would cost a
-  # reduction each). Only a row of a batch that fits writes, so its clipped and raw
-  # counts agree and its offsets are exact.
-  live = b.ok & (row < b.nrows)
-  pre = _util.load(pre_ref, row, live)
-  ext = _util.load(seq_ref, row, live) - pre
-  last = _util.load(last_ref, row, live)
-  fnp = cdiv(pre, ps)
-  a = pre - tok_start
-  e, c, bp = fnp * ps - a, last + 1 - tok_start, page_start - fnp
-  tok_end = tok_start + ext
+  _, tok_start, tok_end, consts = _own_row(p, b, row, pre_ref, seq_ref, last_ref)
   lanes = jnp.arange(tile, dtype=jnp.int32)
   read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
 
   def row_block(i, carry):
     t = tok_start + (chunk + i * p.chunks) * tile + lanes
     mine = t < tok_end
-    _util.store(out_ref, t, _slot(ps, t, a, e, c, bp, read_page, mine), mine)
+    _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine), mine)
     return carry
 
-  blocks = cdiv(ext, tile)  # 0 for padded rows and failed batches
+  blocks = cdiv(tok_end - tok_start, tile)  # 0 for padded rows and failed batches
   lax.fori_loop(0, cdiv(jnp.maximum(blocks - chunk, 0), p.chunks), row_block, 0)
 
   # The zero tail, blocks spread over all programs.
@@ -338,6 +353,42 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
                      pages=b.total_pages, ok=b.ok)
 
 
+def _blocks_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
+                   pre_ref, seq_ref, last_ref,                # inputs: batch
+                   out_ref, head_out, len_out, ok_out,        # outputs
+                   *, p: _Params):
+  """Layout "blocks": program pid writes one block of T tokens (module docstring). Refs
+  as in _fused_kernel, no scratch."""
+  ps, tile = p.page_size, p.tile
+  grid = pl.cdiv(p.out_len, tile) + p.num_rows
+  pid = pl.program_id(0)
+  head = head_ref[0]
+  flen = flen_ref[0]
+  b = _batch(p, flen, nreq_ref, pre_ref, seq_ref)
+  blocks = jnp.where(b.ok, cdiv(b.ext, tile), 0)
+  # The row whose blocks hold block pid: #rows whose blocks end at or before it (all
+  # rows when pid is past the last row block: then it writes no row tokens).
+  row = jnp.sum(jnp.where(jnp.cumsum(blocks) <= pid, 1, 0))
+  before, tok_start, tok_end, consts = _own_row(p, b, row, pre_ref, seq_ref, last_ref)
+  first_block = jnp.sum(jnp.where(before, blocks, 0))  # <= pid
+  read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
+  lanes = jnp.arange(tile, dtype=jnp.int32)
+  t = tok_start + (pid - first_block) * tile + lanes
+  mine = t < tok_end
+  _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine), mine)
+  # The zero tail [start, out_len): its block q by program grid - 1 - q (a program may
+  # write a row block and a tail block; row blocks number at most
+  # sum(cdiv(ext, T)) <= cdiv(out_len, T) + B = grid, tail blocks cdiv(out_len, T)).
+  start = jnp.where(b.ok, b.total, 0)
+  t = start + (grid - 1 - pid) * tile + lanes
+  _util.store(out_ref, t, jnp.zeros_like(t), (t >= start) & (t < p.out_len))
+
+  @pl.when(pid == 0)
+  def _():
+    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=p.src_len,
+                     pages=b.total_pages, ok=b.ok)
+
+
 # ---------------------------------------------------------------------------------------
 # Grid, shapes and wrappers.
 # ---------------------------------------------------------------------------------------
@@ -345,16 +396,16 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
 def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret,
             onehot=None, layout="tiles", chunks=None):
   rows_pad = _util.next_pow2(num_rows)
-  if layout == "rows":
+  if layout in ("rows", "blocks"):
     tile, default_chunks, _ = tuning.extend_rows_block(num_rows, out_len, tile)
-    chunks = default_chunks if chunks is None else chunks
+    chunks = default_chunks if chunks is None or layout == "blocks" else chunks
     if not (_util.is_pow2(tile) and isinstance(chunks, int) and chunks >= 1):
       raise ValueError(f"tile={tile} must be a power of two and chunks={chunks} an int "
                        ">= 1")
     return _Params(fused=True, num_rows=num_rows, rows_pad=rows_pad, tile=tile, window=1,
                    page_size=page_size, out_len=out_len, src_len=src_len,
                    barrier=not interpret,
-                   exact_totals=_may_wrap(num_rows, out_len, src_len), layout="rows",
+                   exact_totals=_may_wrap(num_rows, out_len, src_len), layout=layout,
                    chunks=chunks)
   if onehot is None:
     onehot = fused and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS
@@ -395,7 +446,7 @@ def fused_preferred(num_rows: int, out_len: int, ring_len: int) -> bool:
 
 
 def _default_warps(p: _Params) -> int:
-  if p.layout == "rows":
+  if p.layout in ("rows", "blocks"):
     return tuning.extend_rows_block(p.num_rows, p.out_len, p.tile)[2]
   tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused, p.onehot)
   if p.tile != tile:  # a tile set by hand: warps by the same rule
@@ -413,13 +464,14 @@ class _Call(_util.TritonCall):
     out = jax.ShapeDtypeStruct((p.out_len,), jnp.int32)
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
+      flag = jax.ShapeDtypeStruct((1,), jnp.bool_)
       if p.layout == "rows":
-        return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_)), _rows_kernel,
-                (p.num_rows * p.chunks,))
+        return (out, one, one, flag), _rows_kernel, (p.num_rows * p.chunks,)
+      if p.layout == "blocks":
+        return (out, one, one, flag), _blocks_kernel, (grid + p.num_rows,)
       scratch = jax.ShapeDtypeStruct((1 if p.onehot else grid * p.window * _LINE,),
                                      jnp.int32)
-      return ((out, one, one, jax.ShapeDtypeStruct((1,), jnp.bool_), scratch),
-              _fused_kernel, (grid,))
+      return (out, one, one, flag, scratch), _fused_kernel, (grid,)
     return (out,), _contract_kernel, (grid,)
 
 
@@ -432,9 +484,9 @@ def _layout(layout: str | None, num_rows: int, out_len: int, onehot: bool | None
     return tuning.extend_layout(rows_pad, out_len)
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
-  if layout == "rows" and onehot:
-    raise ValueError("onehot=True is a row search of layout='tiles'; layout='rows' has "
-                     "no search")
+  if layout != "tiles" and onehot:
+    raise ValueError(f"onehot=True is a row search of layout='tiles'; layout={layout!r} "
+                     "has none")
   return layout
 
 
@@ -481,12 +533,13 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     num_reqs: i32[] real rows (rows at index >= num_reqs are padding).
     prefix_lens, seq_lens, last_loc: i32[B].
     page_size, out_len: static.
-    layout: static, "rows" or "tiles" (module docstring); None: `tuning.extend_layout`,
-      or "tiles" when the one-hot search applies (onehot=True, or onehot=None and
-      rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS).
+    layout: static, "rows", "blocks" or "tiles" (module docstring); None:
+      `tuning.extend_layout`, or "tiles" when the one-hot search applies (onehot=True,
+      or onehot=None and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS).
     tile, window, num_warps, onehot, chunks: static tuning overrides. "tiles": tile
       (tokens per program), window, onehot; "rows": tile (tokens per block) and chunks
-      (programs per row). Powers of two except chunks (>= 1).
+      (programs per row); "blocks": tile (tokens per block). Powers of two except
+      chunks (>= 1).
 
   Returns:
     (i32[out_len] slots, i32[] new free_head, i32[] new free_len, bool[] ok), equal to
@@ -510,7 +563,7 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
   layout = _layout(layout, b, out_len, onehot)
   p = _params(True, b, page_size, out_len, n, tile, window, interpret, onehot, layout,
               chunks)
-  name = "jax_kvalloc_alloc_extend_triton" + ("_rows" if layout == "rows" else "")
+  name = "jax_kvalloc_alloc_extend_triton" + ("" if layout == "tiles" else "_" + layout)
   call = _Call(name, p, num_warps or _default_warps(p), interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),
           _i32(num_reqs).reshape(1), prefix_lens, seq_lens, last_loc)

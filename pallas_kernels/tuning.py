@@ -43,6 +43,11 @@ EXTEND_ONEHOT_WORK = 2**14
 # 3.06); past 1024 rows each of the B or more programs loads all B rows.
 EXTEND_ROWS_MIN_ROWS = 2
 EXTEND_ROWS_MAX_ROWS = 1024
+# The per-row layout the rule returns in that range: "rows" (SGLang's program shape: a
+# row far above the mean loops on its C programs) or "blocks" (one block per program
+# whatever the row lengths, for one more prefix scan per program and up to B programs
+# that only load the rows); also awaiting the H200 (the script times a skewed batch too).
+EXTEND_ROWS_LAYOUT = "rows"
 EXTEND_ROWS_BLOCK = (128, 1024)   # bounds of the rows layout's block T (tokens)
 
 
@@ -69,19 +74,22 @@ def decode_warps(rows_pad: int) -> int:
 
 
 def extend_layout(rows_pad: int, out_len: int) -> str:
-  """The fused extend kernel's default layout, "rows" or "tiles" (see above)."""
+  """The fused extend kernel's default layout: EXTEND_ROWS_LAYOUT or "tiles" (above)."""
   del out_len  # the measurement may make the rule depend on tokens per row
-  return "rows" if EXTEND_ROWS_MIN_ROWS <= rows_pad <= EXTEND_ROWS_MAX_ROWS else "tiles"
+  if EXTEND_ROWS_MIN_ROWS <= rows_pad <= EXTEND_ROWS_MAX_ROWS:
+    return EXTEND_ROWS_LAYOUT
+  return "tiles"
 
 
 def extend_rows_block(num_rows: int, out_len: int,
                       tile: Optional[int] = None) -> Tuple[int, int, int]:
   """(T tokens per block, C programs per row, warps) of the fused extend kernel's "rows"
-  layout. out_len / num_rows is the mean row of a full batch. T (unless given) is twice
-  the mean as a power of two in EXTEND_ROWS_BLOCK, so a row of up to twice the mean is
-  one block; where twice the mean is longer than T, C programs share each row so that
-  it still takes one block per program (C * T covers min(2 * mean, out_len)). Programs
-  whose chunk starts past their row's end (short rows) only load the rows."""
+  layout (T and warps also of "blocks"). out_len / num_rows is the mean row of a full
+  batch. T (unless given) is twice the mean as a power of two in EXTEND_ROWS_BLOCK, so
+  a row of up to twice the mean is one block; where twice the mean is longer than T, C
+  programs share each row so that it still takes one block per program (C * T covers
+  min(2 * mean, out_len)). Programs whose chunk starts past their row's end (short
+  rows) only load the rows."""
   lo, hi = EXTEND_ROWS_BLOCK
   span = min(2 * -(-out_len // num_rows), out_len)
   if tile is None:

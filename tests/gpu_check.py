@@ -46,7 +46,7 @@ MIN_TIME = 0.03
 # sizes name their layout. benchmarks/extend_layouts_gpu.py times the two layouts bare.
 EXTEND_CASES = ((1, 8192), (16, 8192), (16, 32768), (64, 32768), (256, 65536),
                 (1024, 65536))
-EXTEND_TUNINGS = (dict(), dict(layout="tiles"), dict(layout="rows"),
+EXTEND_TUNINGS = (dict(), dict(layout="tiles"), dict(layout="rows"), dict(layout="blocks"),
                   dict(layout="rows", num_warps=8), dict(layout="rows", tile=256),
                   dict(layout="tiles", tile=256, num_warps=1),
                   dict(layout="tiles", tile=1024, num_warps=4),

@@ -86,19 +86,23 @@ def test_extend_tunings(tile, window, warps, rows):
   _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, pre, seq, last, nreq))
 
 
+@pytest.mark.parametrize("layout", ("rows", "blocks"))
 @pytest.mark.parametrize("rows,kwargs", [
     (16, {}), (1024, {}), (256, dict(num_warps=8)), (256, dict(tile=256)),
     (64, dict(tile=64, chunks=3, num_warps=2)), (1, {})])
-def test_extend_rows_layout(rows, kwargs):
-  # The rows layout (one program per row and chunk) at the defaults and the tunings
-  # benchmarks/extend_layouts_gpu.py and gpu_check.py time; tiles in test_extend_tunings.
+def test_extend_per_row_layouts(rows, kwargs, layout):
+  # The rows layout (one program per row and chunk) and the blocks layout (one per
+  # row-aligned block) at the defaults and the tunings benchmarks/extend_layouts_gpu.py
+  # and gpu_check.py time; tiles in test_extend_tunings.
   from test_extend_layouts import _check_kernel  # pylint: disable=g-import-not-at-top
+  if layout != "rows":
+    kwargs = {k: v for k, v in kwargs.items() if k != "chunks"}
   for ps in (1, 16, 64):
     _check_kernel(ps, rows=rows, max_tokens=16384, num_pages=20000, seed=rows,
-                  layout="rows", interpret=INTERPRET, **kwargs)
+                  layout=layout, interpret=INTERPRET, **kwargs)
 
 
-@pytest.mark.parametrize("layout", ("rows", "tiles"))
+@pytest.mark.parametrize("layout", ("rows", "blocks", "tiles"))
 def test_fused_allocation_each_layout(layout, monkeypatch):
   # The allocator with each layout forced (the default rule picks one per batch size).
   from test_extend_layouts import force_layout  # pylint: disable=g-import-not-at-top

@@ -64,16 +64,16 @@ def test_triton_kernels_lower_for_h200(ps):
       "h200", fused_dec, i32(100_000), *scalars, *[i32(16384)] * 2))
 
 
-@pytest.mark.parametrize("layout", ("rows", "tiles"))
+@pytest.mark.parametrize("layout", ("rows", "blocks", "tiles"))
 def test_fused_extend_layouts_lower_for_h200(layout):
-  # Both layouts of the one-launch extend kernel: the bench's batch shapes (the exact
+  # Every layout of the one-launch extend kernel: the bench's batch shapes (the exact
   # total check where B * ring length passes int32), one row, rows not a power of two,
   # page sizes 1, 64 and 3, blocks and chunks set by hand; and vmapped over 3 pools.
   scalars = [i32()] * 3
   shapes = [(1024, 65536, 64, {}), (16, 32768, 64, {}), (1, 9000, 1, {}),
             (37, 5000, 3, {}), (200, 4096, 16, dict(tile=64, chunks=3, num_warps=2))]
   for rows, out_len, ps, kwargs in shapes:
-    if layout == "tiles":
+    if layout != "rows":
       kwargs = {k: v for k, v in kwargs.items() if k != "chunks"}
     fn = functools.partial(pallas_kernels.alloc_extend_triton, page_size=ps,
                            out_len=out_len, layout=layout, **kwargs)
