@@ -1,6 +1,7 @@
 """The one-launch extend kernel's layouts, timed bare on a GPU (issue 13 item 1).
 
-    python benchmarks/extend_layouts_gpu.py --json $OUT/extend_layouts.json  # a GPU, < 90 s
+    python benchmarks/extend_layouts_gpu.py --json $OUT/extend_layouts.json \
+        --sglang-kernels .sglang_kernels/allocator.py                        # a GPU, < 90 s
     python benchmarks/extend_layouts_gpu.py --small                          # CPU, interpreter
 
 For each extend case of `jax-kvalloc bench` on the H200 (bench_micro.make_case, seed 0,
@@ -9,13 +10,11 @@ and two skewed batches (the same, but one row holds all tokens but 8 per other r
 64 x 32768 and 1024 x 65536), it runs `pallas_kernels.alloc_extend_triton` with
 layout="tiles", "rows" and "blocks" (default tile, chunks and warps of each), checks the
 whole result (indices, new head and length, ok) against the jnp path (kernel="jnp", the
-same case), then times it alone, as `jax-kvalloc bench --bare` times the Pallas call
-(timing.graph_replay_time: one XLA program of BARE_UNROLL calls chained through the
-state's head, compiled to a CUDA graph and replayed; valid because the call is one kernel
-launch, which `single_launch` records). The figures compare with SGLang's kernel alone
-(a CUDA graph of its launches); the table quotes SGLang's and our tiles kernel's bare
-figures of the last bench run on file (benchmarks/h200_run7_bench_extend.json: another
-run and the older bare loop, so those ratios are indicative only).
+same case), then takes its own GPU time as `jax-kvalloc bench --bare` does
+(bench_micro.bare_kernel_time: CUPTI's kernel durations over the bare chain; valid
+because the call is one kernel launch, which `single_launch` records), and with
+--sglang-kernels SGLang's extend kernel's on the same case in the same run
+(bench_micro.sglang_bare).
 
 Prints a table (us per call; the layout tuning.extend_layout picks is marked *) and writes
 every figure, the kernel configurations and the machine to --json. Budget: cases left
@@ -28,7 +27,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import json
-import os
 import sys
 import time
 
@@ -49,8 +47,6 @@ CASES = ((1, 8192, False), (16, 32768, False), (64, 32768, False), (256, 65536, 
 SMALL_CASES = ((1, 300, False), (16, 512, False), (64, 1024, False), (16, 512, True))
 LAYOUTS = ("tiles", "rows", "blocks")
 SKEW_OTHERS = 8   # tokens of every row but the first in a skewed batch
-REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                         "h200_run7_bench_extend.json")
 
 
 def make_case(bs: int, tokens: int, page_size: int, skewed: bool) -> bench_micro.Case:
@@ -121,23 +117,6 @@ def single_launch(call, state, inputs) -> bool:
   return body.count("custom-call(") == 1 and "fusion(" not in body
 
 
-def reference(page_size: int) -> dict:
-  """{(bs, tokens): (tiles bare us, SGLang bare us)} of the last bench run on file."""
-  try:
-    with open(REFERENCE) as f:
-      d = json.load(f)
-  except (OSError, ValueError):
-    return {}
-  if d.get("config", {}).get("page_size") != page_size:
-    return {}
-  out = {}
-  for r in d.get("micro", []):
-    if r.get("op") == "extend":
-      out[(r["bs"], r["tokens"])] = ((r["jax"].get("pallas") or {}).get("bare_us"),
-                                     (r.get("sglang") or {}).get("bare_us"))
-  return out
-
-
 def header() -> dict:
   """The bench's record of the machine (bench.environment, without torch) and triton's
   version."""
@@ -154,12 +133,46 @@ def _fmt(x) -> str:
   return "-" if x is None or x != x else f"{x:.2f}"
 
 
+def table(results: list, skipped: list, unroll: int, reps: int, page_size: int) -> list:
+  """The printed table's lines (us per call, * = tuning.extend_layout's pick)."""
+  lines = [f"alloc_extend_triton bare (each kernel's own GPU time from CUPTI, median over "
+           f"{bench_micro.BARE_CALLS} launches; interpreter: the bare loop), page size "
+           f"{page_size}, us per call; * = tuning.extend_layout's pick",
+           f"{'bs':>5} {'tokens':>7} {'batch':>6} "
+           + "".join(f"{l:>9}" for l in LAYOUTS)
+           + f" {'best/tiles':>10} {'SGLang':>8} {'SGLang/pick':>11}  check"]
+  keys = dict.fromkeys((r["bs"], r["tokens"], r["skewed"]) for r in results)
+  for bs, tokens, skewed in keys:
+    by = {r["layout"]: r for r in results if (r["bs"], r["tokens"], r["skewed"]) ==
+          (bs, tokens, skewed)}
+    cell = lambda l: (_fmt(by[l].get("us")) + ("*" if by[l]["default"] else " ")
+                      if l in by else "-")
+    us = {l: by[l]["us"] for l in by if by[l].get("us")}
+    best = min((v, l) for l, v in us.items() if l != "tiles") if len(us) > 1 else None
+    ratio = f"{best[0] / us['tiles']:.2f} {best[1]}" if best and "tiles" in us else "-"
+    any_row = next(iter(by.values()))
+    sg = any_row.get("sglang_us")
+    picked = [by[l].get("us") for l in by if by[l]["default"]]
+    pick_ratio = f"{sg / picked[0]:.2f}x" if sg and picked and picked[0] else "-"
+    checks = ",".join(sorted({by[l].get("check") or by[l].get("error", "?")[:40]
+                              for l in by}))
+    lines.append(f"{bs:>5} {tokens:>7} {'skewed' if skewed else 'even':>6} "
+                 + "".join(f"{cell(l):>9}" for l in LAYOUTS)
+                 + f" {ratio:>10} {_fmt(sg):>8} {pick_ratio:>11}  {checks}")
+  if skipped:
+    lines.append("skipped (budget): " + ", ".join(skipped))
+  return lines
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--json", help="write the results here")
   ap.add_argument("--small", action="store_true",
                   help="small cases in Pallas' interpreter (CPU; checks the script)")
   ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--sglang-kernels", metavar="PATH",
+                  help="SGLang's allocator kernels file (as jax-kvalloc bench): its "
+                  "extend kernel's own GPU time on the same cases, same run")
   ap.add_argument("--unroll", type=int, default=None,
                   help="calls per graph, default bench_micro.BARE_UNROLL (small: 2)")
   ap.add_argument("--min-time", type=float, default=None, help="default 0.03 s")
@@ -180,8 +193,24 @@ def main(argv=None) -> int:
   env = header()
   print(" ".join(f"{k} {env[k]}" for k in ("date", "device", "jax", "triton", "python")),
         flush=True)
-  ref = reference(args.page_size)
+  module = (bench_micro.load_sglang_kernels(args.sglang_kernels) if args.sglang_kernels
+            else None)
   results, skipped = [], []
+
+  def save() -> list:
+    """The table so far; written with every figure to --json after each case, so that
+    a run cut short by a timeout leaves what it measured."""
+    lines = table(results, skipped, unroll, reps, args.page_size)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"env": env, "config": {
+            "unroll": unroll, "min_time": min_time, "reps": reps, "interpret": interpret,
+            "per_row_layout": tuning.EXTEND_ROWS_LAYOUT,
+            "per_row_range": [tuning.EXTEND_ROWS_MIN_ROWS, tuning.EXTEND_ROWS_MAX_ROWS]},
+                   "results": results, "skipped": skipped, "table": lines,
+                   "total_s": time.perf_counter() - start}, f, indent=1)
+    return lines
+
   for bs, tokens, skewed in SMALL_CASES if interpret else CASES:
     label = f"bs={bs} tokens={tokens}{' skewed' if skewed else ''}"
     if time.perf_counter() - start > args.budget:
@@ -190,6 +219,16 @@ def main(argv=None) -> int:
     case = make_case(bs, tokens, args.page_size, skewed)
     pick = tuning.extend_layout(next_pow2(bs), case.tokens)
     want = bench_micro.jax_call(case, "jnp")[0]()
+    sglang_us = None
+    if module is not None:  # SGLang's kernel, the same case, the same run
+      try:
+        sg, sg_out = bench_micro.sglang_bare(case, module)
+        if np.array_equal(np.asarray(sg_out, np.int64), np.asarray(want[1], np.int64)):
+          sglang_us = sg["s"] * 1e6
+        else:
+          print(f"{label}: SGLang's kernel differs from the jnp path", flush=True)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"{label}: SGLang: {type(e).__name__}: {e}"[:300], flush=True)
     for layout in args.layouts.split(","):
       row = {"bs": bs, "tokens": case.tokens, "skewed": skewed,
              "page_size": args.page_size, "layout": layout, "default": layout == pick,
@@ -200,54 +239,23 @@ def main(argv=None) -> int:
           call, state, inputs = layout_call(case, layout, interpret)
           if not interpret:
             row["single_launch"] = single_launch(call, state, inputs)
-          r = timing.graph_replay_time(call, state, inputs, unroll=unroll,
-                                       min_time=min_time, reps=reps)
-          row.update(us=r["s"] * 1e6, min_us=r["min_s"] * 1e6, spread=r["spread"],
-                     iters=r["iters"], compile_s=r["compile_s"])
+          if interpret:  # no CUPTI: the bare loop's wall-clock slope (checks the script)
+            r = timing.chain_time(call, state, inputs, unroll=unroll, min_time=min_time,
+                                  reps=reps, linked=False)
+          else:  # the kernel's own GPU time, as bench's "pallas bare"
+            r = bench_micro.bare_kernel_time(call, state, inputs, "jax_kvalloc_alloc_extend")
+          row.update(us=r["s"] * 1e6, min_us=r["min_s"] * 1e6, spread=r["spread"])
       except Exception as e:  # pylint: disable=broad-except
         row["error"] = f"{type(e).__name__}: {e}"[:300]
-      row["reference_tiles_bare_us"], row["reference_sglang_bare_us"] = (
-          (None, None) if skewed else ref.get((bs, case.tokens), (None, None)))
+      row["sglang_us"] = sglang_us
       results.append(row)
       print(f"{label} {layout}: {_fmt(row.get('us'))} us {row['config']} "
             f"{row.get('check', '')} {row.get('error', '')}", flush=True)
+    save()
 
-  lines = [f"alloc_extend_triton bare (timing.graph_replay_time, graphs of {unroll} calls, "
-           f"median of {reps}), page size {args.page_size}, us per call; * = "
-           f"tuning.extend_layout's pick",
-           f"{'bs':>5} {'tokens':>7} {'batch':>6} "
-           + "".join(f"{l:>9}" for l in LAYOUTS)
-           + f" {'best/tiles':>10} {'SGLang(ref)':>11} {'tiles(ref)':>10}  check"]
-  keys = dict.fromkeys((r["bs"], r["tokens"], r["skewed"]) for r in results)
-  for bs, tokens, skewed in keys:
-    by = {r["layout"]: r for r in results if (r["bs"], r["tokens"], r["skewed"]) ==
-          (bs, tokens, skewed)}
-    cell = lambda l: (_fmt(by[l].get("us")) + ("*" if by[l]["default"] else " ")
-                      if l in by else "-")
-    us = {l: by[l]["us"] for l in by if by[l].get("us")}
-    best = min((v, l) for l, v in us.items() if l != "tiles") if len(us) > 1 else None
-    ratio = f"{best[0] / us['tiles']:.2f} {best[1]}" if best and "tiles" in us else "-"
-    any_row = next(iter(by.values()))
-    checks = ",".join(sorted({by[l].get("check") or by[l].get("error", "?")[:40]
-                              for l in by}))
-    lines.append(f"{bs:>5} {tokens:>7} {'skewed' if skewed else 'even':>6} "
-                 + "".join(f"{cell(l):>9}" for l in LAYOUTS)
-                 + f" {ratio:>10} {_fmt(any_row['reference_sglang_bare_us']):>11} "
-                 f"{_fmt(any_row['reference_tiles_bare_us']):>10}  {checks}")
-  if skipped:
-    lines.append("skipped (budget): " + ", ".join(skipped))
+  lines = save()
   print("\n" + "\n".join(lines), flush=True)
-  total = time.perf_counter() - start
-  print(f"total {total:.0f} s", flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"env": env, "config": {"unroll": unroll, "min_time": min_time,
-                                        "reps": reps, "interpret": interpret,
-                                        "per_row_layout": tuning.EXTEND_ROWS_LAYOUT,
-                                        "per_row_range": [tuning.EXTEND_ROWS_MIN_ROWS,
-                                                          tuning.EXTEND_ROWS_MAX_ROWS]},
-                 "results": results, "skipped": skipped, "table": lines,
-                 "total_s": total}, f, indent=1)
+  print(f"total {time.perf_counter() - start:.0f} s", flush=True)
   bad = [r for r in results if r.get("check") != "ok"]
   return 1 if bad else 0
 

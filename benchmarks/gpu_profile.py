@@ -1,13 +1,13 @@
-"""Where a bare call's time goes on the GPU: our kernel against
-SGLang's kernel, each in a CUDA graph, from the GPU's own timeline (issue 13, item 1).
+"""Where a bare call's time goes on the GPU: our kernel in XLA's loop against SGLang's in
+a CUDA graph, from the GPU's own timeline (issue 13, item 1).
 
     python benchmarks/gpu_profile.py --sglang-kernels .sglang_kernels/allocator.py \
         --json $OUT/profile.json --hlo-dir $OUT
 
 For each case (bench_micro's decode and extend cases, page size 64) it runs
 
-  ours     jax_kvalloc.tools.timing.graph_program(call, unroll) (one XLA program of
-           `unroll` chained calls, a CUDA graph) run N times: "pallas bare"
+  ours     jax_kvalloc.tools.timing.chain_loop(call, unroll, linked=False) (the bare
+           chain: calls chained through the state's head in XLA's loop) for N iterations
   sglang   a CUDA graph of `unroll` launches of SGLang's released kernel replayed N times:
            the "SGLang bare" figure
 
@@ -15,10 +15,10 @@ under torch.profiler (CUPTI records every kernel, memcpy and memset of the proce
 included) and reports, per call: the GPU span of the run (first activity's start to the
 last one's end), the activities per call by kind and name with their mean durations,
 and the median gap between consecutive activities. It also times both with the bench's
-own methods (bench_micro.time_bare: graph replay of 128 calls on both sides; the old
-bare loop at each unroll in --unrolls), and writes the
-optimized HLO of our bare program to --hlo-dir. XLA_FLAGS is read from the environment and recorded: run it once per
-flag set to compare.
+own methods (bench_micro.time_bare / time_sglang: each kernel's own GPU time, the "bare"
+columns; the bare loop's wall-clock slope at each unroll in --unrolls), and writes the
+optimized HLO of our bare loop to --hlo-dir. XLA_FLAGS is read from the environment and
+recorded: run it once per flag set to compare.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -38,25 +37,6 @@ from jax_kvalloc.tools import timing as bt
 
 CASES = (("decode", 1, 1), ("decode", 64, 64), ("decode", 1024, 1024),
          ("extend", 1, 8192), ("extend", 16, 32768), ("extend", 256, 65536))
-
-
-def _activities(run) -> list:
-  """GPU activities (kernel / memcpy / memset) of `run()` as (ts_us, dur_us, cat, name)."""
-  import torch  # pylint: disable=g-import-not-at-top
-  from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
-  with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    run()
-  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-    path = f.name
-  prof.export_chrome_trace(path)
-  with open(path) as f:
-    events = json.load(f)["traceEvents"]
-  os.unlink(path)
-  torch.cuda.synchronize()
-  acts = [(float(e["ts"]), float(e.get("dur", 0.0)), e.get("cat", ""), e.get("name", ""))
-          for e in events if e.get("ph") == "X"
-          and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-  return sorted(acts)
 
 
 def _summary(acts: list, calls: int) -> dict:
@@ -81,19 +61,15 @@ def _summary(acts: list, calls: int) -> dict:
 
 def profile_ours(case, unroll: int, iters: int, hlo_dir: str | None, tag: str) -> dict:
   _, call, carry, inputs = bm.jax_call(case, "pallas")
-  program = bt.graph_program(call, unroll)
+  run = bt.chain_loop(call, unroll, linked=False)
+  sink = bt.sink_init(call, carry, inputs)
   if hlo_dir:
-    text = program.lower(carry, inputs).compile().as_text()
+    text = run.lower(carry, inputs, sink, np.int32(1)).compile().as_text()
     with open(os.path.join(hlo_dir, f"hlo_{tag}.txt"), "w") as f:
       f.write(text)
-  jax.block_until_ready(program(carry, inputs))
-
-  def run():
-    c, out = carry, None
-    for _ in range(iters):
-      c, out = program(c, inputs)
-    jax.block_until_ready((c, out))
-  return _summary(_activities(run), iters * unroll)
+  jax.block_until_ready(run(carry, inputs, sink, np.int32(2)))
+  return _summary(bt.cuda_activities(lambda: jax.block_until_ready(
+      run(carry, inputs, sink, np.int32(iters)))), iters * unroll)
 
 
 def profile_sglang(case, module, unroll: int, iters: int) -> dict:
@@ -117,7 +93,7 @@ def profile_sglang(case, module, unroll: int, iters: int) -> dict:
     for _ in range(iters):
       graph.replay()
     torch.cuda.synchronize()
-  res = _summary(_activities(run), iters * unroll)
+  res = _summary(bt.cuda_activities(run), iters * unroll)
   del graph
   return res
 
@@ -158,12 +134,10 @@ def main(argv=None) -> int:
         row["sglang"] = {"error": f"{type(e).__name__}: {e}"[:400]}
     row["timed"] = {}
     try:
-      t = bm.time_bare(case, "pallas", min_time=0.02, reps=3)
-      row["timed"]["ours_bare_graph_us"] = t["s"] * 1e6
+      row["timed"]["ours_kernel_us"] = bm.time_bare(case, "pallas")["s"] * 1e6
       if module is not None:
-        _, alone, _ = bm.time_sglang(case, module, unroll=args.unroll, min_time=0.02,
-                                     reps=3)
-        row["timed"]["sglang_bare_graph_us"] = alone["s"] * 1e6
+        _, alone, _ = bm.time_sglang(case, module, unroll=32, min_time=0.02, reps=3)
+        row["timed"]["sglang_kernel_us"] = alone["s"] * 1e6
       for u in [int(x) for x in args.unrolls.split(",") if x]:
         t, _ = bm.time_jax(case, "pallas", unroll=u, min_time=0.02, reps=3, linked=False)
         row["timed"][f"ours_bare_loop_u{u}_us"] = t["s"] * 1e6

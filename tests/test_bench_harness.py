@@ -152,29 +152,33 @@ def test_pallas_stand_in_lowers_for_h200():
   assert lowering_check.TRITON_CUSTOM_CALL in lowering_check.custom_call_targets(exported)
 
 
-@pytest.mark.parametrize("op", ["decode", "extend"])
-def test_bare_graph_program_chains_every_call(op):
-  """The "pallas bare" program (timing.graph_program: chained calls, no link, no sink)
-  ends with the carry of `unroll` calls made one by one (Pallas' interpreter)."""
-  case = bench_micro.make_case(op, 16, 16 if op == "decode" else 512, 16, seed=0)
-  _, call, carry, inputs = bench_micro.jax_call(case, "pallas_interpret")
-  got, _ = timing.graph_program(call, 3)(carry, inputs)
-  want = carry
-  for _ in range(3):
-    want, _ = jax.jit(call)(want, inputs)
-  jax.tree.map(np.testing.assert_array_equal, got, want)
-  res = timing.graph_replay_time(lambda c, x: (c + x, c), jax.numpy.zeros((), np.int32),
-                                 jax.numpy.ones((), np.int32), unroll=4, min_time=0.001,
-                                 reps=2)
-  assert res["s"] > 0 and res["iters"] >= 2
+def test_kernel_time_reads_the_named_kernels_of_a_trace():
+  """The bare columns' statistic (timing.kernel_time over timing.activities_of): the
+  median duration of the kernels named, nothing else; too few of them is an error."""
+  ev = lambda name, ts, dur, cat="kernel", ph="X": dict(name=name, ts=ts, dur=dur, cat=cat,
+                                                        ph=ph)
+  trace = [ev("jax_kvalloc_alloc_decode_triton", 10, 1.0),
+           ev("loop_add_fusion", 11.5, 0.9),
+           ev("jax_kvalloc_alloc_decode_triton", 13, 3.0),
+           ev("Memcpy DtoH", 16, 2.0, cat="gpu_memcpy"),
+           ev("jax_kvalloc_alloc_decode_triton", 20, 2.0),
+           ev("cudaLaunchKernel", 9, 5.0, cat="cuda_runtime"),
+           ev("jax_kvalloc_alloc_decode_triton", 30, 9.0, ph="i")]
+  acts = timing.activities_of(trace)
+  assert [a[3] for a in acts] == ["jax_kvalloc_alloc_decode_triton", "loop_add_fusion",
+                                  "jax_kvalloc_alloc_decode_triton", "Memcpy DtoH",
+                                  "jax_kvalloc_alloc_decode_triton"]
+  res = timing.kernel_time(acts, "jax_kvalloc_alloc_", min_count=3)
+  assert res["count"] == 3 and res["s"] == pytest.approx(2e-6)
+  assert res["min_s"] == pytest.approx(1e-6) and res["spread"] == pytest.approx(1.0)
+  with pytest.raises(timing.TimingError, match="alloc_extend"):
+    timing.kernel_time(acts, "alloc_extend_kernel", min_count=1)
 
 
-def test_bare_graph_program_launches_every_kernel_on_h200():
-  """Lowered for an abstract H200, the bare program of `unroll` fused decode calls holds
-  `unroll` Triton launches, each taking the previous one's head: XLA cannot drop one (a
-  custom call runs whole, and its head output is used). In the interpreter XLA may drop
-  the index work of all but the last call, whose outputs nobody reads, so the bare figure
-  is only taken where the call is one custom call (bench_micro.one_custom_call)."""
+def test_bare_chain_launches_every_kernel_on_h200():
+  """Lowered for an abstract H200, the bare chain (timing.chain_loop, linked=False) of
+  `unroll` fused decode calls holds `unroll` Triton launches, each taking the previous
+  one's head (a custom call runs whole, so XLA cannot drop one whose head is used)."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
 
@@ -184,7 +188,9 @@ def test_bare_graph_program_launches_every_kernel_on_h200():
         ring, head, flen, jax.numpy.int32(16), x[0], x[1], page_size=16)
     return (ring, head, flen), (out, ok)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+  carry, inputs = (i32(64), i32(), i32()), (i32(16), i32(16))
+  sink = jax.eval_shape(lambda c, x: timing.sink_init(call, c, x), carry, inputs)
   exported = lowering_check.export_for(
-      "h200", timing.graph_program(call, 5), (i32(64), i32(), i32()), (i32(16), i32(16)))
+      "h200", timing.chain_loop(call, 5, linked=False), carry, inputs, sink, i32())
   targets = lowering_check.custom_call_targets(exported)
   assert targets.count(lowering_check.TRITON_CUSTOM_CALL) == 5, targets

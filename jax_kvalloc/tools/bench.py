@@ -107,8 +107,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     "imports only torch and triton): its Triton kernels are timed in the same run "
     "(CUDA only)")
   a("--bare", action="store_true",
-    help="also time the pallas call alone where it compiles to one kernel launch: a "
-    "CUDA graph of 128 chained calls replayed, as SGLang's kernel alone ('SGLang bare')")
+    help="also take the pallas kernel's own GPU time where the call compiles to one "
+    "kernel launch, and SGLang's kernel's, both from CUPTI (torch.profiler; CUDA)")
   a("--extra-consumer", action="store_true",
     help="time every JAX figure a second time with one more consumer of the call's "
     "outputs and report the change (a figure that moves was not counting all its work)")
@@ -362,7 +362,8 @@ def micro_tables(result: Dict[str, Any]) -> str:
     out.append(f"{op} (page_size {rows[0]['page_size']}; us per call, median{note}"
                + (f"; torch_ref: {tmethod}" if tmethod else "")
                + ("; SGLang: its Triton kernel, CUDA graph replay, linked like ours "
-                  "(bare: the kernel alone)" if sgl else "")
+                  "(bare: each kernel's own GPU time, median over 2048 launches, from CUPTI)"
+                  if sgl else "")
                + "; ratio > 1: jax_kvalloc faster)")
     out.append(table(header, body))
     errors = [f"  {op} bs={r['bs']} {k}: {v['error']}" for r in rows

@@ -12,9 +12,8 @@ Each case is drawn once (`make_case`) and every path times those same inputs:
 - SGLang (CUDA, `--sglang-kernels PATH`): the released Triton kernels of SGLang
   (`sglang/kernels/ops/memory/allocator.py` of a wheel, loaded from that file alone, as
   SGLang's allocator launches them: one program per request, i64 tensors), timed as
-  torch_ref's, linked ("sglang") and alone ("sglang_bare", replays of a CUDA graph of
-  BARE_UNROLL launches; our "pallas bare" is the same: replays of one XLA program of
-  BARE_UNROLL chained calls, compiled to a CUDA graph, timing.graph_replay_time).
+  torch_ref's, linked ("sglang") and alone ("sglang_bare": the kernel's own GPU time
+  from CUPTI over replays of its CUDA graph, as our "pallas bare": see BARE_UNROLL).
 
 Before timing, every path's output for the case is checked against the jnp path.
 
@@ -159,19 +158,49 @@ def time_jax(case: Case, path: str, *, unroll: int, min_time: float, reps: int,
                        consumers=consumers, linked=linked), out
 
 
-# Calls per graph on both sides of the bare columns (ours: timing.graph_replay_time, one
-# XLA program compiled to a CUDA graph; SGLang: a torch CUDA graph): at ~1 us per call a
-# graph of 128 keeps the GPU, not the host's dispatch of the graph, the bottleneck.
+# The bare columns are kernel execution times from CUPTI (timing.kernel_time), ours and
+# SGLang's alike: the median over BARE_CALLS launches (ours in the bare chain loop,
+# SGLang's in replays of its CUDA graph of BARE_UNROLL). Wall-clock figures of the kernel
+# alone cannot be taken alike: XLA's loop adds its predicate copy and the sink's
+# fusions, and an XLA program replayed as a CUDA graph is host-bound (XLA updates the
+# graph's buffer addresses on every run: 3.3-6.5 us per call on the H200, run 12).
 BARE_UNROLL = 128
+BARE_CALLS = 2048
+OUR_KERNELS = "jax_kvalloc_alloc_"   # jax_kvalloc_alloc_{decode,extend}_triton*
 
 
-def time_bare(case: Case, path: str, *, min_time: float, reps: int) -> Dict[str, float]:
-  """The call alone (no link, no sink): a CUDA graph of BARE_UNROLL chained calls,
-  replayed (timing.graph_replay_time), as SGLang's kernel alone is timed. Only for a
-  call that is one custom call (`one_custom_call`)."""
+def bare_kernel_time(call, carry, inputs, name_prefix: str = OUR_KERNELS
+                     ) -> Dict[str, float]:
+  """The kernel's own GPU time (timing.kernel_time) over BARE_CALLS calls of the bare
+  chain (timing.chain_loop, linked=False) of `call`, a call that is one custom call
+  (`one_custom_call`). Needs torch (CUPTI) and a GPU."""
+  run = bt.chain_loop(call, BARE_UNROLL, linked=False)
+  sink = bt.sink_init(call, carry, inputs)
+  iters = np.int32(BARE_CALLS // BARE_UNROLL)
+  jax.block_until_ready(run(carry, inputs, sink, iters))
+  acts = bt.cuda_activities(lambda: jax.block_until_ready(run(carry, inputs, sink, iters)))
+  return bt.kernel_time(acts, name_prefix, min_count=BARE_CALLS // 2)
+
+
+def time_bare(case: Case, path: str) -> Dict[str, float]:
+  """`bare_kernel_time` of this case's call on `path`."""
   _, call, carry, inputs = jax_call(case, path)
-  return bt.graph_replay_time(call, carry, inputs, unroll=BARE_UNROLL, min_time=min_time,
-                              reps=reps)
+  return bare_kernel_time(call, carry, inputs)
+
+
+def _sglang_kernel_time(call, name: str) -> Dict[str, float]:
+  """SGLang's kernel's own GPU time over BARE_CALLS launches: replays of a CUDA graph of
+  BARE_UNROLL launches (timing.torch_graph), profiled as `time_bare`."""
+  import torch  # pylint: disable=g-import-not-at-top
+  graph = bt.torch_graph(call, BARE_UNROLL)
+
+  def run():
+    for _ in range(BARE_CALLS // BARE_UNROLL):
+      graph.replay()
+    torch.cuda.synchronize()
+  res = bt.kernel_time(bt.cuda_activities(run), name, min_count=BARE_CALLS // 2)
+  del graph
+  return res
 
 
 def one_custom_call(case: Case, path: str) -> bool:
@@ -309,11 +338,10 @@ def load_sglang_kernels(path: str):
   return module
 
 
-def time_sglang(case: Case, module, *, unroll: int, min_time: float, reps: int
-                ) -> Tuple[Dict[str, float], Dict[str, float], np.ndarray]:
-  """(linked timing, bare timing, output) of SGLang's Triton kernel on this case, launched
-  as SGLang's PagedTokenToKVPoolAllocator launches it (grid = bs, bs_upper = the next
-  power of two, i64 tensors, the free list from its front)."""
+def sglang_call(case: Case, module):
+  """(call() -> out tensor, the call's input tensors) of SGLang's Triton kernel on this
+  case, launched as SGLang's PagedTokenToKVPoolAllocator launches it (grid = bs, bs_upper
+  = the next power of two, i64 tensors, the free list from its front)."""
   import torch  # pylint: disable=g-import-not-at-top
   import triton  # pylint: disable=g-import-not-at-top
   if case.op not in ("decode", "extend"):
@@ -326,21 +354,34 @@ def time_sglang(case: Case, module, *, unroll: int, min_time: float, reps: int
   upper = triton.next_power_of_2(bs)
   if case.op == "decode":
     out = torch.empty(bs, dtype=torch.int64, device=dev)
-    inputs = (seq, last)
 
     def call():
       module.alloc_decode_kernel[(bs,)](seq, last, free, out, upper, ps)
       return out
-  else:
-    pre = t64(case.pre)
-    out = torch.empty(case.tokens, dtype=torch.int64, device=dev)
-    inputs = (pre, seq, last)
+    return call, (seq, last)
+  pre = t64(case.pre)
+  out = torch.empty(case.tokens, dtype=torch.int64, device=dev)
 
-    def call():
-      module.alloc_extend_kernel[(bs,)](pre, seq, last, free, out, upper, ps)
-      return out
+  def call():
+    module.alloc_extend_kernel[(bs,)](pre, seq, last, free, out, upper, ps)
+    return out
+  return call, (pre, seq, last)
+
+
+def sglang_bare(case: Case, module) -> Tuple[Dict[str, float], np.ndarray]:
+  """(SGLang's kernel's own GPU time, as `time_bare` takes ours; its output)."""
+  call, _ = sglang_call(case, module)
   result = call().cpu().numpy()
-  bare = bt.torch_graph_time(call, unroll=BARE_UNROLL, min_time=min_time, reps=reps)
+  return _sglang_kernel_time(call, f"alloc_{case.op}_kernel"), result
+
+
+def time_sglang(case: Case, module, *, unroll: int, min_time: float, reps: int
+                ) -> Tuple[Dict[str, float], Dict[str, float], np.ndarray]:
+  """(linked timing, bare timing, output) of SGLang's Triton kernel on this case
+  (`sglang_call`): linked, replays of a CUDA graph of `unroll` linked launches; bare, the
+  kernel's own GPU time (`sglang_bare`)."""
+  call, inputs = sglang_call(case, module)
+  bare, result = sglang_bare(case, module)
   linked = bt.torch_graph_time(torch_linked(call, inputs), unroll=unroll,
                                min_time=min_time, reps=reps)
   return linked, bare, result
@@ -418,8 +459,8 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
   `load_sglang_kernels` (or None). `extra_consumer`: time every JAX path together with
   one more consumer of its outputs and with a stand-in of the same outputs
   (`time_with_extra_consumer`). `bare`: also
-  time the "pallas" call unlinked where it compiles to one kernel launch (the figure
-  comparable with SGLang's kernel alone). `progress(desc)` is called before each
+  take the "pallas" kernel's own GPU time where the call compiles to one kernel launch
+  (`time_bare`, comparable with SGLang's kernel's, taken the same way). `progress(desc)` is called before each
   measurement."""
   rows = []
   for op, bs, tokens in cases(ops, batch_sizes, extend_cases):
@@ -453,8 +494,9 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         try:
           cell["single_launch"] = one_custom_call(case, path)
           if cell["single_launch"]:
-            tb = time_bare(case, path, min_time=min_time, reps=reps)
+            tb = time_bare(case, path)
             cell["bare_us"] = tb["s"] * 1e6
+            cell["bare_spread"] = tb["spread"]
         except Exception as e:  # pylint: disable=broad-except
           cell["bare_error"] = _err(e)["error"]
       row["jax"][path] = cell

@@ -342,54 +342,49 @@ def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: floa
           "iters": n}
 
 
-def graph_program(call: Call, unroll: int):
-  """jit(carry, inputs) -> (carry, outputs of the last call): `unroll` calls chained
-  through the carry and nothing else (no link, no sink). On a GPU it compiles to one CUDA
-  graph (`xla_gpu_graph_min_graph_size=1`): the JAX side of a "bare" comparison with a
-  torch CUDA graph of `unroll` launches (`torch_graph`). Valid only for a call that is
-  one custom call (as chain_loop's linked=False): XLA never runs part of one, and each
-  call's carry output is the next one's input, so no call can be dropped or hoisted."""
-  on_gpu = jax.default_backend() == "gpu"
-  options = {"xla_gpu_graph_min_graph_size": 1} if on_gpu else {}
+def cuda_activities(run: Callable[[], Any]) -> list:
+  """Every GPU activity (kernel, memcpy, memset) of `run()`, from CUPTI through
+  torch.profiler, which records the whole process's launches (JAX's included), as
+  (start us, duration us, category, name), by start. Needs torch with CUDA."""
+  import os  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    run()
+  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+    path = f.name
+  try:
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+      events = json.load(f)["traceEvents"]
+  finally:
+    os.unlink(path)
+  return activities_of(events)
 
-  def program(carry, inputs):
-    out = None
-    for _ in range(unroll):
-      carry, out = call(carry, inputs)
-    return carry, out
-  return jax.jit(program, compiler_options=options or None)
+
+def activities_of(trace_events: list) -> list:
+  """The GPU activities of a Chrome trace's events (see `cuda_activities`)."""
+  acts = [(float(e["ts"]), float(e.get("dur", 0.0)), e.get("cat", ""), e.get("name", ""))
+          for e in trace_events if e.get("ph") == "X"
+          and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+  return sorted(acts)
 
 
-def graph_replay_time(call: Call, carry: Any, inputs: Any, *, unroll: int,
-                      min_time: float, reps: int) -> Dict[str, float]:
-  """Seconds per call of `call` alone: `graph_program(call, unroll)` run n times back to
-  back (each run's carry feeds the next; the host only enqueues), per call = (t(n) -
-  t(1)) / ((n - 1) * unroll), median of `reps`. Like `torch_graph_time`, it times the
-  device's work once the launches are queued (at unroll 128 and ~1 us per call a run is
-  ~4x the host's ~30-40 us dispatch of it on an H200)."""
-  program = graph_program(call, unroll)
-
-  def timed(n: int) -> float:
-    c, out = carry, None
-    t0 = time.perf_counter()
-    for _ in range(n):
-      c, out = program(c, inputs)
-    jax.block_until_ready((c, out))
-    return time.perf_counter() - t0
-
-  compile_s = timed(1)
-  n = 2
-  while n < MAX_ITERS and timed(n) < min_time:
-    n *= 2
-  slopes = []
-  for _ in range(reps):
-    a, b = timed(1), timed(n)
-    slopes.append((b - a) / ((n - 1) * unroll))
-  med = statistics.median(slopes)
-  if med <= 0:
-    raise _noise_error(n, med)
-  return {"s": med, "min_s": min(slopes),
-          "spread": (max(slopes) - min(slopes)) / med, "iters": n, "compile_s": compile_s}
+def kernel_time(activities: list, name_prefix: str, *, min_count: int) -> Dict[str, float]:
+  """The GPU execution time of the kernels whose name starts with `name_prefix`: {"s":
+  median duration, "min_s", "spread": (max - min) / median, "count"}. This is the kernel
+  alone, launch excluded, the same on both sides of a comparison however each was
+  launched. TimingError when fewer than `min_count` such kernels ran (a profile that
+  lost records, or a name that matches nothing)."""
+  durs = [d * 1e-6 for _, d, cat, name in activities
+          if cat == "kernel" and name.startswith(name_prefix)]
+  if len(durs) < min_count:
+    raise TimingError(f"{len(durs)} kernels named {name_prefix}* in the profile, "
+                      f"expected at least {min_count}")
+  med = statistics.median(durs)
+  return {"s": med, "min_s": min(durs), "spread": (max(durs) - min(durs)) / med,
+          "count": len(durs)}
 
 
 def torch_graph(fn: Callable[[], Any], unroll: int):
