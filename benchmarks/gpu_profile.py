@@ -98,6 +98,48 @@ def profile_sglang(case, module, unroll: int, iters: int) -> dict:
   return res
 
 
+def profile_serving(bs: int, release: str, steps_per_iter: int, iters: int) -> dict:
+  """The serving scan of `jax-kvalloc bench` (bench_serving.serve_step chained in
+  timing.chain_loop, linked) with release="fused" / "pages" / "sorted", or "baseline"
+  (free and alloc_decode replaced by stand-ins): its GPU activities per step."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_serving as bs_mod  # pylint: disable=g-import-not-at-top
+  case = bs_mod.make_case(bs, 64, 1000, 0)
+  cfg = bs_mod._config(case)  # pylint: disable=protected-access
+  flags = dict(alloc=False, free=False) if release == "baseline" else dict(release=release)
+  step = functools.partial(bs_mod.serve_step, cfg, case.max_frees, **flags)
+  call = lambda c, x: bs_mod._step_call(step, c, x)  # pylint: disable=protected-access
+  carry, inputs = bs_mod.initial_carry(case), jnp.zeros((), jnp.int32)
+  run = bt.chain_loop(call, steps_per_iter)
+  sink = bt.sink_init(call, carry, inputs)
+  jax.block_until_ready(run(carry, inputs, sink, np.int32(2)))
+  return _summary(bt.cuda_activities(lambda: jax.block_until_ready(
+      run(carry, inputs, sink, np.int32(iters)))), iters * steps_per_iter)
+
+
+def decode_warps(batch_sizes, warps_list) -> dict:
+  """The fused decode kernel's own GPU time (bench_micro.bare_kernel_time) at each
+  num_warps (pallas_kernels.alloc_decode_triton's override of tuning.decode_warps)."""
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  out = {}
+  for bs in batch_sizes:
+    case = bm.make_case("decode", bs, bs, 64, 0)
+    _, _, state, (seq, last) = bm.jax_call(case, "pallas")
+    for warps in warps_list:
+      def call(st, x, warps=warps):
+        o, head, length, ok = pallas_kernels.alloc_decode_triton(
+            st.free_ring, st.free_head, st.free_len, jax.numpy.int32(bs), x[0], x[1],
+            page_size=64, num_warps=warps)
+        return st._replace(free_head=head), (o, ok, head, length)
+      try:
+        out[f"{bs}/{warps}"] = bm.bare_kernel_time(call, state, (seq, last))["s"] * 1e6
+      except Exception as e:  # pylint: disable=broad-except
+        out[f"{bs}/{warps}"] = f"{type(e).__name__}: {e}"[:200]
+      print(f"  decode bs={bs} warps={warps}: {out[f'{bs}/{warps}']}", flush=True)
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--sglang-kernels", default=None)
@@ -109,7 +151,40 @@ def main(argv=None) -> int:
                   "unrolls")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--tag", default="default")
+  ap.add_argument("--serving", default="",
+                  help="instead: profile the serving scan at these batch sizes (e.g. "
+                  "64,1024) for each release variant")
+  ap.add_argument("--decode-warps", default="",
+                  help="instead: the decode kernel's own time at these batch sizes for "
+                  "num_warps 1, 2, 4, 8")
   args = ap.parse_args(argv)
+  if args.decode_warps:
+    res = decode_warps([int(x) for x in args.decode_warps.split(",")], (1, 2, 4, 8))
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+  if args.serving:
+    res = {}
+    for bs in [int(x) for x in args.serving.split(",")]:
+      for release in ("baseline", "fused", "pages", "sorted"):
+        try:
+          r = profile_serving(bs, release, 8, args.iters)
+        except Exception as e:  # pylint: disable=broad-except
+          r = {"error": f"{type(e).__name__}: {e}"[:400]}
+        res[f"{bs}/{release}"] = r
+        print(f"== serving bs={bs} {release}: " + (r.get("error") or
+              f"span/step {r['span_per_call_us']:.2f} us, busy/step "
+              f"{r['busy_per_call_us']:.2f} us, activities/step "
+              f"{r['activities'] / r['calls']:.1f}"), flush=True)
+        for a in r.get("per_call", [])[:14]:
+          print(f"    {a['per_call']:7.3f}/step  {a['mean_us']:8.3f} us  {a['cat']:10s} "
+                f"{a['name']}", flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "serving": res}, f,
+                  indent=1)
+    return 0
   module = bm.load_sglang_kernels(args.sglang_kernels) if args.sglang_kernels else None
   out = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0]),
          "jax": jax.__version__, "unroll": args.unroll, "iters": args.iters, "cases": []}
