@@ -87,19 +87,18 @@ def test_extend_tunings(tile, window, warps, rows):
 
 
 @pytest.mark.parametrize("layout", ("rows", "blocks"))
-@pytest.mark.parametrize("rows,kwargs", [
-    (16, {}), (1024, {}), (256, dict(num_warps=8)), (256, dict(tile=256)),
-    (64, dict(tile=64, chunks=3, num_warps=2)), (1, {})])
-def test_extend_per_row_layouts(rows, kwargs, layout):
+@pytest.mark.parametrize("rows,ps,kwargs", [
+    (16, 1, {}), (1024, 64, {}), (256, 16, dict(num_warps=8)), (256, 64, dict(tile=256)),
+    (64, 3, dict(tile=64, chunks=3, num_warps=2)), (1, 64, {})])
+def test_extend_per_row_layouts(rows, ps, kwargs, layout):
   # The rows layout (one program per row and chunk) and the blocks layout (one per
   # row-aligned block) at the defaults and the tunings benchmarks/extend_layouts_gpu.py
   # and gpu_check.py time; tiles in test_extend_tunings.
   from test_extend_layouts import _check_kernel  # pylint: disable=g-import-not-at-top
   if layout != "rows":
     kwargs = {k: v for k, v in kwargs.items() if k != "chunks"}
-  for ps in (1, 16, 64):
-    _check_kernel(ps, rows=rows, max_tokens=16384, num_pages=20000, seed=rows,
-                  layout=layout, interpret=INTERPRET, **kwargs)
+  _check_kernel(ps, rows=rows, max_tokens=16384, num_pages=20000, seed=rows,
+                layout=layout, interpret=INTERPRET, **kwargs)
 
 
 @pytest.mark.parametrize("layout", ("rows", "blocks", "tiles"))
@@ -107,10 +106,9 @@ def test_fused_allocation_each_layout(layout, monkeypatch):
   # The allocator with each layout forced (the default rule picks one per batch size).
   from test_extend_layouts import force_layout  # pylint: disable=g-import-not-at-top
   force_layout(monkeypatch, layout)
-  for ps in (1, 3, 64):
-    check_alloc_extend(ps, KERNEL, num_cases=16, model_cases=4, seed=12)
-    check_alloc_extend(ps, KERNEL, rows=1024, max_tokens=65536, num_pages=70000,
-                       num_cases=2, model_cases=1, seed=13)
+  check_alloc_extend(3, KERNEL, num_cases=16, model_cases=4, seed=12)
+  check_alloc_extend(64, KERNEL, rows=1024, max_tokens=65536, num_pages=70000,
+                     num_cases=2, model_cases=1, seed=13)
 
 
 @pytest.mark.parametrize("rows,row_block,warps", [(16384, 4096, 8), (256, 256, 4)])
