@@ -35,18 +35,25 @@ EXTEND_ONEHOT_WORK = 2**14
 # Fused extend layout (alloc_extend_triton; triton_extend's docstring): "rows", a program
 # per (row, chunk) with no row search, for EXTEND_ROWS_MIN_ROWS <= rows_pad <=
 # EXTEND_ROWS_MAX_ROWS; "tiles" otherwise (and whenever the one-hot search is asked for).
-# PLACEHOLDER thresholds: they await the H200 timing of both layouts
-# (`python benchmarks/extend_layouts_gpu.py --json OUT.json`). Until then they follow the
-# bare figures of 2026-11-30 (page size 64, us): the tiles kernel 3.86 / 4.07 / 4.60 /
-# 6.34 at 16 / 64 / 256 / 1024 rows lost to SGLang's per-request kernel (2.08 / 2.42 /
-# 3.17 / 6.08), which has the rows layout's program shape, and won at 1 row (2.74 vs
-# 3.06); past 1024 rows each of the B or more programs loads all B rows.
-EXTEND_ROWS_MIN_ROWS = 2
+# From the H200 (run 13, 2026-11-30, jax 0.11.2, triton 3.6; page size 64; each kernel's
+# own GPU time from CUPTI, median over 2048 launches; benchmarks/extend_layouts_gpu.py and
+# `jax-kvalloc bench --bare`), us:
+#                          tiles   rows   blocks   SGLang 0.5.23's kernel (same run)
+#   1 row,     8k tokens    2.30   1.76     1.70     2.94
+#   16 rows,  33k tokens    3.39   1.92     2.05     1.92
+#   64 rows,  33k tokens    3.46   1.92       -      2.21
+#   256 rows, 65k tokens       -   2.11       -      3.20
+#   1024 rows, 65k tokens      -   3.33       -      5.98
+# so "rows" from 1 row up; past 1024 rows each of the B or more programs loads all B rows
+# (and the allocator takes XLA's prefix sums + the contract kernel past
+# extend_fused_preferred). "blocks" was not timed at 64-1024 rows nor on a skewed batch
+# (one row of nearly all tokens, where "rows" loops on that row's C programs): the run's
+# budget ended first.
+EXTEND_ROWS_MIN_ROWS = 1
 EXTEND_ROWS_MAX_ROWS = 1024
-# The per-row layout the rule returns in that range: "rows" (SGLang's program shape: a
-# row far above the mean loops on its C programs) or "blocks" (one block per program
-# whatever the row lengths, for one more prefix scan per program and up to B programs
-# that only load the rows); also awaiting the H200 (the script times a skewed batch too).
+# The per-row layout the rule returns in that range: "rows" (SGLang's program shape) or
+# "blocks" (one block per program whatever the row lengths, for one more prefix scan per
+# program and up to B programs that only load the rows).
 EXTEND_ROWS_LAYOUT = "rows"
 EXTEND_ROWS_BLOCK = (128, 1024)   # bounds of the rows layout's block T (tokens)
 
