@@ -80,7 +80,9 @@ def extend_indices(free_window: Array, prefix_lens: Array, seq_lens: Array,
   j = t - tok_start[row]
   pos = pre + j
   first_new_page = cdiv(pre, ps)
-  in_part1 = pos < first_new_page * ps
+  # pos < first_new_page * ps, without the product (it wraps for a prefix that ends
+  # within a page of 2**31 - 1).
+  in_part1 = pos // ps < first_new_page
   k = page_start[row] + pos // ps - first_new_page
   k = xp.clip(k, 0, free_window.shape[0] - 1)
   slot_new = free_window[k] * ps + pos % ps

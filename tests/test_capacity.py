@@ -39,7 +39,26 @@ EXTEND_CASES = [
     (16, [BIG - 40, 5], [BIG - 1, 9], True),
     (3, [BIG - 7, 0], [BIG - 1, 4], True),
     (16, [BIG - 1, 0], [BIG, 16 * NUM_PAGES + 16], False),  # too many pages
+    # A prefix ending within the page that holds 2**31 - 1: ceil(pre / ps) * ps wraps,
+    # and the new token still lies in the prefix's last page (part 1: last_loc + 1).
+    (16, [BIG - 1, 0], [BIG, 3], True),
+    (3, [BIG - 2, 4], [BIG, 9], True),
 ]
+
+
+@pytest.mark.parametrize("kernel", ["jnp", "pallas_interpret"])
+def test_extend_part1_in_the_page_of_int32_max(kernel):
+  """The new tokens of a prefix that ends within the last page below 2**31 fill that
+  page (last_loc + 1, + 2, ...), on the jnp path too (its part-1 test once multiplied
+  ceil(pre / ps) * ps, which wraps there, and took the next free page instead)."""
+  for ps, pre, seq in ((16, [BIG - 1], [BIG]), (3, [BIG - 2], [BIG]), (16, [BIG - 3], [BIG])):
+    _, out, ok = _extend(ps, kernel, pre, seq)
+    n1 = min(seq[0] - pre[0], -pre[0] % ps)  # the new tokens in the prefix's last page
+    assert bool(ok) and n1 >= 1
+    np.testing.assert_array_equal(np.asarray(out)[:n1],
+                                  _last(ps, pre)[0] + 1 + np.arange(n1))
+
+
 DECODE_CASES = [
     (1, [BIG, BIG - 1], [BIG - 2, BIG - 3]),
     (16, [BIG, 2**31 - 16, 17], [BIG - 2, 2**31 - 18, 31]),
