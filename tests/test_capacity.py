@@ -205,9 +205,10 @@ def test_auto_compiles_one_branch(monkeypatch):
   state = kv.init(cfg)
   rows = jnp.ones((4,), jnp.int32)
   lowered = jax.jit(functools.partial(kv.alloc_decode, cfg)).lower(state, rows + 1, rows)
-  assert "triton" not in lowered.as_text()
+  # No kernel launch of any kind (the word "triton" may appear in source-file metadata).
+  assert "custom_call" not in lowered.as_text()
   hlo = lowered.compile().as_text()
-  assert "conditional" not in hlo and "triton" not in hlo
+  assert "conditional" not in hlo and "custom-call" not in hlo
   # The TPU lowering of the same call holds the Mosaic kernel (and no Triton).
   from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
   i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
