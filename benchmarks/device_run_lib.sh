@@ -10,3 +10,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false   # leave GPU memory for torch
 pack_results() {  # pack_results: $OUT -> $DEST/results.tgz (and $OUT removed)
   tar czf "$DEST/results.tgz" -C "$OUT" . && rm -rf "$OUT"
 }
+
+write_machine() {  # write_machine: date, GPU, driver and versions -> $OUT/machine.txt
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
+    ${PYTHON:-python3} -c "import sys, jax, torch, triton; print(sys.version.split()[0], jax.__version__, torch.__version__, triton.__version__)"
+  } > "$OUT/machine.txt" 2>&1
+}

@@ -113,30 +113,49 @@ def profile_serving(bs: int, release: str, steps_per_iter: int, iters: int) -> d
   carry, inputs = bs_mod.initial_carry(case), jnp.zeros((), jnp.int32)
   run = bt.chain_loop(call, steps_per_iter)
   sink = bt.sink_init(call, carry, inputs)
+  text = run.lower(carry, inputs, sink, np.int32(2)).compile().as_text()
+  # The compiled program's copies (a DtoD memcpy per step in the profile: which buffer).
+  copies = [l.strip()[:160] for l in text.splitlines()
+            if " copy(" in l or " copy-start(" in l]
   jax.block_until_ready(run(carry, inputs, sink, np.int32(2)))
-  return _summary(bt.cuda_activities(lambda: jax.block_until_ready(
+  res = _summary(bt.cuda_activities(lambda: jax.block_until_ready(
       run(carry, inputs, sink, np.int32(iters)))), iters * steps_per_iter)
+  res["copies"] = copies
+  return res
 
 
-def decode_warps(batch_sizes, warps_list) -> dict:
-  """The fused decode kernel's own GPU time (bench_micro.bare_kernel_time) at each
-  num_warps (pallas_kernels.alloc_decode_triton's override of tuning.decode_warps)."""
+DECODE_VARIANTS = ((None, False), (None, True), (1, True), (2, True), (8, True),
+                   (1, False), (2, False), (8, False))
+
+
+def decode_variants(batch_sizes) -> dict:
+  """The fused decode kernel's own GPU time (bench_micro.bare_kernel_time, 512 calls of a
+  16-call chain) for each (num_warps or tuning's default, masked prefix sum or scan)."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
   out = {}
-  for bs in batch_sizes:
-    case = bm.make_case("decode", bs, bs, 64, 0)
-    _, _, state, (seq, last) = bm.jax_call(case, "pallas")
-    for warps in warps_list:
-      def call(st, x, warps=warps):
-        o, head, length, ok = pallas_kernels.alloc_decode_triton(
-            st.free_ring, st.free_head, st.free_len, jax.numpy.int32(bs), x[0], x[1],
-            page_size=64, num_warps=warps)
-        return st._replace(free_head=head), (o, ok, head, length)
-      try:
-        out[f"{bs}/{warps}"] = bm.bare_kernel_time(call, state, (seq, last))["s"] * 1e6
-      except Exception as e:  # pylint: disable=broad-except
-        out[f"{bs}/{warps}"] = f"{type(e).__name__}: {e}"[:200]
-      print(f"  decode bs={bs} warps={warps}: {out[f'{bs}/{warps}']}", flush=True)
+  saved = tuning.DECODE_MASKED_PREFIX_MAX_ROWS
+  try:
+    for bs in batch_sizes:
+      case = bm.make_case("decode", bs, bs, 64, 0)
+      _, _, state, (seq, last) = bm.jax_call(case, "pallas")
+      for warps, masked in DECODE_VARIANTS:
+        tuning.DECODE_MASKED_PREFIX_MAX_ROWS = 1 << 20 if masked else 0
+
+        def call(st, x, warps=warps):
+          o, head, length, ok = pallas_kernels.alloc_decode_triton(
+              st.free_ring, st.free_head, st.free_len, jax.numpy.int32(bs), x[0], x[1],
+              page_size=64, num_warps=warps)
+          return st._replace(free_head=head), (o, ok, head, length)
+        key = f"bs{bs}/warps{warps or 'default'}/{'masked' if masked else 'scan'}"
+        try:
+          out[key] = bm.bare_kernel_time(call, state, (seq, last), unroll=16,
+                                         calls=512)["s"] * 1e6
+        except Exception as e:  # pylint: disable=broad-except
+          out[key] = f"{type(e).__name__}: {e}"[:200]
+        print(f"  decode {key}: {out[key]}", flush=True)
+  finally:
+    tuning.DECODE_MASKED_PREFIX_MAX_ROWS = saved
   return out
 
 
@@ -154,12 +173,12 @@ def main(argv=None) -> int:
   ap.add_argument("--serving", default="",
                   help="instead: profile the serving scan at these batch sizes (e.g. "
                   "64,1024) for each release variant")
-  ap.add_argument("--decode-warps", default="",
+  ap.add_argument("--decode-variants", default="",
                   help="instead: the decode kernel's own time at these batch sizes for "
-                  "num_warps 1, 2, 4, 8")
+                  "each of DECODE_VARIANTS (warps, masked prefix sum or scan)")
   args = ap.parse_args(argv)
-  if args.decode_warps:
-    res = decode_warps([int(x) for x in args.decode_warps.split(",")], (1, 2, 4, 8))
+  if args.decode_variants:
+    res = decode_variants([int(x) for x in args.decode_variants.split(",")])
     if args.json:
       with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
@@ -167,7 +186,7 @@ def main(argv=None) -> int:
   if args.serving:
     res = {}
     for bs in [int(x) for x in args.serving.split(",")]:
-      for release in ("baseline", "fused", "pages", "sorted"):
+      for release in ("baseline", "fused"):
         try:
           r = profile_serving(bs, release, 8, args.iters)
         except Exception as e:  # pylint: disable=broad-except
@@ -180,6 +199,8 @@ def main(argv=None) -> int:
         for a in r.get("per_call", [])[:14]:
           print(f"    {a['per_call']:7.3f}/step  {a['mean_us']:8.3f} us  {a['cat']:10s} "
                 f"{a['name']}", flush=True)
+        for c in r.get("copies", [])[:12]:
+          print(f"    copy: {c}", flush=True)
     if args.json:
       with open(args.json, "w") as f:
         json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "serving": res}, f,

@@ -10,9 +10,7 @@ set -u
 source "$(dirname "$0")/device_run_lib.sh"
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  $PY -c "import sys, jax, torch, triton; print(sys.version.split()[0], jax.__version__, torch.__version__, triton.__version__)"
-} > "$OUT/machine.txt" 2>&1
+write_machine
 B="$KV bench --no-progress --no-serving --extra-consumer --min-time 0.02 --reps 5"
 (
   export CUDA_VISIBLE_DEVICES=0

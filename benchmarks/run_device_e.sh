@@ -10,9 +10,7 @@ source "$(dirname "$0")/device_run_lib.sh"
 PY=${PYTHON:-python3}
 SGK=.sglang_kernels/allocator.py
 mkdir -p "$OUT/hlo"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  $PY -c "import sys, jax, torch, triton; print(sys.version.split()[0], jax.__version__, torch.__version__, triton.__version__)"
-} > "$OUT/machine.txt" 2>&1
+write_machine
 (
   export CUDA_VISIBLE_DEVICES=0
   timeout 150 $PY benchmarks/gpu_profile.py --sglang-kernels $SGK --tag default \

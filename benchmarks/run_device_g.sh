@@ -11,9 +11,7 @@ source "$(dirname "$0")/device_run_lib.sh"
 PY=${PYTHON:-python3}
 SGK=.sglang_kernels/allocator.py
 B="$PY -m jax_kvalloc bench --no-progress --no-serving --bare --min-time 0.02 --reps 3 --sglang-kernels $SGK"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  $PY -c "import sys, jax, torch, triton; print(sys.version.split()[0], jax.__version__, torch.__version__, triton.__version__)"
-} > "$OUT/machine.txt" 2>&1
+write_machine
 (
   export CUDA_VISIBLE_DEVICES=0
   timeout 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_extend_layouts.py \

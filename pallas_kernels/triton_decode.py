@@ -47,6 +47,9 @@ class _Params:
   num_ids: int = 0    # M, page ids given
   ids_pad: int = 0    # next power of two >= M
   barrier: bool = True  # False in interpret mode (one program, run in order there)
+  # Rows' page offsets by a masked [RB, RB] sum instead of a scan (tuning.
+  # DECODE_MASKED_PREFIX_MAX_ROWS: small blocks only).
+  masked_prefix: bool = False
 
 
 def _needs_page(seq: Array, ps: int) -> Array:
@@ -117,7 +120,11 @@ def _write_slots(p: _Params, ring_ref, head, flen, ok, rows, real, last, needs, 
   else last + 1; 0 for padding rows and everywhere when not ok. Ring reads are masked by
   the capacity check."""
   ps, n = p.page_size, p.src_len
-  k = before + jnp.cumsum(needs) - needs
+  if p.masked_prefix:  # k[i] = sum of needs[j < i]: one reduction, no cross-warp scan
+    r = jnp.arange(needs.shape[0], dtype=jnp.int32)
+    k = before + jnp.sum(jnp.where(r[None, :] < r[:, None], needs[None, :], 0), axis=1)
+  else:
+    k = before + jnp.cumsum(needs) - needs
   i = head + k
   i = jnp.where(i >= n, i - n, i)
   page = _util.load(ring_ref, i, (needs > 0) & ok & (k < flen))
@@ -201,7 +208,8 @@ def _make_call(fused, num_rows, page_size, src_len, row_block, num_warps, interp
   if not _util.is_pow2(row_block):
     raise ValueError(f"row_block={row_block} must be a power of two")
   p = _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, row_block=row_block,
-              page_size=page_size, src_len=src_len)
+              page_size=page_size, src_len=src_len,
+              masked_prefix=fused and row_block <= tuning.DECODE_MASKED_PREFIX_MAX_ROWS)
   if num_warps is None:  # the fused kernel may hold all rows; the contract one a block
     num_warps = tuning.decode_warps(rows_pad if fused else row_block)
   name = "jax_kvalloc_alloc_decode_triton" if fused else "jax_kvalloc_decode_indices_triton"
@@ -328,7 +336,8 @@ def release_alloc_decode_triton(
   rows_pad, ids_pad = _util.next_pow2(b), _util.next_pow2(m)
   p = _Params(fused=True, num_rows=b, rows_pad=rows_pad, row_block=rows_pad,
               page_size=page_size, src_len=n, release=True, num_ids=m, ids_pad=ids_pad,
-              barrier=not interpret)
+              barrier=not interpret,
+              masked_prefix=rows_pad <= tuning.DECODE_MASKED_PREFIX_MAX_ROWS)
   if num_warps is None:
     num_warps = tuning.decode_warps(max(rows_pad, ids_pad))
   call = _Call("jax_kvalloc_release_alloc_decode_triton", p, num_warps, interpret)

@@ -26,6 +26,9 @@ from pallas_kernels._util import next_pow2
 EXTEND_WINDOW = 256          # rows per search pass of the fused extend kernel
 DECODE_ROW_BLOCK = 2048      # rows per program of the fused decode kernel
 CONTRACT_DECODE_ROW_BLOCK = 1024
+# Fused decode: up to this many rows per program, the rows' page offsets come from one
+# masked [rows, rows] sum instead of a prefix scan (0: never). Not measured yet.
+DECODE_MASKED_PREFIX_MAX_ROWS = 0
 # Fused extend: up to this many rows (padded) each token finds its row by a [tile, rows]
 # comparison in registers instead of the scratch search (0: never). Tiles then hold
 # ONEHOT_WORK / rows tokens, so the comparison stays the same size.

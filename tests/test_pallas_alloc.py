@@ -150,6 +150,22 @@ def test_alloc_decode_matches_jnp_and_model(ps):
   check_alloc_decode(ps)
 
 
+@pytest.mark.parametrize("ps,row_block", [(1, 2048), (16, 2048), (64, 4), (16, 4)])
+def test_alloc_decode_masked_prefix(ps, row_block, monkeypatch):
+  """The fused decode with the rows' page offsets from the masked [RB, RB] sum
+  (tuning.DECODE_MASKED_PREFIX_MAX_ROWS), in one program and in several (row_block 4 of
+  13 rows: each program adds the pages of the blocks before it)."""
+  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tuning, "DECODE_MASKED_PREFIX_MAX_ROWS", 4096)
+  monkeypatch.setattr(tuning, "DECODE_ROW_BLOCK", row_block)
+  check_alloc_decode(ps, rows=13, seed=row_block)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  e = lowering_check.export_for(   # the Triton lowering takes the [RB, RB] reduction
+      "h200", functools.partial(pallas_kernels.alloc_decode_triton, page_size=ps),
+      i32(64), i32(), i32(), i32(), i32(13), i32(13))
+  assert lowering_check.TRITON_CUSTOM_CALL in lowering_check.custom_call_targets(e)
+
+
 def test_refusals_match_jnp():
   # A row with seq < prefix, more tokens than max_tokens, an empty pool: all refused,
   # indices 0, state unchanged; the same on both paths.

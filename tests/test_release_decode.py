@@ -183,6 +183,14 @@ def test_kernel_equals_composition_and_model(ps):
   check_release_decode(ps, 64, 8, 16, 24, "small")
 
 
+@pytest.mark.parametrize("ps", (1, 64))
+def test_kernel_equals_composition_masked_prefix(ps, monkeypatch):
+  # The decode half with its page offsets from the masked sum instead of the scan.
+  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tuning, "DECODE_MASKED_PREFIX_MAX_ROWS", 4096)
+  check_release_decode(ps, 64, 8, 16, 24, "masked")
+
+
 @pytest.mark.parametrize("ps", (1, 16))
 def test_kernel_equals_composition_larger(ps):
   # Non-power-of-two rows and ids (padding lanes), a larger, non-power-of-two ring.

@@ -169,17 +169,18 @@ BARE_CALLS = 2048
 OUR_KERNELS = "jax_kvalloc_alloc_"   # jax_kvalloc_alloc_{decode,extend}_triton*
 
 
-def bare_kernel_time(call, carry, inputs, name_prefix: str = OUR_KERNELS
+def bare_kernel_time(call, carry, inputs, name_prefix: str = OUR_KERNELS, *,
+                     unroll: int = BARE_UNROLL, calls: int = BARE_CALLS
                      ) -> Dict[str, float]:
-  """The kernel's own GPU time (timing.kernel_time) over BARE_CALLS calls of the bare
+  """The kernel's own GPU time (timing.kernel_time) over `calls` calls of the bare
   chain (timing.chain_loop, linked=False) of `call`, a call that is one custom call
   (`one_custom_call`). Needs torch (CUPTI) and a GPU."""
-  run = bt.chain_loop(call, BARE_UNROLL, linked=False)
+  run = bt.chain_loop(call, unroll, linked=False)
   sink = bt.sink_init(call, carry, inputs)
-  iters = np.int32(BARE_CALLS // BARE_UNROLL)
+  iters = np.int32(max(1, calls // unroll))
   jax.block_until_ready(run(carry, inputs, sink, iters))
   acts = bt.cuda_activities(lambda: jax.block_until_ready(run(carry, inputs, sink, iters)))
-  return bt.kernel_time(acts, name_prefix, min_count=BARE_CALLS // 2)
+  return bt.kernel_time(acts, name_prefix, min_count=int(iters) * unroll // 2)
 
 
 def time_bare(case: Case, path: str) -> Dict[str, float]:
