@@ -27,8 +27,11 @@ EXTEND_WINDOW = 256          # rows per search pass of the fused extend kernel
 DECODE_ROW_BLOCK = 2048      # rows per program of the fused decode kernel
 CONTRACT_DECODE_ROW_BLOCK = 1024
 # Fused decode: up to this many rows per program, the rows' page offsets come from one
-# masked [rows, rows] sum instead of a prefix scan (0: never). Not measured yet.
-DECODE_MASKED_PREFIX_MAX_ROWS = 0
+# masked [rows, rows] sum instead of a prefix scan. H200 (run 14, kernel GPU time from
+# CUPTI, us; SGLang's kernel 1.06 / 1.12 / 1.25 / 1.47): scan 1.02 / 1.15 / 1.25 / 1.28
+# at bs 1 / 16 / 64 / 256, masked 1.02 / 1.12 / 1.73 / 6.27 (benchmarks/gpu_profile.py
+# --decode-variants: at 16 rows masked 1.15-1.18 against scan 1.18-1.25 over warps).
+DECODE_MASKED_PREFIX_MAX_ROWS = 16
 # Fused extend: up to this many rows (padded) each token finds its row by a [tile, rows]
 # comparison in registers instead of the scratch search (0: never). Tiles then hold
 # ONEHOT_WORK / rows tokens, so the comparison stays the same size.

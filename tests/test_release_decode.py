@@ -438,7 +438,8 @@ def test_serving_step_fused_release_equals_page_release():
   # The benchmark's release="fused" step (jax_kvalloc.tools.bench_serving) runs the same
   # loop as release="pages": identical carries after every step, rows finishing included.
   from jax_kvalloc.tools import bench_serving  # pylint: disable=g-import-not-at-top
-  case = bench_serving.make_case(16, 16, 40, seed=SEED % 1000)
+  # Lengths of 8-48 tokens: every row finishes (and is released) within the 40 steps.
+  case = bench_serving.make_case(16, 16, 40, seed=SEED % 1000, len_lo=8, len_hi=48)
   cfg = dataclasses.replace(bench_serving._config(case), kernel="pallas_interpret")  # pylint: disable=protected-access
   steps = {r: jax.jit(functools.partial(bench_serving.serve_step, cfg, case.max_frees,
                                         release=r)) for r in ("pages", "fused")}
