@@ -66,6 +66,9 @@ SLOW_TESTS = [
      lambda it: "True]" in it.name, "need_sort off (the default) runs by default"),
     ("test_warmup.py", "test_device_last_loc_after_warmup_compiles_nothing", None,
      "compiles every bucket twice"),
+    ("test_bench_harness.py", "test_serving_scan_keeps_every_step",
+     lambda it: it.name.endswith(("[alloc]", "[free]")),
+     "the extra-call variants compile the step twice; the plain and release ones run"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
      "every page size and layout, many pools, in Pallas' interpreter"),
 ]

@@ -540,7 +540,7 @@ def test_random_traces_against_sglang(page_size, need_sort):
   list exactly, need_sort's staged pages as a set."""
   kind = "token" if page_size == 1 else "paged"
   for seed in range(2):
-    _run_trace(1000 + seed + page_size, page_size, need_sort, steps=40, functional=False,
+    _run_trace(1000 + seed + page_size, page_size, need_sort, steps=30, functional=False,
                make_oracle=lambda size: sglang_oracle.SGLangAllocator(
                    size, page_size, need_sort, kind))
 

@@ -42,7 +42,7 @@ _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
 PROFILES = {
-    "ci": settings(max_examples=6, stateful_step_count=35, derandomize=True, **_COMMON),
+    "ci": settings(max_examples=6, stateful_step_count=25, derandomize=True, **_COMMON),
     "thorough": settings(max_examples=150, stateful_step_count=80, **_COMMON),
 }
 PROFILE = os.environ.get("JAX_KVALLOC_HYPOTHESIS", "ci")

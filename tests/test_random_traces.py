@@ -112,4 +112,4 @@ class FunctionalTracesTest(chex.TestCase):
     cfg = kv.AllocatorConfig(size=num_pages * ps, page_size=ps, need_sort=need_sort,
                              kind=kind)
     run_workload(FunctionalImpl(cfg, self.variant), size=num_pages * ps, page_size=ps,
-                 need_sort=need_sort, kind=kind, steps=60, seed=7)
+                 need_sort=need_sort, kind=kind, steps=40, seed=7)
