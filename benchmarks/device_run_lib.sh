@@ -6,6 +6,8 @@ OUT=$DEST/run
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # leave GPU memory for torch
+PY=${PYTHON:-python3}
+SGK=.sglang_kernels/allocator.py   # SGLang's kernels file (ignored folder, carried)
 
 pack_results() {  # pack_results: $OUT -> $DEST/results.tgz (and $OUT removed)
   tar czf "$DEST/results.tgz" -C "$OUT" . && rm -rf "$OUT"
@@ -13,6 +15,6 @@ pack_results() {  # pack_results: $OUT -> $DEST/results.tgz (and $OUT removed)
 
 write_machine() {  # write_machine: date, GPU, driver and versions -> $OUT/machine.txt
   { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-    ${PYTHON:-python3} -c "import sys, jax, torch, triton; print(sys.version.split()[0], jax.__version__, torch.__version__, triton.__version__)"
+    $PY -c "import sys, jax, torch, triton; print(sys.version.split()[0], jax.__version__, torch.__version__, triton.__version__)"
   } > "$OUT/machine.txt" 2>&1
 }

@@ -8,7 +8,6 @@
 # SGLJAX=.sgljax OUT=$OUT bash benchmarks/run_device_c.sh
 set -u
 source "$(dirname "$0")/device_run_lib.sh"
-PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
 write_machine
 B="$KV bench --no-progress --no-serving --extra-consumer --min-time 0.02 --reps 5"

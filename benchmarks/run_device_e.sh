@@ -7,8 +7,6 @@
 # OUT=$OUT bash benchmarks/run_device_e.sh
 set -u
 source "$(dirname "$0")/device_run_lib.sh"
-PY=${PYTHON:-python3}
-SGK=.sglang_kernels/allocator.py
 mkdir -p "$OUT/hlo"
 write_machine
 (

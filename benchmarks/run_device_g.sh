@@ -8,8 +8,6 @@
 # OUT=$OUT bash benchmarks/run_device_g.sh
 set -u
 source "$(dirname "$0")/device_run_lib.sh"
-PY=${PYTHON:-python3}
-SGK=.sglang_kernels/allocator.py
 B="$PY -m jax_kvalloc bench --no-progress --no-serving --bare --min-time 0.02 --reps 3 --sglang-kernels $SGK"
 write_machine
 (

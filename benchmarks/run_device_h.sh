@@ -8,8 +8,6 @@
 # OUT=$OUT bash benchmarks/run_device_h.sh
 set -u
 source "$(dirname "$0")/device_run_lib.sh"
-PY=${PYTHON:-python3}
-SGK=.sglang_kernels/allocator.py
 ARGS="bench --no-progress --no-serving --bare --min-time 0.02 --reps 3 --sglang-kernels $SGK --ops decode --batch-sizes 1,16,64,256,1024 --paths pallas,torch"
 write_machine
 (

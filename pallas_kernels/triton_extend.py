@@ -304,6 +304,11 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   else:
     _fill_tile(p, pid, table, limit, read_page, out_ref, scr_ref)
 
+  _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
+
+
+def _store_take_once(p: _Params, pid, b, head, flen, head_out, len_out, ok_out) -> None:
+  """Program 0 writes the new head, length and ok of the fused extend (every layout)."""
   @pl.when(pid == 0)
   def _():
     _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=p.src_len,
@@ -347,10 +352,7 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
   blocks = cdiv(p.out_len - start, tile)
   lax.fori_loop(0, cdiv(jnp.maximum(blocks - pid, 0), grid), tail_block, 0)
 
-  @pl.when(pid == 0)
-  def _():
-    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=p.src_len,
-                     pages=b.total_pages, ok=b.ok)
+  _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
 
 
 def _blocks_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
@@ -383,10 +385,7 @@ def _blocks_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
   t = start + (grid - 1 - pid) * tile + lanes
   _util.store(out_ref, t, jnp.zeros_like(t), (t >= start) & (t < p.out_len))
 
-  @pl.when(pid == 0)
-  def _():
-    _util.store_take(head_out, len_out, ok_out, head=head, length=flen, ring_len=p.src_len,
-                     pages=b.total_pages, ok=b.ok)
+  _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
 
 
 # ---------------------------------------------------------------------------------------
