@@ -10,7 +10,8 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
   GPU).
 Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted step):
   init_table, extend_rows, decode_rows, release_rows, borrow_pages, admit_rows,
-  attention_inputs (also bound on the Allocator NamedTuple).
+  attention_inputs (also bound on the Allocator NamedTuple), and step_rows (release +
+  extend + decode of one serving step; each of these is one launch on GPU).
 Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) and
   ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool along a leading
   axis, optionally sharded over a mesh (shard_map, no collectives).
@@ -65,6 +66,7 @@ from jax_kvalloc.request_table import decode_rows
 from jax_kvalloc.request_table import extend_rows
 from jax_kvalloc.request_table import init_table
 from jax_kvalloc.request_table import release_rows
+from jax_kvalloc.request_table import step_rows
 from jax_kvalloc.state import AllocatorState
 from jax_kvalloc.state import available_size
 from jax_kvalloc.state import init
@@ -116,6 +118,7 @@ __all__ = [
     "ranks_allocator",
     "release_and_alloc_decode",
     "release_rows",
+    "step_rows",
     "token_allocator",
     "warmup_calls",
 ]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
 from jax_kvalloc import index_jnp
+from jax_kvalloc import kernels
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
@@ -98,15 +99,23 @@ def _check_table(table: RequestTable) -> Tuple[int, int]:
   return table.pages.shape
 
 
-def _batch(table: RequestTable, rows: Array, num_rows: Optional[Array], **per_row: Array):
-  """Checks shapes; returns (rows clipped into the table, bool[B] real, i32[] count,
-  bool[] rows valid, the per-row arrays as int32)."""
-  max_reqs, _ = _check_table(table)
+def _static_batch(table: RequestTable, rows: Array, **per_row: Array):
+  """The static checks of a batch (trace time, no ops): (rows i32[B], the per-row
+  arrays as int32, B). TypeError / ValueError naming the argument."""
+  _check_table(table)
   rows = validate.as_i32(rows, "rows")
   arrays = {k: validate.as_i32(v, k) for k, v in per_row.items()}
   num = validate.static_rows(rows=rows, **arrays)
   if num == 0:
     raise ValueError("rows must hold at least one entry (pad with num_rows instead)")
+  return rows, arrays, num
+
+
+def _batch(table: RequestTable, rows: Array, num_rows: Optional[Array], **per_row: Array):
+  """Checks shapes; returns (rows clipped into the table, bool[B] real, i32[] count,
+  bool[] rows valid, the per-row arrays as int32)."""
+  max_reqs, _ = _check_table(table)
+  rows, arrays, num = _static_batch(table, rows, **per_row)
   if num_rows is None:
     real, count = jnp.ones((num,), bool), jnp.full((), num, jnp.int32)
   else:
@@ -150,6 +159,47 @@ def _columns_mask(start: Array, end: Array, width: int) -> Array:
   return (j >= start[:, None]) & (j < end[:, None])
 
 
+def _count(num_rows: Optional[Array], num: int) -> Array:
+  """i32[] the num_rows argument (None: all num entries)."""
+  if num_rows is None:
+    return jnp.full((), num, jnp.int32)
+  return validate.as_i32(num_rows, "num_rows")
+
+
+def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                  kernel: str, backend: Optional[str], *, max_tokens: int = 0,
+                  release=None, extend=None, decode=None):
+  """The given phases (release (rows, num), extend (rows, n, num), decode (rows, num); in
+  that order) as one Triton launch that writes the pool and the table
+  (pallas_kernels.table_step_triton), or None where it does not apply: the jnp path,
+  the Mosaic backend, need_sort (a merge may run), debug mode, the token allocator, and
+  sizes pallas_kernels.table_supported refuses. Returns (state, table, the kernel's
+  per-phase results)."""
+  if config.kind != "paged" or config.need_sort or config.debug:
+    return None
+  path = kernels.resolve(kernel)
+  if path not in ("pallas", "pallas_interpret"):
+    return None
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  if (backend or pallas_kernels.default_backend()) != "triton":
+    return None
+  max_reqs, width = table.pages.shape
+  size = lambda phase: 0 if phase is None else phase[0].shape[0]
+  if not pallas_kernels.table_supported(
+      max_reqs=max_reqs, width=width, num_pages=config.num_pages,
+      page_size=config.page_size, release=size(release), extend=size(extend),
+      max_tokens=max_tokens, decode=size(decode)):
+    return None
+  out = pallas_kernels.table_step_triton(
+      state.free_ring, state.free_head, state.free_len, state.release_len, table.pages,
+      table.lens, table.owned_from, page_size=config.page_size, release=release,
+      extend=extend, max_tokens=max_tokens, decode=decode,
+      interpret=path == "pallas_interpret")
+  state = state._replace(free_ring=out["ring"], free_head=out["head"],
+                         free_len=out["length"])
+  return state, RequestTable(out["pages"], out["lens"], out["owned_from"]), out
+
+
 # ---------------------------------------------------------------------------------------
 # Operations.
 # ---------------------------------------------------------------------------------------
@@ -181,6 +231,22 @@ def extend_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTa
     n < 0, or when the rows repeat or leave the table (then the pool is untouched); the
     table is unchanged whenever ok is False.
   """
+  rows, a, num = _static_batch(table, rows, n=n)
+
+  def run(kernel: str, backend: Optional[str]):
+    out = _table_kernel(config, state, table, kernel, backend, max_tokens=max_tokens,
+                        extend=(rows, a["n"], _count(num_rows, num)))
+    if out is None:
+      return _extend_rows_jnp(config, state, table, rows, a["n"], max_tokens, num_rows)
+    state2, table2, res = out
+    return state2, table2, res["extend_slots"], res["extend_ok"]
+
+  return kernels.by_device(config.kernel, state.free_ring, run)
+
+
+def _extend_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                     rows: Array, n: Array, max_tokens: int, num_rows: Optional[Array]):
+  """extend_rows as XLA ops (and the allocator's own dispatch)."""
   ps = config.page_size
   rows, real, count, go, a = _batch(table, rows, num_rows, n=n)
   n = jnp.where(real, a["n"], 0)
@@ -238,6 +304,22 @@ def decode_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTa
     stays), when a row is full (lens == max_pages_per_req * page_size), or when the rows
     repeat or leave the table (then the pool is untouched too).
   """
+  rows, _, num = _static_batch(table, rows)
+
+  def run(kernel: str, backend: Optional[str]):
+    out = _table_kernel(config, state, table, kernel, backend,
+                        decode=(rows, _count(num_rows, num)))
+    if out is None:
+      return _decode_rows_jnp(config, state, table, rows, num_rows)
+    state2, table2, res = out
+    return state2, table2, res["decode_slots"], res["decode_ok"]
+
+  return kernels.by_device(config.kernel, state.free_ring, run)
+
+
+def _decode_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                     rows: Array, num_rows: Optional[Array]):
+  """decode_rows as XLA ops (and the allocator's own dispatch)."""
   ps = config.page_size
   rows, real, count, go, _ = _batch(table, rows, num_rows)
   max_reqs, width = table.pages.shape
@@ -277,6 +359,22 @@ def release_rows(config: AllocatorConfig, state: AllocatorState, table: RequestT
     (state, table, bool[] ok). ok is False, and nothing changes, when the rows repeat or
     leave the table.
   """
+  rows, _, num = _static_batch(table, rows)
+
+  def run(kernel: str, backend: Optional[str]):
+    out = _table_kernel(config, state, table, kernel, backend,
+                        release=(rows, _count(num_rows, num)))
+    if out is None:
+      return _release_rows_jnp(config, state, table, rows, num_rows)
+    state2, table2, res = out
+    return state2, table2, res["release_ok"]
+
+  return kernels.by_device(config.kernel, state.free_ring, run)
+
+
+def _release_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                      rows: Array, num_rows: Optional[Array]):
+  """release_rows as XLA ops."""
   ps = config.page_size
   rows, real, _, go, _ = _batch(table, rows, num_rows)
   max_reqs, width = table.pages.shape
@@ -292,6 +390,86 @@ def release_rows(config: AllocatorConfig, state: AllocatorState, table: RequestT
                        lens=table.lens.at[dest].set(0, mode="drop"),
                        owned_from=table.owned_from.at[dest].set(0, mode="drop"))
   return state, table, go
+
+
+
+class StepOutputs(NamedTuple):
+  """What `step_rows` returns beside the pool and the table; None for a phase not run."""
+  release_ok: Optional[Array]    # bool[] as release_rows
+  extend_slots: Optional[Array]  # i32[max_tokens] as extend_rows
+  extend_ok: Optional[Array]     # bool[]
+  decode_slots: Optional[Array]  # i32[Bd] as decode_rows
+  decode_ok: Optional[Array]     # bool[]
+
+
+def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTable, *,
+              release: Optional[Array] = None, num_release: Optional[Array] = None,
+              extend: Optional[Array] = None, n: Optional[Array] = None,
+              num_extend: Optional[Array] = None, max_tokens: int = 0,
+              decode: Optional[Array] = None, num_decode: Optional[Array] = None
+              ) -> Tuple[AllocatorState, RequestTable, StepOutputs]:
+  """A serving step's table work: `release_rows`, then `extend_rows`, then `decode_rows`
+  (each optional), bit for bit their composition, as one kernel launch on a GPU pool.
+
+  Args:
+    config: static configuration.
+    state: the pool.
+    table: the request table.
+    release: i32[Br] rows to release (None: no release); num_release as release_rows'
+      num_rows.
+    extend: i32[Be] rows to extend (None: no extend) by n (i32[Be]) tokens each, into
+      max_tokens (static) slots; num_extend as extend_rows' num_rows.
+    decode: i32[Bd] rows to decode (None: no decode); num_decode likewise.
+
+  Returns:
+    (state, table, StepOutputs): the pool and table after all phases and each phase's
+    result as its own operation returns it. A refused phase changes nothing, as that
+    operation alone; the later phases run on what the earlier ones left. On the Triton
+    backend (paged pool, need_sort and debug off, sizes pallas_kernels.table_supported
+    takes) one launch of pallas_kernels.table_step_triton; elsewhere the three calls.
+
+  Raises:
+    TypeError / ValueError naming the argument, as the operations do; ValueError when
+    extend is given without n.
+  """
+  if extend is not None and n is None:
+    raise ValueError("n must be given with extend (tokens per extended row)")
+  phases = {}
+  if release is not None:
+    rows, _, num = _static_batch(table, release)
+    phases["release"] = (rows, _count(num_release, num))
+  if extend is not None:
+    rows, a, num = _static_batch(table, extend, n=n)
+    phases["extend"] = (rows, a["n"], _count(num_extend, num))
+  if decode is not None:
+    rows, _, num = _static_batch(table, decode)
+    phases["decode"] = (rows, _count(num_decode, num))
+
+  def composed():
+    s, t = state, table
+    out = dict.fromkeys(StepOutputs._fields)
+    if "release" in phases:
+      s, t, out["release_ok"] = release_rows(config, s, t, release, num_rows=num_release)
+    if "extend" in phases:
+      s, t, out["extend_slots"], out["extend_ok"] = extend_rows(
+          config, s, t, extend, n, max_tokens=max_tokens, num_rows=num_extend)
+    if "decode" in phases:
+      s, t, out["decode_slots"], out["decode_ok"] = decode_rows(config, s, t, decode,
+                                                                num_rows=num_decode)
+    return s, t, StepOutputs(**out)
+
+  if not phases:
+    return composed()
+
+  def run(kernel: str, backend: Optional[str]):
+    got = _table_kernel(config, state, table, kernel, backend, max_tokens=max_tokens,
+                        **phases)
+    if got is None:
+      return composed()
+    s, t, res = got
+    return s, t, StepOutputs(**{k: res.get(k) for k in StepOutputs._fields})
+
+  return kernels.by_device(config.kernel, state.free_ring, run)
 
 
 def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,

@@ -12,7 +12,9 @@ The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 `alloc_decode_triton` (free ring in, indices and new head/length out), and the paged
 `free` in one memset and three launches: `free_push_front_triton` (its sorted unique
 pages alone: `free_sorted_unique_triton`). A decode step's free_page_ids and alloc_decode
-run as one launch: `release_alloc_decode_triton`.
+run as one launch: `release_alloc_decode_triton`. The request table's release, extend and
+decode (each, or all three together) run as one launch that also writes the table:
+`table_step_triton`.
 
 `lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
@@ -43,6 +45,8 @@ _LAZY = {
     "free_push_front_triton": ("triton_free", "free_push_front_triton"),
     "free_sorted_unique_triton": ("triton_free", "sorted_unique_pages_triton"),
     "free_supported": ("triton_free", "supported"),
+    "table_step_triton": ("triton_table", "table_step_triton"),
+    "table_supported": ("triton_table", "supported"),
 }
 
 
@@ -128,4 +132,6 @@ __all__ = [
     "free_supported",
     "release_alloc_decode_triton",
     "release_decode_supported",
+    "table_step_triton",
+    "table_supported",
 ]
