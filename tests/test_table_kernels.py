@@ -1,0 +1,482 @@
+"""The request table's one-launch Triton kernel (pallas_kernels.triton_table) against the
+jnp path and the loop model.
+
+- Random pools and tables, vmapped over cases, kernel in Pallas' interpreter vs the jnp
+  path (whole state, whole table, slots, ok) for release_rows, extend_rows, decode_rows
+  and step_rows (vs the jnp composition). Dead ring entries and dead table entries
+  (columns past a row's pages) hold poison, so a stray read or write shows. The cases
+  draw: borrowed prefixes, full rows, empty rows, rings that wrap, free lists short by
+  one page or exactly enough, repeated rows, rows outside the table, num_rows cutting
+  the rows, negative n, n past the row's capacity, more tokens than max_tokens, a
+  release cut to the room left. A fresh seed per run (JAX_KVALLOC_TEST_SEED repeats one).
+- The random workload of tests/test_request_table.py (ModelTable over tests/model.py)
+  with the kernel, poisoning the dead entries after every operation.
+- Lowered for an abstract H200: each operation and step_rows hold the stated number of
+  Triton custom calls and no XLA scatter or gather.
+tests/test_pallas_gpu.py runs `check_table_ops` on the compiled kernel.
+"""
+import dataclasses
+import functools
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvalloc as kv
+import pallas_kernels
+from jax_kvalloc import request_table as rt
+from pallas_kernels import lowering_check
+from pallas_kernels import triton_table
+import test_request_table as trt
+from model import ModelAllocator
+
+KERNEL_NAME = "jax_kvalloc_table_step_triton"
+TRITON = lowering_check.TRITON_CUSTOM_CALL
+POISON = 1_000_000
+SEED = int(os.environ.get("JAX_KVALLOC_TEST_SEED",
+                          np.random.SeedSequence().entropy % 2**32))
+i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def _rng(*key):
+  return np.random.default_rng([SEED, zlib.crc32(repr(key).encode())])
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------
+# Random pools and tables.
+# ---------------------------------------------------------------------------------------
+
+def table_case(rng, ps, n, max_reqs, width):
+  """A consistent pool and table with poisoned dead entries, as host arrays:
+  (ring, head, free_len, release_len, pages, lens, owned_from)."""
+  perm = list((rng.permutation(n) + 1).astype(np.int32))
+  pages = (POISON + rng.integers(0, 1000, (max_reqs, width))).astype(np.int32)
+  pages[rng.random((max_reqs, width)) < 0.1] = -7
+  lens = np.zeros(max_reqs, np.int32)
+  owned = np.zeros(max_reqs, np.int32)
+  for r in range(max_reqs):
+    kind = trt_pick(rng, {"empty": 2, "own": 5, "borrow": 2, "full": 1})
+    if kind == "empty":
+      continue
+    length = width * ps if kind == "full" else int(rng.integers(1, width * ps + 1))
+    need = _cdiv(length, ps)
+    k = 0
+    lenders = [q for q in range(r) if lens[q] >= ps and owned[q] == 0]
+    if kind == "borrow" and lenders:
+      q = int(rng.choice(lenders))
+      k = int(rng.integers(1, min(lens[q] // ps, need) + 1))
+      pages[r, :k] = pages[q, :k]
+      length = max(length, k * ps)
+    if need - k > len(perm):
+      continue
+    pages[r, k:need] = [perm.pop() for _ in range(need - k)]
+    lens[r], owned[r] = length, k
+  free = int(rng.integers(0, len(perm) + 1)) if rng.random() < 0.7 else len(perm)
+  head = int(rng.integers(0, n))
+  ring = (POISON + np.arange(n)).astype(np.int32)
+  ring[(head + np.arange(free)) % n] = perm[:free]
+  rel = int(rng.integers(0, n - free + 1)) if rng.random() < 0.15 else 0
+  return (ring, np.int32(head), np.int32(free), np.int32(rel), pages, lens, owned)
+
+
+def trt_pick(rng, weights):
+  names = list(weights)
+  p = np.array([weights[k] for k in names], float)
+  return names[rng.choice(len(names), p=p / p.sum())]
+
+
+def _rows(rng, max_reqs, b):
+  """i32[b] rows (distinct, in random order) and a num_rows; sometimes a repeat or a
+  row outside the table among the real ones."""
+  rows = rng.permutation(max(max_reqs, b))[:b].astype(np.int32) % max_reqs
+  num = b if rng.random() < 0.5 else int(rng.integers(-1, b + 2))
+  real = max(0, min(num, b))
+  u = rng.random()
+  if u < 0.08 and real >= 2:
+    rows[int(rng.integers(1, real))] = rows[0]
+  elif u < 0.12 and real >= 1:
+    rows[int(rng.integers(0, real))] = rng.choice([-1, max_reqs, 2**31 - 1])
+  return rows, np.int32(num)
+
+
+def ops_case(rng, ps, width, max_reqs, rel_b, ext_b, dec_b):
+  rel, nrel = _rows(rng, max_reqs, rel_b)
+  ext, next_ = _rows(rng, max_reqs, ext_b)
+  n = rng.integers(0, 3 * ps + 5, ext_b).astype(np.int32)
+  u = rng.random()
+  if u < 0.08:
+    n[int(rng.integers(0, ext_b))] = -1
+  elif u < 0.16:
+    n[int(rng.integers(0, ext_b))] = width * ps
+  dec, ndec = _rows(rng, max_reqs, dec_b)
+  return rel, nrel, ext, n, next_, dec, ndec
+
+
+def _stack(cases):
+  return tuple(np.stack(x) for x in zip(*cases))
+
+
+def make_cases(ps, n, max_reqs, width, count, tag, rel_b=4, ext_b=4, dec_b=None):
+  rng = _rng(tag, ps, n, max_reqs, width)
+  dec_b = dec_b or max_reqs
+  cases = [table_case(rng, ps, n, max_reqs, width)
+           + ops_case(rng, ps, width, max_reqs, rel_b, ext_b, dec_b) for _ in range(count)]
+  return _stack(cases)
+
+
+def _pool_table(cfg, ring, head, free, rel, pages, lens, owned):
+  state = kv.init(cfg)._replace(free_ring=ring, free_head=head, free_len=free,
+                                release_len=rel)
+  return state, rt.RequestTable(pages, lens, owned)
+
+
+def _op_fns(cfg, max_tokens):
+  """Each operation on one case (the args of make_cases)."""
+  def unpack(args):
+    state, table = _pool_table(cfg, *args[:7])
+    return (state, table) + tuple(args[7:])
+
+  def release(*args):
+    s, t, rel, nrel, *_ = unpack(args)
+    return rt.release_rows(cfg, s, t, rel, num_rows=nrel)
+
+  def extend(*args):
+    s, t, _, _, ext, n, next_, *_ = unpack(args)
+    return rt.extend_rows(cfg, s, t, ext, n, max_tokens=max_tokens, num_rows=next_)
+
+  def decode(*args):
+    s, t, *_, dec, ndec = unpack(args)
+    return rt.decode_rows(cfg, s, t, dec, num_rows=ndec)
+
+  def step(*args):
+    s, t, rel, nrel, ext, n, next_, dec, ndec = unpack(args)
+    return rt.step_rows(cfg, s, t, release=rel, num_release=nrel, extend=ext, n=n,
+                        num_extend=next_, max_tokens=max_tokens, decode=dec,
+                        num_decode=ndec)
+
+  def decode_step(*args):
+    s, t, rel, nrel, *_, dec, ndec = unpack(args)
+    return rt.step_rows(cfg, s, t, release=rel, num_release=nrel, decode=dec,
+                        num_decode=ndec)
+
+  return dict(release=release, extend=extend, decode=decode, step=step,
+              decode_step=decode_step)
+
+
+def _configs(ps, n, kernel="pallas_interpret"):
+  jnp_cfg = kv.AllocatorConfig(size=n * ps, page_size=ps, kernel="jnp", debug=False)
+  return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
+
+
+def _assert_same(a, b, msg):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb), msg
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
+
+
+def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret",
+                    ops=("release", "extend", "decode", "step", "decode_step"),
+                    max_tokens=None, **sizes):
+  """Every operation through the kernel == the jnp path, bit for bit, on random cases
+  (vmapped). Returns how many cases each op refused (to check the draw)."""
+  jnp_cfg, cfg = _configs(ps, n, kernel)
+  max_tokens = max_tokens or 8 * ps + 16
+  args = make_cases(ps, n, max_reqs, width, count, tag, **sizes)
+  got_fns, want_fns = _op_fns(cfg, max_tokens), _op_fns(jnp_cfg, max_tokens)
+  refused = {}
+  for op in ops:
+    fn = jax.jit(jax.vmap(got_fns[op]))
+    assert KERNEL_NAME in str(jax.make_jaxpr(fn)(*args)), op
+    got = fn(*args)
+    want = jax.jit(jax.vmap(want_fns[op]))(*args)
+    _assert_same(got, want, f"seed {SEED}, {tag}, ps {ps}, {op}")
+    oks = [np.asarray(x) for x in jax.tree_util.tree_leaves(want) if x.dtype == bool]
+    refused[op] = int(np.sum(~np.all(np.stack(oks), axis=0)))
+  return refused
+
+
+# The default set runs the whole step (all three phases in one launch) and the decode
+# step at page size 4; every operation alone and the other page sizes are slow tests.
+ALL_OPS = ("release", "extend", "decode", "step", "decode_step")
+
+
+@pytest.mark.parametrize("ps,ops", [(4, ("step", "decode_step"))] + [
+    pytest.param(ps, ALL_OPS, marks=pytest.mark.slow) for ps in (1, 3, 4, 16, 64)])
+def test_kernel_equals_jnp_path(ps, ops):
+  refused = check_table_ops(ps, 40, 8, 6, 32, "small", ops=ops)
+  # Both outcomes were drawn for every operation.
+  assert all(0 < k < 32 for k in refused.values()), (SEED, refused)
+
+
+@pytest.mark.slow
+def test_kernel_equals_jnp_path_larger():
+  # Non-power-of-two widths and batches, more rows than one extend tile's search.
+  check_table_ops(16, 300, 37, 11, 6, "larger", rel_b=9, ext_b=19, dec_b=37,
+                  max_tokens=700)
+
+
+@pytest.mark.slow  # op by op in Pallas' interpreter
+def test_hand_worked_step():
+  # test_request_table.test_hand_worked_ps4's first steps, through step_rows.
+  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="pallas_interpret", debug=False)
+  state, table = kv.init(cfg), rt.init_table(cfg, 4, 8)
+  state, table, out = rt.step_rows(cfg, state, table, extend=jnp.array([0, 1]),
+                                   n=jnp.array([6, 3]), max_tokens=16,
+                                   decode=jnp.array([0, 1]))
+  assert out.release_ok is None and bool(out.extend_ok) and bool(out.decode_ok)
+  np.testing.assert_array_equal(out.extend_slots[:9], [4, 5, 6, 7, 8, 9, 12, 13, 14])
+  np.testing.assert_array_equal(out.decode_slots, [10, 15])
+  np.testing.assert_array_equal(table.pages[:2, :3], [[1, 2, 0], [3, 0, 0]])
+  # Release row 1 (page 3 to the front), extend row 1 by 5 (pages 3, 4), decode 0, 1:
+  # row 0 at 7 -> 8 tokens ends page 2 (slot 11); row 1 at 5 -> 6 continues (17).
+  state, table, out = rt.step_rows(cfg, state, table, release=jnp.array([1]),
+                                   extend=jnp.array([1]), n=jnp.array([5]), max_tokens=8,
+                                   decode=jnp.array([0, 1]))
+  assert bool(out.release_ok) and bool(out.extend_ok) and bool(out.decode_ok)
+  np.testing.assert_array_equal(out.extend_slots, [12, 13, 14, 15, 16, 0, 0, 0])
+  np.testing.assert_array_equal(out.decode_slots, [11, 17])
+  np.testing.assert_array_equal(table.pages[:2, :3], [[1, 2, 0], [3, 4, 0]])
+  np.testing.assert_array_equal(table.lens[:2], [8, 6])
+
+
+# ---------------------------------------------------------------------------------------
+# The loop model, with poison after every operation.
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # six operations compiled in Pallas' interpreter per page size
+@pytest.mark.parametrize("ps", [1, 4, 64])
+def test_random_workload_matches_model(ps):
+  cfg = dataclasses.replace(trt._config(ps, False, "paged"), kernel="pallas_interpret",  # pylint: disable=protected-access
+                            debug=False)
+  fns = trt._jitted(cfg)  # pylint: disable=protected-access
+  rng = _rng("workload", ps)
+  model = trt.ModelTable(ModelAllocator(cfg.size, ps, False, "paged"), trt.MAX_REQS,
+                         trt.MAX_PAGES)
+  state, table = kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)
+  lenders = {}
+  for _ in range(60):
+    op = trt._random_op(rng, cfg, model, lenders)  # pylint: disable=protected-access
+    got = trt._apply_jax(fns, state, table, op)  # pylint: disable=protected-access
+    want = trt._apply_model(model, op, fns["max_tokens"], lenders)  # pylint: disable=protected-access
+    trt._compare_result(op, got, want)  # pylint: disable=protected-access
+    if op[0] != "admit":
+      state, table = got[0], got[1]
+    trt._check_same(cfg, state, table, model)  # pylint: disable=protected-access
+    state, table = _poisoned(rng, cfg, state, table)
+
+
+def _poisoned(rng, cfg, state, table):
+  """The same pool and table with every dead ring entry and every table entry past a
+  row's pages replaced by garbage."""
+  ring = np.asarray(state.free_ring).copy()
+  n = ring.shape[0]
+  dead = np.ones(n, bool)
+  dead[(int(state.free_head) + np.arange(int(state.free_len))) % n] = False
+  ring[dead] = POISON + rng.integers(0, 1000, int(dead.sum()))
+  pages = np.asarray(table.pages).copy()
+  used = _cdiv(np.asarray(table.lens), cfg.page_size)
+  past = np.arange(pages.shape[1])[None, :] >= used[:, None]
+  pages[past] = POISON + rng.integers(0, 1000, int(past.sum()))
+  return (state._replace(free_ring=jnp.asarray(ring)),
+          table._replace(pages=jnp.asarray(pages)))
+
+
+@pytest.mark.slow  # a scan of step_rows in Pallas' interpreter
+def test_scan_of_steps_matches_model():
+  # test_request_table's serving program, each step one step_rows call, inside lax.scan.
+  ps = 16
+  cfg = dataclasses.replace(trt._config(ps, False, "paged"), kernel="pallas_interpret",  # pylint: disable=protected-access
+                            debug=False)
+  max_tokens = 4 * ps + 8
+  prog = trt._scan_program(_rng("scan"), ps, 40)  # pylint: disable=protected-access
+  xs = jax.tree.map(jnp.asarray, trt._scan_xs(prog))  # pylint: disable=protected-access
+
+  def step(carry, x):
+    state, table, out = rt.step_rows(
+        cfg, *carry, release=x["rel"], num_release=x["n_rel"], extend=x["ext"], n=x["n"],
+        num_extend=x["n_ext"], max_tokens=max_tokens, decode=x["dec"],
+        num_decode=x["n_dec"])
+    return (state, table), (out.extend_slots, out.extend_ok, out.decode_slots,
+                            out.decode_ok)
+
+  run = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))
+  assert KERNEL_NAME in str(jax.make_jaxpr(run)(
+      (kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)), xs))
+  (state, table), ys = run((kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)),
+                           xs)
+  model, outs = trt._model_program(cfg, prog, max_tokens)  # pylint: disable=protected-access
+  trt._check_program(outs, ys)  # pylint: disable=protected-access
+  trt._check_same(cfg, state, table, model)  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------------------
+# Where the kernel applies; arguments.
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change", ["need_sort", "debug", "token", "too_many_rows",
+                                    "auto_on_cpu"])
+def test_fallbacks_take_the_composition(change):
+  ps, n = (1, 40) if change == "token" else (4, 40)
+  _, cfg = _configs(ps, n)
+  if change == "need_sort":
+    cfg = dataclasses.replace(cfg, need_sort=True)
+  if change == "debug":
+    cfg = dataclasses.replace(cfg, debug=True)
+  if change == "token":
+    cfg = dataclasses.replace(cfg, kind="token")
+  if change == "auto_on_cpu":
+    cfg = dataclasses.replace(cfg, kernel="auto")
+  rows = triton_table.MAX_DECODE_ROWS + 1 if change == "too_many_rows" else 4
+  state, table = kv.init(cfg), rt.init_table(cfg, max(rows, 8), 4)
+  # (Too many decode rows: the composition, whose 2-row release is a launch of its own.)
+  release = (lambda r: None) if change == "too_many_rows" else (lambda r: r[:2])
+  step = jax.jit(lambda s, t, r: rt.step_rows(cfg, s, t, release=release(r), decode=r))
+  rows_arg = jnp.arange(rows, dtype=jnp.int32)
+  if change == "auto_on_cpu":
+    assert KERNEL_NAME not in step.lower(state, table, rows_arg).as_text()
+  else:
+    assert KERNEL_NAME not in str(jax.make_jaxpr(step)(state, table, rows_arg))
+
+
+def test_step_rows_arguments():
+  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="pallas_interpret", debug=False)
+  state, table = kv.init(cfg), rt.init_table(cfg, 4, 8)
+  with pytest.raises(ValueError, match="n must be given"):
+    rt.step_rows(cfg, state, table, extend=jnp.array([0]), max_tokens=4)
+  with pytest.raises(TypeError, match="rows must hold integers"):
+    rt.step_rows(cfg, state, table, decode=jnp.array([0.0]))
+  with pytest.raises(ValueError, match="differ in length"):
+    rt.step_rows(cfg, state, table, extend=jnp.array([0, 1]), n=jnp.array([1]),
+                 max_tokens=4)
+  s, t, out = rt.step_rows(cfg, state, table)  # no phase: nothing changes
+  assert out == rt.StepOutputs(None, None, None, None, None)
+  _assert_same((s, t), (state, table), "empty step")
+
+
+# ---------------------------------------------------------------------------------------
+# Lowered for an abstract H200.
+# ---------------------------------------------------------------------------------------
+
+BS, MAX_FREES, PROMPT = 1024, 8, 256
+
+
+def _h200_step(ps, which):
+  cfg = kv.AllocatorConfig(size=(BS * 20 + 8) * ps, page_size=ps, kernel="pallas",
+                           debug=False)
+  width = _cdiv(1024 + PROMPT + 1, ps)
+  state = jax.eval_shape(functools.partial(kv.init, cfg))
+  table = jax.eval_shape(lambda: rt.init_table(cfg, BS, width))
+  max_tokens = MAX_FREES * PROMPT
+
+  def separate(s, t, rel, nrel, n, dec):
+    s, t, ok1 = rt.release_rows(cfg, s, t, rel, num_rows=nrel)
+    outs = (ok1,)
+    if which == "extend":
+      s, t, e, ok2 = rt.extend_rows(cfg, s, t, rel, n, max_tokens=max_tokens,
+                                    num_rows=nrel)
+      outs += (e, ok2)
+    s, t, d, ok3 = rt.decode_rows(cfg, s, t, dec)
+    return s, t, outs + (d, ok3)
+
+  def combined(s, t, rel, nrel, n, dec):
+    kw = dict(extend=rel, n=n, num_extend=nrel, max_tokens=max_tokens) if (
+        which == "extend") else {}
+    return rt.step_rows(cfg, s, t, release=rel, num_release=nrel, decode=dec, **kw)
+
+  specs = (state, table, i32(MAX_FREES), i32(), i32(MAX_FREES), i32(BS))
+  return separate, combined, specs
+
+
+def _launches(fn, specs):
+  e = lowering_check.export_for("h200", fn, *specs)
+  text = e.mlir_module()
+  return (lowering_check.custom_call_targets(e).count(TRITON),
+          text.count("stablehlo.scatter"), text.count("stablehlo.gather"))
+
+
+@pytest.mark.parametrize("ps", (64, pytest.param(16, marks=pytest.mark.slow)))
+def test_serving_steps_launch_counts_on_h200(ps, monkeypatch):
+  # The decode step (release <= 8 rows + decode every row): 2 launches as two calls, 1
+  # as step_rows; release + extend (256 tokens each) + decode: 3 and 1. No XLA scatter
+  # or gather of the table anywhere.
+  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "triton")
+  for which, n_separate in (("decode", 2), ("extend", 3)):
+    separate, combined, specs = _h200_step(ps, which)
+    assert _launches(separate, specs) == (n_separate, 0, 0), (which, ps)
+    assert _launches(combined, specs) == (1, 0, 0), (which, ps)
+
+
+@pytest.mark.parametrize("ps", (3, pytest.param(1, marks=pytest.mark.slow),
+                                pytest.param(128, marks=pytest.mark.slow)))
+def test_kernel_lowers_for_h200(ps):
+  # The largest sizes `supported` takes, and small odd ones.
+  for r, w, rel, ext, tok, dec in ((2048, 8, 2048, 256, 2**16, 2048),
+                                   (37, 11, 9, 19, 700, 37), (1, 1, 1, 1, 1, 1)):
+    assert triton_table.supported(max_reqs=r, width=w, num_pages=70000, page_size=ps,
+                                  release=rel, extend=ext, max_tokens=tok, decode=dec)
+
+    def fn(ring, scalars, pages, lens, owned, rel_rows, ext_rows, n, dec_rows, num,
+           tok=tok):
+      return pallas_kernels.table_step_triton(
+          ring, scalars[0], scalars[1], scalars[2], pages, lens, owned, page_size=ps,
+          release=(rel_rows, num), extend=(ext_rows, n, num), max_tokens=tok,
+          decode=(dec_rows, num))
+
+    e = lowering_check.export_for("h200", fn, i32(70000), i32(3), i32(r, w), i32(r),
+                                  i32(r), i32(rel), i32(ext), i32(ext), i32(dec), i32())
+    assert lowering_check.custom_call_targets(e).count(TRITON) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled kernel on a GPU (pytest -m gpu; skipped without one).
+# ---------------------------------------------------------------------------------------
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+@pytest.mark.parametrize("ps", (1, 3, 16, 64))
+def test_compiled_kernel_equals_jnp_path_on_gpu(ps):
+  refused = check_table_ops(ps, 40, 8, 6, 64, "gpu", kernel="pallas", ops=ALL_OPS)
+  assert all(0 < k < 64 for k in refused.values()), (SEED, refused)
+  # A serving-sized table: 1024 decode rows, 8 released and extended by up to 3 pages.
+  check_table_ops(ps, 30000, 1024, 21, 4, "gpu-large", kernel="pallas", ops=ALL_OPS,
+                  rel_b=8, ext_b=8, dec_b=1024, max_tokens=8 * 3 * ps + 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+def test_compiled_scan_of_steps_matches_model_on_gpu():
+  ps = 16
+  cfg = dataclasses.replace(trt._config(ps, False, "paged"), kernel="pallas",  # pylint: disable=protected-access
+                            debug=False)
+  max_tokens = 4 * ps + 8
+  prog = trt._scan_program(_rng("scan-gpu"), ps, 60)  # pylint: disable=protected-access
+  xs = jax.tree.map(jnp.asarray, trt._scan_xs(prog))  # pylint: disable=protected-access
+
+  def step(carry, x):
+    state, table, out = rt.step_rows(
+        cfg, *carry, release=x["rel"], num_release=x["n_rel"], extend=x["ext"], n=x["n"],
+        num_extend=x["n_ext"], max_tokens=max_tokens, decode=x["dec"],
+        num_decode=x["n_dec"])
+    return (state, table), (out.extend_slots, out.extend_ok, out.decode_slots,
+                            out.decode_ok)
+
+  (state, table), ys = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))(
+      (kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)), xs)
+  model, outs = trt._model_program(cfg, prog, max_tokens)  # pylint: disable=protected-access
+  trt._check_program(outs, ys)  # pylint: disable=protected-access
+  trt._check_same(cfg, state, table, model)  # pylint: disable=protected-access
