@@ -58,6 +58,8 @@ class Allocator(NamedTuple):
   attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None) -> AttentionInputs
   # A decode step's free_page_ids then alloc_decode (one kernel launch on GPU).
   release_and_alloc_decode: Callable[..., Any]  # (state, page_ids, seq_lens, last_loc, *, num=None, num_reqs=None)
+  # A serving step's table work, release + extend + decode (one kernel launch on GPU).
+  step_rows: Callable[..., Any]           # (state, table, *, release=, extend=, n=, decode=, max_tokens=, num_*=) -> (state, table, StepOutputs)
 
 
 def _bind(config: AllocatorConfig) -> Allocator:
@@ -84,6 +86,7 @@ def _bind(config: AllocatorConfig) -> Allocator:
       admit_rows=bind(request_table.admit_rows),
       attention_inputs=bind(request_table.attention_inputs),
       release_and_alloc_decode=bind(allocation.release_and_alloc_decode),
+      step_rows=bind(request_table.step_rows),
   )
 
 

@@ -200,6 +200,20 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
   return state, RequestTable(out["pages"], out["lens"], out["owned_from"]), out
 
 
+def _one_launch(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                pick: Tuple[str, ...], fallback, **phases):
+  """(state, table, *the kernel's results named in pick) from one table launch where it
+  applies (on the pool's device, kernels.by_device), else fallback()."""
+  def run(kernel: str, backend: Optional[str]):
+    out = _table_kernel(config, state, table, kernel, backend, **phases)
+    if out is None:
+      return fallback()
+    state2, table2, res = out
+    return (state2, table2) + tuple(res[k] for k in pick)
+
+  return kernels.by_device(config.kernel, state.free_ring, run)
+
+
 # ---------------------------------------------------------------------------------------
 # Operations.
 # ---------------------------------------------------------------------------------------
@@ -232,16 +246,10 @@ def extend_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTa
     table is unchanged whenever ok is False.
   """
   rows, a, num = _static_batch(table, rows, n=n)
-
-  def run(kernel: str, backend: Optional[str]):
-    out = _table_kernel(config, state, table, kernel, backend, max_tokens=max_tokens,
-                        extend=(rows, a["n"], _count(num_rows, num)))
-    if out is None:
-      return _extend_rows_jnp(config, state, table, rows, a["n"], max_tokens, num_rows)
-    state2, table2, res = out
-    return state2, table2, res["extend_slots"], res["extend_ok"]
-
-  return kernels.by_device(config.kernel, state.free_ring, run)
+  return _one_launch(
+      config, state, table, ("extend_slots", "extend_ok"),
+      lambda: _extend_rows_jnp(config, state, table, rows, a["n"], max_tokens, num_rows),
+      max_tokens=max_tokens, extend=(rows, a["n"], _count(num_rows, num)))
 
 
 def _extend_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
@@ -305,16 +313,9 @@ def decode_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTa
     repeat or leave the table (then the pool is untouched too).
   """
   rows, _, num = _static_batch(table, rows)
-
-  def run(kernel: str, backend: Optional[str]):
-    out = _table_kernel(config, state, table, kernel, backend,
-                        decode=(rows, _count(num_rows, num)))
-    if out is None:
-      return _decode_rows_jnp(config, state, table, rows, num_rows)
-    state2, table2, res = out
-    return state2, table2, res["decode_slots"], res["decode_ok"]
-
-  return kernels.by_device(config.kernel, state.free_ring, run)
+  return _one_launch(config, state, table, ("decode_slots", "decode_ok"),
+                     lambda: _decode_rows_jnp(config, state, table, rows, num_rows),
+                     decode=(rows, _count(num_rows, num)))
 
 
 def _decode_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
@@ -360,16 +361,9 @@ def release_rows(config: AllocatorConfig, state: AllocatorState, table: RequestT
     leave the table.
   """
   rows, _, num = _static_batch(table, rows)
-
-  def run(kernel: str, backend: Optional[str]):
-    out = _table_kernel(config, state, table, kernel, backend,
-                        release=(rows, _count(num_rows, num)))
-    if out is None:
-      return _release_rows_jnp(config, state, table, rows, num_rows)
-    state2, table2, res = out
-    return state2, table2, res["release_ok"]
-
-  return kernels.by_device(config.kernel, state.free_ring, run)
+  return _one_launch(config, state, table, ("release_ok",),
+                     lambda: _release_rows_jnp(config, state, table, rows, num_rows),
+                     release=(rows, _count(num_rows, num)))
 
 
 def _release_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: RequestTable,

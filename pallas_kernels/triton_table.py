@@ -27,7 +27,7 @@ trip count up to the batch's tokens, then zeros): each token finds its row by on
 [T, rows] comparison in registers (row = #rows ending at or before it) and picks its
 row's constants from that one-hot row. A new page's first token (offset 0, past the
 rest of the prefix's page) appends the page to its row. The slot formula is
-triton_extend's (Parts 1-3 of SPEC 4.2 in one expression).
+triton_extend._slot (Parts 1-3 of SPEC 4.2 in one expression).
 
 Sizes: `supported` bounds the rows of each phase and the extend tokens (one program holds
 them); larger batches take the jnp composition, whose kernels scale over programs.
@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
 from pallas_kernels import capacity
+from pallas_kernels import triton_extend
 from pallas_kernels import tuning
 from pallas_kernels._util import cdiv, floordiv, mod
 
@@ -203,17 +204,17 @@ def _extend(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head,
     t = i * p.tile + lanes
     at = jnp.sum(jnp.where(tok_end[None, :] <= t[:, None], 1, 0), axis=1)
     onehot = rows.b[None, :] == at[:, None]
-    te, ta, tc_e, tc_c, tbp, trow = (jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
-                                     for v in consts)
-    del te
+    _, ta, te, tc, tbp, trow = (jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+                                for v in consts)
     mine = t < limit
-    pos = t + ta
-    part1 = t < tc_e
-    page = _read_ring(p, ring_ref, head, flen, tbp + floordiv(pos, ps), mine & ~part1)
-    slot = jnp.where(part1, t + tc_c, page * ps + mod(pos, ps))
+    read_page = lambda k, mask: _read_ring(p, ring_ref, head, flen, k, mask)
+    slot = triton_extend._slot(  # pylint: disable=protected-access
+        ps, t, ta, te, tc, tbp, read_page, mine)
     _util.store(r["ext_out"], t, jnp.where(mine, slot, 0), t < p.max_tokens)
-    starts = mine & ~part1 & (mod(pos, ps) == 0)
-    _util.store(pages_ref, trow * w + floordiv(pos, ps), page, starts)
+    # A new page's first token (past the prefix's page, offset 0): slot = page * ps.
+    pos = t + ta
+    starts = mine & (t >= te) & (mod(pos, ps) == 0)
+    _util.store(pages_ref, trow * w + floordiv(pos, ps), floordiv(slot, ps), starts)
     return carry
 
   def zeros(i, carry):

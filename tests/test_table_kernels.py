@@ -203,12 +203,12 @@ def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret
   return refused
 
 
-# The default set runs the whole step (all three phases in one launch) and the decode
-# step at page size 4; every operation alone and the other page sizes are slow tests.
+# The default set runs the whole step (all three phases in one launch) at page size 4;
+# every operation alone, the decode step and the other page sizes are slow tests.
 ALL_OPS = ("release", "extend", "decode", "step", "decode_step")
 
 
-@pytest.mark.parametrize("ps,ops", [(4, ("step", "decode_step"))] + [
+@pytest.mark.parametrize("ps,ops", [(4, ("step",))] + [
     pytest.param(ps, ALL_OPS, marks=pytest.mark.slow) for ps in (1, 3, 4, 16, 64)])
 def test_kernel_equals_jnp_path(ps, ops):
   refused = check_table_ops(ps, 40, 8, 6, 32, "small", ops=ops)
@@ -289,14 +289,13 @@ def _poisoned(rng, cfg, state, table):
           table._replace(pages=jnp.asarray(pages)))
 
 
-@pytest.mark.slow  # a scan of step_rows in Pallas' interpreter
-def test_scan_of_steps_matches_model():
-  # test_request_table's serving program, each step one step_rows call, inside lax.scan.
+def check_scan_of_steps(kernel, steps, tag):
+  """test_request_table's serving program, each step one step_rows call inside lax.scan,
+  against the loop model (page size 16)."""
   ps = 16
-  cfg = dataclasses.replace(trt._config(ps, False, "paged"), kernel="pallas_interpret",  # pylint: disable=protected-access
-                            debug=False)
+  cfg = dataclasses.replace(trt._config(ps, False, "paged"), kernel=kernel, debug=False)  # pylint: disable=protected-access
   max_tokens = 4 * ps + 8
-  prog = trt._scan_program(_rng("scan"), ps, 40)  # pylint: disable=protected-access
+  prog = trt._scan_program(_rng(tag), ps, steps)  # pylint: disable=protected-access
   xs = jax.tree.map(jnp.asarray, trt._scan_xs(prog))  # pylint: disable=protected-access
 
   def step(carry, x):
@@ -308,13 +307,17 @@ def test_scan_of_steps_matches_model():
                             out.decode_ok)
 
   run = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))
-  assert KERNEL_NAME in str(jax.make_jaxpr(run)(
-      (kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)), xs))
-  (state, table), ys = run((kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)),
-                           xs)
+  init = (kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES))
+  assert KERNEL_NAME in str(jax.make_jaxpr(run)(init, xs))
+  (state, table), ys = run(init, xs)
   model, outs = trt._model_program(cfg, prog, max_tokens)  # pylint: disable=protected-access
   trt._check_program(outs, ys)  # pylint: disable=protected-access
   trt._check_same(cfg, state, table, model)  # pylint: disable=protected-access
+
+
+@pytest.mark.slow  # a scan of step_rows in Pallas' interpreter
+def test_scan_of_steps_matches_model():
+  check_scan_of_steps("pallas_interpret", 40, "scan")
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,8 +371,8 @@ def test_step_rows_arguments():
 BS, MAX_FREES, PROMPT = 1024, 8, 256
 
 
-def _h200_step(ps, which):
-  cfg = kv.AllocatorConfig(size=(BS * 20 + 8) * ps, page_size=ps, kernel="pallas",
+def _h200_step(ps, which, kernel="pallas"):
+  cfg = kv.AllocatorConfig(size=(BS * 20 + 8) * ps, page_size=ps, kernel=kernel,
                            debug=False)
   width = _cdiv(1024 + PROMPT + 1, ps)
   state = jax.eval_shape(functools.partial(kv.init, cfg))
@@ -435,6 +438,15 @@ def test_kernel_lowers_for_h200(ps):
     assert lowering_check.custom_call_targets(e).count(TRITON) == 1
 
 
+def test_steps_lower_for_tpu():
+  # On a TPU pool the table operations take the jnp composition (Mosaic kernels inside
+  # alloc_extend / alloc_decode): they lower, with no Triton call.
+  separate, combined, specs = _h200_step(16, "extend", kernel="auto")
+  for fn in (separate, combined):
+    e = lowering_check.export_for("tpu_v6e", fn, *specs)
+    assert TRITON not in lowering_check.custom_call_targets(e)
+
+
 # ---------------------------------------------------------------------------------------
 # The compiled kernel on a GPU (pytest -m gpu; skipped without one).
 # ---------------------------------------------------------------------------------------
@@ -460,23 +472,4 @@ def test_compiled_kernel_equals_jnp_path_on_gpu(ps):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
 def test_compiled_scan_of_steps_matches_model_on_gpu():
-  ps = 16
-  cfg = dataclasses.replace(trt._config(ps, False, "paged"), kernel="pallas",  # pylint: disable=protected-access
-                            debug=False)
-  max_tokens = 4 * ps + 8
-  prog = trt._scan_program(_rng("scan-gpu"), ps, 60)  # pylint: disable=protected-access
-  xs = jax.tree.map(jnp.asarray, trt._scan_xs(prog))  # pylint: disable=protected-access
-
-  def step(carry, x):
-    state, table, out = rt.step_rows(
-        cfg, *carry, release=x["rel"], num_release=x["n_rel"], extend=x["ext"], n=x["n"],
-        num_extend=x["n_ext"], max_tokens=max_tokens, decode=x["dec"],
-        num_decode=x["n_dec"])
-    return (state, table), (out.extend_slots, out.extend_ok, out.decode_slots,
-                            out.decode_ok)
-
-  (state, table), ys = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))(
-      (kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES)), xs)
-  model, outs = trt._model_program(cfg, prog, max_tokens)  # pylint: disable=protected-access
-  trt._check_program(outs, ys)  # pylint: disable=protected-access
-  trt._check_same(cfg, state, table, model)  # pylint: disable=protected-access
+  check_scan_of_steps("pallas", 60, "scan-gpu")
