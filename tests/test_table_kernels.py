@@ -438,6 +438,7 @@ def test_kernel_lowers_for_h200(ps):
     assert lowering_check.custom_call_targets(e).count(TRITON) == 1
 
 
+@pytest.mark.slow  # lowers the jnp composition with its Mosaic kernels
 def test_steps_lower_for_tpu():
   # On a TPU pool the table operations take the jnp composition (Mosaic kernels inside
   # alloc_extend / alloc_decode): they lower, with no Triton call.
