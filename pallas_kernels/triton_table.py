@@ -18,9 +18,11 @@ donation, or a loop carry XLA can reuse, the kernel writes them in place.
 
 Distinct rows, without a sort and without O(B^2) work: every real row inside the table
 stores its lane number at scratch[row] (one region per phase); after a CTA barrier each
-reads it back, and a row given twice finds the other lane's number at least once. The
-same barrier orders each phase's table and ring writes before the next phase's reads
-(one program: __syncthreads makes a CTA's global writes visible to all its threads).
+reads it back, and a row given twice finds the other lane's number at least once. CTA
+barriers also order each phase's table and ring writes before the next phase's reads,
+and the release's loads of the rows before it clears them (one program: __syncthreads
+makes a CTA's global writes visible to all its threads). A write that depends on the
+value it replaces (lens += n) needs none: the data dependence orders it.
 
 The extend phase writes its slots tile by tile (T tokens per tile, a loop with a traced
 trip count up to the batch's tokens, then zeros): each token finds its row by one
@@ -161,6 +163,11 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
   pos = head + rank  # head < n and rank < count <= n: one wrap at most
   pos = jnp.where(pos >= n, pos - n, pos)
   _util.store(ring_ref, pos, page, (valid > 0) & (rank < count))
+  if p.barrier:
+    # The clears below do not depend on the loads above, and a row's lens and owned_from
+    # are loaded by the lanes of its columns but cleared by its own lane (another
+    # thread): every load first.
+    pltriton.debug_barrier()
   _util.store(pages_ref, row * w + j, jnp.zeros_like(j), live & (j < w))
   clear = rows.real & go
   _util.store(lens_ref, rows.row, jnp.zeros_like(rows.b), clear)
