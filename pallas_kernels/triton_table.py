@@ -202,8 +202,8 @@ def _extend(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head,
   tok_end = jnp.cumsum(ext)
   tok_start = tok_end - ext
   a = pre2 - tok_start
-  consts = (tok_end, a, fnp * ps - a, last + 1 - tok_start,
-            jnp.cumsum(new_pages) - new_pages - fnp, rows.row)
+  consts = (a, fnp * ps - a, last + 1 - tok_start, jnp.cumsum(new_pages) - new_pages - fnp,
+            rows.row)
   limit = jnp.where(ok, total, 0)
   lanes = jnp.arange(p.tile, dtype=jnp.int32)
 
@@ -211,8 +211,8 @@ def _extend(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head,
     t = i * p.tile + lanes
     at = jnp.sum(jnp.where(tok_end[None, :] <= t[:, None], 1, 0), axis=1)
     onehot = rows.b[None, :] == at[:, None]
-    _, ta, te, tc, tbp, trow = (jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
-                                for v in consts)
+    ta, te, tc, tbp, trow = (jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+                             for v in consts)
     mine = t < limit
     read_page = lambda k, mask: _read_ring(p, ring_ref, head, flen, k, mask)
     slot = triton_extend._slot(  # pylint: disable=protected-access
