@@ -204,12 +204,13 @@ def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret
 
 
 # The default set runs the whole step (all three phases in one launch) at page size 4;
-# every operation alone, the decode step and the other page sizes are slow tests.
+# every operation alone and the decode step at page sizes 1, 3 and 64 are slow tests
+# (page size 16: test_kernel_equals_jnp_path_larger).
 ALL_OPS = ("release", "extend", "decode", "step", "decode_step")
 
 
 @pytest.mark.parametrize("ps,ops", [(4, ("step",))] + [
-    pytest.param(ps, ALL_OPS, marks=pytest.mark.slow) for ps in (1, 3, 4, 16, 64)])
+    pytest.param(ps, ALL_OPS, marks=pytest.mark.slow) for ps in (1, 3, 64)])
 def test_kernel_equals_jnp_path(ps, ops):
   refused = check_table_ops(ps, 40, 8, 6, 32, "small", ops=ops)
   # Both outcomes were drawn for every operation.
@@ -269,8 +270,16 @@ def test_random_workload_matches_model(ps):
     trt._compare_result(op, got, want)  # pylint: disable=protected-access
     if op[0] != "admit":
       state, table = got[0], got[1]
-    trt._check_same(cfg, state, table, model)  # pylint: disable=protected-access
+    _check_live(cfg, state, table, model)
     state, table = _poisoned(rng, cfg, state, table)
+
+
+def _check_live(cfg, state, table, model):
+  """test_request_table._check_same on the live entries only (the dead ones are poison)."""
+  used = _cdiv(np.asarray(table.lens), cfg.page_size)
+  live = np.arange(table.pages.shape[1])[None, :] < used[:, None]
+  trt._check_same(cfg, state, table._replace(  # pylint: disable=protected-access
+      pages=jnp.where(live, table.pages, 0)), model)
 
 
 def _poisoned(rng, cfg, state, table):
