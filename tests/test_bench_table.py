@@ -3,6 +3,7 @@ refusal and without losing a page; the CLI prints its table (tiny, noisy setting
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ def test_step_variant_equals_calls():
 @pytest.mark.slow  # imports SGLang
 def test_sglang_eager_step_runs():
   # The SGLang column: the eager class calls of one step (torch on CPU here).
+  pytest.importorskip("torch")
   res = bench_table.sglang_step(CASE, min_time=0.001, reps=1)
   assert res["impl"] in ("sglang", "torch_ref") and res["us"] > 0
 
@@ -59,6 +61,7 @@ def test_cli_prints_the_table(capsys, tmp_path):
           "--kernel", "jnp", "--steps", "decode", "--json", str(tmp_path / "t.json")]
   assert cli.main(args) == 0
   out = capsys.readouterr().out
-  assert "share: step_rows" in out and "| decode | 8 " in out
+  assert "share: step_rows" in out and re.search(r"\| decode \|\s+8 \|", out)
   record = json.loads((tmp_path / "t.json").read_text())
-  assert record["results"][0]["sglang"]["us"] > 0
+  sglang = record["results"][0]["sglang"]
+  assert sglang.get("us", 0) > 0 or "torch" in sglang.get("error", ""), sglang
