@@ -527,7 +527,8 @@ def _placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
   cache: Dict[Any, Callable] = {}
 
   def bind(op: Callable, static_names: Tuple[str, ...] = ()):
-    def call(state, *args, **kwargs):
+    def jitted(state, *args, **kwargs):
+      """(the jitted shard_map for this call's static arguments, its array inputs)."""
       static = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
       names = tuple(k for k, v in sorted(kwargs.items()) if v is not None)
       arrays = args + tuple(kwargs[k] for k in names)
@@ -537,7 +538,17 @@ def _placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
           return op(local_config, s, *a[:len(args)], **dict(zip(names, a[len(args):])),
                     **dict(static))
         cache[key] = jax.jit(shard(body, mesh, axis_name))
-      return cache[key](state, *arrays)
+      return cache[key], (state,) + arrays
+
+    def call(state, *args, **kwargs):
+      fn, arrays = jitted(state, *args, **kwargs)
+      return fn(*arrays)
+
+    def lower(state, *args, **kwargs):
+      fn, arrays = jitted(state, *args, **kwargs)
+      return fn.lower(*arrays)
+
+    call.lower = lower  # e.g. collectives_in(r.alloc_decode.lower(...).compile().as_text())
     return call
 
   return bind
@@ -581,7 +592,10 @@ def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
 
   Returns:
     A RankedAllocator. Without a mesh its functions are plain (compose them under your
-    own jit, vmap, scan); with one, they are jitted shard_maps (callable inside jit too).
+    own jit, vmap, scan); with one, they are jitted shard_maps (callable inside jit too),
+    and each operation `op` also has `op.lower(same arguments)`, the jax.stages.Lowered
+    of the program a call with those arguments runs (after such a call, `.compile()`
+    returns the compiled one from JAX's cache; `collectives_in` reads its text).
 
   Raises:
     TypeError / ValueError for a bad dp_size, mesh or axis_name, naming it.

@@ -73,6 +73,7 @@ SLOW_TESTS = [
      "every page size and layout, many pools, in Pallas' interpreter"),
     ("test_multiprocess.py", "test_two_processes_equal_one_every_op", None,
      "three JAX processes compiling every ranked operation; the serving ones run by default"),
+    ("test_multiprocess.py", "test_bench_processes_runs", None, "starts JAX processes"),
 ]
 
 

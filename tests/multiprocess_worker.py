@@ -55,6 +55,13 @@ def main(argv):
     ops = {"all": rank_trace.OPS, "serving": rank_trace.SERVING_OPS}[which]
     trace = rank_trace.RankTrace(shape, allocator, seed, ops).run(steps)
     _stamp("trace")
+    # No step sends anything between devices, hence processes: the compiled programs
+    # hold no collective. Negative control: a sum over ranks does.
+    found = trace.collectives()
+    assert found and not any(found.values()), found
+    total = ranks.shard(lambda s: jax.lax.psum(s.free_len, "dp")[None], mesh, "dp")
+    assert "all-reduce" in ranks.collectives_in(
+        jax.jit(total).lower(trace.state).compile().as_text())
     np.savez(out / f"p{pid}_of_{nproc}.npz", **trace.record, **trace.final())
 
     # The hashes: every rank's mirror digest (zeros where this process holds none) and
@@ -76,6 +83,7 @@ def main(argv):
     (out / f"p{pid}_of_{nproc}.json").write_text(json.dumps({
         "ranks": list(trace.mine), "digests": agreed, "schedule": trace.schedule,
         "schedule_digest": trace.schedule_digest(), "holders": holders,
+        "checked_programs": sorted(found),
         "devices": [str(d) for d in jax.local_devices()]}))
     _stamp("exchanged")
   _stamp(f"process {pid} of {nproc}: ranks {trace.mine}, {steps} steps ok")

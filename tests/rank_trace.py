@@ -123,6 +123,11 @@ class RankTrace:
       self.put = lambda x: multiprocess.put_ranks(_host(x), mesh, allocator.axis_name,
                                                   shape.dp)
     self.get = multiprocess.get_ranks
+    # With a mesh, each operation's first call is kept, to read its compiled program.
+    self.first_calls = {}
+    self.r = allocator._replace(**{
+        name: self._recorded(name, fn) for name, fn in allocator._asdict().items()
+        if hasattr(fn, "lower")})
     self.m = {r: RankMirror(shape, seed, r) for r in self.mine}
     self.ops_rng = np.random.default_rng([seed, 1 << 20])
     self.state = allocator.init()
@@ -131,6 +136,18 @@ class RankTrace:
     self.schedule: List[str] = []
 
   # -- helpers ---------------------------------------------------------------------------
+
+  def _recorded(self, name, fn):
+    def call(*args, **kwargs):
+      self.first_calls.setdefault(name, (fn, args, dict(kwargs)))
+      return fn(*args, **kwargs)
+    return call
+
+  def collectives(self) -> Dict[str, Dict[str, int]]:
+    """ranks.collectives_in of every operation's compiled program (as first called; the
+    compile comes from JAX's cache)."""
+    return {name: ranks.collectives_in(fn.lower(*args, **kwargs).compile().as_text())
+            for name, (fn, args, kwargs) in sorted(self.first_calls.items())}
 
   def _keep(self, step, name, value):
     for i, leaf in enumerate(jax.tree.leaves(self.get(value))):

@@ -13,10 +13,14 @@ import json
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import rank_trace
+from jax_kvalloc import multiprocess
+from jax_kvalloc import ranks
 from jax_kvalloc.tools import local_processes
 
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -24,6 +28,75 @@ WORKER = TESTS / "multiprocess_worker.py"
 DEADLINE_S = 240
 FAST_FLAGS = ("--xla_backend_optimization_level=0",)
 
+
+# ---------------------------------------------------------------------------------------
+# The helpers in this process (conftest.py's 4 host devices): one process holds every
+# rank, in whatever order the mesh puts its devices.
+# ---------------------------------------------------------------------------------------
+
+def _devices(n):
+  if len(jax.devices("cpu")) < n:
+    pytest.skip(f"needs {n} host devices")
+  return jax.devices("cpu")[:n]
+
+
+def test_put_and_get_ranks_round_trip_on_a_permuted_mesh():
+  devs = _devices(4)
+  mesh = Mesh(np.array([devs[2], devs[0], devs[3], devs[1]]), ("dp",))
+  assert multiprocess.process_ranks(mesh, "dp", 8) == tuple(range(8))
+  assert multiprocess.process_ranks(mesh, "dp", 8, process_index=1) == ()
+  assert multiprocess.rank_processes(mesh, "dp", 8) == ((0,),) * 8
+  rows = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+  tree = {"a": rows, "b": rows[:, 0] > 9}
+  x = multiprocess.put_ranks(tree, mesh, "dp", 8)
+  assert x["a"].sharding == ranks.rank_sharding(mesh, "dp")
+  # Rank 0's rows on mesh position 0, which is device 2.
+  assert {s.device: s.index[0] for s in x["a"].addressable_shards}[devs[2]] == slice(0, 2)
+  back = multiprocess.get_ranks(x)
+  np.testing.assert_array_equal(back["a"], rows)
+  np.testing.assert_array_equal(back["b"], rows[:, 0] > 9)
+  assert multiprocess.held_ranks(x["a"]) == tuple(range(8))
+
+
+def test_get_ranks_of_ranks_replicated_over_a_second_axis():
+  devs = _devices(4)
+  mesh = Mesh(np.array(devs).reshape(2, 2), ("dp", "tp"))  # each rank on two devices
+  x = multiprocess.put_ranks(np.arange(4, dtype=np.int32) * 10, mesh, "dp", 4)
+  assert len(x.addressable_shards) == 4
+  np.testing.assert_array_equal(multiprocess.get_ranks(x), [0, 10, 20, 30])
+  assert multiprocess.process_ranks(mesh, "tp", 4) == (0, 1, 2, 3)
+
+
+def test_helpers_refuse_bad_input():
+  devs = _devices(2)
+  mesh = Mesh(np.array(devs), ("dp",))
+  with pytest.raises(ValueError, match="leading axis of this process's 4 ranks"):
+    multiprocess.put_ranks(np.zeros((3, 2), np.int32), mesh, "dp", 4)
+  with pytest.raises(ValueError, match="must be a multiple of the mesh axis"):
+    multiprocess.process_ranks(mesh, "dp", 3)
+  with pytest.raises(ValueError, match="is not an axis of the mesh"):
+    multiprocess.put_ranks(np.zeros((4,), np.int32), mesh, "tp", 4)
+  inner = jax.device_put(np.zeros((2, 4), np.int32),
+                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "dp")))
+  with pytest.raises(ValueError, match="split along an inner axis"):
+    multiprocess.get_ranks(inner)
+
+
+def test_placed_init_equals_unplaced():
+  mesh = Mesh(np.array(_devices(2)), ("dp",))
+  cfg = rank_trace.Shape().config()
+  r = ranks.ranks_allocator(cfg, 4 * 2, mesh=mesh, axis_name="dp")
+  jax.tree.map(np.testing.assert_array_equal, multiprocess.get_ranks(r.init()),
+               ranks.init_ranks(cfg, 8))
+  table = r.init_table(3, 5)
+  assert table.pages.shape == (8, 3, 5) and table.pages.sharding == ranks.rank_sharding(mesh, "dp")
+  jax.tree.map(np.testing.assert_array_equal, multiprocess.get_ranks(table),
+               ranks.init_tables(cfg, 8, 3, 5))
+
+
+# ---------------------------------------------------------------------------------------
+# Two processes.
+# ---------------------------------------------------------------------------------------
 
 def _launch(tmp_path, steps, seed, need_sort, ops):
   """The two-process run and the one-process reference, side by side."""
@@ -58,7 +131,10 @@ def _check(tmp_path, ops):
       np.testing.assert_array_equal(got[key], ref[key][mine], err_msg=f"process {p}: {key}")
     assert meta["schedule"] == ref_meta["schedule"]
     assert meta["digests"] == ref_meta["digests"]  # exchanged: every rank, both processes
+    assert meta["checked_programs"] == ref_meta["checked_programs"]
   assert sorted(held) == list(range(8))
+  programs = set(ref_meta["checked_programs"])  # every operation's, without collectives
+  assert {"available_size", "get_all_free_pages"} <= programs, programs
   assert set(ref_meta["schedule"]) == set(ops)  # every operation ran
 
 
@@ -75,3 +151,17 @@ def test_two_processes_equal_one_every_op(tmp_path, need_sort):
   _launch(tmp_path, steps=6 * len(rank_trace.OPS), seed=1 + need_sort, need_sort=need_sort,
           ops="all")
   _check(tmp_path, rank_trace.OPS)
+
+
+def test_bench_processes_runs(tmp_path):
+  """The measurement's tool, tiny (the slow set)."""
+  from jax_kvalloc.tools import bench_processes  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "processes.json"
+  assert bench_processes.main(["--layouts", "1x2,2x1", "--steps", "4", "--chain", "2",
+                               "--reps", "1", "--pages-per-rank", "64", "--decode-rows", "4",
+                               "--ranks-per-device", "2", "--deadline", str(DEADLINE_S),
+                               "--json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["processes"], r["ranks"]) for r in rows] == [(1, 4), (2, 4)]
+  assert all(r["collectives"] == {} for r in rows)
+  assert all(len(r["call"]) == r["processes"] and r["call"][0]["n"] == 4 for r in rows)
