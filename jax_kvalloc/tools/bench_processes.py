@@ -19,12 +19,16 @@ collectives (checked, reported), so with one core per device the time per step w
 not depend on the layout. On a shared CPU the devices of all processes compete for the
 cores: compare 2x2 with 1x4 (same devices, same ranks) for what a second process adds,
 and with 1x2 (same ranks per device and per process). Each row gives every process's
-median and its spread (the 10th-90th percentile range over the median).
+median and its spread (the 10th-90th percentile range over the median). Since other
+work on a shared CPU inflates wall times, "call CPU" also gives each process's CPU time
+(user + system, all its threads) per step of the "call" loop, one value per repetition:
+the work a step costs, whoever else runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -93,10 +97,16 @@ def _worker(a: argparse.Namespace) -> None:
         times.append((time.perf_counter() - t0) / a.chain)
       return times
 
+    def cpu():
+      t = os.times()
+      return t.user + t.system
+
     call_times(), chain_times()  # compile and warm up
-    rows = {"call": [], "chained": []}
+    rows = {"call": [], "chained": [], "call_cpu": []}
     for _ in range(a.reps):
+      c0 = cpu()
       rows["call"] += call_times()
+      rows["call_cpu"].append((cpu() - c0) / a.steps)
       rows["chained"] += chain_times()
     out = pathlib.Path(a.out) / f"p{a.worker}.json"
     out.write_text(json.dumps({"process": a.worker, "ranks": k, "collectives": found,
@@ -131,7 +141,7 @@ def run_layout(a: argparse.Namespace, processes: int, devices: int) -> Dict[str,
   row = {"processes": processes, "devices_per_process": devices,
          "ranks_per_device": a.ranks_per_device, "ranks": processes * devices * a.ranks_per_device,
          "collectives": {k: v for p in per for k, v in p["collectives"].items()}}
-  for how in ("call", "chained"):
+  for how in ("call", "chained", "call_cpu"):
     row[how] = [_summary(p[how]) for p in per]
   return row
 
@@ -140,7 +150,8 @@ def _line(row: Dict[str, Any]) -> str:
   cell = lambda s: " / ".join(f"{p['us']:.0f} ({p['spread']:.2f})" for p in s)
   coll = ", ".join(f"{k} x{v}" for k, v in row["collectives"].items()) or "none"
   return (f"| {row['processes']} x {row['devices_per_process']} | {row['ranks']} | "
-          f"{cell(row['call'])} | {cell(row['chained'])} | {coll} |")
+          f"{cell(row['call'])} | {cell(row['call_cpu'])} | {cell(row['chained'])} | "
+          f"{coll} |")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -172,7 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "(pages_per_rank * page_size >= steps * decode_rows + a page per row)")
   rows: List[Dict[str, Any]] = []
   print("| processes x devices | ranks | call us/step per process (spread) | "
-        "chained us/step per process (spread) | collectives |\n|---|---|---|---|---|")
+        "call CPU us/step per process (spread) | chained us/step per process (spread) | "
+        "collectives |\n|---|---|---|---|---|---|")
   for layout in a.layouts.split(","):
     procs, devs = (int(x) for x in layout.split("x"))
     rows.append(run_layout(a, procs, devs))
