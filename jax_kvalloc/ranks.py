@@ -62,6 +62,7 @@ from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 RankedResult = Tuple[AllocatorState, Array, Array]
+TableResult = Tuple[AllocatorState, "request_table.RequestTable", Array, Array]
 
 # What the compiled program of a sharded operation must not contain (see
 # `collectives_in`): every kind of cross-device communication XLA emits.
@@ -360,7 +361,7 @@ def _table_config(config: AllocatorConfig, table: request_table.RequestTable,
 
 def extend_rows(config: AllocatorConfig, state: AllocatorState,
                 table: request_table.RequestTable, rows: Array, n: Array, *,
-                max_tokens: int, num_rows: Optional[Array] = None):
+                max_tokens: int, num_rows: Optional[Array] = None) -> TableResult:
   """`request_table.extend_rows` on every rank. rows, n: i32[dp_size, B]; num_rows:
   optional i32[dp_size]. Returns (state, table, i32[dp_size, max_tokens] slots,
   bool[dp_size] ok)."""
@@ -373,7 +374,7 @@ def extend_rows(config: AllocatorConfig, state: AllocatorState,
 
 def decode_rows(config: AllocatorConfig, state: AllocatorState,
                 table: request_table.RequestTable, rows: Array, *,
-                num_rows: Optional[Array] = None):
+                num_rows: Optional[Array] = None) -> TableResult:
   """`request_table.decode_rows` on every rank. rows: i32[dp_size, B]. Returns (state,
   table, i32[dp_size, B] slots, bool[dp_size] ok)."""
   rc = _table_config(config, table, state)
@@ -384,7 +385,8 @@ def decode_rows(config: AllocatorConfig, state: AllocatorState,
 
 def release_rows(config: AllocatorConfig, state: AllocatorState,
                  table: request_table.RequestTable, rows: Array, *,
-                 num_rows: Optional[Array] = None):
+                 num_rows: Optional[Array] = None
+                 ) -> Tuple[AllocatorState, request_table.RequestTable, Array]:
   """`request_table.release_rows` on every rank. rows: i32[dp_size, B]. Returns (state,
   table, bool[dp_size] ok)."""
   rc = _table_config(config, table, state)
@@ -394,7 +396,8 @@ def release_rows(config: AllocatorConfig, state: AllocatorState,
 
 
 def borrow_pages(config: AllocatorConfig, table: request_table.RequestTable, rows: Array,
-                 page_ids: Array, num_pages: Array, *, num_rows: Optional[Array] = None):
+                 page_ids: Array, num_pages: Array, *, num_rows: Optional[Array] = None
+                 ) -> Tuple[request_table.RequestTable, Array]:
   """`request_table.borrow_pages` on every rank. rows, num_pages: i32[dp_size, B];
   page_ids: i32[dp_size, B, W] rank-local ids. Returns (table, bool[dp_size] ok)."""
   rc = _table_config(config, table)
