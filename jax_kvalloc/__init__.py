@@ -13,8 +13,10 @@ Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted
   attention_inputs (also bound on the Allocator NamedTuple), and step_rows (release +
   extend + decode of one serving step; each of these is one launch on GPU).
 Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) and
-  ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool along a leading
-  axis, optionally sharded over a mesh (shard_map, no collectives).
+  ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool (and request
+  table) along a leading axis, optionally sharded over a mesh (shard_map, no
+  collectives) that may span processes (jax_kvalloc.multiprocess: each process's ranks
+  in and out).
 SGLang-compatible classes on top:
   TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator (backend="device": jax arrays, no
   waits; backend="host": NumPy), with `warmup(...)`; jax_kvalloc.warmup also has
@@ -31,6 +33,7 @@ Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   buckets.py      shape buckets               validate.py   host checks, clear errors
   debug.py        debug-mode checks under jit request_table.py  SPEC 11
   ranks.py        SPEC 12, functional          warmup.py     compile ahead of serving
+  multiprocess.py ranks over processes: which a process holds, its inputs, its outputs
   base.py, token.py, paged.py   SGLang's classes (one per allocator, shared base)
   newer_ops.py    the classes' SPEC 10 methods  data_parallel.py  the classes' dp_size
   device_ops.py   the device backend's one-launch programs  host_ops.py  the host backend

@@ -21,9 +21,21 @@ slots, as in sglang-jax); the rank count comes from the state's leading axis.
 Placement: `ranks_allocator(config, dp_size, mesh=mesh, axis_name="dp")` shards the rank
 axis over a `jax.sharding.Mesh` axis and runs every operation under `shard_map`: each
 device holds `dp_size // mesh.shape[axis_name]` whole ranks, and since ranks share
-nothing, the compiled program contains no cross-device communication. The same mesh
-spanning several hosts (after `jax.distributed.initialize()`) places ranks on every
-host's devices the same way.
+nothing, the compiled program contains no cross-device communication.
+
+Several processes (hosts). The mesh may span processes (after
+`jax.distributed.initialize()`, a mesh over `jax.devices()`): every process then builds
+the same RankedAllocator and makes the same calls in the same order, each process's
+devices hold and compute only its own ranks, and no step sends anything between
+processes. `init` and `init_table` build each process's ranks from local data; every
+array input must be a global array that each process builds from its own ranks' rows
+(`jax_kvalloc.multiprocess.put_ranks`), and each process reads its ranks' outputs with
+`multiprocess.get_ranks` (addressable shards only). `multiprocess.process_ranks` says
+which ranks a process holds.
+
+The request table (SPEC 11) gets the same rank axis: `init_tables` stacks one table per
+rank, and `extend_rows`, `decode_rows`, `release_rows`, `borrow_pages`, `admit_rows` and
+`attention_inputs` act on every rank's table and pool at once.
 
     ranks = jax_kvalloc.ranks_allocator(AllocatorConfig(size=8192, page_size=16), 4)
     state = ranks.init()                              # 4 pools of 2048 slots
@@ -42,12 +54,15 @@ import numpy as np
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import multiprocess
+from jax_kvalloc import request_table
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 RankedResult = Tuple[AllocatorState, Array, Array]
+TableResult = Tuple[AllocatorState, "request_table.RequestTable", Array, Array]
 
 # What the compiled program of a sharded operation must not contain (see
 # `collectives_in`): every kind of cross-device communication XLA emits.
@@ -183,7 +198,8 @@ def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
 
 def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
                  seq_lens: Array, last_loc: Array, *, max_tokens: int,
-                 num_reqs: Optional[Array] = None) -> RankedResult:
+                 num_reqs: Optional[Array] = None,
+                 num_new_pages: Optional[Array] = None) -> RankedResult:
   """`allocation.alloc_extend` on every rank.
 
   Args:
@@ -191,17 +207,19 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
       the rank).
     max_tokens: static; per rank.
     num_reqs: optional i32[dp_size], each rank's real rows (0: the rank does nothing).
+    num_new_pages: optional i32[dp_size], each rank's new-page count as the caller knows
+      it (SPEC 10); a rank whose count is wrong is refused.
 
   Returns:
     (state, i32[dp_size, max_tokens] slots, bool[dp_size] ok).
   """
   rc = _config_of(config, state)
   _leading(num_ranks(state), prefix_lens=prefix_lens, seq_lens=seq_lens,
-           last_loc=last_loc, num_reqs=num_reqs)
+           last_loc=last_loc, num_reqs=num_reqs, num_new_pages=num_new_pages)
   fn = functools.partial(allocation.alloc_extend, rc, max_tokens=max_tokens)
   # A None num_reqs is an empty pytree: vmap passes it through unchanged.
-  return jax.vmap(lambda s, p, q, l, n: fn(s, p, q, l, num_reqs=n))(
-      state, prefix_lens, seq_lens, last_loc, num_reqs)
+  return jax.vmap(lambda s, p, q, l, n, k: fn(s, p, q, l, num_reqs=n, num_new_pages=k))(
+      state, prefix_lens, seq_lens, last_loc, num_reqs, num_new_pages)
 
 
 def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
@@ -220,6 +238,31 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
   fn = functools.partial(allocation.alloc_decode, rc)
   return jax.vmap(lambda s, q, l, n: fn(s, q, l, num_reqs=n))(state, seq_lens, last_loc,
                                                               num_reqs)
+
+
+def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
+                             page_ids: Array, seq_lens: Array, last_loc: Array, *,
+                             num: Optional[Array] = None,
+                             num_reqs: Optional[Array] = None) -> RankedResult:
+  """`allocation.release_and_alloc_decode` on every rank: each rank frees its page_ids
+  (free_page_ids), then allocates its decode rows.
+
+  Args:
+    page_ids: i32[dp_size, M] rank-local page ids (0 and index >= num: padding).
+    seq_lens, last_loc: i32[dp_size, B].
+    num: optional i32[dp_size], each rank's leading page_ids to free.
+    num_reqs: optional i32[dp_size], each rank's real rows.
+
+  Returns:
+    (state, i32[dp_size, B] slots, bool[dp_size] ok); every rank's release is done
+    whatever its ok.
+  """
+  rc = _config_of(config, state)
+  _leading(num_ranks(state), page_ids=page_ids, seq_lens=seq_lens, last_loc=last_loc,
+           num=num, num_reqs=num_reqs)
+  fn = functools.partial(allocation.release_and_alloc_decode, rc)
+  return jax.vmap(lambda s, p, q, l, m, n: fn(s, p, q, l, num=m, num_reqs=n))(
+      state, page_ids, seq_lens, last_loc, num, num_reqs)
 
 
 def free(config: AllocatorConfig, state: AllocatorState, free_index: Array) -> AllocatorState:
@@ -284,6 +327,113 @@ def get_all_free_pages(config: AllocatorConfig, state: AllocatorState) -> Tuple[
 
 
 # ---------------------------------------------------------------------------------------
+# The request table with a rank axis (SPEC 11 per rank): every leaf of the RequestTable
+# (and of AttentionInputs) gains a leading axis of length dp_size, rank r's table holds
+# rank r's requests and rank-local page ids. Each function is the single-table one of
+# jax_kvalloc.request_table under jax.vmap, with per-rank inputs along the leading axis
+# (num_rows: i32[dp_size]); see there for what a rank does and what its ok=False means.
+# ---------------------------------------------------------------------------------------
+
+def init_tables(config: AllocatorConfig, dp_size: int, max_reqs: int,
+                max_pages_per_req: int) -> request_table.RequestTable:
+  """`dp_size` empty request tables stacked: pages i32[dp_size, max_reqs,
+  max_pages_per_req], lens and owned_from i32[dp_size, max_reqs]."""
+  rank_config(config, dp_size)  # validates dp_size
+  one = request_table.init_table(config, max_reqs, max_pages_per_req)
+  return jax.tree.map(lambda x: jnp.zeros((dp_size,) + x.shape, x.dtype), one)
+
+
+def _table_config(config: AllocatorConfig, table: request_table.RequestTable,
+                  state: Optional[AllocatorState] = None) -> AllocatorConfig:
+  if not isinstance(table, request_table.RequestTable) or table.pages.ndim != 3:
+    raise ValueError("expected a ranked RequestTable (pages i32[dp_size, max_reqs, "
+                     f"max_pages_per_req]), got {type(table).__name__}"
+                     + (f" with pages of shape {table.pages.shape}"
+                        if isinstance(table, request_table.RequestTable) else ""))
+  dp = table.pages.shape[0]
+  if state is not None:
+    rc = _config_of(config, state)
+    if num_ranks(state) != dp:
+      raise ValueError(f"table has {dp} ranks, state has {num_ranks(state)}")
+    return rc
+  return rank_config(config, dp)
+
+
+def extend_rows(config: AllocatorConfig, state: AllocatorState,
+                table: request_table.RequestTable, rows: Array, n: Array, *,
+                max_tokens: int, num_rows: Optional[Array] = None) -> TableResult:
+  """`request_table.extend_rows` on every rank. rows, n: i32[dp_size, B]; num_rows:
+  optional i32[dp_size]. Returns (state, table, i32[dp_size, max_tokens] slots,
+  bool[dp_size] ok)."""
+  rc = _table_config(config, table, state)
+  _leading(num_ranks(state), rows=rows, n=n, num_rows=num_rows)
+  fn = functools.partial(request_table.extend_rows, rc, max_tokens=max_tokens)
+  return jax.vmap(lambda s, t, r, k, m: fn(s, t, r, k, num_rows=m))(
+      state, table, rows, n, num_rows)
+
+
+def decode_rows(config: AllocatorConfig, state: AllocatorState,
+                table: request_table.RequestTable, rows: Array, *,
+                num_rows: Optional[Array] = None) -> TableResult:
+  """`request_table.decode_rows` on every rank. rows: i32[dp_size, B]. Returns (state,
+  table, i32[dp_size, B] slots, bool[dp_size] ok)."""
+  rc = _table_config(config, table, state)
+  _leading(num_ranks(state), rows=rows, num_rows=num_rows)
+  fn = functools.partial(request_table.decode_rows, rc)
+  return jax.vmap(lambda s, t, r, m: fn(s, t, r, num_rows=m))(state, table, rows, num_rows)
+
+
+def release_rows(config: AllocatorConfig, state: AllocatorState,
+                 table: request_table.RequestTable, rows: Array, *,
+                 num_rows: Optional[Array] = None
+                 ) -> Tuple[AllocatorState, request_table.RequestTable, Array]:
+  """`request_table.release_rows` on every rank. rows: i32[dp_size, B]. Returns (state,
+  table, bool[dp_size] ok)."""
+  rc = _table_config(config, table, state)
+  _leading(num_ranks(state), rows=rows, num_rows=num_rows)
+  fn = functools.partial(request_table.release_rows, rc)
+  return jax.vmap(lambda s, t, r, m: fn(s, t, r, num_rows=m))(state, table, rows, num_rows)
+
+
+def borrow_pages(config: AllocatorConfig, table: request_table.RequestTable, rows: Array,
+                 page_ids: Array, num_pages: Array, *, num_rows: Optional[Array] = None
+                 ) -> Tuple[request_table.RequestTable, Array]:
+  """`request_table.borrow_pages` on every rank. rows, num_pages: i32[dp_size, B];
+  page_ids: i32[dp_size, B, W] rank-local ids. Returns (table, bool[dp_size] ok)."""
+  rc = _table_config(config, table)
+  _leading(table.pages.shape[0], rows=rows, page_ids=page_ids, num_pages=num_pages,
+           num_rows=num_rows)
+  fn = functools.partial(request_table.borrow_pages, rc)
+  return jax.vmap(lambda t, r, p, k, m: fn(t, r, p, k, num_rows=m))(
+      table, rows, page_ids, num_pages, num_rows)
+
+
+def admit_rows(config: AllocatorConfig, state: AllocatorState,
+               table: request_table.RequestTable, rows: Array, n: Array, *,
+               num_rows: Optional[Array] = None, max_tokens: Optional[int] = None) -> Array:
+  """`request_table.admit_rows` on every rank. rows, n: i32[dp_size, B]. Returns
+  i32[dp_size]: each rank's count of queued requests that fit."""
+  rc = _table_config(config, table, state)
+  _leading(num_ranks(state), rows=rows, n=n, num_rows=num_rows)
+  fn = functools.partial(request_table.admit_rows, rc, max_tokens=max_tokens)
+  return jax.vmap(lambda s, t, r, k, m: fn(s, t, r, k, num_rows=m))(
+      state, table, rows, n, num_rows)
+
+
+def attention_inputs(config: AllocatorConfig, table: request_table.RequestTable,
+                     rows: Array, q_lens: Array, *,
+                     num_rows: Optional[Array] = None) -> request_table.AttentionInputs:
+  """`request_table.attention_inputs` on every rank. rows, q_lens: i32[dp_size, B].
+  Returns AttentionInputs with a leading rank axis on every field (page_indices
+  i32[dp_size, B, max_pages_per_req], kv_lens i32[dp_size, B], cu_q_lens
+  i32[dp_size, B + 1], num_seqs i32[dp_size, 1]); page ids are rank-local."""
+  rc = _table_config(config, table)
+  _leading(table.pages.shape[0], rows=rows, q_lens=q_lens, num_rows=num_rows)
+  fn = functools.partial(request_table.attention_inputs, rc)
+  return jax.vmap(lambda t, r, q, m: fn(t, r, q, num_rows=m))(table, rows, q_lens, num_rows)
+
+
+# ---------------------------------------------------------------------------------------
 # Placement over a mesh.
 # ---------------------------------------------------------------------------------------
 
@@ -310,13 +460,7 @@ def check_mesh(mesh: jax.sharding.Mesh, axis_name: str, dp_size: int) -> None:
   """ValueError unless `axis_name` is an axis of `mesh` whose size divides dp_size."""
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                     f"(axes: {tuple(mesh.shape)})")
-  n = mesh.shape[axis_name]
-  if dp_size % n:
-    raise ValueError(f"dp_size={dp_size} must be a multiple of the mesh axis "
-                     f"{axis_name!r} of size {n}: each device holds whole ranks")
+  multiprocess.check_axis(mesh, axis_name, dp_size)
 
 
 def shard(fn: Callable[..., Any], mesh: jax.sharding.Mesh, axis_name: str) -> Callable:
@@ -364,6 +508,15 @@ class RankedAllocator(NamedTuple):
   clear: Callable[..., Any]               # (state, ranks=None)
   available_size: Callable[..., Any]      # (state) -> i32[dp_size]
   get_all_free_pages: Callable[..., Any]  # (state) -> (i32[dp_size, P], i32[dp_size])
+  release_and_alloc_decode: Callable[..., Any]  # (state, page_ids, seq_lens, last_loc, *, num=None, num_reqs=None)
+  # The request table with a rank axis (SPEC 11 per rank).
+  init_table: Callable[..., Any]          # (max_reqs, max_pages_per_req) -> RequestTable
+  extend_rows: Callable[..., Any]         # (state, table, rows, n, *, max_tokens, num_rows=None)
+  decode_rows: Callable[..., Any]         # (state, table, rows, *, num_rows=None)
+  release_rows: Callable[..., Any]        # (state, table, rows, *, num_rows=None)
+  borrow_pages: Callable[..., Any]        # (table, rows, page_ids, num_pages, *, num_rows=None)
+  admit_rows: Callable[..., Any]          # (state, table, rows, n, *, num_rows=None, max_tokens=None)
+  attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None)
 
 
 def _placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
@@ -377,7 +530,8 @@ def _placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
   cache: Dict[Any, Callable] = {}
 
   def bind(op: Callable, static_names: Tuple[str, ...] = ()):
-    def call(state, *args, **kwargs):
+    def jitted(state, *args, **kwargs):
+      """(the jitted shard_map for this call's static arguments, its array inputs)."""
       static = tuple(sorted((k, kwargs.pop(k)) for k in static_names if k in kwargs))
       names = tuple(k for k, v in sorted(kwargs.items()) if v is not None)
       arrays = args + tuple(kwargs[k] for k in names)
@@ -387,10 +541,42 @@ def _placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
           return op(local_config, s, *a[:len(args)], **dict(zip(names, a[len(args):])),
                     **dict(static))
         cache[key] = jax.jit(shard(body, mesh, axis_name))
-      return cache[key](state, *arrays)
+      return cache[key], (state,) + arrays
+
+    def call(state, *args, **kwargs):
+      fn, arrays = jitted(state, *args, **kwargs)
+      return fn(*arrays)
+
+    def lower(state, *args, **kwargs):
+      fn, arrays = jitted(state, *args, **kwargs)
+      return fn.lower(*arrays)
+
+    call.lower = lower  # e.g. collectives_in(r.alloc_decode.lower(...).compile().as_text())
     return call
 
   return bind
+
+
+def _local_copies(one: Any, mesh: jax.sharding.Mesh, axis_name: str, dp_size: int) -> Any:
+  """Every rank a copy of the single-rank pytree `one`, placed over the mesh from this
+  process's rows only (multiprocess.put_ranks: no data crosses processes)."""
+  k = len(multiprocess.process_ranks(mesh, axis_name, dp_size))
+  return multiprocess.put_ranks(
+      jax.tree.map(lambda x: np.repeat(np.asarray(x)[None], k, axis=0), one),
+      mesh, axis_name, dp_size)
+
+
+def _init_placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
+                 axis_name: str) -> AllocatorState:
+  # Every rank starts in the same state: one rank's, copied.
+  return _local_copies(st.init(rank_config(config, dp_size)), mesh, axis_name, dp_size)
+
+
+def _init_table_placed(config: AllocatorConfig, dp_size: int, mesh: jax.sharding.Mesh,
+                       axis_name: str, max_reqs: int,
+                       max_pages_per_req: int) -> request_table.RequestTable:
+  return _local_copies(request_table.init_table(config, max_reqs, max_pages_per_req),
+                       mesh, axis_name, dp_size)
 
 
 def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
@@ -403,12 +589,16 @@ def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
     dp_size: number of ranks.
     mesh: optional jax.sharding.Mesh; the rank axis is sharded over its `axis_name`
       axis, whose size must divide dp_size, and every operation runs under shard_map
-      with no cross-device communication.
+      with no cross-device communication. It may span processes: then pass inputs
+      built by multiprocess.put_ranks and read outputs with multiprocess.get_ranks.
     axis_name: the mesh axis (required with mesh).
 
   Returns:
     A RankedAllocator. Without a mesh its functions are plain (compose them under your
-    own jit, vmap, scan); with one, they are jitted shard_maps (callable inside jit too).
+    own jit, vmap, scan); with one, they are jitted shard_maps (callable inside jit too),
+    and each operation `op` also has `op.lower(same arguments)`, the jax.stages.Lowered
+    of the program a call with those arguments runs (after such a call, `.compile()`
+    returns the compiled one from JAX's cache; `collectives_in` reads its text).
 
   Raises:
     TypeError / ValueError for a bad dp_size, mesh or axis_name, naming it.
@@ -419,13 +609,14 @@ def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
       raise ValueError("axis_name needs a mesh")
     bind = lambda op, static_names=(): functools.partial(op, config)
     init = functools.partial(init_ranks, config, dp_size)
+    init_table = functools.partial(init_tables, config, dp_size)
   else:
     if axis_name is None:
       raise ValueError("a mesh needs axis_name, the mesh axis to shard the ranks over")
     check_mesh(mesh, axis_name, dp_size)
     bind = _placed(config, dp_size, mesh, axis_name)
-    sharding = rank_sharding(mesh, axis_name)
-    init = lambda: jax.device_put(init_ranks(config, dp_size), sharding)
+    init = functools.partial(_init_placed, config, dp_size, mesh, axis_name)
+    init_table = functools.partial(_init_table_placed, config, dp_size, mesh, axis_name)
   return RankedAllocator(
       config=config, dp_size=dp_size, mesh=mesh, axis_name=axis_name, init=init,
       alloc=bind(alloc, ("max_size",)),
@@ -438,4 +629,12 @@ def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
       clear=bind(clear),
       available_size=bind(available_size),
       get_all_free_pages=bind(get_all_free_pages),
+      release_and_alloc_decode=bind(release_and_alloc_decode),
+      init_table=init_table,
+      extend_rows=bind(extend_rows, ("max_tokens",)),
+      decode_rows=bind(decode_rows),
+      release_rows=bind(release_rows),
+      borrow_pages=bind(borrow_pages),
+      admit_rows=bind(admit_rows, ("max_tokens",)),
+      attention_inputs=bind(attention_inputs),
   )

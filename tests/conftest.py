@@ -71,6 +71,9 @@ SLOW_TESTS = [
      "the extra-call variants compile the step twice; the plain and release ones run"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
      "every page size and layout, many pools, in Pallas' interpreter"),
+    ("test_multiprocess.py", "test_two_processes_equal_one_every_op", None,
+     "three JAX processes compiling every ranked operation; the serving ones run by default"),
+    ("test_multiprocess.py", "test_bench_processes_runs", None, "starts JAX processes"),
 ]
 
 
