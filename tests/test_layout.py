@@ -84,7 +84,7 @@ def test_every_package_has_modules():
 
 @pytest.mark.parametrize("module,source", [
     ("jax_kvalloc.allocation", "def f():\n  from jax_kvalloc.tools import traces\n"),
-    ("jax_kvalloc.base", "import torch_ref\n"),
+    ("jax_kvalloc.sglang.base", "import torch_ref\n"),
     ("jax_kvalloc.state", "from .tools import bench\n"),
     ("pallas_kernels.triton_extend", "import jax_kvalloc as kv\n"),
     ("pallas_kernels._util", "from kernel_cases import cdiv\n"),

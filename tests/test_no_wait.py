@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 import jax.numpy as jnp
 from model import ModelAllocator
 from serving_driver import run_workload
@@ -128,7 +129,7 @@ def _serving_sequence(a, m, need_sort, outputs, device_last=False):
                                                    (False, True)])
 def test_device_class_calls_do_not_wait(need_sort, device_last):
   ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, kernel="jnp",
+  a = kvs.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, kernel="jnp",
                                      debug=False)
   m = ModelAllocator(48 * ps, ps, need_sort)
   warm = []
@@ -146,7 +147,7 @@ def test_device_class_calls_do_not_wait(need_sort, device_last):
 
 
 def test_negative_control_trips_the_guard():
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=False)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=False)
   out = a.alloc(8)
   checks = [lambda: np.asarray(out), lambda: np.array(out), lambda: int(out[0]),
             lambda: bool(out[0]), lambda: out.tolist(), lambda: out.item(),
@@ -162,7 +163,7 @@ def test_negative_control_trips_the_guard():
 
 def test_debug_mode_waits_and_says_so():
   # Debug mode reads the error record after every call: the guard must see it.
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=True)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=True)
   a.alloc(8)
   with no_device_reads(), pytest.raises(DeviceRead):
     a.alloc(8)
@@ -181,7 +182,7 @@ def _has_gpu() -> bool:
                                                    (False, True)])
 def test_device_class_calls_do_not_wait_on_gpu(need_sort, device_last):
   ps = 16
-  a = kv.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, device="cuda",
+  a = kvs.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, device="cuda",
                                      debug=False)
   _serving_sequence(a, ModelAllocator(48 * ps, ps, need_sort), need_sort, [], device_last)
   a.clear()
@@ -215,9 +216,9 @@ class MirrorChecked:
     def call(*args, **kwargs):
       result = attr(*args, **kwargs)
       a = self._impl
-      st = a._state  # pylint: disable=protected-access
-      assert (a._free_len, a._release_len) == (int(st.free_len), int(st.release_len)), (
-          f"after {name}: mirror {(a._free_len, a._release_len)} != state "
+      st = a._pools[0].state  # pylint: disable=protected-access
+      assert (a._pools[0].free_len, a._pools[0].release_len) == (int(st.free_len), int(st.release_len)), (
+          f"after {name}: mirror {(a._pools[0].free_len, a._pools[0].release_len)} != state "
           f"{(int(st.free_len), int(st.release_len))}")
       self.checks += 1
       return result
@@ -230,10 +231,10 @@ class MirrorChecked:
                                                ("paged", 16, 12)])
 def test_host_mirror_is_exact_on_random_traces(kind, ps, num_pages, need_sort, backend):
   if kind == "token":
-    impl = kv.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, debug=False,
+    impl = kvs.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, debug=False,
                                      backend=backend)
   else:
-    impl = kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+    impl = kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
                                           debug=False, backend=backend)
   checked = MirrorChecked(impl)
   run_workload(checked, size=num_pages * ps, page_size=ps, need_sort=need_sort, kind=kind,

@@ -68,7 +68,8 @@ class _Impl:
     if name in ("device", "host"):
       import jax  # pylint: disable=g-import-not-at-top
       import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
-      self.a = kv.PagedTokenToKVPoolAllocator(pool, ps, backend=name, device=args.device,
+      import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
+      self.a = kvs.PagedTokenToKVPoolAllocator(pool, ps, backend=name, device=args.device,
                                               debug=False)
       self.conv = lambda x: np.asarray(x, np.int64)
       if name == "device":
@@ -211,11 +212,12 @@ def run_row(impl: _Impl, row: Dict[str, Any], reps: int) -> Dict[str, float]:
 def stalls(args) -> Dict[str, Any]:
   """Compile stalls of a random serving sequence, cold and after warm-up."""
   import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
+  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
   ps, max_bs = args.page_size, args.stall_max_batch
   max_tokens = max_bs * args.extend_tokens
   out = {}
   for mode in ("cold", "warm"):
-    a = kv.PagedTokenToKVPoolAllocator(args.pool, ps, device=args.device, debug=False)
+    a = kvs.PagedTokenToKVPoolAllocator(args.pool, ps, device=args.device, debug=False)
     warm_s = 0.0
     if mode == "warm":
       warm_s = a.warmup(max_batch=max_bs, max_tokens=max_tokens).seconds

@@ -1,15 +1,16 @@
-"""The device backend's fast path: each class operation as one jitted call that the host
-has already decided will succeed.
+"""The device backend: the state is an `AllocatorState` of jax arrays on one device, and
+each class call is one cached jitted program launched without waiting.
 
-The classes keep an exact host mirror of `free_len` and `release_len` (SGLang's `*_cpu`
-copies give every page count; jax_kvalloc.base), so they know before launching whether a
-call fits and whether need_sort must merge first. What is left for the device is the
-index computation and the ring write, launched here without waiting:
+The class keeps an exact host mirror of `free_len` and `release_len` (SGLang's `*_cpu`
+copies give every page count; jax_kvalloc.sglang.base), so it knows before launching
+whether a call fits and whether need_sort must merge first. What is left for the device
+is the index computation and the ring write:
 
   * inputs travel in one transfer: the per-request ints are packed into one i32 array
-    that the jitted function slices apart again; a `last_loc` that is already a device
-    array (SGLang computes it on the device) is not read back but passed as a second
-    input, padded to the row bucket on the device by a cached tiny program (`padded`);
+    that the program slices apart again; a `last_loc` that is already a device array
+    (SGLang computes it on the device) is not read back but passed as a second input,
+    padded to the row bucket on the device by a cached tiny program (`padded`); page ids
+    that are a device array (free_page_ids, free_segment) are padded the same way;
   * an allocation takes only (free_ring, free_head, free_len) and returns the new head,
     length and indices: it never writes a ring, so nothing is donated or copied and a
     snapshot that holds the rings stays valid for free;
@@ -18,24 +19,19 @@ index computation and the ring write, launched here without waiting:
   * the merge runs as its own call, only when the host's mirror says it triggers, so the
     allocation programs carry no merge branch (config.need_sort is off inside them);
   * outputs are padded to a shape bucket (jax_kvalloc.buckets); `exact` cuts them to the
-    exact length with a cached jitted slice (a second, tiny launch; no wait). A new exact
-    length compiles one such slice, once per (bucket, length). Measured on the 2-core
-    CPU (decode, 5 rows): bucket + slice 33.7 us per call against 22.9 us for a program
-    compiled for the exact row count, but a new length then costs a whole allocation
-    program (167 ms to compile) instead of a slice (58 ms), and extend lengths take
-    thousands of values: the slice stays. Any program that returns a new shape compiles
-    for it, so an exact length without either would need the output computed on the
-    host and transferred (the host backend's work, plus a copy).
+    exact length with a cached jitted slice (a second, tiny launch; no wait), compiled
+    once per (bucket, length); `warmup` compiles them ahead.
 
-Programs are cached per (config, operation, bucket) across instances. Debug mode does not
-come here (its checks live in the state and it reads them after every call).
+Programs are cached per (config, operation, bucket) across instances and devices
+(`ops_for`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Dict, Tuple
+import time
+from typing import Any, Callable, Dict, Iterable, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +41,11 @@ from jax_kvalloc import allocation
 from jax_kvalloc import buckets
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
+from jax_kvalloc import warmup as _warmup
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.state import AllocatorState
+from jax_kvalloc.warmup import WarmupReport
 
 Array = jax.Array
 
@@ -78,11 +77,9 @@ def _written(config: AllocatorConfig, state: AllocatorState) -> Tuple[Array, Arr
 def _compiler_options() -> Dict[str, Any]:
   """XLA options for the fast-path programs: on a GPU host, a CUDA graph for every
   program, however few its kernels (`xla_gpu_graph_min_graph_size=1`; XLA's default
-  needs 5). These programs are 1-10 small kernels, and launching each one separately
-  costs host time: H200 run of 2026-11-30, the 64-row decode program's dispatch took
-  85.6 us with XLA's default and 57.0 us with graphs (benchmarks/device_probe.py).
-  JAX_KVALLOC_GPU_GRAPHS=0 turns it off (to compare). CPU compiles ignore the option; it
-  is not passed where there is no GPU (TPU hosts)."""
+  needs 5): these programs are 1-10 small kernels, and launching each one separately
+  costs host time (BENCHMARKS.md has the measurement). JAX_KVALLOC_GPU_GRAPHS=0 turns it
+  off (to compare). Not passed where there is no GPU."""
   if os.environ.get("JAX_KVALLOC_GPU_GRAPHS", "1") == "0":
     return {}
   try:
@@ -151,7 +148,10 @@ class DeviceOps:
       return jit(decode_fn)
     if op == "pad":
       n, rows, fill = shape
-      return jit(lambda x: jnp.pad(x, (0, rows - n), constant_values=fill))
+      return jit(lambda x: jnp.pad(x.astype(jnp.int32), (0, rows - n), constant_values=fill))
+    if op == "segment_pages":
+      _, stride = shape
+      return jit(lambda x: x[::stride].astype(jnp.int32) // stride)
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
@@ -177,6 +177,12 @@ class DeviceOps:
     if x.shape[0] == rows:
       return x
     return self._fn(("pad", x.shape[0], rows, fill))(x)
+
+  def segment_pages(self, free_index: Array) -> Array:
+    """free_index[::page_size] // page_size on the device (i32[ceil(n / page_size)]),
+    launched without waiting; one cached program per length."""
+    ps = self.config.page_size
+    return self._fn(("segment_pages", free_index.shape[0], ps))(free_index)
 
   def exact(self, out: Array, n: int) -> Array:
     """out[:n] without waiting: `out` itself when it has that length, else one launch of
@@ -230,9 +236,14 @@ class DeviceOps:
         state.free_ring, state.free_head, state.free_len, packed, *extra)
     return state._replace(free_head=head, free_len=length), self.exact(out, bs)
 
-  def _write(self, op: str, state: AllocatorState, values: np.ndarray, minimum: int,
+  def _write(self, op: str, state: AllocatorState, values: Any, minimum: int,
              shared: bool) -> AllocatorState:
-    padded = buckets.pad(values, buckets.bucket(values.shape[0], minimum))
+    """values: host ints, or a device i32[n] (padded with 0 on the device, not read)."""
+    rows = buckets.bucket(values.shape[0], minimum)
+    if isinstance(values, jax.Array):
+      padded = self.padded(values, rows, 0)
+    else:
+      padded = buckets.pad(values, rows)
     ring, head, length = self._fn((op, padded.shape[0], not shared))(
         *st.freed_list(self.config.need_sort, state), padded)
     return st.with_freed_list(self.config.need_sort, state, ring, head, length)
@@ -251,3 +262,142 @@ class DeviceOps:
     ring, head, length, rhead, rlen = self._fn(("merge", not shared))(*state[:6])
     return state._replace(free_ring=ring, free_head=head, free_len=length,
                           release_head=rhead, release_len=rlen)
+
+
+_INIT = jax.jit(st.init, static_argnames=("config",))
+
+
+class DeviceBackend:
+  """The Backend (jax_kvalloc.sglang.backends) of jax arrays on `device`: each call one
+  launch of `ops_for(config)`'s programs, never a wait."""
+
+  keeps_device_arrays = True
+
+  def __init__(self, config: AllocatorConfig, device: Any):
+    from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
+    self.config = config
+    self.device = resolve_device(device)
+    self.ops = ops_for(config)
+    self._empty = None
+
+  def init(self) -> AllocatorState:
+    state = _INIT(self.config)
+    return state if self.device is None else jax.device_put(state, self.device)
+
+  def adopt(self, state: AllocatorState) -> AllocatorState:
+    """A state from elsewhere (a snapshot, set_state) as this backend holds it."""
+    if isinstance(state.free_ring, jax.Array):
+      return state
+    return jax.device_put(jax.tree.map(np.asarray, state), self.device)
+
+  def empty(self) -> Array:
+    if self._empty is None:
+      self._empty = jax.device_put(np.zeros((0,), np.int32), self.device)
+    return self._empty
+
+  def alloc(self, state, need_size, fits):
+    if not fits:
+      return state, None
+    return self.ops.alloc(state, need_size)
+
+  def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
+    """Only checked input (`checked`: validate.extend_args' result); None otherwise."""
+    if checked is None:
+      return None
+    return Plan(pre.shape[0], checked.new_pages, checked.total_tokens, (pre, seq, last))
+
+  def alloc_extend(self, state, plan, fits):
+    if not fits:
+      return state, None
+    pre, seq, last = plan.data
+    return self.ops.alloc_extend(state, pre, seq, last, plan.tokens)
+
+  def decode_plan(self, seq, last, checked):
+    """Only checked input (host int64 seq_lens; last_loc host int64 or device i32)."""
+    if not checked:
+      return None
+    pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
+    return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+
+  def alloc_decode(self, state, plan, fits):
+    if not fits:
+      return state, None
+    return self.ops.alloc_decode(state, *plan.data)
+
+  def free(self, state, idx, values, count, shared):
+    del values  # the program finds the sorted unique pages itself
+    return state if count == 0 else self.ops.free(state, idx, shared)
+
+  def free_page_ids(self, state, ids, count, shared):
+    return state if count == 0 else self.ops.free_page_ids(state, ids, shared)
+
+  def merge_and_sort_free(self, state, shared):
+    return self.ops.merge_and_sort_free(state, shared)
+
+  def warmup(self, state, *, max_batch, max_tokens, max_free, exact_sizes, extend,
+             device_last_loc) -> WarmupReport:
+    return warmup_programs(self.ops, state, max_batch=max_batch, max_tokens=max_tokens,
+                           max_free=max_free, exact_sizes=exact_sizes, extend=extend,
+                           device_last_loc=device_last_loc)
+
+
+def warmup_programs(ops: Any, state: Any, *, max_batch: int, max_tokens: int,
+                      max_free: int, exact_sizes: Iterable[int] = (),
+                      extend: bool = True, device_last_loc: bool = False) -> _warmup.WarmupReport:
+  """Runs every fast-path program of this module up to the maxima on
+  throwaway inputs (the state is not changed: allocation programs are pure and the
+  donating ones get copies). `device_last_loc`: also the variants that take last_loc
+  as a device array, and its pads from each of `exact_sizes` rows. Waits at the end."""
+  cfg = ops.config
+  t0 = time.perf_counter()
+  outs, n = [], 0
+  ring, head, length = state.free_ring, state.free_head, state.free_len
+  rows_list = _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH)
+  token_list = _warmup.bucket_sizes(max_tokens, buckets.MIN_TOKENS)
+  for size in token_list:
+    outs.append(ops._fn(("alloc", size))(ring, head, length, np.int32(0)))
+    n += 1
+  for rows in rows_list:
+    packed = np.zeros((2 * rows + 1,), np.int32)
+    # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
+    lasts = [()] + ([(jnp.zeros((rows,), jnp.int32),)] if device_last_loc else [])
+    for last in lasts:
+      outs.append(ops._fn(("decode", rows))(ring, head, length, packed, *last))
+      n += 1
+    if extend and cfg.kind == "paged":
+      for tokens in token_list:
+        packed = np.zeros((3 * rows + 1,), np.int32)
+        for last in lasts:
+          outs.append(ops._fn(("extend", rows, tokens))(ring, head, length, packed, *last))
+          n += 1
+  if cfg.need_sort:
+    w_ring, w_head, w_len, other = (state.release_ring, state.release_head,
+                                    state.release_len, state.free_len)
+  else:
+    w_ring, w_head, w_len, other = ring, head, length, state.release_len
+  names = ["free"] + (["free_page_ids"] if cfg.kind == "paged" else [])
+  for m in _warmup.bucket_sizes(max_free, buckets.MIN_FREE):
+    values = np.zeros((m,), np.int32)  # all padding: frees nothing
+    for name in names:
+      for donate in (True, False):
+        target = jnp.copy(w_ring) if donate else w_ring
+        outs.append(ops._fn((name, m, donate))(target, w_head, w_len, other, values))
+        n += 1
+  if cfg.need_sort:
+    for donate in (True, False):
+      target = jnp.copy(ring) if donate else ring
+      outs.append(ops._fn(("merge", donate))(target, head, length, state.release_ring,
+                                             state.release_head, state.release_len))
+      n += 1
+  for size in exact_sizes:  # decode outputs pad to row buckets, the others to token ones
+    for bucket_len in {buckets.bucket(size, buckets.MIN_BATCH),
+                       buckets.bucket(size, buckets.MIN_TOKENS)}:
+      if bucket_len != size:
+        outs.append(ops.exact(jnp.zeros((bucket_len,), jnp.int32), size))
+        n += 1
+    rows = buckets.bucket(size, buckets.MIN_BATCH)
+    if device_last_loc and rows != size:
+      outs.append(ops.padded(jnp.zeros((size,), jnp.int32), rows, -1))
+      n += 1
+  jax.block_until_ready(outs)
+  return _warmup.WarmupReport(n, time.perf_counter() - t0)
