@@ -61,7 +61,8 @@ def no_device_reads():
 
 def _serving_sequence(a, m, need_sort, outputs, device_last=False):
   """A serving loop's class calls on `a` (device backend) with host inputs only (or,
-  with device_last, last_loc as a device array, as SGLang passes it); `m` (the model)
+  with device_last, last_loc and the free_segment / free_page_ids arguments as device
+  arrays, as SGLang passes them); `m` (the model)
   runs alongside to know which slots each request holds. Appends every device output
   to `outputs` (checked afterwards, outside the guard)."""
   put = (lambda x: jnp.asarray(np.asarray(x, np.int32))) if device_last else (
@@ -77,15 +78,19 @@ def _serving_sequence(a, m, need_sort, outputs, device_last=False):
         slots = reqs.pop(0)
         a.free(np.asarray(slots, np.int64))
         m.free(slots)
+      if device_last and reqs:  # a page-id free of a device array, queued in the group
+        slots = reqs.pop(0)
+        a.free_segment(put(slots), start_pos=0)
+        m.free_segment(slots, 0)
       a.free_group_end()
       m.free_group_end()
     elif step % 7 == 5 and reqs:  # finish one through SGLang 0.5.23's unsorted frees
       slots = reqs.pop(0)
-      a.free_segment(np.asarray(slots, np.int64), start_pos=0)
+      a.free_segment(put(np.asarray(slots, np.int64)), start_pos=0)
       m.free_segment(slots, 0)
       if reqs:
         pages = sorted({s // ps for s in reqs.pop(0)}, reverse=True)
-        a.free_page_ids(np.asarray(pages, np.int64))
+        a.free_page_ids(put(np.asarray(pages, np.int64)))
         m.free_page_ids(pages)
     if step % 5 == 0:  # prefill new requests
       seq = rng.integers(1, 3 * ps + 2, 3)
@@ -126,7 +131,7 @@ def _serving_sequence(a, m, need_sort, outputs, device_last=False):
 
 
 @pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
-                                                   (False, True)])
+                                                   (False, True), (True, True)])
 def test_device_class_calls_do_not_wait(need_sort, device_last):
   ps = 4
   a = kvs.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, kernel="jnp",
@@ -179,7 +184,7 @@ def _has_gpu() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
 @pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
-                                                   (False, True)])
+                                                   (False, True), (True, True)])
 def test_device_class_calls_do_not_wait_on_gpu(need_sort, device_last):
   ps = 16
   a = kvs.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, device="cuda",
