@@ -58,7 +58,7 @@ _CHILD = textwrap.dedent("""
     import sys
     import jax
     from jax._src import monitoring
-    import jax_kvalloc as kv
+    import jax_kvalloc.sglang as kvs
     from jax_kvalloc import warmup
     warmup.enable_persistent_cache(sys.argv[1])
     counts = {}

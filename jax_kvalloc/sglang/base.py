@@ -190,6 +190,20 @@ class BaseAllocator:
     pool.write(lambda s, count, shared: pool.backend.free_page_ids(s, ids, count, shared),
                ids.shape[0])
 
+  # A single pool has no sliding-window peer: SGLang's free_full* are the plain frees
+  # (free_segment(s) as each class defines them).
+  def free_full(self, free_index, dp_rank: int = 0) -> None:
+    """SGLang's free_full: without a sliding-window peer, `free`."""
+    self.free(free_index, dp_rank=dp_rank)
+
+  def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
+    """SGLang's free_full_segment: without a sliding-window peer, `free_segment`."""
+    self.free_segment(free_index, start_pos=start_pos, dp_rank=dp_rank)
+
+  def free_full_segments(self, segments, dp_rank: int = 0) -> None:
+    """SGLang's free_full_segments: without a sliding-window peer, `free_segments`."""
+    self.free_segments(segments, dp_rank=dp_rank)
+
   def merge_and_sort_free(self, dp_rank: int = 0) -> None:
     """release_pages merged, sorted, into free_pages (SPEC 6)."""
     pool = self._pools[self._pool_index(dp_rank)]

@@ -235,16 +235,6 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       return                               # later changes to the caller's buffer do not
     self._free_page_ids_now(self._pools[r], ids)  # reach the queue
 
-  # A single pool has no sliding-window peer: SGLang's free_full* are the plain frees.
-  def free_full(self, free_index, dp_rank: int = 0) -> None:
-    self.free(free_index, dp_rank=dp_rank)
-
-  def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
-    self.free_segment(free_index, start_pos=start_pos, dp_rank=dp_rank)
-
-  def free_full_segments(self, segments, dp_rank: int = 0) -> None:
-    self.free_segments(segments, dp_rank=dp_rank)
-
 
 def _segment_pages(free_index, page_size: int):
   """free_index[::page_size] // page_size of a device i32 array, on its device (one

@@ -83,16 +83,6 @@ class TokenToKVPoolAllocator(BaseAllocator):
     if got.size:
       self.free(got, dp_rank=dp_rank)
 
-  # A single pool has no sliding-window peer: SGLang's free_full* are the plain frees.
-  def free_full(self, free_index, dp_rank: int = 0) -> None:
-    self.free(free_index, dp_rank=dp_rank)
-
-  def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
-    self.free_segment(free_index, start_pos=start_pos, dp_rank=dp_rank)
-
-  def free_full_segments(self, segments, dp_rank: int = 0) -> None:
-    self.free_segments(segments, dp_rank=dp_rank)
-
 
 def _pair(seg: Any, i: int) -> Tuple[Any, Any]:
   """segments[i] as (free_index, start_pos); TypeError naming it otherwise."""

@@ -44,6 +44,7 @@ from jax_kvalloc import state as st
 from jax_kvalloc import warmup as _warmup
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.sglang.backends import Plan
+from jax_kvalloc.sglang.backends import host
 from jax_kvalloc.state import AllocatorState
 from jax_kvalloc.warmup import WarmupReport
 
@@ -198,11 +199,11 @@ class DeviceOps:
         state.free_ring, state.free_head, state.free_len, np.int32(need_size))
     return state._replace(free_head=head, free_len=length), self.exact(out, need_size)
 
-  def alloc_extend(self, state: AllocatorState, pre: np.ndarray, seq: np.ndarray,
+  def alloc_extend(self, state: AllocatorState, pre: Any, seq: Any,
                    last: Any, total: int) -> Tuple[AllocatorState, Array]:
-    """`last`: host int64[bs], or a device i32[bs] (jax.Array) taken as it is: padded on
-    the device, never read back."""
-    bs = pre.shape[0]
+    """pre, seq: host ints[bs] (int64 arrays or lists); `last`: the same, or a device
+    i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
+    bs = len(pre)
     rows = buckets.bucket(bs, buckets.MIN_BATCH)
     packed = np.zeros((3 * rows + 1,), np.int32)
     packed[:bs] = pre
@@ -218,11 +219,11 @@ class DeviceOps:
         state.free_ring, state.free_head, state.free_len, packed, *extra)
     return state._replace(free_head=head, free_len=length), self.exact(out, total)
 
-  def alloc_decode(self, state: AllocatorState, seq: np.ndarray,
+  def alloc_decode(self, state: AllocatorState, seq: Any,
                    last: Any) -> Tuple[AllocatorState, Array]:
-    """`last`: host int64[bs], or a device i32[bs] (jax.Array) taken as it is: padded on
-    the device, never read back."""
-    bs = seq.shape[0]
+    """seq: host ints[bs] (an int64 array or a list); `last`: the same, or a device
+    i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
+    bs = len(seq)
     rows = buckets.bucket(bs, buckets.MIN_BATCH)
     packed = np.zeros((2 * rows + 1,), np.int32)
     packed[:bs] = seq
@@ -278,6 +279,7 @@ class DeviceBackend:
     self.config = config
     self.device = resolve_device(device)
     self.ops = ops_for(config)
+    self._hc = host.host_config(config)
     self._empty = None
 
   def init(self) -> AllocatorState:
@@ -301,10 +303,26 @@ class DeviceBackend:
     return self.ops.alloc(state, need_size)
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
-    """Only checked input (`checked`: validate.extend_args' result); None otherwise."""
-    if checked is None:
+    """Checked input (`checked`: validate.extend_args' result), or host data the host
+    backend's plans check and count (host.extend_plan_small / extend_plan: the same
+    checks in fewer numpy calls); None otherwise (the class then checks it)."""
+    if checked is not None:
+      return Plan(pre.shape[0], checked.new_pages, checked.total_tokens, (pre, seq, last))
+    hc = self._hc
+    spre = host.small_ints(pre)
+    sseq = host.small_ints(seq) if spre is not None else None
+    slast = host.small_ints(last) if sseq is not None else None
+    if slast is not None:
+      plan = host.extend_plan_small(hc, spre, sseq, slast, extend_num_tokens)
+      if plan is not None:
+        return Plan(len(spre), plan[1], plan[0], (spre, sseq, slast))
+    pre, seq, last = host.i64(pre), host.i64(seq), host.i64(last)
+    if pre is None or seq is None or last is None:
       return None
-    return Plan(pre.shape[0], checked.new_pages, checked.total_tokens, (pre, seq, last))
+    plan = host.extend_plan(hc, pre, seq, last, extend_num_tokens)
+    if plan is None:
+      return None
+    return Plan(pre.shape[0], plan[1], plan[0], (pre, seq, last))
 
   def alloc_extend(self, state, plan, fits):
     if not fits:
@@ -313,11 +331,21 @@ class DeviceBackend:
     return self.ops.alloc_extend(state, pre, seq, last, plan.tokens)
 
   def decode_plan(self, seq, last, checked):
-    """Only checked input (host int64 seq_lens; last_loc host int64 or device i32)."""
-    if not checked:
+    """Checked input (host int64 seq_lens; last_loc host int64 or device i32), or host
+    data the host backend's plans check and count; None otherwise."""
+    if checked:
+      pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
+      return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+    sseq = host.small_ints(seq)
+    slast = host.small_ints(last) if sseq is not None else None
+    if slast is not None:
+      pages = host.decode_plan_small(self._hc, sseq, slast)
+      return None if pages is None else Plan(len(sseq), pages, len(sseq), (sseq, slast))
+    seq, last = host.i64(seq), host.i64(last)
+    if seq is None or last is None:
       return None
-    pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
-    return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+    plan = host.decode_plan(self._hc, seq, last)
+    return None if plan is None else Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last))
 
   def alloc_decode(self, state, plan, fits):
     if not fits:
