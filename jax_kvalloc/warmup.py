@@ -21,8 +21,6 @@ import time
 from typing import Any, Callable, Iterable, List, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jax_kvalloc import buckets
 

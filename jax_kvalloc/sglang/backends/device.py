@@ -150,9 +150,6 @@ class DeviceOps:
     if op == "pad":
       n, rows, fill = shape
       return jit(lambda x: jnp.pad(x.astype(jnp.int32), (0, rows - n), constant_values=fill))
-    if op == "segment_pages":
-      _, stride = shape
-      return jit(lambda x: x[::stride].astype(jnp.int32) // stride)
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
@@ -178,12 +175,6 @@ class DeviceOps:
     if x.shape[0] == rows:
       return x
     return self._fn(("pad", x.shape[0], rows, fill))(x)
-
-  def segment_pages(self, free_index: Array) -> Array:
-    """free_index[::page_size] // page_size on the device (i32[ceil(n / page_size)]),
-    launched without waiting; one cached program per length."""
-    ps = self.config.page_size
-    return self._fn(("segment_pages", free_index.shape[0], ps))(free_index)
 
   def exact(self, out: Array, n: int) -> Array:
     """out[:n] without waiting: `out` itself when it has that length, else one launch of
