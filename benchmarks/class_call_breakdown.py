@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kvalloc as kv
-from jax_kvalloc import device_ops
+import jax_kvalloc.sglang as kvs
+from jax_kvalloc.sglang.backends import device as device_ops
 
 
 def per_call_us(fn, n=2000):
@@ -42,7 +43,7 @@ def per_call_us(fn, n=2000):
 def main():
   ps, bs = 64, 64
   cfg = kv.AllocatorConfig(size=1 << 24, page_size=ps)
-  a = kv.PagedTokenToKVPoolAllocator(1 << 24, ps)
+  a = kvs.PagedTokenToKVPoolAllocator(1 << 24, ps)
   seq = np.full(bs, ps + 1, np.int64)                        # every row starts a page
   last = np.arange(bs, dtype=np.int64) * 4 * ps + 2 * ps + ps - 1
   rows = bs

@@ -41,8 +41,9 @@ def kernels(text):
 
 def class_programs():
   import jax_kvalloc as kv
-  from jax_kvalloc import device_ops
-  a = kv.PagedTokenToKVPoolAllocator(1 << 24, 64)
+  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.sglang.backends import device as device_ops
+  a = kvs.PagedTokenToKVPoolAllocator(1 << 24, 64)
   ops = device_ops.ops_for(a.config)
   st = kv.init(a.config)
   out = {}
@@ -79,8 +80,9 @@ def bare_loop():
 
 def dispatch():
   import jax_kvalloc as kv
-  from jax_kvalloc import device_ops
-  a = kv.PagedTokenToKVPoolAllocator(1 << 24, 64)
+  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.sglang.backends import device as device_ops
+  a = kvs.PagedTokenToKVPoolAllocator(1 << 24, 64)
   fn = device_ops.ops_for(a.config)._fn(("decode", 64))
   st = kv.init(a.config)
   packed = np.zeros(129, np.int32)
@@ -120,7 +122,7 @@ def dispatch():
     res["pinned_host error"] = repr(e)[:300]
   seq = np.full(64, 65, np.int64)
   last = np.arange(64, dtype=np.int64) * 256 + 191
-  a2 = kv.PagedTokenToKVPoolAllocator(1 << 24, 64)
+  a2 = kvs.PagedTokenToKVPoolAllocator(1 << 24, 64)
 
   def class_call():
     snap = a2.backup_state()

@@ -17,10 +17,9 @@ Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) an
   table) along a leading axis, optionally sharded over a mesh (shard_map, no
   collectives) that may span processes (jax_kvalloc.multiprocess: each process's ranks
   in and out).
-SGLang-compatible classes on top:
-  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator (backend="device": jax arrays, no
-  waits; backend="host": NumPy), with `warmup(...)`; jax_kvalloc.warmup also has
-  warmup_calls (functional API) and enable_persistent_cache.
+Compiling ahead: warmup_calls (functional API) and enable_persistent_cache.
+SGLang-compatible classes on top, in their own package: jax_kvalloc.sglang
+  (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator; this package never imports it).
 
 Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   config.py       AllocatorConfig              state.py      AllocatorState, ring buffers
@@ -30,13 +29,10 @@ Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   gated.py        a merge branch that stays a branch under vmap
   index_jnp.py    the index arithmetic (jnp / numpy): the reference the kernels match
   kernels.py      choice of index path (jnp or pallas_kernels) by the pool's device
-  buckets.py      shape buckets               validate.py   host checks, clear errors
+  buckets.py      shape buckets               validate.py   input checks, clear errors
   debug.py        debug-mode checks under jit request_table.py  SPEC 11
   ranks.py        SPEC 12, functional          warmup.py     compile ahead of serving
   multiprocess.py ranks over processes: which a process holds, its inputs, its outputs
-  base.py, token.py, paged.py   SGLang's classes (one per allocator, shared base)
-  newer_ops.py    the classes' SPEC 10 methods  data_parallel.py  the classes' dp_size
-  device_ops.py   the device backend's one-launch programs  host_ops.py  the host backend
 """
 from jax_kvalloc.allocation import alloc
 from jax_kvalloc.allocator import Allocator
@@ -45,9 +41,7 @@ from jax_kvalloc.allocator import token_allocator
 from jax_kvalloc.allocation import alloc_decode
 from jax_kvalloc.allocation import alloc_extend
 from jax_kvalloc.allocation import release_and_alloc_decode
-from jax_kvalloc.base import AllocatorSnapshot
 from jax_kvalloc.config import AllocatorConfig
-from jax_kvalloc.data_parallel import RankedSnapshot
 from jax_kvalloc.debug import AllocatorDebugError
 from jax_kvalloc.freeing import free
 from jax_kvalloc.freeing import free_full
@@ -56,7 +50,6 @@ from jax_kvalloc.freeing import free_page_ids
 from jax_kvalloc.freeing import free_segment
 from jax_kvalloc.freeing import get_all_free_pages
 from jax_kvalloc.freeing import merge_and_sort_free
-from jax_kvalloc.paged import PagedTokenToKVPoolAllocator
 from jax_kvalloc.ranks import RankedAllocator
 from jax_kvalloc.ranks import init_ranks
 from jax_kvalloc.ranks import ranks_allocator
@@ -75,7 +68,6 @@ from jax_kvalloc.state import available_size
 from jax_kvalloc.state import init
 from jax_kvalloc.state import live_free_pages
 from jax_kvalloc.state import live_release_pages
-from jax_kvalloc.token import TokenToKVPoolAllocator
 from jax_kvalloc.warmup import WarmupReport
 from jax_kvalloc.warmup import enable_persistent_cache
 from jax_kvalloc.warmup import warmup_calls
@@ -86,14 +78,10 @@ __all__ = [
     "Allocator",
     "AllocatorConfig",
     "AllocatorDebugError",
-    "AllocatorSnapshot",
     "AllocatorState",
     "AttentionInputs",
-    "PagedTokenToKVPoolAllocator",
     "RankedAllocator",
-    "RankedSnapshot",
     "RequestTable",
-    "TokenToKVPoolAllocator",
     "WarmupReport",
     "admit_rows",
     "alloc",

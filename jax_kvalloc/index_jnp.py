@@ -13,10 +13,10 @@ prefix ends in (pos < ceil(pre/ps) * ps, Part 1) its slot is last_loc[r] + 1 + j
 otherwise it lies in the request's new page number pos // ps - ceil(pre/ps) (Parts 2 and 3),
 which is free_window[page_start[r] + that], at offset pos % ps.
 
-Both take an array namespace `xp` (jax.numpy by default, numpy for the classes' host
-backend, jax_kvalloc.host_ops), so that the device and the host compute every index with
-this one definition. With numpy the inputs are exact-length host arrays and `out_len` is
-the batch's exact token count.
+Both take an array namespace `xp` (jax.numpy by default). With numpy the inputs are
+exact-length host arrays and `out_len` is the batch's exact token count: the form in which
+tests/test_host_backend.py checks the classes' host backend (jax_kvalloc.sglang.backends
+.host, which computes the same rules in its own host forms) against this definition.
 """
 from __future__ import annotations
 

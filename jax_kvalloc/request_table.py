@@ -574,18 +574,20 @@ def attention_inputs(config: AllocatorConfig, table: RequestTable, rows: Array,
 
   Returns:
     AttentionInputs: page_indices i32[B, max_pages_per_req] (0 past each row's
-    ceil(lens / ps) pages), kv_lens i32[B], cu_q_lens i32[B + 1], num_seqs i32[1];
-    padding rows (and rows outside the table) have length 0 and no pages.
+    ceil(lens / ps) pages), kv_lens i32[B], cu_q_lens i32[B + 1], num_seqs i32[1]
+    (the rows that are neither padding nor outside the table); padding rows and rows
+    outside the table have length 0 and no pages (put them last).
   """
   ps = config.page_size
   max_reqs, width = _check_table(table)
   rows_in = validate.as_i32(rows, "rows")
-  r, real, count, _, a = _batch(table, rows_in, num_rows, q_lens=q_lens)
+  r, real, _, _, a = _batch(table, rows_in, num_rows, q_lens=q_lens)
   real = real & (rows_in >= 0) & (rows_in < max_reqs)
   kv_lens = jnp.where(real, table.lens[r], 0)
   used = _columns_mask(jnp.zeros_like(kv_lens), cdiv(kv_lens, ps), width)
   page_indices = jnp.where(used, table.pages[r], 0)
   q = jnp.where(real, a["q_lens"], 0)
   cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q).astype(jnp.int32)])
+  num_seqs = jnp.sum(real.astype(jnp.int32))  # rows outside the table are padding too
   return AttentionInputs(page_indices=page_indices, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-                         num_seqs=count.reshape(1))
+                         num_seqs=num_seqs.reshape(1))

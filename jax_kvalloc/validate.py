@@ -394,3 +394,34 @@ def aligned_last_loc(lens: np.ndarray, page_size: int, offset: int) -> np.ndarra
   prefix_lens) check the other arguments unchanged: -1 where lens < offset, else
   (lens - offset) % page_size."""
   return np.where(lens >= offset, (lens - offset) % page_size, -1)
+
+
+def state_lengths(state: Any, num_pages: int) -> "tuple[int, int]":
+  """`set_state`: the lengths and heads of a state must describe lists of this pool
+  (0 <= free_len, release_len; free_len + release_len <= num_pages; heads in
+  0..num_pages-1). Reads them (a wait on the device). Returns (free_len, release_len);
+  ValueError naming the field otherwise."""
+  values = {name: int(getattr(state, name)) for name in (
+      "free_head", "free_len", "release_head", "release_len")}
+  for name, value in values.items():
+    top = num_pages if name.endswith("len") else num_pages - 1
+    if not 0 <= value <= max(top, 0):
+      raise ValueError(f"state.{name}={value} is outside 0..{top} (num_pages={num_pages})")
+  if values["free_len"] + values["release_len"] > num_pages:
+    raise ValueError(f"state.free_len + state.release_len = {values['free_len']} + "
+                     f"{values['release_len']} exceeds num_pages={num_pages}")
+  return values["free_len"], values["release_len"]
+
+
+def device_ints(x: Any, name: str) -> Any:
+  """An index argument that is a device array (jax.Array, not a tracer) as the device
+  backend takes it: as it is, never read back. Returns it as i32[n], or None when `x`
+  is host data (then the host checks apply). Only its metadata is checked: TypeError
+  naming `name` for a non-integer dtype, ValueError for a rank other than 1."""
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return None
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+  if x.ndim != 1:
+    raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+  return x if x.dtype == jnp.int32 else x.astype(jnp.int32)

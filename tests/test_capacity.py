@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 import pallas_kernels
 from jax_kvalloc import index_jnp
 from jax_kvalloc import kernels
@@ -192,7 +193,7 @@ def test_auto_uses_the_pools_device_not_the_default_backend(monkeypatch):
   _same(jax.jit(functools.partial(kv.alloc_decode, auto))(state, dseq, seq - 1),
         kv.alloc_decode(ref, kv.init(ref), dseq, seq - 1))
   # The class with device="cpu", as in the README.
-  a = kv.PagedTokenToKVPoolAllocator(NUM_PAGES * ps, ps, None, "cpu", None, False,
+  a = kvs.PagedTokenToKVPoolAllocator(NUM_PAGES * ps, ps, None, "cpu", None, False,
                                      kernel="auto")
   total = int((seq - pre).sum())
   out = a.alloc_extend(pre, None, seq, None, last, total)

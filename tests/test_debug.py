@@ -12,6 +12,7 @@ import pytest
 from jax.experimental import checkify
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import debug
 from model import ModelAllocator
 from serving_driver import run_workload
@@ -313,9 +314,9 @@ def test_valid_serving_traces_are_silent():
   every call of a long valid trace and none fires (a firing one raises)."""
   for kind, ps, num_pages, need_sort in (("paged", 4, 24, True), ("token", 1, 40, False)):
     if kind == "token":
-      impl = kv.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, debug=True)
+      impl = kvs.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, debug=True)
     else:
-      impl = kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+      impl = kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
                                             debug=True)
     counts = run_workload(impl, size=num_pages * ps, page_size=ps, need_sort=need_sort,
                           kind=kind, steps=150, seed=11)
@@ -333,7 +334,7 @@ def _lists(a):
 
 @pytest.mark.parametrize("need_sort", [False, True])
 def test_class_double_free_raises_and_keeps_state(need_sort):
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort, debug=True)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort, debug=True)
   out = a.alloc(8)
   a.free(out[:4])
   before = _lists(a)
@@ -347,7 +348,7 @@ def test_class_double_free_raises_and_keeps_state(need_sort):
 
 
 def test_class_double_free_in_a_free_group_raises_at_end():
-  a = kv.TokenToKVPoolAllocator(16, debug=True)
+  a = kvs.TokenToKVPoolAllocator(16, debug=True)
   out = np.asarray(a.alloc(4))
   a.free_group_begin()
   a.free(out[:2])
@@ -359,7 +360,7 @@ def test_class_double_free_in_a_free_group_raises_at_end():
 
 
 def test_class_extend_continuing_a_free_page_raises():
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, debug=True)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, debug=True)
   with pytest.raises(debug.AllocatorDebugError, match=r"alloc_extend: last_loc\[0\]=5"):
     a.alloc_extend([2], None, [3], None, [5], 1)  # nothing holds page 1
   assert a.available_size() == 64
@@ -370,11 +371,11 @@ def test_class_extend_continuing_a_free_page_raises():
 
 def test_environment_variable_sets_the_default(monkeypatch):
   monkeypatch.setenv("JAX_KVALLOC_DEBUG", "1")
-  assert kv.PagedTokenToKVPoolAllocator(64, 4).config.debug
-  assert kv.TokenToKVPoolAllocator(8).state.debug is not None
-  assert not kv.TokenToKVPoolAllocator(8, debug=False).config.debug
+  assert kvs.PagedTokenToKVPoolAllocator(64, 4).config.debug
+  assert kvs.TokenToKVPoolAllocator(8).state.debug is not None
+  assert not kvs.TokenToKVPoolAllocator(8, debug=False).config.debug
   monkeypatch.setenv("JAX_KVALLOC_DEBUG", "0")
-  assert kv.TokenToKVPoolAllocator(8).state.debug is None
+  assert kvs.TokenToKVPoolAllocator(8).state.debug is None
 
 
 def test_repeat_detection_handles_padding_and_the_largest_slot():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from model import ModelAllocator
 
 I32_MAX = 2**31 - 1
@@ -15,14 +16,14 @@ I32_MAX = 2**31 - 1
 
 def _paged():
   """A paged pool (ps 4, 16 pages, need_sort) with requests live and pages released."""
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, need_sort=True)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, need_sort=True)
   out = a.alloc_extend([0, 0], None, [6, 3], None, [-1, -1], 9)  # slots 4..9, 12..14
   a.free(out[6:])  # page 3 released
   return a
 
 
 def _token():
-  a = kv.TokenToKVPoolAllocator(16, need_sort=False)
+  a = kvs.TokenToKVPoolAllocator(16, need_sort=False)
   a.alloc(5)
   a.free(np.array([2, 4]))
   return a
@@ -122,20 +123,20 @@ BAD = [
         RuntimeError, r"free_group_end\(\) called without free_group_begin\(\)"),
     # Snapshots of another configuration, or not snapshots.
     Bad("restore_other_size", _paged,
-        lambda a: a.restore_state(kv.PagedTokenToKVPoolAllocator(128, 4).backup_state()),
+        lambda a: a.restore_state(kvs.PagedTokenToKVPoolAllocator(128, 4).backup_state()),
         ValueError, r"state was taken from an allocator with config .*size=128"),
     Bad("restore_other_page_size", _paged,
-        lambda a: a.restore_state(kv.PagedTokenToKVPoolAllocator(64, 8, need_sort=True)
+        lambda a: a.restore_state(kvs.PagedTokenToKVPoolAllocator(64, 8, need_sort=True)
                                   .backup_state()), ValueError, r"page_size=8"),
     Bad("restore_other_need_sort", _paged,
-        lambda a: a.restore_state(kv.PagedTokenToKVPoolAllocator(64, 4).backup_state()),
+        lambda a: a.restore_state(kvs.PagedTokenToKVPoolAllocator(64, 4).backup_state()),
         ValueError, r"need_sort=False"),
     Bad("restore_other_debug", _paged,
-        lambda a: a.restore_state(kv.PagedTokenToKVPoolAllocator(64, 4, need_sort=True,
+        lambda a: a.restore_state(kvs.PagedTokenToKVPoolAllocator(64, 4, need_sort=True,
                                                                  debug=True)
                                   .backup_state()), ValueError, r"debug=True"),
     Bad("restore_token_into_paged", _paged,
-        lambda a: a.restore_state(kv.TokenToKVPoolAllocator(64).backup_state()),
+        lambda a: a.restore_state(kvs.TokenToKVPoolAllocator(64).backup_state()),
         ValueError, r"kind='token'"),
     Bad("restore_raw_state", _paged, lambda a: a.restore_state(a.state),
         TypeError, r"state must be an AllocatorSnapshot from backup_state\(\), got "
@@ -190,9 +191,10 @@ BAD = [
 def test_bad_input_raises_and_changes_nothing(bad):
   a = bad.make()
   def seen():
-    group = a._free_group  # pylint: disable=protected-access
+    group = a._group  # pylint: disable=protected-access
     return (a.free_pages.tolist(), a.release_pages.tolist(), a.available_size(),
-            None if group is None else [q.tolist() for q in group])
+            None if group is None else [[q.tolist() for q in queue] for rank in group
+                                        for queue in rank])
   state, before = a.state, seen()
   with pytest.raises(bad.exc, match=bad.match):
     bad.call(a)
@@ -228,7 +230,7 @@ def test_config_rejects_pools_beyond_int32():
 def test_requests_larger_than_the_pool_return_none_without_huge_outputs(need_sort):
   """alloc/alloc_extend far beyond the pool (but within int32) fail like any shortfall
   (a need_sort merge included) without building outputs of that size."""
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort)
   m = ModelAllocator(64, 4, need_sort)
   def same():
     return a.free_pages.tolist() == m.free_pages and a.release_pages.tolist() == m.release_pages

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 
 
 def _load(path):
@@ -20,9 +21,9 @@ def _load(path):
 
 def _make(args, backend="device"):
   if args["page_size"] == 1:
-    return kv.TokenToKVPoolAllocator(args["size"], need_sort=args["need_sort"],
+    return kvs.TokenToKVPoolAllocator(args["size"], need_sort=args["need_sort"],
                                      backend=backend)
-  return kv.PagedTokenToKVPoolAllocator(args["size"], args["page_size"],
+  return kvs.PagedTokenToKVPoolAllocator(args["size"], args["page_size"],
                                         need_sort=args["need_sort"], backend=backend)
 
 

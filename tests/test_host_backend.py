@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
-from jax_kvalloc import host_ops
+import jax_kvalloc.sglang as kvs
+from jax_kvalloc.sglang.backends import host as host_ops
 from serving_driver import run_workload
 
 
 def _pair(ps, num_pages, need_sort):
-  return [kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+  return [kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
                                          backend=b, debug=False) for b in ("host", "device")]
 
 
@@ -19,7 +20,7 @@ def _pair(ps, num_pages, need_sort):
 def test_small_path_matches_general_path_and_device(ps, need_sort, monkeypatch):
   rng = np.random.default_rng(ps)
   small, dev = _pair(ps, 64, need_sort)
-  general = kv.PagedTokenToKVPoolAllocator(64 * ps, ps, need_sort=need_sort, backend="host",
+  general = kvs.PagedTokenToKVPoolAllocator(64 * ps, ps, need_sort=need_sort, backend="host",
                                            debug=False)
   lens = []  # live requests: (seq_len, last slot)
   for step in range(80):
@@ -61,15 +62,15 @@ def test_general_path_on_random_traces(kind, ps, monkeypatch):
   monkeypatch.setattr(host_ops, "SMALL_BATCH", 0)
   for need_sort in (False, True):
     if kind == "token":
-      impl = kv.TokenToKVPoolAllocator(40, need_sort=need_sort, backend="host")
+      impl = kvs.TokenToKVPoolAllocator(40, need_sort=need_sort, backend="host")
     else:
-      impl = kv.PagedTokenToKVPoolAllocator(24 * ps, ps, need_sort=need_sort, backend="host")
+      impl = kvs.PagedTokenToKVPoolAllocator(24 * ps, ps, need_sort=need_sort, backend="host")
     run_workload(impl, size=impl.size, page_size=ps, need_sort=need_sort, kind=kind,
                  steps=120, seed=5)
 
 
 def test_small_path_refuses_bad_input_with_the_usual_message():
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, backend="host")
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, backend="host")
   with pytest.raises(ValueError, match=r"last_loc\[0\]=4 breaks"):
     a.alloc_decode([3], None, [4])
   with pytest.raises(ValueError, match="extend_num_tokens=4 != "):
@@ -80,33 +81,33 @@ def test_small_path_refuses_bad_input_with_the_usual_message():
 
 
 def test_snapshots_are_o1_and_copy_on_write():
-  a = kv.PagedTokenToKVPoolAllocator(64 * 4, 4, backend="host")
+  a = kvs.PagedTokenToKVPoolAllocator(64 * 4, 4, backend="host")
   out = a.alloc(16)
-  ring = a._state.free_ring  # pylint: disable=protected-access
+  ring = a._pools[0].state.free_ring  # pylint: disable=protected-access
   snap = a.backup_state()
   a.alloc(8)                   # allocation never writes the ring: still shared, no copy
-  assert a._state.free_ring is ring  # pylint: disable=protected-access
+  assert a._pools[0].state.free_ring is ring  # pylint: disable=protected-access
   a.restore_state(snap)
-  assert a._state.free_ring is ring  # pylint: disable=protected-access
+  assert a._pools[0].state.free_ring is ring  # pylint: disable=protected-access
   a.free(out)                  # the first write copies (the snapshot keeps its ring)
-  assert a._state.free_ring is not ring  # pylint: disable=protected-access
-  before = a._state.free_ring  # pylint: disable=protected-access
+  assert a._pools[0].state.free_ring is not ring  # pylint: disable=protected-access
+  before = a._pools[0].state.free_ring  # pylint: disable=protected-access
   a.free(a.alloc(8))           # no snapshot holds the new ring: written in place
-  assert a._state.free_ring is before  # pylint: disable=protected-access
+  assert a._pools[0].state.free_ring is before  # pylint: disable=protected-access
   a.restore_state(snap)
   np.testing.assert_array_equal(a.free_pages, np.arange(5, 65))
   assert a.available_size() == 60 * 4
 
 
 def test_device_snapshot_restore_copies_nothing():
-  a = kv.PagedTokenToKVPoolAllocator(64 * 4, 4, kernel="jnp")
+  a = kvs.PagedTokenToKVPoolAllocator(64 * 4, 4, kernel="jnp")
   a.alloc(16)
   snap = a.backup_state()
-  ring = a._state.free_ring  # pylint: disable=protected-access
+  ring = a._pools[0].state.free_ring  # pylint: disable=protected-access
   for _ in range(3):
     a.restore_state(snap)
     a.alloc_decode(np.array([5, 9]), None, np.array([19, 23]))
-    assert a._state.free_ring is ring  # pylint: disable=protected-access
+    assert a._pools[0].state.free_ring is ring  # pylint: disable=protected-access
   assert not ring.is_deleted()
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
-from jax_kvalloc import host_ops
+import jax_kvalloc.sglang as kvs
+from jax_kvalloc.sglang.backends import host as host_ops
 from jax_kvalloc import validate
 from model import ModelAllocator
 
@@ -14,7 +15,7 @@ INT32_MAX = 2**31 - 1
 
 
 def _host(ps, num_pages, need_sort):
-  return kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+  return kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
                                         backend="host", debug=False)
 
 
@@ -353,7 +354,7 @@ def test_empty_extend_batch_still_runs_the_need_sort_trigger(backend, debug):
   """SGLang's alloc_extend merges when extend_num_tokens // ps + bs + 1 > len(free_pages),
   also for an empty batch (0 + 0 + 1 > 0 once the free list is empty)."""
   ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(8 * ps, ps, need_sort=True, backend=backend,
+  a = kvs.PagedTokenToKVPoolAllocator(8 * ps, ps, need_sort=True, backend=backend,
                                      kernel="jnp", debug=debug)
   m = ModelAllocator(8 * ps, ps, True)
   got, want = a.alloc(8 * ps), m.alloc(8 * ps)       # empties the free list

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from model import ModelAllocator
 
 CFG = kv.AllocatorConfig(size=256 * 4, page_size=4)
@@ -39,8 +40,8 @@ def test_no_recompile_within_a_bucket():
 
 def test_class_compiles_once_per_bucket():
   rng = np.random.default_rng(1)
-  a = kv.PagedTokenToKVPoolAllocator(512 * 4, 4, debug=False)
-  programs = a._dev._fns  # pylint: disable=protected-access  # the class's fast path
+  a = kvs.PagedTokenToKVPoolAllocator(512 * 4, 4, debug=False)
+  programs = a._pools[0].backend.ops._fns  # pylint: disable=protected-access  # the class's fast path
 
   def compiled():  # every program but the exact-length slices, with its compile count
     return {k: f._cache_size() for k, f in programs.items() if k[0] != "slice"}

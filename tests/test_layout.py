@@ -1,7 +1,10 @@
 """The package layout's dependency rules, checked by parsing every import (lazy ones too).
 
-  allocator core (jax_kvalloc/*.py)  may import pallas_kernels; never the tooling
-                                     (jax_kvalloc.tools), torch_ref, torch or triton
+  allocator core (jax_kvalloc/*.py)  may import pallas_kernels; never the class layer
+                                     (jax_kvalloc.sglang), the tooling (jax_kvalloc.tools),
+                                     torch_ref, torch or triton
+  class layer (jax_kvalloc.sglang)   may import the core and pallas_kernels; never the
+                                     tooling, torch_ref, torch or triton
   pallas_kernels                     imports nothing of ours (kernels in, arrays out)
   torch_ref                          imports nothing of ours (an independent reference)
   jax_kvalloc.tools                  may import all three
@@ -39,8 +42,11 @@ def _forbidden(module: str):
   ours = ("jax_kvalloc", "pallas_kernels", "torch_ref")
   if module.startswith("jax_kvalloc.tools") or module == "jax_kvalloc.__main__":
     return (), "tooling"
+  if module.startswith("jax_kvalloc.sglang"):
+    return ("jax_kvalloc.tools", "torch_ref", "torch", "triton"), "class layer"
   if module.startswith("jax_kvalloc"):
-    return ("jax_kvalloc.tools", "torch_ref", "torch", "triton"), "allocator core"
+    return ("jax_kvalloc.sglang", "jax_kvalloc.tools", "torch_ref", "torch", "triton"), (
+        "allocator core")
   if module.startswith("pallas_kernels"):
     return tuple(o for o in ours if o != "pallas_kernels") + ("torch", "triton"), "pallas_kernels"
   if module.startswith("torch_ref"):
@@ -78,14 +84,19 @@ def test_import_rules_hold():
 def test_every_package_has_modules():
   names = {m for m, _ in _modules()}
   for expected in ("jax_kvalloc.allocation", "jax_kvalloc.tools.cli", "pallas_kernels.triton_extend",
-                   "torch_ref.paged"):
+                   "torch_ref.paged", "jax_kvalloc.sglang.paged",
+                   "jax_kvalloc.sglang.backends.device"):
     assert expected in names
 
 
 @pytest.mark.parametrize("module,source", [
     ("jax_kvalloc.allocation", "def f():\n  from jax_kvalloc.tools import traces\n"),
-    ("jax_kvalloc.base", "import torch_ref\n"),
+    ("jax_kvalloc.sglang.base", "import torch_ref\n"),
     ("jax_kvalloc.state", "from .tools import bench\n"),
+    ("jax_kvalloc.allocation", "from jax_kvalloc.sglang import paged\n"),
+    ("jax_kvalloc.__init__", "from jax_kvalloc.sglang import TokenToKVPoolAllocator\n"),
+    ("jax_kvalloc.ranks", "def f():\n  import jax_kvalloc.sglang.base\n"),
+    ("jax_kvalloc.sglang.paged", "from jax_kvalloc.tools import traces\n"),
     ("pallas_kernels.triton_extend", "import jax_kvalloc as kv\n"),
     ("pallas_kernels._util", "from kernel_cases import cdiv\n"),
     ("torch_ref.paged", "from jax_kvalloc.tools import traces\n"),
@@ -98,3 +109,5 @@ def test_checker_allows_the_tooling_and_plain_imports():
   assert not violations("jax_kvalloc.tools.parity", "import torch_ref\nimport jax_kvalloc\n")
   assert not violations("jax_kvalloc.allocation", "import jax\nfrom jax_kvalloc import state\n"
                         "import pallas_kernels\n")
+  assert not violations("jax_kvalloc.sglang.base", "from jax_kvalloc import freeing\n"
+                        "from jax_kvalloc.sglang.backends import device\n")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import allocation
 from jax_kvalloc import debug
 from jax_kvalloc import freeing
@@ -30,7 +31,7 @@ except ImportError as e:
 
 
 def _paged(size=32, ps=4, need_sort=False, **kw):
-  return kv.PagedTokenToKVPoolAllocator(size, ps, need_sort=need_sort, **kw)
+  return kvs.PagedTokenToKVPoolAllocator(size, ps, need_sort=need_sort, **kw)
 
 
 def _lists(a):
@@ -139,7 +140,7 @@ def test_free_group_queues_page_ids_after_slots(need_sort):
 
 
 def test_token_allocator_new_ops_are_free():
-  a, m = kv.TokenToKVPoolAllocator(8), ModelAllocator(8, 1)
+  a, m = kvs.TokenToKVPoolAllocator(8), ModelAllocator(8, 1)
   a.alloc(6), m.alloc(6)
   a.free_page_ids([3, 1]), m.free_page_ids([3, 1])
   a.free_segment([5, 2], start_pos=3), m.free_segment([5, 2], 3)
@@ -215,7 +216,7 @@ def test_cpu_copy_delegates_to_kvcache():
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
       return ("load", kv_cache_cpu, list(indices), mamba_indices, req_pool_index)
 
-  for a in (_paged(kvcache=KV()), kv.TokenToKVPoolAllocator(8, kvcache=KV())):
+  for a in (_paged(kvcache=KV()), kvs.TokenToKVPoolAllocator(8, kvcache=KV())):
     assert a.get_cpu_copy([4, 5], req_pool_index=2) == ("get", [4, 5], None, 2)
     assert a.load_cpu_copy("c", [4], mamba_indices=[1]) == ("load", "c", [4], [1], None)
 
@@ -383,9 +384,9 @@ def _run_trace(seed, page_size, need_sort, *, steps, make_oracle=None, functiona
   m = ModelAllocator(size, ps, need_sort)
   oracle = make_oracle(size) if make_oracle else None
   if token:
-    a = kv.TokenToKVPoolAllocator(size, need_sort=need_sort, backend=backend)
+    a = kvs.TokenToKVPoolAllocator(size, need_sort=need_sort, backend=backend)
   else:
-    a = kv.PagedTokenToKVPoolAllocator(size, ps, need_sort=need_sort, backend=backend)
+    a = kvs.PagedTokenToKVPoolAllocator(size, ps, need_sort=need_sort, backend=backend)
   fn = _Functional(a) if functional else None
   reqs = []  # each: list of slots, token order (token k at index k)
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 import jax.numpy as jnp
 from model import ModelAllocator
 from serving_driver import run_workload
@@ -60,7 +61,8 @@ def no_device_reads():
 
 def _serving_sequence(a, m, need_sort, outputs, device_last=False):
   """A serving loop's class calls on `a` (device backend) with host inputs only (or,
-  with device_last, last_loc as a device array, as SGLang passes it); `m` (the model)
+  with device_last, last_loc and the free_segment / free_page_ids arguments as device
+  arrays, as SGLang passes them); `m` (the model)
   runs alongside to know which slots each request holds. Appends every device output
   to `outputs` (checked afterwards, outside the guard)."""
   put = (lambda x: jnp.asarray(np.asarray(x, np.int32))) if device_last else (
@@ -76,15 +78,19 @@ def _serving_sequence(a, m, need_sort, outputs, device_last=False):
         slots = reqs.pop(0)
         a.free(np.asarray(slots, np.int64))
         m.free(slots)
+      if device_last and reqs:  # a page-id free of a device array, queued in the group
+        slots = reqs.pop(0)
+        a.free_segment(put(slots), start_pos=0)
+        m.free_segment(slots, 0)
       a.free_group_end()
       m.free_group_end()
     elif step % 7 == 5 and reqs:  # finish one through SGLang 0.5.23's unsorted frees
       slots = reqs.pop(0)
-      a.free_segment(np.asarray(slots, np.int64), start_pos=0)
+      a.free_segment(put(np.asarray(slots, np.int64)), start_pos=0)
       m.free_segment(slots, 0)
       if reqs:
         pages = sorted({s // ps for s in reqs.pop(0)}, reverse=True)
-        a.free_page_ids(np.asarray(pages, np.int64))
+        a.free_page_ids(put(np.asarray(pages, np.int64)))
         m.free_page_ids(pages)
     if step % 5 == 0:  # prefill new requests
       seq = rng.integers(1, 3 * ps + 2, 3)
@@ -125,10 +131,10 @@ def _serving_sequence(a, m, need_sort, outputs, device_last=False):
 
 
 @pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
-                                                   (False, True)])
+                                                   (False, True), (True, True)])
 def test_device_class_calls_do_not_wait(need_sort, device_last):
   ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, kernel="jnp",
+  a = kvs.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, kernel="jnp",
                                      debug=False)
   m = ModelAllocator(48 * ps, ps, need_sort)
   warm = []
@@ -146,7 +152,7 @@ def test_device_class_calls_do_not_wait(need_sort, device_last):
 
 
 def test_negative_control_trips_the_guard():
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=False)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=False)
   out = a.alloc(8)
   checks = [lambda: np.asarray(out), lambda: np.array(out), lambda: int(out[0]),
             lambda: bool(out[0]), lambda: out.tolist(), lambda: out.item(),
@@ -162,7 +168,7 @@ def test_negative_control_trips_the_guard():
 
 def test_debug_mode_waits_and_says_so():
   # Debug mode reads the error record after every call: the guard must see it.
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=True)
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=True)
   a.alloc(8)
   with no_device_reads(), pytest.raises(DeviceRead):
     a.alloc(8)
@@ -178,10 +184,10 @@ def _has_gpu() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
 @pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
-                                                   (False, True)])
+                                                   (False, True), (True, True)])
 def test_device_class_calls_do_not_wait_on_gpu(need_sort, device_last):
   ps = 16
-  a = kv.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, device="cuda",
+  a = kvs.PagedTokenToKVPoolAllocator(48 * ps, ps, need_sort=need_sort, device="cuda",
                                      debug=False)
   _serving_sequence(a, ModelAllocator(48 * ps, ps, need_sort), need_sort, [], device_last)
   a.clear()
@@ -215,9 +221,9 @@ class MirrorChecked:
     def call(*args, **kwargs):
       result = attr(*args, **kwargs)
       a = self._impl
-      st = a._state  # pylint: disable=protected-access
-      assert (a._free_len, a._release_len) == (int(st.free_len), int(st.release_len)), (
-          f"after {name}: mirror {(a._free_len, a._release_len)} != state "
+      st = a._pools[0].state  # pylint: disable=protected-access
+      assert (a._pools[0].free_len, a._pools[0].release_len) == (int(st.free_len), int(st.release_len)), (
+          f"after {name}: mirror {(a._pools[0].free_len, a._pools[0].release_len)} != state "
           f"{(int(st.free_len), int(st.release_len))}")
       self.checks += 1
       return result
@@ -230,10 +236,10 @@ class MirrorChecked:
                                                ("paged", 16, 12)])
 def test_host_mirror_is_exact_on_random_traces(kind, ps, num_pages, need_sort, backend):
   if kind == "token":
-    impl = kv.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, debug=False,
+    impl = kvs.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, debug=False,
                                      backend=backend)
   else:
-    impl = kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+    impl = kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
                                           debug=False, backend=backend)
   checked = MirrorChecked(impl)
   run_workload(checked, size=num_pages * ps, page_size=ps, need_sort=need_sort, kind=kind,

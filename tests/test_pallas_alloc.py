@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 import pallas_kernels
 from pallas_kernels import lowering_check
 from jax_kvalloc import kernels
@@ -345,11 +346,11 @@ def test_kernel_choice(monkeypatch):
 def test_kernel_from_environment_and_keyword(monkeypatch):
   monkeypatch.setenv("JAX_KVALLOC_KERNEL", "pallas_interpret")
   assert kv.AllocatorConfig(size=64, page_size=4).kernel == "pallas_interpret"
-  assert kv.PagedTokenToKVPoolAllocator(64, 4).config.kernel == "pallas_interpret"
-  assert kv.TokenToKVPoolAllocator(64, None, None).config.kernel == "pallas_interpret"
+  assert kvs.PagedTokenToKVPoolAllocator(64, 4).config.kernel == "pallas_interpret"
+  assert kvs.TokenToKVPoolAllocator(64, None, None).config.kernel == "pallas_interpret"
   monkeypatch.setenv("JAX_KVALLOC_KERNEL", "jnp")
-  assert kv.PagedTokenToKVPoolAllocator(64, 4, kernel="pallas").config.kernel == "pallas"
-  assert kv.TokenToKVPoolAllocator(64, None, None, kernel="pallas").config.kernel == "pallas"
+  assert kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="pallas").config.kernel == "pallas"
+  assert kvs.TokenToKVPoolAllocator(64, None, None, kernel="pallas").config.kernel == "pallas"
   monkeypatch.setenv("JAX_KVALLOC_KERNEL", "triton")
   with pytest.raises(ValueError, match="JAX_KVALLOC_KERNEL"):
     kv.AllocatorConfig(size=64, page_size=4)
@@ -398,7 +399,7 @@ def check_classes_follow_the_model(a, m, rng, *, steps, max_bs, max_ext, max_pag
 
 def test_classes_with_pallas_interpret_follow_the_model():
   ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="pallas_interpret")
+  a = kvs.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="pallas_interpret")
   m = ModelAllocator(size=64 * ps, page_size=ps, kind="paged")
   check_classes_follow_the_model(a, m, _rng("classes"), steps=12, max_bs=5, max_ext=20,
                                  max_page=60)

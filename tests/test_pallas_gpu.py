@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 import pallas_kernels
 from model import ModelAllocator
 import kernel_cases as testing
@@ -139,7 +140,7 @@ def test_large_extend_takes_the_contract_kernel():
 
 def test_classes_on_gpu_follow_the_model():
   ps = 16
-  a = kv.PagedTokenToKVPoolAllocator(512 * ps, ps, device=None if INTERPRET else "cuda",
+  a = kvs.PagedTokenToKVPoolAllocator(512 * ps, ps, device=None if INTERPRET else "cuda",
                                      kernel=KERNEL)
   m = ModelAllocator(size=512 * ps, page_size=ps, kind="paged")
   check_classes_follow_the_model(a, m, np.random.default_rng(7), steps=40, max_bs=40,

@@ -22,6 +22,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, rule,
                                  run_state_machine_as_test)
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import debug
 from model import ModelAllocator
 
@@ -59,10 +60,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     kind, ps, n, need_sort, dbg = self.CONFIG
     self.kind, self.ps, self.n, self.debug = kind, ps, n, dbg
     if kind == "token":
-      self.impl = kv.TokenToKVPoolAllocator(n, need_sort=need_sort, debug=dbg,
+      self.impl = kvs.TokenToKVPoolAllocator(n, need_sort=need_sort, debug=dbg,
                                             backend=self.BACKEND)
     else:
-      self.impl = kv.PagedTokenToKVPoolAllocator(n * ps, ps, need_sort=need_sort, debug=dbg,
+      self.impl = kvs.PagedTokenToKVPoolAllocator(n * ps, ps, need_sort=need_sort, debug=dbg,
                                                  backend=self.BACKEND)
     self.model = ModelAllocator(n * ps, ps, need_sort, kind)
     self.reqs = []      # requests (paged: grown by extend/decode), slot lists in order

@@ -7,6 +7,7 @@ import pytest
 from absl.testing import parameterized
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import buckets
 from serving_driver import run_workload
 
@@ -21,8 +22,8 @@ CASES = [  # (kind, page_size, num_pages)
 
 def _make_class(kind, ps, num_pages, need_sort, backend="device"):
   if kind == "token":
-    return kv.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, backend=backend)
-  return kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+    return kvs.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, backend=backend)
+  return kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
                                         backend=backend)
 
 

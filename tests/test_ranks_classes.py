@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import ranks
-from jax_kvalloc.data_parallel import RankedSnapshot
+from jax_kvalloc.sglang import RankedSnapshot
 from serving_driver import run_workload
 
 PS = 16
@@ -19,7 +20,7 @@ SIZE = 1024   # 64 pages
 
 
 def _paged(dp_size, **kw):
-  return kv.PagedTokenToKVPoolAllocator(size=SIZE, page_size=PS, kvcache=None,
+  return kvs.PagedTokenToKVPoolAllocator(size=SIZE, page_size=PS, kvcache=None,
                                         dp_size=dp_size, **kw)
 
 
@@ -118,19 +119,19 @@ def test_ranked_state_round_trip_through_jitted_ranks_code():
 
 def test_dp_size_one_is_todays_class():
   a = _paged(1)
-  b = kv.PagedTokenToKVPoolAllocator(SIZE, PS)
+  b = kvs.PagedTokenToKVPoolAllocator(SIZE, PS)
   for x in (a, b):
     x.alloc(2 * PS)
   assert a.free_pages.tolist() == b.free_pages.tolist()  # a flat array, not a list
   assert a.alloc(PS, dp_rank=0) is not None and a.dp_size == 1
   assert "dp_size" not in repr(a)
-  assert isinstance(a.backup_state(), kv.AllocatorSnapshot)
+  assert isinstance(a.backup_state(), kvs.AllocatorSnapshot)
   with pytest.raises(ValueError, match="dp_rank=1 is out of range"):
     a.alloc(PS, dp_rank=1)
 
 
 def test_token_allocator_ranks():
-  a = kv.TokenToKVPoolAllocator(size=30, dp_size=3)
+  a = kvs.TokenToKVPoolAllocator(size=30, dp_size=3)
   assert np.asarray(a.alloc(4, dp_rank=2)).tolist() == [1, 2, 3, 4]
   a.free([3, 1], dp_rank=2)
   assert a.free_pages[2].tolist() == [5, 6, 7, 8, 9, 10, 3, 1]  # FIFO, rank-local ids
@@ -197,7 +198,7 @@ class RankView:
 @pytest.mark.parametrize("need_sort", [False, True])
 def test_every_rank_matches_the_model_while_the_others_stay(need_sort, backend):
   dp, pages = 3, 20
-  a = kv.PagedTokenToKVPoolAllocator(dp * pages * 4, 4, need_sort=need_sort, dp_size=dp,
+  a = kvs.PagedTokenToKVPoolAllocator(dp * pages * 4, 4, need_sort=need_sort, dp_size=dp,
                                      backend=backend)
   ends = []
   for r in range(dp):

@@ -9,13 +9,14 @@ import pytest
 from absl.testing import parameterized
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from model import ModelAllocator
 
 PS = 4
 
 
 def _paged(num_pages=16, ps=PS, need_sort=False):
-  return kv.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort)
+  return kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort)
 
 
 def _np(x):
@@ -118,7 +119,7 @@ def test_decode_inside_and_across_pages():
 
 
 def test_token_allocator_fifo_and_no_dedup():
-  a, m = kv.TokenToKVPoolAllocator(10), ModelAllocator(10, 1, kind="token")
+  a, m = kvs.TokenToKVPoolAllocator(10), ModelAllocator(10, 1, kind="token")
   assert _np(a.alloc(4)) == m.alloc(4) == [1, 2, 3, 4]
   a.free([3, 1, 3]), m.free([3, 1, 3])
   assert a.free_pages.tolist() == m.free_pages == [5, 6, 7, 8, 9, 10, 3, 1, 3]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import debug
 from model import ModelAllocator
 
@@ -66,7 +67,7 @@ def test_fill_and_drain_to_exact_capacity_thousands_of_times(kind, ps, n, need_s
 def test_class_fill_and_drain_matches_the_model(need_sort):
   """The same through the SGLang-compatible class, against the model, 300 cycles of
   exact-capacity allocs (paged) with frees in varying order."""
-  a = kv.PagedTokenToKVPoolAllocator(32 * 4, 4, need_sort=need_sort)
+  a = kvs.PagedTokenToKVPoolAllocator(32 * 4, 4, need_sort=need_sort)
   m = ModelAllocator(32 * 4, 4, need_sort)
   rng = np.random.default_rng(0)
   for _ in range(300):
@@ -117,7 +118,7 @@ def test_large_token_pool_fill_drain_and_merge():
   """A 2**22-slot token pool with need_sort: fill it, free everything (released), then a
   shortfall merges 4M entries back into sorted order."""
   size = 2**22
-  a = kv.TokenToKVPoolAllocator(size, need_sort=True)
+  a = kvs.TokenToKVPoolAllocator(size, need_sort=True)
   out = a.alloc(size)
   np.testing.assert_array_equal(np.asarray(out[:3]), [1, 2, 3])
   assert int(out[-1]) == size and a.alloc(1) is None
@@ -133,7 +134,7 @@ def test_requests_far_longer_than_a_page(ps):
   """Prefixes ending mid-page extended by ~50-100 pages, then decoded across page ends,
   against the model."""
   n = 400
-  a = kv.PagedTokenToKVPoolAllocator(n * ps, ps)
+  a = kvs.PagedTokenToKVPoolAllocator(n * ps, ps)
   m = ModelAllocator(n * ps, ps)
   pre = [5, 0, ps + 3]
   first = [m.alloc_extend([0], [p], [-1]) if p else [] for p in pre]
@@ -163,7 +164,7 @@ def test_burst_where_every_request_finishes_in_the_same_step(need_sort):
   """256 requests prefill and decode together, then all finish in one free group: one
   free call of every slot; the pool is whole again and in the model's order."""
   ps, n, bs = 4, 1024, 256
-  a = kv.PagedTokenToKVPoolAllocator(n * ps, ps, need_sort=need_sort)
+  a = kvs.PagedTokenToKVPoolAllocator(n * ps, ps, need_sort=need_sort)
   m = ModelAllocator(n * ps, ps, need_sort)
   rng = np.random.default_rng(1)
   seq = rng.integers(1, 3 * ps + 2, bs).tolist()
@@ -192,7 +193,7 @@ def test_burst_where_every_request_finishes_in_the_same_step(need_sort):
 
 def test_token_burst_of_single_slot_requests():
   """512 one-slot requests on a token pool finish in one group (FIFO order kept)."""
-  a = kv.TokenToKVPoolAllocator(512, debug=True)
+  a = kvs.TokenToKVPoolAllocator(512, debug=True)
   m = ModelAllocator(512, 1)
   slots = [int(a.alloc(1)[0]) for _ in range(512)]
   assert slots == [m.alloc(1)[0] for _ in range(512)] and a.alloc(1) is None

@@ -9,6 +9,7 @@ import textwrap
 import numpy as np
 
 import jax_kvalloc as kv
+import jax_kvalloc.sglang as kvs
 from jax_kvalloc import warmup
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -21,12 +22,12 @@ def test_bucket_sizes():
 
 
 def _cache_sizes(a):
-  return {k: f._cache_size() for k, f in a._dev._fns.items()}  # pylint: disable=protected-access
+  return {k: f._cache_size() for k, f in a._pools[0].backend.ops._fns.items()}  # pylint: disable=protected-access
 
 
 def test_no_compile_after_warmup():
   ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(256 * ps, ps, need_sort=True, kernel="jnp",
+  a = kvs.PagedTokenToKVPoolAllocator(256 * ps, ps, need_sort=True, kernel="jnp",
                                      debug=False)
   report = a.warmup(max_batch=16, max_tokens=64, exact_sizes=range(1, 65))
   assert report.programs > 0 and report.seconds > 0
@@ -49,7 +50,7 @@ def test_no_compile_after_warmup():
 
 
 def test_host_backend_compiles_nothing():
-  a = kv.PagedTokenToKVPoolAllocator(64, 4, backend="host")
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, backend="host")
   assert a.warmup(max_batch=8, max_tokens=64) == warmup.WarmupReport(0, 0.0)
 
 
@@ -57,13 +58,13 @@ _CHILD = textwrap.dedent("""
     import sys
     import jax
     from jax._src import monitoring
-    import jax_kvalloc as kv
+    import jax_kvalloc.sglang as kvs
     from jax_kvalloc import warmup
     warmup.enable_persistent_cache(sys.argv[1])
     counts = {}
     monitoring.register_event_listener(
         lambda event, **kw: counts.__setitem__(event, counts.get(event, 0) + 1))
-    a = kv.PagedTokenToKVPoolAllocator(512, 4, kernel="jnp", debug=False)
+    a = kvs.PagedTokenToKVPoolAllocator(512, 4, kernel="jnp", debug=False)
     a.warmup(max_batch=8, max_tokens=64)
     print(counts.get("/jax/compilation_cache/cache_hits", 0),
           counts.get("/jax/compilation_cache/cache_misses", 0))
@@ -93,7 +94,7 @@ def test_device_last_loc_after_warmup_compiles_nothing():
   pads: warmup(device_last_loc=True) compiles them, so serving with it compiles none."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   ps = 4
-  a = kv.PagedTokenToKVPoolAllocator(256 * ps, ps, kernel="jnp", debug=False)
+  a = kvs.PagedTokenToKVPoolAllocator(256 * ps, ps, kernel="jnp", debug=False)
   a.warmup(max_batch=16, max_tokens=64, exact_sizes=range(1, 65), device_last_loc=True)
   before = _cache_sizes(a)
   rng = np.random.default_rng(1)
@@ -115,7 +116,7 @@ def test_device_last_loc_after_warmup_compiles_nothing():
 def test_device_last_loc_is_checked_by_shape_and_dtype():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
-  a = kv.PagedTokenToKVPoolAllocator(64 * 4, 4, kernel="jnp", debug=False)
+  a = kvs.PagedTokenToKVPoolAllocator(64 * 4, 4, kernel="jnp", debug=False)
   size = a.available_size()
   seq = np.array([5, 9])
   with pytest.raises(ValueError, match="last_loc must have shape"):
@@ -139,7 +140,7 @@ def test_gpu_graph_option_only_with_a_gpu(monkeypatch):
   """The fast-path programs ask XLA for CUDA graphs only on a GPU host, and
   JAX_KVALLOC_GPU_GRAPHS=0 turns that off."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import device_ops  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.sglang.backends import device as device_ops  # pylint: disable=g-import-not-at-top
   real = jax.devices
 
   def devices(backend=None):

@@ -22,7 +22,8 @@ Rows (page size --page-size, pool --pool slots):
   free/T           free of T slots (whole pages; re-allocated untimed between calls)
   decode_after_restore/B, free_after_restore/T: the same call right after restore_state
 
-Writes a JSON record (--json) and prints a table with each implementation's median and
+Writes a JSON record (--json) and prints a table with each implementation's median, the
+host's trivial-jit floor beside the device backend (`floor`: a jitted x + 1, timed alike) and
 the ratios to sglang-jax (CPU target: host >= 1.5x faster) and to SGLang's class.
 
 --stalls N (device backend only): N random alloc_extend + free calls (1..--stall-max-batch
@@ -67,8 +68,8 @@ class _Impl:
     self.sync: Callable[[Any], None] = lambda out: None
     if name in ("device", "host"):
       import jax  # pylint: disable=g-import-not-at-top
-      import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
-      self.a = kv.PagedTokenToKVPoolAllocator(pool, ps, backend=name, device=args.device,
+      import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
+      self.a = kvs.PagedTokenToKVPoolAllocator(pool, ps, backend=name, device=args.device,
                                               debug=False)
       self.conv = lambda x: np.asarray(x, np.int64)
       if name == "device":
@@ -208,14 +209,25 @@ def run_row(impl: _Impl, row: Dict[str, Any], reps: int) -> Dict[str, float]:
   return _time(lambda: impl.a.free(holder["idx"]), before, reps, impl.sync)
 
 
+def floor(args) -> Dict[str, float]:
+  """The trivial-jit floor of this host, timed as the rows are: a jitted x + 1 of an
+  i32[8] on the device backend's device (one input, one output, nothing else)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
+  x = jax.device_put(jnp.zeros((8,), jnp.int32), resolve_device(args.device))
+  fn = jax.jit(lambda v: v + 1)
+  return _time(lambda: fn(x), None, args.reps, jax.block_until_ready)
+
+
 def stalls(args) -> Dict[str, Any]:
   """Compile stalls of a random serving sequence, cold and after warm-up."""
-  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
+  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
   ps, max_bs = args.page_size, args.stall_max_batch
   max_tokens = max_bs * args.extend_tokens
   out = {}
   for mode in ("cold", "warm"):
-    a = kv.PagedTokenToKVPoolAllocator(args.pool, ps, device=args.device, debug=False)
+    a = kvs.PagedTokenToKVPoolAllocator(args.pool, ps, device=args.device, debug=False)
     warm_s = 0.0
     if mode == "warm":
       warm_s = a.warmup(max_batch=max_bs, max_tokens=max_tokens).seconds
@@ -265,6 +277,10 @@ def run(args) -> Dict[str, Any]:
   record = {"machine": platform.node(), "python": sys.version.split()[0],
             "platform": _platform(), "pool": args.pool, "page_size": args.page_size,
             "reps": args.reps, "skipped": skipped, "rows": results}
+  if "device" in args.impls and "device" not in skipped:
+    record["floor"] = floor(args)
+    print(f"  {'trivial jit (floor)':28s} {'device':10s} "
+          f"{record['floor']['median_us']:10.1f} us", flush=True)
   if args.stalls:
     record["stalls"] = stalls(args)
   return record
@@ -288,6 +304,12 @@ def table(record: Dict[str, Any]) -> str:
     cells = "".join(f"{med[n]:11.1f}" if med[n] is not None else f"{'-':>11s}" for n in impls)
     ratio = lambda a, b: (f"{med[b] / med[a]:8.2f}x" if med.get(a) and med.get(b) else "       -")
     lines.append(f"{key:28s}{cells}     {ratio('host', 'sgljax')}     {ratio('device', 'sglang')}")
+  if "floor" in record:
+    fl = record["floor"]["median_us"]
+    lines.append(f"{'trivial jit (floor)':28s}{fl:11.1f}  (device rows over the floor: " +
+                 ", ".join(f"{k} {r['device']['median_us'] / fl:.1f}x"
+                           for k, r in record["rows"].items()
+                           if r.get("device", {}).get("median_us")) + ")")
   for name, why in record["skipped"].items():
     lines.append(f"skipped {name}: {why}")
   for mode, st in record.get("stalls", {}).items():

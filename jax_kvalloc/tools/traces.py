@@ -297,13 +297,13 @@ def jax_factory(kernel: str = "jnp", device: Any = None,
   make(size, page_size, need_sort, kind) -> TokenToKVPoolAllocator (kind "token") or
   PagedTokenToKVPoolAllocator, with the given index kernel, device and backend
   ("device": jax arrays, "host": numpy state and results)."""
-  import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
+  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
 
   def make(size, page_size, need_sort, kind):
     if kind == "token":
-      return kv.TokenToKVPoolAllocator(size, device=device, need_sort=need_sort,
+      return kvs.TokenToKVPoolAllocator(size, device=device, need_sort=need_sort,
                                        kernel=kernel, backend=backend)
-    return kv.PagedTokenToKVPoolAllocator(size, page_size, device=device,
+    return kvs.PagedTokenToKVPoolAllocator(size, page_size, device=device,
                                           need_sort=need_sort, kernel=kernel,
                                           backend=backend)
   return make

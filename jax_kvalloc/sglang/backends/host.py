@@ -11,7 +11,7 @@ functions the jitted device path calls with jax.numpy. The slot indices follow
 calls (numpy costs about half a microsecond per call whatever the size, which dominates
 a serving step's batch): the table gather of `alloc_extend`, the mask assignment of
 `alloc_decode`, and for batches of up to SMALL_BATCH requests the same rules on Python
-ints. tests/test_host_backend.py checks them against index_jnp (xp=numpy) and
+ints. tests/test_host_backend.py checks them against index_jnp and
 tests/test_host_paths.py against the independent model.
 
 Contract: alloc_extend / alloc_decode take the plan of `extend_plan` / `decode_plan`
@@ -21,7 +21,8 @@ the argument); the other functions take arguments the class validated. The class
 decided that the call fits (it keeps the lengths) and run any need_sort merge the
 shortfall triggers. Outputs are fresh numpy int32 arrays. Rings are written in place; a
 ring that a snapshot still holds (`shared`) is copied first (copy-on-write), so
-`backup_state` and an allocation never copy anything.
+`backup_state` and an allocation never copy anything. `HostBackend` (at the end) is the
+Backend interface over these functions.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ import numpy as np
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.state import AllocatorState
+from jax_kvalloc.warmup import WarmupReport
 
 _STATE_NEW = tuple.__new__  # AllocatorState without its Python-level __new__
 
@@ -450,3 +453,104 @@ def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
   out = np.repeat(shift, [n for _, _, n in runs])
   out += np.arange(total, dtype=np.int32)
   return state, out
+
+
+class HostBackend:
+  """The Backend (jax_kvalloc.sglang.backends) of a NumPy state: every call on the host.
+
+  Batches of up to SMALL_BATCH requests run on Python ints, larger ones on numpy arrays
+  in a few whole-batch calls. The plans check the input themselves and return None when
+  a check fails or the input is of another kind (lists of more than SMALL_BATCH,
+  tensors, empty batches): the class then runs jax_kvalloc.validate, which raises
+  naming the argument, or converts the input and asks again (`checked`).
+  """
+
+  keeps_device_arrays = False
+
+  def __init__(self, config: AllocatorConfig):
+    self.config = config
+    self.hc = host_config(config)
+
+  def init(self) -> AllocatorState:
+    return init(self.config)
+
+  def adopt(self, state: AllocatorState) -> AllocatorState:
+    """A host-backend state from any AllocatorState (a device one is read: a wait)."""
+    if isinstance(state.free_ring, np.ndarray) and type(state.free_len) is int:
+      return state
+    return from_jax(state)
+
+  def empty(self) -> np.ndarray:
+    return np.zeros((0,), np.int32)
+
+  def alloc(self, state, need_size, fits):
+    if not fits:
+      return state, None
+    return alloc(self.config, state, need_size)
+
+  def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
+    del checked  # the host plans check everything themselves
+    hc = self.hc
+    spre = small_ints(pre)
+    sseq = small_ints(seq) if spre is not None else None
+    slast = small_ints(last) if sseq is not None else None
+    if slast is not None:
+      plan = extend_plan_small(hc, spre, sseq, slast, extend_num_tokens)
+      if plan is not None:
+        total, new_pages = plan
+        return Plan(len(spre), new_pages, total, ("small", spre, sseq, slast))
+      # Refused, or more new pages than the small path walks: the numpy path decides.
+    pre, seq, last = i64(pre), i64(seq), i64(last)
+    if pre is None or seq is None or last is None:
+      return None
+    plan = extend_plan(hc, pre, seq, last, extend_num_tokens)
+    if plan is None:
+      return None
+    return Plan(pre.shape[0], plan[1], plan[0], ("numpy", plan))
+
+  def alloc_extend(self, state, plan, fits):
+    if not fits:
+      return state, None
+    if plan.data[0] == "small":
+      _, pre, seq, last = plan.data
+      return alloc_extend_small(self.hc, state, pre, seq, last, plan.tokens, plan.pages)
+    return alloc_extend(self.hc, state, plan.data[1])
+
+  def decode_plan(self, seq, last, checked):
+    del checked
+    hc = self.hc
+    sseq = small_ints(seq)
+    slast = small_ints(last) if sseq is not None else None
+    if slast is not None:
+      pages = decode_plan_small(hc, sseq, slast)
+      if pages is None:
+        return None
+      return Plan(len(sseq), pages, len(sseq), ("small", sseq, slast))
+    seq, last = i64(seq), i64(last)
+    if seq is None or last is None:
+      return None
+    plan = decode_plan(hc, seq, last)
+    if plan is None:
+      return None
+    return Plan(seq.shape[0], plan[2], seq.shape[0], ("numpy", plan))
+
+  def alloc_decode(self, state, plan, fits):
+    if not fits:
+      return state, None
+    if plan.data[0] == "small":
+      return alloc_decode_small(self.hc, state, plan.data[1], plan.data[2], plan.pages)
+    return alloc_decode(self.hc, state, *plan.data[1])
+
+  def free(self, state, idx, values, count, shared):
+    del idx  # `values`: the pages (paged) or slots (token) that reach the list
+    return state if count == 0 else free(self.config, state, values, shared)
+
+  def free_page_ids(self, state, ids, count, shared):
+    return state if count == 0 else free_page_ids(self.config, state, ids, shared)
+
+  def merge_and_sort_free(self, state, shared):
+    return merge_and_sort_free(self.config, state, shared)
+
+  def warmup(self, state, **kwargs) -> WarmupReport:
+    del state, kwargs  # nothing to compile
+    return WarmupReport(0, 0.0)

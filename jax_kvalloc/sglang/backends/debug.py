@@ -1,0 +1,145 @@
+"""The debug backend: debug mode (`debug=True`, default JAX_KVALLOC_DEBUG) on either
+placement.
+
+The state carries jax_kvalloc.debug's bookkeeping, and every call runs the functional
+core's own jitted operation on the whole state (its checks included), then reads the
+state's error record: the first misuse (a double free, a last_loc in a page the request
+does not hold, ...) raises `AllocatorDebugError`. The call was refused inside, so the
+state is as it was; the record is cleared so that the allocator stays usable. These calls
+wait (they read the record), and they never donate (the copying programs only).
+
+`backend="host"` in debug mode keeps the state on the CPU device and returns numpy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_kvalloc import allocation
+from jax_kvalloc import buckets
+from jax_kvalloc import debug as _debug
+from jax_kvalloc import freeing
+from jax_kvalloc import state as st
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.sglang.backends import Plan
+from jax_kvalloc.sglang.backends import resolve_device
+from jax_kvalloc.state import AllocatorState
+from jax_kvalloc.warmup import WarmupReport
+
+_ALLOC = jax.jit(allocation.alloc, static_argnames=("config", "max_size"))
+_ALLOC_EXTEND = jax.jit(allocation.alloc_extend, static_argnames=("config", "max_tokens"))
+_ALLOC_DECODE = jax.jit(allocation.alloc_decode, static_argnames=("config",))
+_FREE = jax.jit(freeing.free, static_argnames=("config",))
+_FREE_PAGE_IDS = jax.jit(freeing.free_page_ids, static_argnames=("config",))
+_MERGE = jax.jit(freeing.merge_and_sort_free, static_argnames=("config",))
+_INIT = jax.jit(st.init, static_argnames=("config",))
+
+
+class DebugBackend:
+  """The Backend (jax_kvalloc.sglang.backends) of debug mode (see the module docstring).
+
+  Allocations run even when the class found that they do not fit, so that their checks
+  still see the input (the functional core refuses them itself); only a batch that needs
+  more pages than the whole pool returns None without a call (its output bucket would be
+  as large as the request).
+  """
+
+  keeps_device_arrays = False
+
+  def __init__(self, config: AllocatorConfig, device: Any, host_results: bool):
+    self.config = config
+    self.device = resolve_device(device)
+    self.host_results = host_results
+
+  def init(self) -> AllocatorState:
+    return jax.device_put(_INIT(self.config), self.device)
+
+  def adopt(self, state: AllocatorState) -> AllocatorState:
+    if isinstance(state.free_ring, jax.Array):
+      return state
+    return jax.device_put(jax.tree.map(np.asarray, state), self.device)
+
+  def empty(self) -> Any:
+    return np.zeros((0,), np.int32) if self.host_results else jax.device_put(
+        np.zeros((0,), np.int32), self.device)
+
+  def _run(self, fn, state, *args, **kwargs):
+    """fn(config, state, ...) -> (state, *rest); raises the misuse it recorded."""
+    result = fn(self.config, state, *args, **kwargs)
+    new, rest = (result, ()) if isinstance(result, AllocatorState) else (result[0],
+                                                                        result[1:])
+    err = _debug.get_error(new)
+    if err is not None:
+      raise err
+    return new, rest
+
+  def _output(self, state, rest, n: int):
+    out, ok = rest
+    if not bool(ok):
+      return state, None
+    if self.host_results:
+      return state, np.array(np.asarray(out)[:n], np.int32)
+    return state, out[:n]
+
+  def alloc(self, state, need_size, fits):
+    if need_size // self.config.page_size > self.config.num_pages:
+      return state, None
+    del fits  # the core decides again, after its checks
+    new, rest = self._run(_ALLOC, state, np.int32(need_size),
+                          max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
+    return self._output(new, rest, need_size)
+
+  def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
+    if checked is None:
+      return None
+    return Plan(pre.shape[0], checked.new_pages, checked.total_tokens, (pre, seq, last))
+
+  def alloc_extend(self, state, plan, fits):
+    del fits
+    if plan.pages > self.config.num_pages:
+      return state, None
+    pre, seq, last = plan.data
+    rows = buckets.bucket(plan.rows, buckets.MIN_BATCH)
+    new, rest = self._run(
+        _ALLOC_EXTEND, state, buckets.pad(pre, rows), buckets.pad(seq, rows),
+        buckets.pad(last, rows, -1), max_tokens=buckets.bucket(plan.tokens,
+                                                               buckets.MIN_TOKENS),
+        num_reqs=np.int32(plan.rows))
+    return self._output(new, rest, plan.tokens)
+
+  def decode_plan(self, seq, last, checked):
+    if not checked:
+      return None
+    pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))
+    return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+
+  def alloc_decode(self, state, plan, fits):
+    del fits
+    seq, last = plan.data
+    rows = buckets.bucket(plan.rows, buckets.MIN_BATCH)
+    new, rest = self._run(_ALLOC_DECODE, state, buckets.pad(seq, rows),
+                          buckets.pad(last, rows, -1), num_reqs=np.int32(plan.rows))
+    return self._output(new, rest, plan.rows)
+
+  def free(self, state, idx, values, count, shared):
+    """Runs even when nothing reaches the list: a double free must still be found."""
+    del values, count, shared
+    n = buckets.bucket(idx.shape[0], buckets.MIN_FREE)
+    return self._run(_FREE, state, buckets.pad(idx.astype(np.int32), n))[0]
+
+  def free_page_ids(self, state, ids, count, shared):
+    del count, shared
+    ids = np.asarray(ids).astype(np.int32)
+    n = buckets.bucket(ids.shape[0], buckets.MIN_FREE)
+    return self._run(_FREE_PAGE_IDS, state, buckets.pad(ids, n),
+                     np.int32(ids.shape[0]))[0]
+
+  def merge_and_sort_free(self, state, shared):
+    del shared
+    return self._run(_MERGE, state)[0]
+
+  def warmup(self, state, **kwargs) -> WarmupReport:
+    del state, kwargs  # debug mode compiles its programs on first use
+    return WarmupReport(0, 0.0)

@@ -1,0 +1,425 @@
+"""What both SGLang-compatible classes share: input checks, free groups, snapshots and
+data-parallel ranks, over one `Pool` per rank (jax_kvalloc.sglang.pool), each running
+its calls on a backend (jax_kvalloc.sglang.backends: "device", "host", or debug mode).
+
+Backends (`backend=` on both constructors):
+  * "device" (default): the state is an `AllocatorState` of jax arrays on the class's
+    device, ready to hand to jitted code; calls launch without waiting and return jax
+    arrays.
+  * "host": the state is held in NumPy and every call runs on the host; returns numpy.
+  * debug mode (`debug=True`, default JAX_KVALLOC_DEBUG) on either: each call also reads
+    the state's error record and raises `AllocatorDebugError` at the first misuse (a
+    double free, say); the call was refused inside, so the state is as it was.
+
+Waits (device backend). None in the steady state: `available_size()` reads the host
+mirror; allocations, `free` of host data, and `free_page_ids` / `free_segment(s)` of host
+data or of device arrays launch and return (a device array's count is its shape; its
+values are trusted, as SGLang does, and checked in debug mode only). What still reads
+the device: `free` of a device array (the count of distinct pages needs its values,
+as SGLang's `free` reads them in torch.unique); the `free_pages`/`release_pages` views;
+`restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); and
+debug mode.
+
+Bad input raises before anything changes (jax_kvalloc.validate: TypeError, ValueError or
+RuntimeError naming the argument and value), so after an exception the allocator is as
+it was.
+
+Snapshots cost O(1): `backup_state` keeps references to the current rings, which a later
+free copies first (copy-on-write, jax_kvalloc.sglang.pool).
+
+Data parallelism (SPEC 12, sglang-jax's names): `dp_size` pools of `size // dp_size`
+slots each, page ids local to each rank; every method takes `dp_rank=` (default 0), and
+`_pool_index` is the one place that maps it to a pool. One free group spans every rank
+(frees queue per rank; `free_group_end` flushes every rank). `clear()` resets every rank
+and closes the group; `clear(dp_rank=r)` resets rank r and drops the frees queued for it.
+`backup_state` / `restore_state`, `free_pages` / `release_pages` and `state` /
+`set_state` cover every rank (with dp_size > 1: a `RankedSnapshot`, lists, and the ranks
+stacked along a leading axis as jax_kvalloc.ranks works on), all or nothing. `device`
+may be one device for every rank or a sequence of dp_size devices.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import ranks as _ranks
+from jax_kvalloc import validate
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.sglang.backends import make_backend
+from jax_kvalloc.sglang.pool import AllocatorSnapshot
+from jax_kvalloc.sglang.pool import Pool
+from jax_kvalloc.warmup import WarmupReport
+
+
+class RankedSnapshot(NamedTuple):
+  """What `backup_state` returns when dp_size > 1: one snapshot per rank."""
+  config: AllocatorConfig          # the whole pool's
+  ranks: Tuple[Any, ...]           # each rank's AllocatorSnapshot, rank order
+
+
+def check_dp_rank(dp_rank: Any, dp_size: int) -> int:
+  """dp_rank as an int in 0..dp_size-1 (TypeError / ValueError naming it otherwise)."""
+  if isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral):
+    raise TypeError(f"dp_rank must be an int, got {type(dp_rank).__name__} {dp_rank!r}")
+  if not 0 <= int(dp_rank) < dp_size:
+    raise ValueError(f"dp_rank={dp_rank} is out of range: dp_size={dp_size} "
+                     f"(ranks 0..{dp_size - 1})")
+  return int(dp_rank)
+
+
+def concat(parts: List[Any]) -> Any:
+  """Queued index arrays as one: on the device (no wait) when any is a device array."""
+  if any(isinstance(p, jax.Array) for p in parts):
+    return jnp.concatenate([jnp.asarray(p, jnp.int32) for p in parts])
+  return np.concatenate(parts)
+
+
+class _Queued(NamedTuple):
+  """One rank's frees queued in an open free group: slot frees, then page-id frees."""
+  slots: List[np.ndarray]
+  page_ids: List[Any]
+
+
+class BaseAllocator:
+  """SGLang's allocator interface over `dp_size` pools (see the module docstring)."""
+
+  def __init__(self, config: AllocatorConfig, dtype: Any = None, device: Any = None,
+               kvcache: Any = None, backend: str = "device", dp_size: int = 1):
+    rank_config = _ranks.rank_config(config, dp_size)  # validates dp_size
+    devices = list(device) if isinstance(device, (list, tuple)) else [device] * dp_size
+    if len(devices) != dp_size:
+      raise ValueError(f"device: a sequence needs one device per rank, got "
+                       f"{len(devices)} for dp_size={dp_size}")
+    self.config = config
+    self.dtype = dtype
+    self.device = device
+    self.backend = backend
+    self._kvcache = kvcache
+    self._pools = [Pool(rank_config, make_backend(backend, rank_config, d))
+                   for d in devices]
+    self._group: Optional[List[_Queued]] = None  # per rank, while a free group is open
+
+  # -- attributes SGLang exposes -----------------------------------------------------
+  @property
+  def size(self) -> int:
+    return self.config.size
+
+  @property
+  def page_size(self) -> int:
+    return self.config.page_size
+
+  @property
+  def need_sort(self) -> bool:
+    return self.config.need_sort
+
+  @property
+  def dp_size(self) -> int:
+    return len(self._pools)
+
+  @property
+  def is_not_in_free_group(self) -> bool:
+    return self._group is None
+
+  def get_kvcache(self) -> Any:
+    return self._kvcache
+
+  def _pool_index(self, dp_rank: Any) -> int:
+    """The rank dp_rank names (TypeError / ValueError naming it otherwise)."""
+    if type(dp_rank) is int and 0 <= dp_rank < len(self._pools):
+      return dp_rank  # the common case, without a call
+    return check_dp_rank(dp_rank, len(self._pools))
+
+  def available_size(self, dp_rank: int = 0) -> int:
+    """Free slots, released ones included. Never waits: read from the host mirror."""
+    return self._pools[self._pool_index(dp_rank)].available_size()
+
+  # -- allocation ----------------------------------------------------------------------
+  def alloc(self, need_size: int, dp_rank: int = 0):
+    """`need_size` slots from the front of the free list, or None if they do not fit.
+
+    Returns i32[need_size]: a jax array (device backend; returned without waiting) or a
+    numpy array (host backend). Paged: need_size must be a multiple of page_size
+    (ValueError otherwise; SGLang floors silently outside its debug mode). TypeError for
+    non-ints, ValueError for negative sizes and sizes beyond int32.
+    """
+    pool = self._pools[self._pool_index(dp_rank)]
+    need_size = validate.need_size(need_size, self.page_size)
+    if need_size == 0:
+      return pool.backend.empty()
+    pages = need_size // self.page_size
+    return pool.allocate(pages > pool.free_len, pages,  # SPEC 4.1's need_sort trigger
+                         lambda s, fits: pool.backend.alloc(s, need_size, fits))
+
+  # -- free ----------------------------------------------------------------------------
+  def free(self, free_index, dp_rank: int = 0) -> None:
+    """Returns slots to the pool (queued while a free group is open).
+
+    free_index: integer slots, each in page_size..num_slots-1 (ValueError otherwise:
+    page 0 is reserved); TypeError for floats. Host data (numpy, lists) is freed without
+    waiting. A device array is first read back (one wait, as SGLang's `free` has in
+    torch.unique): the checks and the paged allocator's count of distinct pages need
+    its values; `free_page_ids` / `free_segment` take device arrays without a read.
+    """
+    r = self._pool_index(dp_rank)
+    idx = validate.host_ints(free_index, "free_index")
+    if idx.size == 0:
+      return
+    validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
+    if self._group is not None:
+      # A copy: later changes to the caller's buffer must not reach the queue (SPEC 7).
+      self._group[r].slots.append(np.array(idx, copy=True))
+      return
+    self._free_now(self._pools[r], idx)
+
+  def _free_now(self, pool: Pool, idx: np.ndarray) -> None:
+    if self.config.kind == "paged":  # the sorted unique pages reach the list (SPEC 4.4)
+      values = np.unique(idx // self.page_size)
+    else:                            # the slots as given, FIFO (SPEC 3)
+      values = idx
+    pool.write(lambda s, count, shared: pool.backend.free(s, idx, values, count, shared),
+               values.shape[0])
+
+  def _free_page_ids_now(self, pool: Pool, ids: Any) -> None:
+    """Prepends checked, distinct page ids (host int64 or device i32) as one block."""
+    if isinstance(ids, np.ndarray):
+      ids = ids.astype(np.int32)
+    pool.write(lambda s, count, shared: pool.backend.free_page_ids(s, ids, count, shared),
+               ids.shape[0])
+
+  # A single pool has no sliding-window peer: SGLang's free_full* are the plain frees
+  # (free_segment(s) as each class defines them).
+  def free_full(self, free_index, dp_rank: int = 0) -> None:
+    """SGLang's free_full: without a sliding-window peer, `free`."""
+    self.free(free_index, dp_rank=dp_rank)
+
+  def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
+    """SGLang's free_full_segment: without a sliding-window peer, `free_segment`."""
+    self.free_segment(free_index, start_pos=start_pos, dp_rank=dp_rank)
+
+  def free_full_segments(self, segments, dp_rank: int = 0) -> None:
+    """SGLang's free_full_segments: without a sliding-window peer, `free_segments`."""
+    self.free_segments(segments, dp_rank=dp_rank)
+
+  def merge_and_sort_free(self, dp_rank: int = 0) -> None:
+    """release_pages merged, sorted, into free_pages (SPEC 6)."""
+    pool = self._pools[self._pool_index(dp_rank)]
+    if pool.release_len > 0:
+      pool.merge()
+
+  # -- free groups ---------------------------------------------------------------------
+  def free_group_begin(self) -> None:
+    """Opens a free group on every rank: frees are queued until free_group_end (SPEC 7;
+    page-id frees in a second queue, SPEC 10)."""
+    validate.group_begin(self._group)
+    self._group = [_Queued([], []) for _ in self._pools]
+
+  def free_group_end(self) -> None:
+    """Closes the free group: on each rank, the queued slot frees as one `free`, then
+    the queued page-id frees as one block in front (SPEC 7 and 10)."""
+    validate.group_end(self._group)
+    queued, self._group = self._group, None
+    for pool, q in zip(self._pools, queued):
+      if q.slots:
+        self._free_now(pool, np.concatenate(q.slots))
+      if q.page_ids:
+        self._free_page_ids_now(pool, concat(q.page_ids))
+
+  # -- state ---------------------------------------------------------------------------
+  def clear(self, dp_rank: Optional[int] = None) -> None:
+    """Back to the initial state (SPEC 2): every rank, closing any open free group; or
+    rank dp_rank only, dropping the frees queued for it (the group stays open for the
+    other ranks unless dp_size == 1)."""
+    if dp_rank is None:
+      targets = range(len(self._pools))
+    else:
+      targets = [self._pool_index(dp_rank)]
+    for r in targets:
+      self._pools[r].clear()
+      if self._group is not None:
+        self._group[r] = _Queued([], [])
+    if len(targets) == len(self._pools):
+      self._group = None
+
+  def backup_state(self):
+    """A snapshot that `restore_state` puts back exactly (SPEC 8): an AllocatorSnapshot,
+    or with dp_size > 1 a RankedSnapshot of every rank. O(1) per rank: the snapshot
+    holds the current rings, which are copied only if a later free writes them."""
+    snaps = tuple(pool.snapshot() for pool in self._pools)
+    return snaps[0] if len(snaps) == 1 else RankedSnapshot(self.config, snaps)
+
+  def restore_state(self, state) -> None:
+    """Puts a snapshot from `backup_state` of an allocator of the same config back, every
+    rank or none (TypeError / ValueError otherwise). O(1); a snapshot without lengths
+    (built by hand) has them read from its state (a wait)."""
+    if len(self._pools) == 1:
+      snaps = (state,)
+    else:
+      if not isinstance(state, RankedSnapshot):
+        raise TypeError(f"state must be a RankedSnapshot from backup_state() of an "
+                        f"allocator with dp_size={self.dp_size}, got "
+                        f"{type(state).__name__}")
+      if state.config != self.config or len(state.ranks) != self.dp_size:
+        raise ValueError(f"state is a snapshot of another allocator ({state.config}, "
+                         f"{len(state.ranks)} ranks), not of {self.config} with "
+                         f"dp_size={self.dp_size}")
+      snaps = state.ranks
+    for pool, snap in zip(self._pools, snaps):
+      validate.snapshot(snap, pool.config, AllocatorSnapshot)
+    for pool, snap in zip(self._pools, snaps):
+      pool.restore(snap)
+
+  @property
+  def state(self):
+    """The functional state (for handing the pool to jitted code; give it back with
+    `set_state`). Its rings count as held from now on: the next write to one copies it.
+    With dp_size > 1, every rank's state stacked along a leading axis (a new array,
+    O(pool): the state jax_kvalloc.ranks works on; ranks on different devices cannot be
+    stacked)."""
+    states = [pool.hold() for pool in self._pools]
+    return states[0] if len(states) == 1 else _ranks.stack_ranks(states)
+
+  def set_state(self, state) -> None:
+    """Takes back a state that jitted code returned (it got the pool from `state`).
+
+        state, slots, ok = my_step(allocator.state, ...)   # the class does not donate
+        allocator.set_state(state)                         # what `state` handed out
+
+    state: an AllocatorState of this pool's shapes and dtypes (with dp_size > 1: ranked,
+    dp_size along the leading axis), not a tracer, whose lengths and heads describe
+    lists of this pool (TypeError / ValueError naming the field otherwise; nothing
+    changed, on any rank). In debug mode a misuse the caller's code recorded raises
+    AllocatorDebugError, and the state is not taken. Reads the lengths (a wait). The
+    caller may still hold these arrays, so the next write copies rather than donates.
+    """
+    if len(self._pools) == 1:
+      parts = [state]
+    else:
+      if _ranks.num_ranks(state) != self.dp_size:
+        raise ValueError(f"state has {_ranks.num_ranks(state)} ranks, this allocator "
+                         f"{self.dp_size}")
+      parts = [_ranks.rank_state(state, r) for r in range(self.dp_size)]
+    checked = []
+    for pool, part in zip(self._pools, parts):
+      lengths = pool.check_state(part)
+      if part.debug is not None:
+        from jax_kvalloc import debug as _debug  # pylint: disable=g-import-not-at-top
+        err = _debug.get_error(part)
+        if err is not None:
+          raise err
+      checked.append(lengths)
+    for pool, part, lengths in zip(self._pools, parts, checked):
+      pool.take(part, lengths)
+
+  # -- views ---------------------------------------------------------------------------
+  @property
+  def free_pages(self):
+    """The free list in order (slot ids for the token allocator), i32[len]; with
+    dp_size > 1 a list, rank r's at [r]. Reads the device (device backend)."""
+    lists = [_live(pool.state, "free") for pool in self._pools]
+    return lists[0] if len(lists) == 1 else lists
+
+  @property
+  def release_pages(self):
+    """The release list in order (need_sort), i32[len]; a list per rank as free_pages.
+    Reads the device (device backend)."""
+    lists = [_live(pool.state, "release") for pool in self._pools]
+    return lists[0] if len(lists) == 1 else lists
+
+  def get_all_free_pages(self, dp_rank: int = 0) -> np.ndarray:
+    """free_pages ++ release_pages of rank dp_rank (SPEC 10), a host int32 array (reads
+    the device)."""
+    state = self._pools[self._pool_index(dp_rank)].state
+    return np.concatenate([_live(state, "free"), _live(state, "release")])
+
+  def debug_print(self, dp_rank: Optional[int] = None) -> str:
+    """One line: free, released and in-use pages, and any open free group (from the
+    host mirror: no wait). Returns the string (as SGLang's does). With dp_size > 1 and
+    dp_rank None, one line per rank, prefixed "rank r:"."""
+    if dp_rank is not None or len(self._pools) == 1:
+      return self._debug_line(self._pool_index(0 if dp_rank is None else dp_rank))
+    return "\n".join(f"rank {r}: {self._debug_line(r)}" for r in range(len(self._pools)))
+
+  def _debug_line(self, r: int) -> str:
+    pool = self._pools[r]
+    free, released = pool.free_len, pool.release_len
+    num_pages = pool.config.num_pages
+    group = ""
+    if self._group is not None:
+      q = self._group[r]
+      group = (f", free group open ({sum(a.size for a in q.slots)} slots and "
+               f"{sum(a.shape[0] for a in q.page_ids)} page ids queued)")
+    return (f"{type(self).__name__}: page_size={self.page_size} free={free} "
+            f"released={released} in_use={num_pages - free - released} of {num_pages} "
+            f"pages (available_size={(free + released) * self.page_size}){group}")
+
+  # -- host copies of the KV cache: delegated, as SGLang does --------------------------
+  def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+    """SGLang's get_cpu_copy: the kvcache's get_cpu_copy of these indices."""
+    return self._kvcache_for("get_cpu_copy").get_cpu_copy(
+        indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
+
+  def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None,
+                    req_pool_index=None):
+    """SGLang's load_cpu_copy: the kvcache's load_cpu_copy."""
+    return self._kvcache_for("load_cpu_copy").load_cpu_copy(
+        kv_cache_cpu, indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
+
+  def _kvcache_for(self, op: str) -> Any:
+    kvcache = self.get_kvcache()
+    if kvcache is None:
+      raise RuntimeError(f"{op}() delegates to the kvcache, but this allocator was built "
+                         "with kvcache=None")
+    return kvcache
+
+  # -- compiling ahead -----------------------------------------------------------------
+  def warmup(self, max_batch: int = 256, max_tokens: int = 8192,
+             max_free: Optional[int] = None, exact_sizes: Sequence[int] = (),
+             device_last_loc: bool = False, verbose: bool = False) -> WarmupReport:
+    """Compiles, before serving, every program a call within these maxima can need.
+
+    Device backend: every shape bucket of alloc (up to max_tokens slots), alloc_decode
+    (up to max_batch rows), alloc_extend (every rows x tokens bucket pair), free and
+    free_page_ids (up to max_free indices, default max_tokens; donating and copying
+    variants) and the need_sort merge, plus the exact-length output slices of
+    `exact_sizes` (an output shorter than its bucket is cut by a tiny program compiled
+    once per (bucket, length): list the lengths you expect, e.g. range(1, max_batch + 1)
+    for decode). `device_last_loc=True` when last_loc will come as a device array: also
+    the programs that take it so, and its pads from each of `exact_sizes` rows. The state
+    is not changed. The host backend and debug mode compile nothing here (debug mode
+    compiles its programs on first use). Ranks of one config share their programs.
+
+    Returns WarmupReport(programs, seconds), summed over the ranks. With JAX's
+    persistent compilation cache on (jax_kvalloc.warmup.enable_persistent_cache; README
+    "Compile once") a second process loads these programs from disk.
+    """
+    for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
+      validate.count(value, name)
+    max_free = max_tokens if max_free is None else validate.count(max_free, "max_free")
+    sizes = [validate.count(n, "exact_sizes") for n in exact_sizes if n]
+    programs, seconds = 0, 0.0
+    for pool in self._pools:
+      report = pool.backend.warmup(
+          pool.state, max_batch=max(max_batch, 1), max_tokens=max(max_tokens, 1),
+          max_free=max(max_free, 1), exact_sizes=sizes, extend=True,
+          device_last_loc=device_last_loc)
+      programs, seconds = programs + report.programs, seconds + report.seconds
+    if verbose:
+      print(f"{type(self).__name__}.warmup: {programs} programs in {seconds:.2f} s")
+    return WarmupReport(programs, seconds)
+
+  def __repr__(self) -> str:
+    c = self.config
+    dp = f", dp_size={self.dp_size}" if self.dp_size > 1 else ""
+    return (f"{type(self).__name__}(size={c.size}, page_size={c.page_size}, "
+            f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
+            f"backend={self.backend!r}{dp})")
+
+
+def _live(state, which: str) -> np.ndarray:
+  """One list of a state in order, host int32 (reads the device)."""
+  from jax_kvalloc import state as st  # pylint: disable=g-import-not-at-top
+  return st.live_free_pages(state) if which == "free" else st.live_release_pages(state)
