@@ -88,7 +88,7 @@ def with_freed_list(need_sort: bool, state: AllocatorState, ring: Any, head: Any
 # Ring buffer primitives. `ring` is i32[C]; head and length are i32[] scalars.
 #
 # Each takes an array namespace `xp`: jax.numpy (default; traced, padded, masked) or numpy
-# (the classes' host backend, jax_kvalloc.host_ops: exact lengths, Python-int heads, and
+# (the classes' host backend, jax_kvalloc.sglang.backends.host: exact lengths, Python-int heads, and
 # the ring is WRITTEN IN PLACE, so the caller copies it first when a snapshot shares it).
 # ---------------------------------------------------------------------------------------
 
