@@ -48,40 +48,52 @@ class CoreImpl:
   name = "core"
   release_unordered = False
 
-  def __init__(self, size, size_swa, ps, need_sort, kernel="jnp"):
+  def __init__(self, size, size_swa, ps, need_sort, kernel="jnp", fixed=True):
     self.config = core.SWAConfig(size, size_swa, ps, need_sort, kernel=kernel, debug=False)
     self.state = core.init(self.config)
+    # fixed: one shape per operation (rows 32, tokens 64 * ps, frees `size`), so a trace
+    # compiles each operation once.
+    self.fixed = (32, 64 * ps, size) if fixed else None
+
+  def _rows(self, n):
+    return self.fixed[0] if self.fixed else _bucket(n, 4)
+
+  def _tokens(self, n):
+    return self.fixed[1] if self.fixed else _bucket(n, 16)
+
+  def _frees(self, n):
+    return self.fixed[2] if self.fixed else _bucket(n, 16)
 
   def _out(self, out, ok, n):
     return list(np.asarray(out)[:n]) if bool(ok) else None
 
   def alloc(self, n):
     self.state, out, ok = _J["alloc"](self.config, self.state, np.int32(n),
-                                      max_size=_bucket(n))
+                                      max_size=self._tokens(n))
     return self._out(out, ok, n)
 
   def alloc_extend(self, pre, seq, last):
-    b = _bucket(len(pre), 4)
+    b = self._rows(len(pre))
     total = sum(seq) - sum(pre)
     self.state, out, ok = _J["alloc_extend"](
         self.config, self.state, _pad(pre, b), _pad(seq, b), _pad(last, b, -1),
-        max_tokens=_bucket(total, 16), num_reqs=np.int32(len(pre)))
+        max_tokens=self._tokens(total), num_reqs=np.int32(len(pre)))
     return self._out(out, ok, total)
 
   def alloc_extend_swa_tail(self, pre, seq, last, tail):
     self.state, out, ok = _J["alloc_extend_swa_tail"](
         self.config, self.state, np.array([pre], np.int32), np.array([seq], np.int32),
-        np.array([last], np.int32), np.int32(tail), max_tokens=_bucket(seq - pre, 16))
+        np.array([last], np.int32), np.int32(tail), max_tokens=self._tokens(seq - pre))
     return self._out(out, ok, seq - pre)
 
   def alloc_decode(self, seq, last):
-    b = _bucket(len(seq), 4)
+    b = self._rows(len(seq))
     self.state, out, ok = _J["alloc_decode"](self.config, self.state, _pad(seq, b, 1),
                                              _pad(last, b, -1), num_reqs=np.int32(len(seq)))
     return self._out(out, ok, len(seq))
 
   def _free(self, op, idx, *start):
-    n = _bucket(len(idx), 16)
+    n = self._frees(len(idx))
     self.state = _J[op](self.config, self.state, _pad(idx, n), *map(np.int32, start),
                         np.int32(len(idx)))
 
@@ -95,7 +107,7 @@ class CoreImpl:
     self._free("free_swa_segment", idx, start)
 
   def free_full(self, idx):
-    n = _bucket(len(idx), 16)
+    n = self._frees(len(idx))
     self.state = _J["free_full"](self.config, self.state, _pad(idx, n))
 
   def free_full_segment(self, idx, start):
