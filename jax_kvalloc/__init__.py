@@ -33,6 +33,8 @@ Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   base.py, token.py, paged.py   SGLang's classes (one per allocator, shared base)
   newer_ops.py    the classes' SPEC 10 methods  data_parallel.py  the classes' dp_size
   device_ops.py   the device backend's one-launch programs  host_ops.py  the host backend
+  swa.py          SPEC 13, the sliding-window allocator (two pools and a mapping), functional;
+                  its SGLang class is jax_kvalloc.sglang.swa.SWATokenToKVPoolAllocator
 """
 from jax_kvalloc.allocation import alloc
 from jax_kvalloc.allocator import Allocator
@@ -70,6 +72,10 @@ from jax_kvalloc.state import available_size
 from jax_kvalloc.state import init
 from jax_kvalloc.state import live_free_pages
 from jax_kvalloc.state import live_release_pages
+from jax_kvalloc.swa import SWAAllocator
+from jax_kvalloc.swa import SWAConfig
+from jax_kvalloc.swa import SWAState
+from jax_kvalloc.swa import swa_allocator
 from jax_kvalloc.token import TokenToKVPoolAllocator
 from jax_kvalloc.warmup import WarmupReport
 from jax_kvalloc.warmup import enable_persistent_cache
@@ -88,6 +94,9 @@ __all__ = [
     "RankedAllocator",
     "RankedSnapshot",
     "RequestTable",
+    "SWAAllocator",
+    "SWAConfig",
+    "SWAState",
     "TokenToKVPoolAllocator",
     "WarmupReport",
     "admit_rows",
@@ -116,6 +125,7 @@ __all__ = [
     "ranks_allocator",
     "release_and_alloc_decode",
     "release_rows",
+    "swa_allocator",
     "token_allocator",
     "warmup_calls",
 ]

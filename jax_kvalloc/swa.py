@@ -18,7 +18,8 @@ single pool when the config has debug=True.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional, Tuple
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -493,6 +494,54 @@ def free_segment(config: SWAConfig, state: SWAState, free_index: Array, start_po
   """`free_swa_segment` then the full pool's `free_segment` (SPEC 13)."""
   state = free_swa_segment(config, state, free_index, start_pos, num)
   return free_full_segment(config, state, free_index, start_pos, num)
+
+
+# ---------------------------------------------------------------------------------------
+# The optax-style entry point.
+# ---------------------------------------------------------------------------------------
+
+class SWAAllocator(NamedTuple):
+  """The SPEC 13 operations with an SWAConfig bound (see jax_kvalloc.allocator)."""
+  config: SWAConfig
+  init: Callable[..., Any]                   # () -> SWAState
+  alloc: Callable[..., Any]                  # (state, need_size, *, max_size)
+  alloc_extend: Callable[..., Any]           # (state, pre, seq, last_loc, *, max_tokens, num_reqs=None)
+  alloc_extend_swa_tail: Callable[..., Any]  # (state, pre, seq, last_loc, tail, *, max_tokens)
+  alloc_decode: Callable[..., Any]           # (state, seq, last_loc, *, num_reqs=None)
+  free: Callable[..., Any]                   # (state, free_index, num=None) -> state
+  free_swa: Callable[..., Any]               # (state, free_index, num=None)
+  free_swa_segment: Callable[..., Any]       # (state, free_index, start_pos, num=None)
+  free_full: Callable[..., Any]              # (state, free_index)
+  free_full_segment: Callable[..., Any]      # (state, free_index, start_pos, num=None)
+  free_segment: Callable[..., Any]           # (state, free_index, start_pos, num=None)
+  translate: Callable[..., Any]              # (state, loc) -> SWA slots
+  available_size: Callable[..., Any]         # (state) -> i32[]
+  full_available_size: Callable[..., Any]
+  swa_available_size: Callable[..., Any]
+  merge_and_sort_free: Callable[..., Any]    # (state) -> state
+
+
+def swa_allocator(config: Optional[SWAConfig] = None, **kwargs) -> SWAAllocator:
+  """SPEC 13's SWA allocator as pure functions with the config bound.
+
+  Args:
+    config: an SWAConfig, or its fields as keyword arguments
+      (`swa_allocator(size=4096, size_swa=1024, page_size=16)`).
+  """
+  if config is None:
+    config = SWAConfig(**kwargs)
+  elif kwargs:
+    raise TypeError(f"pass either config or keyword arguments, not both (got {sorted(kwargs)})")
+  bind = lambda fn: functools.partial(fn, config)
+  return SWAAllocator(
+      config=config, init=bind(init), alloc=bind(alloc), alloc_extend=bind(alloc_extend),
+      alloc_extend_swa_tail=bind(alloc_extend_swa_tail), alloc_decode=bind(alloc_decode),
+      free=bind(free), free_swa=bind(free_swa), free_swa_segment=bind(free_swa_segment),
+      free_full=bind(free_full), free_full_segment=bind(free_full_segment),
+      free_segment=bind(free_segment), translate=bind(translate_state),
+      available_size=bind(available_size), full_available_size=bind(full_available_size),
+      swa_available_size=bind(swa_available_size),
+      merge_and_sort_free=bind(merge_and_sort_free))
 
 
 # ---------------------------------------------------------------------------------------

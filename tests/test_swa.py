@@ -311,3 +311,15 @@ def test_class_dp_ranks_are_independent():
   assert a.available_size(dp_rank=0) == 32 and a.available_size(dp_rank=1) == 24
   a.free(out, dp_rank=1)
   assert a.available_size(dp_rank=1) == 32
+
+
+def test_bound_swa_allocator_under_jit():
+  import jax_kvalloc as kv
+  a = kv.swa_allocator(size=32, size_swa=16, page_size=4, kernel="jnp", debug=False)
+  s = a.init()
+  s, out, ok = jax.jit(lambda s: a.alloc_extend(s, jnp.array([0]), jnp.array([6]),
+                                                jnp.array([-1]), max_tokens=8))(s)
+  assert bool(ok) and out.tolist() == [4, 5, 6, 7, 8, 9, 0, 0]
+  assert int(a.available_size(s)) == 8 and a.translate(s, out[:2]).tolist() == [4, 5]
+  s = jax.jit(a.free)(s, out)
+  assert int(a.swa_available_size(s)) == 16 and int(a.full_available_size(s)) == 32
