@@ -203,9 +203,9 @@ def test_init_and_sizes():
 
 
 def test_failure_returns_the_old_state_and_vmap_scan_compose():
-  s = core.init(CFG)
   ext = jax.jit(core.alloc_extend, static_argnames=("config", "max_tokens"),
                 donate_argnames=("state",))
+  s = jax.jit(core.init, static_argnames=("config",))(CFG)
   s, out, ok = ext(CFG, s, jnp.array([0]), jnp.array([16]), jnp.array([-1]), max_tokens=32)
   assert bool(ok)
   kept = jax.tree.map(np.asarray, s)
@@ -213,34 +213,44 @@ def test_failure_returns_the_old_state_and_vmap_scan_compose():
   assert not bool(ok) and not np.asarray(out).any()  # the SWA pool is full
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, s2), kept)
 
-  # vmap over two independent SWA allocators, then a scan of decode steps.
-  states = jax.vmap(lambda _: core.init(CFG))(jnp.arange(2))
-  states, outs, oks = jax.vmap(
-      lambda st_, n: core.alloc_extend(CFG, st_, jnp.array([0]), n[None], jnp.array([-1]),
-                                       max_tokens=16))(states, jnp.array([3, 6]))
+  @jax.jit
+  def program():
+    # vmap over two independent SWA allocators, then a scan of decode steps on one.
+    states = jax.vmap(lambda _: core.init(CFG))(jnp.arange(2))
+    states, outs, oks = jax.vmap(
+        lambda st_, n: core.alloc_extend(CFG, st_, jnp.array([0]), n[None],
+                                         jnp.array([-1]), max_tokens=16))(
+                                             states, jnp.array([3, 6]))
+
+    def step(carry, _):
+      st_, seq, last = carry
+      st_, slot, ok_ = core.alloc_decode(CFG, st_, seq[None], last[None])
+      return (st_, seq + 1, slot[0]), (slot[0], ok_)
+
+    one = jax.tree.map(lambda x: x[1], states)
+    (one, _, _), (slots, doks) = jax.lax.scan(step, (one, jnp.int32(7), jnp.int32(9)),
+                                              None, length=5)
+    return outs, oks, one, slots, doks
+
+  outs, oks, one, slots, doks = program()
   assert oks.tolist() == [True, True]
   np.testing.assert_array_equal(outs[:, :6], [[4, 5, 6, 0, 0, 0], [4, 5, 6, 7, 8, 9]])
-
-  def step(carry, _):
-    st_, seq, last = carry
-    st_, slot, ok_ = core.alloc_decode(CFG, st_, seq[None], last[None])
-    return (st_, seq + 1, slot[0]), (slot[0], ok_)
-
-  one = jax.tree.map(lambda x: x[1], states)
-  (one, _, _), (slots, oks) = jax.lax.scan(step, (one, jnp.int32(7), jnp.int32(9)),
-                                           None, length=5)
-  assert slots.tolist() == [10, 11, 12, 13, 14] and oks.all()
+  assert slots.tolist() == [10, 11, 12, 13, 14] and doks.all()
   np.testing.assert_array_equal(core.translate(one.mapping, slots), [10, 11, 12, 13, 14])
   assert st.live_free_pages(one.swa).tolist() == [4]
 
 
 def test_free_swa_segment_misaligned_start_frees_nothing():
-  s = core.init(CFG)
-  s, out, _ = core.alloc_extend(CFG, s, jnp.array([0]), jnp.array([8]), jnp.array([-1]),
-                                max_tokens=8)
-  s2 = core.free_swa_segment(CFG, s, out[2:], jnp.int32(2))
+  @jax.jit
+  def program():
+    s = core.init(CFG)
+    s, out, _ = core.alloc_extend(CFG, s, jnp.array([0]), jnp.array([8]), jnp.array([-1]),
+                                  max_tokens=8)
+    return (s, core.free_swa_segment(CFG, s, out[2:], jnp.int32(2)),
+            core.free_segment(CFG, s, out, jnp.int32(0)))
+
+  s, s2, s3 = program()
   jax.tree.map(np.testing.assert_array_equal, s2, s)
-  s3 = core.free_segment(CFG, s, out, jnp.int32(0))
   assert st.live_free_pages(s3.swa).tolist() == [1, 2, 3, 4]
   assert st.live_free_pages(s3.full).tolist() == list(range(1, 9))
   assert not np.asarray(s3.mapping[:-1]).any()

@@ -23,7 +23,7 @@ def _new(ps, need_sort):
                                    backend="device", kernel="jnp", debug=False)
 
 
-def _serve(a, m, outputs, guard, device_last, steps=24):
+def _serve(a, m, outputs, guard, device_last, steps=16):
   """Serving steps; allocation-side calls run inside `guard()`; each finished request's
   SWA free runs outside it. Appends (device output, model output) pairs."""
   ps = a.page_size

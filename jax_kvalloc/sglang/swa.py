@@ -19,6 +19,7 @@ full-only frees find none left (SWADebugError), on top of each pool's own checks
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, List, NamedTuple, Optional
 
 import jax
@@ -60,6 +61,18 @@ def _swa_last_loc(mapping, last, unread):
   """translate(last) where the SWA pool reads it, -1 where it does not (a page-aligned
   prefix; a decode that starts a page), so the SWA pool's checks see a valid value."""
   return jnp.where(unread, -1, core.translate(mapping, last))
+
+
+def _ranked(method):
+  """With dp_size > 1, `method(..., dp_rank=r)` runs rank r's allocator; dp_rank
+  defaults to 0."""
+  @functools.wraps(method)
+  def wrapper(self, *args, dp_rank: int = 0, **kwargs):
+    rank = self._rank(dp_rank)
+    if rank is not None:
+      return getattr(rank, method.__name__)(*args, **kwargs)
+    return method(self, *args, **kwargs)
+  return wrapper
 
 
 def _new_pages(pre: np.ndarray, seq: np.ndarray, ps: int) -> int:
@@ -147,31 +160,33 @@ class SWATokenToKVPoolAllocator:
   def size_swa(self) -> int:
     return self._size_swa
 
-  def full_available_size(self, dp_rank: int = 0) -> int:
-    r = self._rank(dp_rank)
-    return r.full_available_size() if r else self.full_attn_allocator.available_size()
+  @_ranked
+  def full_available_size(self) -> int:
+    return self.full_attn_allocator.available_size()
 
-  def swa_available_size(self, dp_rank: int = 0) -> int:
-    r = self._rank(dp_rank)
-    return r.swa_available_size() if r else self.swa_attn_allocator.available_size()
+  @_ranked
+  def swa_available_size(self) -> int:
+    return self.swa_attn_allocator.available_size()
 
-  def available_size(self, dp_rank: int = 0) -> int:
+  @_ranked
+  def available_size(self) -> int:
     """min(full, SWA) available slots. Never waits."""
-    return min(self.full_available_size(dp_rank), self.swa_available_size(dp_rank))
+    return min(self.full_available_size(), self.swa_available_size())
 
-  def new_pages_available(self, num_full_pages: int, num_swa_pages: int,
-                          dp_rank: int = 0) -> bool:
+  @_ranked
+  def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
     ps = self.page_size
-    return (num_full_pages <= self.full_available_size(dp_rank) // ps
-            and num_swa_pages <= self.swa_available_size(dp_rank) // ps)
+    return (num_full_pages <= self.full_available_size() // ps
+            and num_swa_pages <= self.swa_available_size() // ps)
 
   def get_kvcache(self) -> Any:
     return self._kvcache
 
-  def debug_print(self, dp_rank: int = 0) -> str:
+  @_ranked
+  def debug_print(self) -> str:
     """SGLang's summary line: both pools' available sizes."""
-    return (f"#swa-available-size: {self.swa_available_size(dp_rank)}, "
-            f"#full-attn-available-size: {self.full_available_size(dp_rank)}, ")
+    return (f"#swa-available-size: {self.swa_available_size()}, "
+            f"#full-attn-available-size: {self.full_available_size()}, ")
 
   # -- the mapping -------------------------------------------------------------------------
   @property
@@ -198,11 +213,9 @@ class SWATokenToKVPoolAllocator:
       self._mapping_shared = False
     return self._mapping
 
-  def set_full_to_swa_mapping(self, full_indices, swa_indices, dp_rank: int = 0) -> None:
+  @_ranked
+  def set_full_to_swa_mapping(self, full_indices, swa_indices) -> None:
     """mapping[full_indices] = swa_indices."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.set_full_to_swa_mapping(full_indices, swa_indices)
     if self._host:
       f = validate.host_ints(full_indices, "full_indices")
       s = validate.host_ints(swa_indices, "swa_indices")
@@ -218,11 +231,9 @@ class SWATokenToKVPoolAllocator:
     if np.size(full_indices):
       self._map(_SET, self._dev(full_indices), self._dev(swa_indices))
 
-  def clear_full_to_swa_mapping(self, full_indices, dp_rank: int = 0) -> None:
+  @_ranked
+  def clear_full_to_swa_mapping(self, full_indices) -> None:
     """mapping[full_indices] = 0."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.clear_full_to_swa_mapping(full_indices)
     if self._host:
       f = validate.host_ints(full_indices, "full_indices")
       if f.size:
@@ -232,11 +243,9 @@ class SWATokenToKVPoolAllocator:
     if np.size(full_indices):
       self._map(_CLEAR, self._dev(full_indices))
 
-  def translate_loc_from_full_to_swa(self, kv_indices, dp_rank: int = 0):
+  @_ranked
+  def translate_loc_from_full_to_swa(self, kv_indices):
     """mapping[kv_indices] (-1 stays -1): a jax array (device backend, no wait) or numpy."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.translate_loc_from_full_to_swa(kv_indices)
     if self._host:
       return self._translate_host(validate.host_ints(kv_indices, "kv_indices"))
     return _TRANSLATE(self._mapping, self._dev(kv_indices))
@@ -258,6 +267,14 @@ class SWATokenToKVPoolAllocator:
     if self._host:
       return self._translate_host(idx)
     return np.asarray(_TRANSLATE(self._mapping, self._dev(idx)))
+
+  def _free_args(self, free_index) -> Optional[np.ndarray]:
+    """free_index as checked host int64 slots, or None when empty."""
+    idx = validate.host_ints(free_index, "free_index")
+    if idx.size == 0:
+      return None
+    self._check_slots(idx, "free_index")
+    return idx
 
   def _check_slots(self, idx: np.ndarray, name: str) -> None:
     validate.free_index(idx, page_size=self.page_size,
@@ -303,11 +320,9 @@ class SWATokenToKVPoolAllocator:
     self._mapping = state.mapping
     self._mapping_shared = True
 
-  def merge_and_sort_free(self, dp_rank: int = 0) -> None:
+  @_ranked
+  def merge_and_sort_free(self) -> None:
     """Both pools' merge_and_sort_free (SPEC 6)."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.merge_and_sort_free()
     self.full_attn_allocator.merge_and_sort_free()
     self.swa_attn_allocator.merge_and_sort_free()
 
@@ -318,11 +333,9 @@ class SWATokenToKVPoolAllocator:
     else:
       self._map(_SET, full_out, swa_out)
 
-  def alloc(self, need_size: int, dp_rank: int = 0):
+  @_ranked
+  def alloc(self, need_size: int):
     """`need_size` slots in both pools (page size 1 only), or None if either is short."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.alloc(need_size)
     if self.page_size != 1:
       raise ValueError(f"alloc needs page_size 1 (as SGLang asserts), got "
                        f"{self.page_size}; use alloc_extend")
@@ -354,19 +367,15 @@ class SWATokenToKVPoolAllocator:
       return last
     return _swa_last_loc(self._mapping, last, jax.device_put(unread, self._jax_device))
 
+  @_ranked
   def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                   extend_num_tokens: int, num_new_pages: Optional[int] = None,
-                   dp_rank: int = 0):
+                   extend_num_tokens: int, num_new_pages: Optional[int] = None):
     """Slots for a prefill batch in both pools (SPEC 13), or None if either is short.
 
     Arguments as PagedTokenToKVPoolAllocator.alloc_extend; last_loc is the full pool's
     (the SWA pool gets its translation). Returns the full slots (the SWA slots are in
     the mapping).
     """
-    r = self._rank(dp_rank)
-    if r:
-      return r.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
-                            last_loc, extend_num_tokens, num_new_pages)
     if self.page_size == 1:
       raise ValueError("alloc_extend needs page_size > 1 (as SGLang asserts); use alloc")
     pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
@@ -390,15 +399,11 @@ class SWATokenToKVPoolAllocator:
       self._pair(full, swa)
     return full
 
+  @_ranked
   def alloc_extend_swa_tail(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
-                            last_loc, extend_num_tokens: int, swa_tail_len: int,
-                            dp_rank: int = 0):
+                            last_loc, extend_num_tokens: int, swa_tail_len: int):
     """One request's extend: full slots for every token, SWA slots only for the last
     `swa_tail_len` (a fresh SWA request); None if either pool is short (SPEC 13)."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.alloc_extend_swa_tail(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
-                                     last_loc, extend_num_tokens, swa_tail_len)
     if self.page_size == 1:
       raise ValueError("alloc_extend_swa_tail needs page_size > 1 (as SGLang asserts)")
     ps = self.page_size
@@ -431,16 +436,14 @@ class SWATokenToKVPoolAllocator:
       self._map(_TAIL, full, swa)
     return full
 
-  def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, dp_rank: int = 0):
+  @_ranked
+  def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
     """One slot per request in both pools (SPEC 13), or None.
 
     Each pool first runs its own need_sort merge trigger (bs > len(free_pages)), as
     SGLang's two calls do; unless both pools then fit, neither allocates (SGLang keeps
     what the fitting pool took). Returns the full slots.
     """
-    r = self._rank(dp_rank)
-    if r:
-      return r.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
     if self.page_size == 1:
       raise ValueError("alloc_decode needs page_size > 1 (as SGLang asserts); use alloc")
     ps = self.page_size
@@ -484,28 +487,22 @@ class SWATokenToKVPoolAllocator:
       raise SWADebugError(f"{op}: free_index[{i}]={int(idx[i])} {what} "
                           f"(jax_kvalloc debug mode)")
 
-  def free(self, free_index, dp_rank: int = 0) -> None:
+  @_ranked
+  def free(self, free_index) -> None:
     """free_swa then free_full of these full slots (SPEC 13)."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.free(free_index)
-    idx = validate.host_ints(free_index, "free_index")
-    if idx.size == 0:
+    idx = self._free_args(free_index)
+    if idx is None:
       return
-    self._check_slots(idx, "free_index")
     self.free_swa(idx)
     self.full_attn_allocator.free(idx)
 
-  def free_swa(self, free_index, dp_rank: int = 0) -> None:
+  @_ranked
+  def free_swa(self, free_index) -> None:
     """Frees the SWA peers of these full slots and clears their mapping (SPEC 13). Page
     size > 1: every slot of their full pages. Reads the mapping (device: a wait)."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.free_swa(free_index)
-    idx = validate.host_ints(free_index, "free_index")
-    if idx.size == 0:
+    idx = self._free_args(free_index)
+    if idx is None:
       return
-    self._check_slots(idx, "free_index")
     ps = self.page_size
     if ps == 1:
       self._free_swa_pages(idx, 0, "free_swa")
@@ -521,12 +518,10 @@ class SWATokenToKVPoolAllocator:
     elif peers.size:
       self.swa_attn_allocator.free(peers)
 
-  def free_swa_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
+  @_ranked
+  def free_swa_segment(self, free_index, *, start_pos: int) -> None:
     """Frees the SWA pages of one request's tokens start_pos, start_pos + 1, ...:
     mapping[free_index[::ps]] // ps through free_page_ids, in that order (SPEC 13)."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.free_swa_segment(free_index, start_pos=start_pos)
     idx = validate.host_ints(free_index, "free_index")
     start = validate.start_pos(start_pos, self.page_size)
     if idx.size == 0:
@@ -552,23 +547,18 @@ class SWATokenToKVPoolAllocator:
     elif pages.size:
       self.swa_attn_allocator.free_page_ids(pages)
 
-  def free_full(self, free_index, dp_rank: int = 0) -> None:
+  @_ranked
+  def free_full(self, free_index) -> None:
     """The full pool's free alone; the slots must have no SWA peer left."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.free_full(free_index)
-    idx = validate.host_ints(free_index, "free_index")
-    if idx.size == 0:
+    idx = self._free_args(free_index)
+    if idx is None:
       return
-    self._check_slots(idx, "free_index")
     self._debug_peers(idx, False, "free_full")
     self.full_attn_allocator.free(idx)
 
-  def free_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
+  @_ranked
+  def free_segment(self, free_index, *, start_pos: int) -> None:
     """free_swa_segment, then the full pool's free_segment (SPEC 13)."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.free_segment(free_index, start_pos=start_pos)
     idx = validate.host_ints(free_index, "free_index")
     validate.start_pos(start_pos, self.page_size)
     if idx.size == 0:
@@ -576,11 +566,9 @@ class SWATokenToKVPoolAllocator:
     self.free_swa_segment(idx, start_pos=start_pos)
     self.full_attn_allocator.free_segment(idx, start_pos=start_pos)
 
-  def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
+  @_ranked
+  def free_full_segment(self, free_index, *, start_pos: int) -> None:
     """The full pool's free_segment alone; the slots must have no SWA peer left."""
-    r = self._rank(dp_rank)
-    if r:
-      return r.free_full_segment(free_index, start_pos=start_pos)
     idx = validate.host_ints(free_index, "free_index")
     validate.start_pos(start_pos, self.page_size)
     if idx.size == 0:
