@@ -129,11 +129,12 @@ class ClassImpl:
   """Our SWATokenToKVPoolAllocator."""
   release_unordered = False
 
-  def __init__(self, size, size_swa, ps, need_sort, backend="device", **kw):
+  def __init__(self, size, size_swa, ps, need_sort, backend="device", device="cpu", **kw):
     from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator
     self.name = f"class[{backend}]"
-    self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, "cpu", None, need_sort,
-                                       backend=backend, kernel="jnp", **kw)
+    kernel = None if kw.pop("kernel_auto", False) else "jnp"
+    self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, device, None, need_sort,
+                                       backend=backend, kernel=kernel, **kw)
     self.ps = ps
 
   def _res(self, out):
@@ -232,14 +233,14 @@ class SGLangImpl:
   name = "sglang"
   release_unordered = True
 
-  def __init__(self, size, size_swa, ps, need_sort):
+  def __init__(self, size, size_swa, ps, need_sort, device="cpu"):
     import torch
-    self.torch = torch
+    self.torch, self.device = torch, device
     cls, standin = sglang_swa_class()
-    self.a = cls(size, size_swa, ps, torch.float16, "cpu", standin(), need_sort)
+    self.a = cls(size, size_swa, ps, torch.float16, device, standin(), need_sort)
 
   def _t(self, x):
-    return self.torch.tensor(list(x), dtype=self.torch.int64)
+    return self.torch.tensor(list(x), dtype=self.torch.int64, device=self.device)
 
   def _res(self, out):
     return None if out is None else [int(v) for v in out]
