@@ -56,7 +56,11 @@ class SWAConfig:
   debug: bool = dataclasses.field(default_factory=_env_debug)
 
   def __post_init__(self):
-    self.full, self.swa  # pylint: disable=pointless-statement  (validates both pools)
+    for name in ("full", "swa"):  # each pool's config checks its fields
+      try:
+        getattr(self, name)
+      except (TypeError, ValueError) as e:
+        raise type(e)(f"{'size' if name == 'full' else 'size_swa'} pool: {e}") from e
 
   def _pool(self, size: int) -> AllocatorConfig:
     return AllocatorConfig(size=size, page_size=self.page_size, need_sort=self.need_sort,

@@ -198,7 +198,7 @@ def test_init_and_sizes():
   assert int(core.translate(s.mapping, jnp.array([-1, 5]))[0]) == -1
   with pytest.raises(ValueError, match="alloc needs page_size 1"):
     core.alloc(CFG, s, 4, max_size=8)
-  with pytest.raises(ValueError, match="page_size"):
+  with pytest.raises(ValueError, match="size_swa pool: size must hold at least one page"):
     core.SWAConfig(32, 2, 4)  # an SWA pool smaller than a page
 
 
