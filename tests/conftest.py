@@ -53,6 +53,7 @@ SLOW_TESTS = [
     ("test_swa.py", "test_device_class_matches_sglang_0_5_23", None, "device SWA compiles"),
     ("test_swa.py", "test_long_traces_all_impls_match_sglang", None, "long SWA traces"),
     ("test_swa_table.py", "test_table_matches_model", None, "SWA table steps, compiles"),
+    ("test_swa.py", "test_class_debug_mode_checks_peers", None, "debug-mode compiles"),
     ("test_swa.py", "*", lambda it: _param(it, "backend") == "device" or (
         _param(it, "which") in ("device", "core") and it.originalname in (
             "test_token_vector", "test_decode_refused_unless_both_pools_fit")),
