@@ -170,8 +170,8 @@ def test_device_class_matches_sglang_0_5_23(ps, need_sort, seed):
 
 
 @needs_sglang
-@pytest.mark.parametrize("ps", [1, 4, 16])
-@pytest.mark.parametrize("need_sort", [False, True])
+@pytest.mark.parametrize("ps,need_sort", [(1, False), (1, True), (4, False), (4, True),
+                                          (16, True)])
 def test_long_traces_all_impls_match_sglang(ps, need_sort):
   c = _cfg(ps)
   impls = [ClassImpl(c["size"], c["size_swa"], ps, need_sort, "device"),
