@@ -33,6 +33,9 @@ Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   debug.py        debug-mode checks under jit request_table.py  SPEC 11
   ranks.py        SPEC 12, functional          warmup.py     compile ahead of serving
   multiprocess.py ranks over processes: which a process holds, its inputs, its outputs
+  swa.py          SPEC 13, the sliding-window allocator (two pools and a mapping), functional;
+                  its SGLang class is jax_kvalloc.sglang.swa.SWATokenToKVPoolAllocator
+  swa_table.py    the request table of an SWA pool pair (window frees, attention inputs)
 """
 from jax_kvalloc.allocation import alloc
 from jax_kvalloc.allocator import Allocator
@@ -68,6 +71,10 @@ from jax_kvalloc.state import available_size
 from jax_kvalloc.state import init
 from jax_kvalloc.state import live_free_pages
 from jax_kvalloc.state import live_release_pages
+from jax_kvalloc.swa import SWAAllocator
+from jax_kvalloc.swa import SWAConfig
+from jax_kvalloc.swa import SWAState
+from jax_kvalloc.swa import swa_allocator
 from jax_kvalloc.warmup import WarmupReport
 from jax_kvalloc.warmup import enable_persistent_cache
 from jax_kvalloc.warmup import warmup_calls
@@ -82,6 +89,9 @@ __all__ = [
     "AttentionInputs",
     "RankedAllocator",
     "RequestTable",
+    "SWAAllocator",
+    "SWAConfig",
+    "SWAState",
     "WarmupReport",
     "admit_rows",
     "alloc",
@@ -110,6 +120,7 @@ __all__ = [
     "release_and_alloc_decode",
     "release_rows",
     "step_rows",
+    "swa_allocator",
     "token_allocator",
     "warmup_calls",
 ]

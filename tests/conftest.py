@@ -49,6 +49,17 @@ SLOW_TESTS = [
     ("test_newer_ops.py", "test_generated_traces_with_segment_frees_replay_everywhere", None,
      "generated traces through every implementation"),
     ("test_jit.py", "test_vmap_over_independent_pools", None, "vmapped compiles"),
+    ("test_swa.py", "test_core_matches_model", None, "jitted SWA core, every op compiled"),
+    ("test_swa.py", "test_device_class_matches_sglang_0_5_23", None, "device SWA compiles"),
+    ("test_swa.py", "test_long_traces_all_impls_match_sglang", None, "long SWA traces"),
+    ("test_swa_table.py", "test_table_matches_model", None, "SWA table steps, compiles"),
+    ("test_swa.py", "test_class_debug_mode_checks_peers", None, "debug-mode compiles"),
+    ("test_swa.py", "*", lambda it: _param(it, "backend") == "device" or (
+        _param(it, "which") in ("device", "core") and it.originalname in (
+            "test_token_vector", "test_decode_refused_unless_both_pools_fit")),
+     "SWA device-backend class and core compiles beyond the paged vectors"),
+    ("test_swa_no_wait.py", "test_swa_device_class_allocations_do_not_wait",
+     lambda it: "True" in it.name, "need_sort with a device last_loc: the second variant"),
     ("test_host_backend.py", "test_small_path_matches_general_path_and_device",
      lambda it: "-16]" in it.name, "page size 4 runs by default"),
     ("test_host_backend.py", "test_parity_with_host_backend_leading", None, "parity run"),

@@ -4,6 +4,7 @@ names; sglang-jax's dp_size / dp_rank).
   token.py    TokenToKVPoolAllocator (page_size 1, FIFO free)
   paged.py    PagedTokenToKVPoolAllocator (whole pages, LIFO free, alloc_extend/decode)
   base.py     what both share: input checks, free groups, snapshots, data-parallel ranks
+  swa.py      SWATokenToKVPoolAllocator (two pools, full and sliding-window, and a mapping)
   pool.py     one rank's pool: state, host mirror of the list lengths, copy-on-write
   backends/   where a pool lives and how its calls run: one Backend interface, with
               device (jax arrays, no waits), host (NumPy) and debug (checks) backends
@@ -15,6 +16,7 @@ from jax_kvalloc.sglang.base import BaseAllocator
 from jax_kvalloc.sglang.base import RankedSnapshot
 from jax_kvalloc.sglang.paged import PagedTokenToKVPoolAllocator
 from jax_kvalloc.sglang.pool import AllocatorSnapshot
+from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator
 from jax_kvalloc.sglang.token import TokenToKVPoolAllocator
 from jax_kvalloc.warmup import WarmupReport
 
@@ -24,6 +26,7 @@ __all__ = [
     "BaseAllocator",
     "PagedTokenToKVPoolAllocator",
     "RankedSnapshot",
+    "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "WarmupReport",
 ]
