@@ -123,6 +123,7 @@ class PageSizeResult:
   steps_per_call: int = 1        # device driver: K
   calls: int = 0                 # device driver: jitted calls (host round trips)
   compile_s: float = 0.0
+  compile_options: str = "default"
   wall_s: float = 0.0            # the run, compile excluded
   leak_check: str = "not run"
   usage: List[float] = dataclasses.field(default_factory=list, repr=False)
@@ -627,13 +628,11 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
   if cfg.steps_per_call < 1:
     raise ValueError(f"steps_per_call must be >= 1, got {cfg.steps_per_call}")
   wl = cfg.workload()
-  out = []
-  for ps in cfg.page_sizes:
-    if cfg.driver == "host":
-      out.append(_Simulation(cfg, wl, int(ps), progress).run())
-    else:
-      from jax_kvalloc.tools import simulate_device  # pylint: disable=g-import-not-at-top
-      out.append(simulate_device.run_page_size(cfg, wl, int(ps), progress))
+  if cfg.driver == "host":
+    out = [_Simulation(cfg, wl, int(ps), progress).run() for ps in cfg.page_sizes]
+  else:
+    from jax_kvalloc.tools import simulate_device  # pylint: disable=g-import-not-at-top
+    out = simulate_device.run_all(cfg, wl, progress)
   return SimResult(dataclasses.asdict(cfg), device_name(), versions(), out)
 
 
@@ -678,28 +677,38 @@ def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
       row("free-list runs (mean/final)", lambda r: f"{r.runs_mean:.0f} / {r.runs_final}"),
       row("step time p50 (us)", lambda r: f"{r.step_us_p50:.0f}"),
       row("step time p99 (us)", lambda r: f"{r.step_us_p99:.0f}"),
-      row("wall time per step (us)", lambda r: f"{r.step_wall_us:.0f}"),
-      row("prefill / decode p50 (us)",
-          lambda r: f"{r.prefill_us_p50:.0f} / {r.decode_us_p50:.0f}"),
+      row("wall time per step (us)", lambda r: f"{r.step_wall_us:.1f}"),
+      row("launch time per step p50 / p99 (us)",
+          lambda r: f"{r.step_us_p50:.0f} / {r.step_us_p99:.0f}"),
+      row("steps per host round trip", lambda r: f"{r.steps / max(r.calls, 1):.0f} "
+          f"({r.calls} calls of up to {r.steps_per_call})"),
       row("sim time (iterations)", lambda r: f"{r.sim_time}"),
-      row("wall time (s), compile (s)", lambda r: f"{r.wall_s:.1f}, {r.compile_s:.1f}"),
+      row("wall time (s), compile (s)", lambda r: f"{r.wall_s:.2f}, {r.compile_s:.1f}"),
       row("leak check", lambda r: r.leak_check),
   ]
+  if result.mode == "synthetic":
+    drop = {"step time p50 (us)", "step time p99 (us)"}
+    drop.add("steps per host round trip" if result.results and
+             result.results[0].driver == "host" else "launch time per step p50 / p99 (us)")
+    rows = [r for r in rows if r[0] not in drop]
   if result.mode == "trace":
     rows = [r for r in rows if r[0] not in _SYNTHETIC_ONLY]
     rename = {"steps (prefill/decode)": "ops (extend+alloc/decode)",
               "requests done": "traces replayed", "step time p50 (us)": "op time p50 (us)",
               "step time p99 (us)": "op time p99 (us)"}
     rows = [(rename.get(n, n), v) for n, v in rows
-            if n != "prefill / decode p50 (us)"]
+            if n not in ("launch time per step p50 / p99 (us)", "steps per host round trip")]
   return rows
 
 
 def to_json(result: SimResult, *, series: bool = True) -> Dict[str, Any]:
   d = dataclasses.asdict(result)
-  if not series:
-    for r in d["results"]:
-      for k in ("usage", "step_us", "step_kind"):
+  for r in d["results"]:
+    recs = r.pop("records")
+    if series and recs is not None:
+      r["records"] = {"columns": list(steps.RECORD), "rows": np.asarray(recs).tolist()}
+    if not series:
+      for k in ("usage", "step_us", "step_kind", "free_list_final", "release_list_final"):
         r.pop(k)
   return d
 
@@ -717,7 +726,9 @@ def plot(result: SimResult, path: str) -> None:
       ax2.plot(t, np.arange(1, t.size + 1) / t.size, lw=1, label=f"page_size={r.page_size}")
   ax1.set(xlabel="step", ylabel="pool usage (%)", title="Pool usage over time",
           ylim=(0, 105))
-  ax2.set(xlabel="step time (us, log)", ylabel="fraction of steps",
+  what = ("wall time per step of its call" if result.results and
+          result.results[0].driver == "device" else "launch time")
+  ax2.set(xlabel=f"{what} (us, log)", ylabel="fraction of steps",
           title="Per-step time (CDF)", xscale="log")
   for ax in (ax1, ax2):
     ax.grid(alpha=0.3)

@@ -33,7 +33,9 @@ pages; the host raises the host driver's errors from the records (simulate.LeakC
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import time
 from typing import NamedTuple, Tuple
 
@@ -109,15 +111,18 @@ def _rank(key: Array, member: Array) -> Array:
   return jnp.sum(lt, axis=1).astype(jnp.int32)
 
 
+def _excl_cumsum(x: Array) -> Array:
+  """Exclusive prefix sum of a short vector as one masked reduction (jnp.cumsum lowers to
+  a scan of many small ops on CPU and GPU, slower to compile and to launch)."""
+  i = jnp.arange(x.shape[0])
+  return jnp.sum(jnp.where(i[None, :] < i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
+
+
 def _compact(values: Array, keep: Array, size: int, fill: int = 0) -> Array:
   """values[keep] moved to the front (order kept), length `size`, padded with fill."""
-  pos = jnp.cumsum(keep) - 1
+  pos = _excl_cumsum(keep.astype(jnp.int32))
   pos = jnp.where(keep & (pos < size), pos, size)
   return jnp.full((size,), fill, values.dtype).at[pos].set(values, mode="drop")
-
-
-def _excl_cumsum(x: Array) -> Array:
-  return jnp.cumsum(x) - x
 
 
 class _Planned(NamedTuple):
@@ -135,7 +140,7 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched, inject_leak: bool) -> _
   n_req = wl.arrival.shape[0]
   rows = jnp.arange(r_, dtype=jnp.int32)
   # 1. arrivals.
-  arrived = jnp.searchsorted(wl.arrival, c.clock, side="right").astype(jnp.int32)
+  arrived = jnp.sum(wl.arrival <= c.clock).astype(jnp.int32)
   # 2. the free group's finished requests, in finishing order.
   j_f = jnp.arange(f_, dtype=jnp.int32)
   npop = jnp.minimum(c.fifo_len, f_)
@@ -180,7 +185,7 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched, inject_leak: bool) -> _
   room = valid & (n_cont + j < b_) & (spent_q < t_) & (j < n_empty)
   need_before = _excl_cumsum(need)
   fits = room & (need_before + need <= avail)
-  k0 = jnp.sum(jnp.cumprod(fits.astype(jnp.int32))).astype(jnp.int32)
+  k0 = jnp.min(jnp.where(fits, b_, j))
   # The first request that does not fit may evict unused cached prefixes.
   at = jnp.minimum(k0, b_ - 1)
   try_evict = (k0 < b_) & room[at] & ~fits[at]
@@ -209,7 +214,7 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched, inject_leak: bool) -> _
   nfree = npop + n_evict
   # Admission: candidate j < k takes the j-th empty row.
   adm = j < k
-  erank = jnp.cumsum(empty) - 1
+  erank = _excl_cumsum(empty.astype(jnp.int32))
   slot_rows = jnp.zeros((b_,), jnp.int32).at[jnp.where(empty, erank, b_)].set(
       rows, mode="drop")
   dest = jnp.where(adm, slot_rows, r_)
@@ -316,7 +321,7 @@ def _after_decode(lay: sim.Layout, c: Sched, inject_leak: bool) -> Tuple[Sched, 
   fin = decoding & (gen >= c.out)
   phase = jnp.where(fin, FREEING, c.phase)
   refcount = c.refcount.at[jnp.where(fin & c.hit, c.group, g_)].add(-1, mode="drop")
-  order = jnp.cumsum(fin) - 1
+  order = _excl_cumsum(fin.astype(jnp.int32))
   slot = jnp.where(fin, (c.fifo_head + c.fifo_len + order) % r_, r_)
   rows = jnp.arange(r_, dtype=jnp.int32)
   n_fin = jnp.sum(fin).astype(jnp.int32)
@@ -449,33 +454,82 @@ def _check_records(ps: int, num_pages: int, first_step: int, recs: np.ndarray) -
       raise sim.leak_error(ps, step, int(rec[c["device_pages"]]), expected)
 
 
-def run_page_size(cfg: sim.SimConfig, wl: Workload, page_size: int,
-                  progress: bool) -> sim.PageSizeResult:
-  """One page size under the device driver (see the module docstring)."""
+# XLA options for the loop's program. CPU: LLVM's optimization level 0 (the program is
+# hundreds of tiny kernels; -O0 roughly halves the compile and leaves the steps' time to
+# dispatch, not to code quality). GPU: the while loop, its conditionals and every fusion
+# in CUDA graphs (command buffers), so that K steps run without the host; if this jaxlib
+# does not take the option, the default is used (PageSizeResult.compile_options says).
+CPU_OPTIONS: dict = {}
+GPU_OPTIONS = {"xla_gpu_enable_command_buffer":
+               "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+               "xla_gpu_graph_min_graph_size": 1}
+
+
+class Prepared(NamedTuple):
+  lay: sim.Layout
+  wl: DeviceWorkload
+  carry: Carry
+  compiled: object
+  compile_s: float
+  options: str
+
+
+def prepare(cfg: sim.SimConfig, wl: Workload, page_size: int) -> Prepared:
+  """The device arrays and the compiled loop of one page size (thread-safe: the page
+  sizes compile concurrently)."""
   lay = sim.make_layout(cfg, wl, page_size)
-  res = sim.PageSizeResult(page_size, lay.num_pages, cfg.kernel, driver="device",
-                           steps_per_call=cfg.steps_per_call)
-  bar = sim.progress_bar(wl.num_requests, page_size, progress)
   dwl = DeviceWorkload(*(jnp.asarray(a, jnp.int32) for a in (
       wl.arrival, wl.group, wl.prompt, wl.output,
       wl.prefix_len if wl.prefix_len.size else np.zeros(1))))
-  branch = jax.default_backend() == "cpu"
+  backend = jax.default_backend()
   kw = dict(steps_per_call=cfg.steps_per_call, inject_leak=cfg.inject_leak,
-            runs_every=cfg.runs_every, branch=branch)
+            runs_every=cfg.runs_every, branch=backend == "cpu")
   t0 = time.perf_counter()
   state, table = sim.init_pool(lay)
   carry = Carry(state, table, init_sched(lay))
-  compiled = run_steps.lower(lay, dwl, carry, **kw).compile()
-  res.compile_s = time.perf_counter() - t0
+  lowered = run_steps.lower(lay, dwl, carry, **kw)
+  options = CPU_OPTIONS if backend == "cpu" else GPU_OPTIONS if backend == "gpu" else {}
+  if os.environ.get("JAX_KVALLOC_SIM_OPTIONS", "1") == "0":
+    options = {}
+  try:
+    compiled = lowered.compile(options)
+  except Exception:  # pylint: disable=broad-except
+    options = {}
+    compiled = lowered.compile()
+  used = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+  return Prepared(lay, dwl, carry, compiled, time.perf_counter() - t0, used)
+
+
+def run_all(cfg: sim.SimConfig, wl: Workload, progress: bool):
+  """Every page size of `cfg` under the device driver: all compile at once (in threads),
+  then run one after the other."""
+  with concurrent.futures.ThreadPoolExecutor(len(cfg.page_sizes)) as pool:
+    futures = [pool.submit(prepare, cfg, wl, int(ps)) for ps in cfg.page_sizes]
+    return [run_page_size(cfg, wl, f.result(), progress) for f in futures]
+
+
+def run_page_size(cfg: sim.SimConfig, wl: Workload, prep: Prepared,
+                  progress: bool) -> sim.PageSizeResult:
+  """One page size under the device driver (see the module docstring)."""
+  lay, dwl, carry, compiled = prep.lay, prep.wl, prep.carry, prep.compiled
+  page_size = lay.acfg.page_size
+  res = sim.PageSizeResult(page_size, lay.num_pages, cfg.kernel, driver="device",
+                           steps_per_call=cfg.steps_per_call, compile_s=prep.compile_s,
+                           compile_options=prep.options)
+  bar = sim.progress_bar(wl.num_requests, page_size, progress)
   bar.set_description(f"page_size={page_size}")
   t_start = time.perf_counter()
-  chunks, pending, step_no = [], None, 1
+  chunks, pending, step_no, call_us = [], None, 1, []
+  t_prev = t_start
   while True:
     carry, recs, n, fin = compiled(dwl, carry)
     if pending is not None:  # the previous call's records, read while this call runs
       p_recs, p_n, p_fin = pending
       got = int(p_n)
       block = np.asarray(p_recs)[:got].astype(np.int64)
+      now = time.perf_counter()
+      call_us.extend([(now - t_prev) * 1e6 / max(got, 1)] * got)
+      t_prev = now
       res.calls += 1
       _check_records(page_size, lay.num_pages, step_no, block)
       step_no += got
@@ -499,8 +553,7 @@ def run_page_size(cfg: sim.SimConfig, wl: Workload, page_size: int,
   res.sim_time = int(sched.clock)
   res.runs_final = int(jax.jit(steps.free_list_runs)(carry.state))
   sim.finish_result(res, records)
-  per_call = res.wall_s * 1e6 / max(res.steps, 1)
-  res.step_us = [per_call] * res.steps
+  res.step_us = call_us
   res.step_kind = ["prefill" if k == steps.KIND_PREFILL else "decode"
                    for k in records[:, steps.COL["kind"]]]
   sim.final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
