@@ -69,6 +69,9 @@ SLOW_TESTS = [
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step",
      lambda it: it.name.endswith(("[alloc]", "[free]")),
      "the extra-call variants compile the step twice; the plain and release ones run"),
+    ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions",
+     lambda it: "[ps16-sort1-share1]" not in it.name,
+     "each case compiles both drivers; page size 16 with need_sort and sharing by default"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
      "every page size and layout, many pools, in Pallas' interpreter"),
 ]

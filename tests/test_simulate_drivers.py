@@ -42,6 +42,12 @@ def _check_same(cfg):
     assert r.requests_done == cfg.num_requests
   assert dev.sim_time == host.sim_time and dev.runs_final == host.runs_final
   assert dev.calls >= dev.steps / cfg.steps_per_call
+  # The report names what each driver costs.
+  for res, row, absent in ((dev, "steps per host round trip", "launch time"),
+                           (host, "launch time per step p50 / p99 (us)", "round trip")):
+    names = [n for n, _ in simulate.summary_rows(simulate.SimResult({}, "", {}, [res]))]
+    assert row in names and "wall time per step (us)" in names
+    assert not any(absent in n for n in names) and "step time p50 (us)" not in names
   return dev
 
 

@@ -41,7 +41,7 @@ from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
-from jax_kvalloc.tools.workload import Workload, make_workload
+from jax_kvalloc.tools.workload import Workload, make_workload, parse_dist
 
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
 # Steps between launching a step and reading its status: by then the device has run it,
@@ -168,12 +168,15 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
         f"request {i} needs {int(need[i])} pages ({int(wl.prompt[i] + wl.output[i])} "
         f"tokens) at page_size={page_size}, but the pool has only {acfg.num_pages}; "
         f"raise --pool-size or shorten the length distributions")
-  longest_prefix = int(wl.prefix_len.max()) if wl.prefix_len.size else 1
+  # Widths from the distributions' bounds, not from the draws: every seed and share
+  # probability of one config has the same shapes (and compiles once).
+  prefix_hi = parse_dist(cfg.prefix_len).hi if cfg.num_prefixes > 0 else 0
+  longest = parse_dist(cfg.prompt_len).hi + prefix_hi + parse_dist(cfg.output_len).hi
   return Layout(acfg=acfg, rows=bucket(cfg.max_running, 1), groups=max(cfg.num_prefixes, 1),
                 batch=bucket(cfg.max_prefill_reqs, 1),
                 tokens=bucket(cfg.max_prefill_tokens, 1), frees=max(cfg.max_frees, 1),
-                width=max(1, cdiv(max(wl.max_context, 1), page_size)),
-                prefix_width=max(1, cdiv(max(longest_prefix, 1), page_size)))
+                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
+                prefix_width=max(1, cdiv(prefix_hi, page_size)))
 
 
 def init_pool(lay: Layout):

@@ -87,11 +87,11 @@ class Sched(NamedTuple):
   head: Array         # i32[] next request to admit
   steps: Array        # i32[] steps so far
   done: Array         # i32[] requests finished
-  leak_injected: Array  # bool[]
+  leak_injected: Array  # bool[] (starts True unless the test hook inject_leak is on)
   error: Array        # i32[] 0, or ERR_STUCK
 
 
-def init_sched(lay: sim.Layout) -> Sched:
+def init_sched(lay: sim.Layout, inject_leak: bool = False) -> Sched:
   r, g = lay.rows, lay.groups
   z = lambda n: jnp.zeros((n,), jnp.int32)
   s = lambda v: jnp.full((), v, jnp.int32)
@@ -101,7 +101,7 @@ def init_sched(lay: sim.Layout) -> Sched:
                cache_tokens=z(g), refcount=z(g), last_used=jnp.full((g,), -1, jnp.int32),
                fifo=z(r), fifo_forget=jnp.zeros((r,), bool), fifo_head=s(0), fifo_len=s(0),
                free_pages=s(lay.num_pages), clock=s(0), head=s(0), steps=s(0), done=s(0),
-               leak_injected=jnp.zeros((), bool), error=s(0))
+               leak_injected=jnp.full((), not inject_leak), error=s(0))
 
 
 def _rank(key: Array, member: Array) -> Array:
@@ -133,7 +133,7 @@ class _Planned(NamedTuple):
   rec: dict         # record entries known before the step
 
 
-def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched, inject_leak: bool) -> _Planned:
+def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   """Steps 1-3 of the module docstring (and the hand-overs of a prefill)."""
   ps, r_, g_, b_, t_, f_ = (lay.acfg.page_size, lay.rows, lay.groups, lay.batch,
                             lay.tokens, lay.frees)
@@ -280,7 +280,6 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched, inject_leak: bool) -> _
                      last_used=last_used, fifo_head=(c.fifo_head + npop) % r_,
                      fifo_len=c.fifo_len - npop, free_pages=free_pages,
                      head=c.head + k)
-  del inject_leak
   rec = {"admitted": k, "evicted": n_evict, "evict_code": evict_code,
          "hits": n_borrow, "arrived": arrived, "ins": (br, bg, aligned, ins),
          "batch": (br, batch_n, in_batch)}
@@ -312,7 +311,7 @@ def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
              "finished": jnp.zeros((), jnp.int32)}
 
 
-def _after_decode(lay: sim.Layout, c: Sched, inject_leak: bool) -> Tuple[Sched, dict]:
+def _after_decode(lay: sim.Layout, c: Sched) -> Tuple[Sched, dict]:
   ps, r_, g_ = lay.acfg.page_size, lay.rows, lay.groups
   decoding = c.phase == DECODE
   pages = jnp.sum(jnp.where(decoding, steps.new_pages(c.seq, c.seq + 1, ps), 0))
@@ -325,11 +324,8 @@ def _after_decode(lay: sim.Layout, c: Sched, inject_leak: bool) -> Tuple[Sched, 
   slot = jnp.where(fin, (c.fifo_head + c.fifo_len + order) % r_, r_)
   rows = jnp.arange(r_, dtype=jnp.int32)
   n_fin = jnp.sum(fin).astype(jnp.int32)
-  forget = jnp.zeros((r_,), bool)
-  leak = c.leak_injected
-  if inject_leak:
-    forget = fin & (order == 0) & ~c.leak_injected
-    leak = leak | (n_fin > 0)
+  forget = fin & (order == 0) & ~c.leak_injected
+  leak = c.leak_injected | (n_fin > 0)
   c = c._replace(seq=seq, gen=gen, phase=phase, refcount=refcount,
                  fifo=c.fifo.at[slot].set(rows, mode="drop"),
                  fifo_forget=c.fifo_forget.at[slot].set(forget, mode="drop"),
@@ -352,42 +348,35 @@ def _runs(state, sample: Array, branch: bool) -> Array:
   return jnp.where(sample, steps.free_list_runs(state), -1)
 
 
-def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, inject_leak: bool,
-               runs_every: int, branch: bool) -> Tuple[Carry, Array, Array]:
+def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every: int,
+               branch: bool) -> Tuple[Carry, Array, Array]:
   """One scheduler iteration. Returns (carry, i32[len(RECORD)] record, bool[] a step ran)."""
-  p = _plan(lay, wl, carry.sched, inject_leak)
+  p = _plan(lay, wl, carry.sched)
   kw = dict(max_tokens=lay.tokens, prefix_width=lay.prefix_width)
-  ncol = len(steps.RECORD)
+  plan = p.plan_prefill  # its free group and borrows are every kind's (none when idle)
 
-  def record(c: Sched, state, table, status, post: dict) -> Array:
-    ps = lay.acfg.page_size
-    live = c.phase != EMPTY
-    held = cdiv(c.seq, ps) - c.own // ps
-    active = (c.phase == PREFILL) | (c.phase == DECODE)
-    step_no = c.steps  # counts this step
-    vals = dict(p.rec, **post)
-    vals.update(
-        kind=p.kind, used=lay.num_pages - c.free_pages,
-        waste=jnp.sum(jnp.where(live, held * ps - (c.seq - c.own), 0)),
-        running=jnp.sum(live), committed=jnp.sum(jnp.where(active, c.reserved - held, 0)),
-        runs=_runs(state, step_no % runs_every == 0, branch), ok=status[0],
-        device_pages=status[1], checksum=status[2])
-    del table
-    return jnp.stack([jnp.asarray(vals[k], jnp.int32) for k in steps.RECORD])
+  def free_and_borrow(x):
+    state, table = x
+    return steps.free_and_borrow(lay.acfg, state, table, plan,
+                                 prefix_width=lay.prefix_width)
+  x = (carry.state, carry.table)
+  if branch:  # skip the empty free group and borrows (most steps) where a branch is cheap
+    state, table, ok = jax.lax.cond(
+        (plan.num_free > 0) | (plan.num_borrow > 0), free_and_borrow,
+        lambda x: (x[0], x[1], jnp.ones((), bool)), x)
+  else:
+    state, table, ok = free_and_borrow(x)
+  zero = jnp.zeros((), jnp.int32)
 
   def prefill(_):
-    state, table, status = steps.apply_step(lay.acfg, carry.state, carry.table,
-                                            p.plan_prefill, prefill=True, **kw)
+    out = steps.allocate(lay.acfg, state, table, plan, ok, prefill=True, **kw)
     c, post = _after_prefill(lay, p.sched, p.rec)
-    c = c._replace(clock=c.clock + 1, steps=c.steps + 1)
-    return Carry(state, table, c), record(c, state, table, status, post)
+    return out, c, post
 
   def decode(_):
-    state, table, status = steps.apply_step(lay.acfg, carry.state, carry.table,
-                                            p.plan_decode, prefill=False, **kw)
-    c, post = _after_decode(lay, p.sched, inject_leak)
-    c = c._replace(clock=c.clock + 1, steps=c.steps + 1)
-    return Carry(state, table, c), record(c, state, table, status, post)
+    out = steps.allocate(lay.acfg, state, table, p.plan_decode, ok, prefill=False, **kw)
+    c, post = _after_decode(lay, p.sched)
+    return out, c, post
 
   def idle(_):
     c = p.sched
@@ -398,23 +387,38 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, inject_leak
     stuck = (~finished & ((arrived >= n_req) | waiting)) | (finished & (
         (c.done < n_req) | (c.fifo_len > 0)))
     nxt = wl.arrival[jnp.minimum(arrived, n_req - 1)]
-    c = c._replace(clock=jnp.where(finished | stuck, c.clock, jnp.maximum(c.clock + 1, nxt)),
-                   error=jnp.where(stuck, ERR_STUCK, c.error))
-    return Carry(carry.state, carry.table, c), jnp.zeros((ncol,), jnp.int32)
+    c = c._replace(clock=jnp.where(finished | stuck, c.clock - 1,
+                                   jnp.maximum(c.clock + 1, nxt) - 1),
+                   error=jnp.where(stuck, ERR_STUCK, c.error), steps=c.steps - 1)
+    status = jnp.zeros((3,), jnp.int32)
+    return (state, table, status), c, {"tokens": zero, "pages": zero, "finished": zero}
 
-  out, rec = jax.lax.switch(p.kind, (idle, prefill, decode), None)
-  return out, rec, p.kind > 0
+  (state, table, status), c, post = jax.lax.switch(p.kind, (idle, prefill, decode), None)
+  c = c._replace(clock=c.clock + 1, steps=c.steps + 1)
+  ps = lay.acfg.page_size
+  live = c.phase != EMPTY
+  held = cdiv(c.seq, ps) - c.own // ps
+  active = (c.phase == PREFILL) | (c.phase == DECODE)
+  vals = dict(p.rec, **post)
+  vals.update(
+      kind=p.kind, used=lay.num_pages - c.free_pages,
+      waste=jnp.sum(jnp.where(live, held * ps - (c.seq - c.own), 0)),
+      running=jnp.sum(live), committed=jnp.sum(jnp.where(active, c.reserved - held, 0)),
+      runs=_runs(state, (p.kind > 0) & (c.steps % runs_every == 0), branch),
+      ok=status[0], device_pages=status[1], checksum=status[2])
+  rec = jnp.stack([jnp.asarray(vals[k], jnp.int32) for k in steps.RECORD])
+  return Carry(state, table, c), rec, p.kind > 0
 
 
 def _finished(lay: sim.Layout, n_req: int, c: Sched) -> Array:
   return ((c.done >= n_req) & (c.fifo_len == 0)) | (c.error != 0)
 
 
-@functools.partial(jax.jit, static_argnames=("lay", "steps_per_call", "inject_leak",
-                                             "runs_every", "branch"),
+@functools.partial(jax.jit, static_argnames=("lay", "steps_per_call", "runs_every",
+                                             "branch"),
                    donate_argnames=("carry",))
 def run_steps(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, steps_per_call: int,
-              inject_leak: bool, runs_every: int, branch: bool
+              runs_every: int, branch: bool
               ) -> Tuple[Carry, Array, Array, Array]:
   """Up to `steps_per_call` scheduler iterations (fewer when the workload is done).
 
@@ -431,8 +435,7 @@ def run_steps(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, steps_per_ca
 
   def body(x):
     i, carry, recs, n = x
-    carry, rec, ran = _iteration(lay, wl, carry, inject_leak=inject_leak,
-                                 runs_every=runs_every, branch=branch)
+    carry, rec, ran = _iteration(lay, wl, carry, runs_every=runs_every, branch=branch)
     recs = recs.at[jnp.where(ran, n, steps_per_call)].set(rec, mode="drop")
     return i + 1, carry, recs, n + ran.astype(jnp.int32)
 
@@ -482,11 +485,11 @@ def prepare(cfg: sim.SimConfig, wl: Workload, page_size: int) -> Prepared:
       wl.arrival, wl.group, wl.prompt, wl.output,
       wl.prefix_len if wl.prefix_len.size else np.zeros(1))))
   backend = jax.default_backend()
-  kw = dict(steps_per_call=cfg.steps_per_call, inject_leak=cfg.inject_leak,
-            runs_every=cfg.runs_every, branch=backend == "cpu")
+  kw = dict(steps_per_call=cfg.steps_per_call, runs_every=cfg.runs_every,
+            branch=backend == "cpu")
   t0 = time.perf_counter()
   state, table = sim.init_pool(lay)
-  carry = Carry(state, table, init_sched(lay))
+  carry = Carry(state, table, init_sched(lay, cfg.inject_leak))
   lowered = run_steps.lower(lay, dwl, carry, **kw)
   options = CPU_OPTIONS if backend == "cpu" else GPU_OPTIONS if backend == "gpu" else {}
   if os.environ.get("JAX_KVALLOC_SIM_OPTIONS", "1") == "0":

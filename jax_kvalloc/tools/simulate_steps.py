@@ -88,13 +88,15 @@ def checksum(slots: Array, count: Array) -> Array:
 def apply_step(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
                plan: Plan, *, prefill: bool, max_tokens: int, prefix_width: int
                ) -> Tuple[AllocatorState, RequestTable, Array]:
-  """Runs one planned step (the module docstring's four parts).
+  """Runs one planned step (the module docstring's four parts): `free_and_borrow`, then
+  `allocate`.
 
   Args:
     config: the pool's static configuration.
     state, table: the pool and the request table (rows: requests, then the cache).
     plan: the step's work (`Plan`).
-    prefill: static; extend the plan's rows by `n` (True) or decode them (False).
+    prefill: static; extend the plan's rows by `n` and hand prefixes over (True) or
+      decode them (False; the plan then has no borrows and no hand-overs).
     max_tokens: static length of the extend's slot array (the prefill token budget).
     prefix_width: static page columns a cached prefix can span.
 
@@ -102,28 +104,51 @@ def apply_step(config: AllocatorConfig, state: AllocatorState, table: RequestTab
     (state, table, i32[3] status: ok, free + released pages after the step, checksum of
     the slots allocated).
   """
+  state, table, ok = free_and_borrow(config, state, table, plan, prefix_width=prefix_width,
+                                     borrow=prefill)
+  return allocate(config, state, table, plan, ok, prefill=prefill, max_tokens=max_tokens,
+                  prefix_width=prefix_width)
+
+
+def free_and_borrow(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                    plan: Plan, *, prefix_width: int, borrow: bool = True
+                    ) -> Tuple[AllocatorState, RequestTable, Array]:
+  """Parts 1-2: the free group (`release_rows`) and the borrows. Returns (state, table,
+  bool[] ok)."""
   ps = config.page_size
   max_reqs = table.lens.shape[0]
   forget = jnp.where(plan.forget_row >= 0, plan.forget_row, max_reqs)
   table = table._replace(owned_from=table.owned_from.at[forget].set(
       cdiv(table.lens[jnp.minimum(forget, max_reqs - 1)], ps), mode="drop"))
-  state, table, ok_free = rt.release_rows(config, state, table, plan.free_rows,
-                                          num_rows=plan.num_free)
-  src = table.pages[plan.borrow_src, :prefix_width]
-  table, ok_borrow = rt.borrow_pages(config, table, plan.borrow_rows, src,
-                                     plan.borrow_pages, num_rows=plan.num_borrow)
+  state, table, ok = rt.release_rows(config, state, table, plan.free_rows,
+                                     num_rows=plan.num_free)
+  if borrow:
+    src = table.pages[plan.borrow_src, :prefix_width]
+    table, ok_borrow = rt.borrow_pages(config, table, plan.borrow_rows, src,
+                                       plan.borrow_pages, num_rows=plan.num_borrow)
+    ok = ok & ok_borrow
+  return state, table, ok
+
+
+def allocate(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+             plan: Plan, ok: Array, *, prefill: bool, max_tokens: int, prefix_width: int
+             ) -> Tuple[AllocatorState, RequestTable, Array]:
+  """Parts 3-4: `extend_rows` and the hand-overs (prefill) or `decode_rows`. `ok` is the
+  first parts' flag; returns (state, table, status) as `apply_step`."""
   if prefill:
-    state, table, slots, ok = rt.extend_rows(config, state, table, plan.rows, plan.n,
-                                             max_tokens=max_tokens, num_rows=plan.num_rows)
+    state, table, slots, ok_alloc = rt.extend_rows(config, state, table, plan.rows, plan.n,
+                                                   max_tokens=max_tokens,
+                                                   num_rows=plan.num_rows)
     real = jnp.arange(plan.n.shape[0]) < plan.num_rows
     count = jnp.sum(jnp.where(real, plan.n, 0))
+    table, ok_ins = hand_over(config, table, plan.ins_rows, plan.ins_dst, plan.ins_pages,
+                              plan.num_ins, prefix_width=prefix_width)
+    ok_alloc = ok_alloc & ok_ins
   else:
-    state, table, slots, ok = rt.decode_rows(config, state, table, plan.rows,
-                                             num_rows=plan.num_rows)
+    state, table, slots, ok_alloc = rt.decode_rows(config, state, table, plan.rows,
+                                                   num_rows=plan.num_rows)
     count = plan.num_rows
-  table, ok_ins = hand_over(config, table, plan.ins_rows, plan.ins_dst, plan.ins_pages,
-                            plan.num_ins, prefix_width=prefix_width)
-  ok = ok & ok_free & ok_borrow & ok_ins
+  ok = ok & ok_alloc
   status = jnp.stack([ok.astype(jnp.int32), state.free_len + state.release_len,
                       checksum(slots, count)])
   return state, table, status
