@@ -72,6 +72,8 @@ SLOW_TESTS = [
     ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions",
      lambda it: "[ps16-sort1-share1]" not in it.name,
      "each case compiles both drivers; page size 16 with need_sort and sharing by default"),
+    ("test_simulate_drivers.py", "test_branch_free_loop_makes_the_same_decisions", None,
+     "compiles the branch-free loop"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
      "every page size and layout, many pools, in Pallas' interpreter"),
 ]

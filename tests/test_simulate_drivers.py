@@ -71,3 +71,10 @@ def test_drivers_make_the_same_decisions(ps, need_sort, share):
   # Admission waited for room at least once (the pool was the limit, not the rows).
   assert res.peak_reserved > 0.8
   assert np.all(res.records[:, c["ok"]] == 1)
+
+
+def test_branch_free_loop_makes_the_same_decisions(monkeypatch):
+  # The device loop without conditionals (both allocations every step, the one not
+  # taken with no rows; an option for accelerators where a branch costs a host sync).
+  monkeypatch.setenv("JAX_KVALLOC_SIM_BRANCHES", "masked")
+  _check_same(dataclasses.replace(BASE, page_sizes=(16,), need_sort=True))

@@ -360,7 +360,7 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
     return steps.free_and_borrow(lay.acfg, state, table, plan,
                                  prefix_width=lay.prefix_width)
   x = (carry.state, carry.table)
-  if branch:  # skip the empty free group and borrows (most steps) where a branch is cheap
+  if branch:  # skip the empty free group and borrows (most steps)
     state, table, ok = jax.lax.cond(
         (plan.num_free > 0) | (plan.num_borrow > 0), free_and_borrow,
         lambda x: (x[0], x[1], jnp.ones((), bool)), x)
@@ -368,17 +368,7 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
     state, table, ok = free_and_borrow(x)
   zero = jnp.zeros((), jnp.int32)
 
-  def prefill(_):
-    out = steps.allocate(lay.acfg, state, table, plan, ok, prefill=True, **kw)
-    c, post = _after_prefill(lay, p.sched, p.rec)
-    return out, c, post
-
-  def decode(_):
-    out = steps.allocate(lay.acfg, state, table, p.plan_decode, ok, prefill=False, **kw)
-    c, post = _after_decode(lay, p.sched)
-    return out, c, post
-
-  def idle(_):
+  def idle_sched():
     c = p.sched
     n_req = wl.arrival.shape[0]
     arrived = p.rec["arrived"]
@@ -387,13 +377,43 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
     stuck = (~finished & ((arrived >= n_req) | waiting)) | (finished & (
         (c.done < n_req) | (c.fifo_len > 0)))
     nxt = wl.arrival[jnp.minimum(arrived, n_req - 1)]
-    c = c._replace(clock=jnp.where(finished | stuck, c.clock - 1,
-                                   jnp.maximum(c.clock + 1, nxt) - 1),
-                   error=jnp.where(stuck, ERR_STUCK, c.error), steps=c.steps - 1)
-    status = jnp.zeros((3,), jnp.int32)
-    return (state, table, status), c, {"tokens": zero, "pages": zero, "finished": zero}
+    return c._replace(clock=jnp.where(finished | stuck, c.clock - 1,
+                                      jnp.maximum(c.clock + 1, nxt) - 1),
+                      error=jnp.where(stuck, ERR_STUCK, c.error), steps=c.steps - 1)
 
-  (state, table, status), c, post = jax.lax.switch(p.kind, (idle, prefill, decode), None)
+  if branch:
+    def prefill(_):
+      out = steps.allocate(lay.acfg, state, table, plan, ok, prefill=True, **kw)
+      c, post = _after_prefill(lay, p.sched, p.rec)
+      return out, c, post
+
+    def decode(_):
+      out = steps.allocate(lay.acfg, state, table, p.plan_decode, ok, prefill=False, **kw)
+      c, post = _after_decode(lay, p.sched)
+      return out, c, post
+
+    def idle(_):
+      post = {"tokens": zero, "pages": zero, "finished": zero}
+      return (state, table, jnp.zeros((3,), jnp.int32)), idle_sched(), post
+
+    (state, table, status), c, post = jax.lax.switch(p.kind, (idle, prefill, decode), None)
+  else:  # both allocations every step, the one not taken with no rows: no branch
+    is_pre, is_dec = p.kind == steps.KIND_PREFILL, p.kind == steps.KIND_DECODE
+    pre_plan = plan._replace(num_rows=jnp.where(is_pre, plan.num_rows, 0),
+                             num_ins=jnp.where(is_pre, plan.num_ins, 0))
+    dec_plan = p.plan_decode._replace(num_rows=jnp.where(is_dec, p.plan_decode.num_rows, 0))
+    state, table, st_pre = steps.allocate(lay.acfg, state, table, pre_plan, ok,
+                                          prefill=True, hide_merge=~is_pre, **kw)
+    state, table, st_dec = steps.allocate(lay.acfg, state, table, dec_plan, ok,
+                                          prefill=False, **kw)
+    status = jnp.where(is_pre, st_pre, st_dec)
+    c_pre, post_pre = _after_prefill(lay, p.sched, p.rec)
+    c_dec, post_dec = _after_decode(lay, p.sched)
+    c_idle = idle_sched()
+    pick = lambda a, b, i: jnp.where(is_pre, a, jnp.where(is_dec, b, i))
+    c = jax.tree.map(pick, c_pre, c_dec, c_idle)
+    post = {k: jnp.where(is_pre, post_pre[k], jnp.where(is_dec, post_dec[k], 0))
+            for k in post_pre}
   c = c._replace(clock=c.clock + 1, steps=c.steps + 1)
   ps = lay.acfg.page_size
   live = c.phase != EMPTY
@@ -485,8 +505,9 @@ def prepare(cfg: sim.SimConfig, wl: Workload, page_size: int) -> Prepared:
       wl.arrival, wl.group, wl.prompt, wl.output,
       wl.prefix_len if wl.prefix_len.size else np.zeros(1))))
   backend = jax.default_backend()
+  branches = os.environ.get("JAX_KVALLOC_SIM_BRANCHES", "cond" if backend == "cpu" else "cond")
   kw = dict(steps_per_call=cfg.steps_per_call, runs_every=cfg.runs_every,
-            branch=backend == "cpu")
+            branch=branches == "cond")
   t0 = time.perf_counter()
   state, table = sim.init_pool(lay)
   carry = Carry(state, table, init_sched(lay, cfg.inject_leak))
@@ -499,7 +520,8 @@ def prepare(cfg: sim.SimConfig, wl: Workload, page_size: int) -> Prepared:
   except Exception:  # pylint: disable=broad-except
     options = {}
     compiled = lowered.compile()
-  used = ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+  used = f"branches={branches}; " + (
+      ",".join(f"{k}={v}" for k, v in options.items()) or "default XLA options")
   return Prepared(lay, dwl, carry, compiled, time.perf_counter() - t0, used)
 
 

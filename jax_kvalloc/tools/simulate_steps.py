@@ -24,7 +24,7 @@ drivers' allocations can be compared step by step without shipping them).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -131,14 +131,27 @@ def free_and_borrow(config: AllocatorConfig, state: AllocatorState, table: Reque
 
 
 def allocate(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
-             plan: Plan, ok: Array, *, prefill: bool, max_tokens: int, prefix_width: int
+             plan: Plan, ok: Array, *, prefill: bool, max_tokens: int, prefix_width: int,
+             hide_merge: Optional[Array] = None
              ) -> Tuple[AllocatorState, RequestTable, Array]:
   """Parts 3-4: `extend_rows` and the hand-overs (prefill) or `decode_rows`. `ok` is the
-  first parts' flag; returns (state, table, status) as `apply_step`."""
+  first parts' flag; returns (state, table, status) as `apply_step`.
+
+  hide_merge (bool[], prefill only): an extend of no rows that must not run the need_sort
+  merge that an empty free list would trigger (the device driver's branch-free step runs
+  the extend of every step, with no rows when it decodes); the release list is hidden
+  from that call.
+  """
   if prefill:
+    before = state
+    if hide_merge is not None and config.need_sort:
+      state = state._replace(release_len=jnp.where(hide_merge, 0, state.release_len))
     state, table, slots, ok_alloc = rt.extend_rows(config, state, table, plan.rows, plan.n,
                                                    max_tokens=max_tokens,
                                                    num_rows=plan.num_rows)
+    if hide_merge is not None and config.need_sort:
+      state = state._replace(release_len=jnp.where(hide_merge, before.release_len,
+                                                   state.release_len))
     real = jnp.arange(plan.n.shape[0]) < plan.num_rows
     count = jnp.sum(jnp.where(real, plan.n, 0))
     table, ok_ins = hand_over(config, table, plan.ins_rows, plan.ins_dst, plan.ins_pages,
