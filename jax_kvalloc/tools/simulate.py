@@ -2,23 +2,27 @@
 
 Requests arrive (jax_kvalloc.workload), share prefixes through a small prefix cache,
 prefill in chunked batches, decode one token per step, finish and are freed, all on the
-default JAX device. The device half of each scheduler iteration is one jitted call
-(jax_kvalloc.tools.simulate_steps); this module is the host half: a scheduler that, like
-SGLang's, runs a prefill batch whenever requests can be admitted and a decode batch
-otherwise, and frees each iteration's finished requests and evicted cache entries in one
-free group.
+default JAX device, through the request table (SPEC 11). Two drivers run the same
+policy and make the same decisions:
 
-Admission control is exact: the host mirrors the pool's page count with the same
+- `--driver device` (default; jax_kvalloc.tools.simulate_device): the scheduler runs on
+  the device, K steps per jitted call;
+- `--driver host` (this module's `_Simulation`): a host scheduler that, like SGLang's,
+  runs a prefill batch whenever requests can be admitted and a decode batch otherwise,
+  and frees each iteration's finished requests and evicted cache entries in one free
+  group; each step is one jitted call (jax_kvalloc.tools.simulate_steps).
+
+Admission control is exact: the scheduler counts the pool's pages with the same
 arithmetic the allocator uses (ceil(seq/ps) - ceil(pre/ps) new pages per request) and
 admits a request only when its whole lifetime, prompt plus output, fits in the free pages
-not yet promised to running requests (evicting unused cached prefixes, least recently
-used first, when that helps). So no allocation may fail, and the host never waits for
-the device to learn that: each step's status (ok, the device's page count) is checked
-against the mirror STATUS_LAG steps later, when the device has long finished it, so the
-host keeps launching steps ahead of the device (the free-list census, `runs`, is read at
-the end for the same reason). The run ends with every remaining status checked and a
-leak check that the free list, the release list and the pages still held partition the
-pool exactly.
+not yet promised to running requests; the first request that does not fit may evict
+unused cached prefixes, least recently used first, and is then the iteration's last
+admission. So no allocation may fail. The host driver never waits for the device to learn
+that: each step's status (ok, the device's page count, a checksum of its slots) is
+checked against the count STATUS_LAG steps later, when the device has long finished it
+(the free-list census, `runs`, is read at the end for the same reason); the device driver
+checks every step inside its loop. The run ends with a leak check that the free list, the
+release list and the pages the prefix cache holds partition the pool exactly.
 
 Run once per page size on the same requests, it answers the seed write-up's question:
 what a larger page costs in slots allocated but unused inside pages (internal
