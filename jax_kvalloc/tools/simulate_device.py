@@ -118,11 +118,33 @@ def _excl_cumsum(x: Array) -> Array:
   return jnp.sum(jnp.where(i[None, :] < i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
 
 
+# Scatters into the scheduler's short vectors, written as compares and reductions: XLA
+# fuses them (a scatter is a kernel of its own), which compiles and runs faster.
+def _match(idx: Array, n: int) -> Array:
+  """bool[n, m]: idx[j] == i; indices outside [0, n) match nothing."""
+  return idx[None, :] == jnp.arange(n, dtype=idx.dtype)[:, None]
+
+
+def _set(base: Array, idx: Array, vals) -> Array:
+  """base.at[idx].set(vals, mode="drop"), for indices that repeat only with equal values."""
+  m = _match(idx, base.shape[0])
+  v = jnp.broadcast_to(jnp.asarray(vals).astype(jnp.int32), idx.shape)
+  got = jnp.max(jnp.where(m, v[None, :], jnp.iinfo(jnp.int32).min), axis=1)
+  return jnp.where(jnp.any(m, axis=1), got.astype(base.dtype), base)
+
+
+def _add(base: Array, idx: Array, vals) -> Array:
+  """base.at[idx].add(vals, mode="drop")."""
+  v = jnp.broadcast_to(jnp.asarray(vals, jnp.int32), idx.shape)
+  return base + jnp.sum(jnp.where(_match(idx, base.shape[0]), v[None, :], 0),
+                        axis=1).astype(base.dtype)
+
+
 def _compact(values: Array, keep: Array, size: int, fill: int = 0) -> Array:
   """values[keep] moved to the front (order kept), length `size`, padded with fill."""
   pos = _excl_cumsum(keep.astype(jnp.int32))
   pos = jnp.where(keep & (pos < size), pos, size)
-  return jnp.full((size,), fill, values.dtype).at[pos].set(values, mode="drop")
+  return _set(jnp.full((size,), fill, values.dtype), pos, values)
 
 
 class _Planned(NamedTuple):
@@ -149,7 +171,7 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   pop_forget = popped & c.fifo_forget[(c.fifo_head + j_f) % r_]
   held = cdiv(c.seq, ps) - c.own // ps
   free_pages = c.free_pages + jnp.sum(jnp.where(popped, held[pop_rows], 0))
-  gone = jnp.zeros((r_,), bool).at[jnp.where(popped, pop_rows, r_)].set(True, mode="drop")
+  gone = _set(jnp.zeros((r_,), bool), jnp.where(popped, pop_rows, r_), True)
   phase = jnp.where(gone, EMPTY, c.phase)
   req = jnp.where(gone, -1, c.req)
   live = (phase == PREFILL) | (phase == DECODE)
@@ -189,8 +211,8 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   # The first request that does not fit may evict unused cached prefixes.
   at = jnp.minimum(k0, b_ - 1)
   try_evict = (k0 < b_) & room[at] & ~fits[at]
-  admitted_hits = jnp.zeros((g_,), jnp.int32).at[jnp.where(hit & (j < k0), g, g_)].add(
-      1, mode="drop")
+  admitted_hits = _add(jnp.zeros((g_,), jnp.int32), jnp.where(hit & (j < k0), g, g_),
+                       1)
   groups = jnp.arange(g_, dtype=jnp.int32)
   evictable = (c.cache_tokens > 0) & (c.refcount + admitted_hits == 0) & (
       groups != jnp.where(g[at] >= 0, g[at], g_)) & try_evict
@@ -209,16 +231,15 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   evict_code = jnp.sum(jnp.where(evict, (groups + 1) << lru, 0))
   # The free group: finished rows, then evicted cache rows in LRU order.
   free_rows = jnp.where(popped, pop_rows, 0)
-  free_rows = free_rows.at[jnp.where(evict, npop + lru, f_)].set(r_ + groups, mode="drop")
+  free_rows = _set(free_rows, jnp.where(evict, npop + lru, f_), r_ + groups)
   forget = jnp.max(jnp.where(pop_forget, pop_rows, -1))
   nfree = npop + n_evict
   # Admission: candidate j < k takes the j-th empty row.
   adm = j < k
   erank = _excl_cumsum(empty.astype(jnp.int32))
-  slot_rows = jnp.zeros((b_,), jnp.int32).at[jnp.where(empty, erank, b_)].set(
-      rows, mode="drop")
+  slot_rows = _set(jnp.zeros((b_,), jnp.int32), jnp.where(empty, erank, b_), rows)
   dest = jnp.where(adm, slot_rows, r_)
-  put = lambda a, v: a.at[dest].set(v, mode="drop")
+  put = lambda a, v: _set(a, dest, v)
   req = put(req, q)
   phase = put(phase, PREFILL)
   seq = put(c.seq, pre0)
@@ -231,16 +252,16 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   reserved = put(c.reserved, need)
   admitted_at = put(c.admitted_at, c.clock)
   adm_hit = adm & hit
-  refcount = c.refcount.at[jnp.where(adm_hit, g, g_)].add(1, mode="drop")
-  last_used = c.last_used.at[jnp.where(adm_hit, g, g_)].set(c.clock, mode="drop")
+  refcount = _add(c.refcount, jnp.where(adm_hit, g, g_), 1)
+  last_used = _set(c.last_used, jnp.where(adm_hit, g, g_), c.clock)
   # The batch: continuing rows by rank, then the admitted ones.
   chunk_q = jnp.where(adm, jnp.minimum(rem_q, t_ - spent_q), 0)
   pos = jnp.where(cont, rank, b_)
-  batch_rows = jnp.zeros((b_,), jnp.int32).at[pos].set(rows, mode="drop")
-  batch_n = jnp.zeros((b_,), jnp.int32).at[pos].set(cont_chunk, mode="drop")
+  batch_rows = _set(jnp.zeros((b_,), jnp.int32), pos, rows)
+  batch_n = _set(jnp.zeros((b_,), jnp.int32), pos, cont_chunk)
   pos_q = jnp.where(adm, n_cont + j, b_)
-  batch_rows = batch_rows.at[pos_q].set(slot_rows, mode="drop")
-  batch_n = batch_n.at[pos_q].set(chunk_q, mode="drop")
+  batch_rows = _set(batch_rows, pos_q, slot_rows)
+  batch_n = _set(batch_n, pos_q, chunk_q)
   n_batch = n_cont + k
   borrow_rows = _compact(slot_rows, adm_hit, b_)
   borrow_src = _compact(r_ + g, adm_hit, b_)
@@ -294,18 +315,18 @@ def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
   dest = jnp.where(in_batch, br, r_)
   pre = c.seq[br]
   pages = jnp.sum(jnp.where(in_batch, steps.new_pages(pre, pre + bn, ps), 0))
-  seq = c.seq.at[dest].add(bn, mode="drop")
+  seq = _add(c.seq, dest, bn)
   completes = in_batch & (seq[br] == c.prompt[br])
-  phase = c.phase.at[jnp.where(completes, br, r_)].set(DECODE, mode="drop")
+  phase = _set(c.phase, jnp.where(completes, br, r_), DECODE)
   di = jnp.where(ins, br, r_)
   gi = jnp.where(ins, bg, g_)
   c = c._replace(
-      seq=seq, phase=phase, own=c.own.at[di].set(aligned, mode="drop"),
-      reserved=c.reserved.at[di].add(-(aligned // ps), mode="drop"),
-      hit=c.hit.at[di].set(True, mode="drop"),
-      cache_tokens=c.cache_tokens.at[gi].set(aligned, mode="drop"),
-      refcount=c.refcount.at[gi].set(1, mode="drop"),
-      last_used=c.last_used.at[gi].set(c.admitted_at[jnp.minimum(di, r_ - 1)], mode="drop"),
+      seq=seq, phase=phase, own=_set(c.own, di, aligned),
+      reserved=_add(c.reserved, di, -(aligned // ps)),
+      hit=_set(c.hit, di, True),
+      cache_tokens=_set(c.cache_tokens, gi, aligned),
+      refcount=_set(c.refcount, gi, 1),
+      last_used=_set(c.last_used, gi, c.admitted_at[jnp.minimum(di, r_ - 1)]),
       free_pages=c.free_pages - pages)
   return c, {"tokens": jnp.sum(jnp.where(in_batch, bn, 0)), "pages": pages,
              "finished": jnp.zeros((), jnp.int32)}
@@ -319,7 +340,7 @@ def _after_decode(lay: sim.Layout, c: Sched) -> Tuple[Sched, dict]:
   gen = jnp.where(decoding, c.gen + 1, c.gen)
   fin = decoding & (gen >= c.out)
   phase = jnp.where(fin, FREEING, c.phase)
-  refcount = c.refcount.at[jnp.where(fin & c.hit, c.group, g_)].add(-1, mode="drop")
+  refcount = _add(c.refcount, jnp.where(fin & c.hit, c.group, g_), -1)
   order = _excl_cumsum(fin.astype(jnp.int32))
   slot = jnp.where(fin, (c.fifo_head + c.fifo_len + order) % r_, r_)
   rows = jnp.arange(r_, dtype=jnp.int32)
@@ -327,8 +348,8 @@ def _after_decode(lay: sim.Layout, c: Sched) -> Tuple[Sched, dict]:
   forget = fin & (order == 0) & ~c.leak_injected
   leak = c.leak_injected | (n_fin > 0)
   c = c._replace(seq=seq, gen=gen, phase=phase, refcount=refcount,
-                 fifo=c.fifo.at[slot].set(rows, mode="drop"),
-                 fifo_forget=c.fifo_forget.at[slot].set(forget, mode="drop"),
+                 fifo=_set(c.fifo, slot, rows),
+                 fifo_forget=_set(c.fifo_forget, slot, forget),
                  fifo_len=c.fifo_len + n_fin, done=c.done + n_fin, leak_injected=leak,
                  free_pages=c.free_pages - pages)
   return c, {"tokens": jnp.sum(decoding).astype(jnp.int32), "pages": pages,
@@ -456,7 +477,7 @@ def run_steps(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, steps_per_ca
   def body(x):
     i, carry, recs, n = x
     carry, rec, ran = _iteration(lay, wl, carry, runs_every=runs_every, branch=branch)
-    recs = recs.at[jnp.where(ran, n, steps_per_call)].set(rec, mode="drop")
+    recs = jax.lax.dynamic_update_index_in_dim(recs, jnp.where(ran, rec, recs[n]), n, 0)
     return i + 1, carry, recs, n + ran.astype(jnp.int32)
 
   zero = jnp.zeros((), jnp.int32)
