@@ -526,7 +526,9 @@ def prepare(cfg: sim.SimConfig, wl: Workload, page_size: int) -> Prepared:
       wl.arrival, wl.group, wl.prompt, wl.output,
       wl.prefix_len if wl.prefix_len.size else np.zeros(1))))
   backend = jax.default_backend()
-  branches = os.environ.get("JAX_KVALLOC_SIM_BRANCHES", "cond" if backend == "cpu" else "cond")
+  # "cond": lax.cond/switch skip the work a step does not need; "masked": no branch,
+  # every operation every step (for comparison where a branch costs a host sync).
+  branches = os.environ.get("JAX_KVALLOC_SIM_BRANCHES", "cond")
   kw = dict(steps_per_call=cfg.steps_per_call, runs_every=cfg.runs_every,
             branch=branches == "cond")
   t0 = time.perf_counter()
@@ -591,9 +593,9 @@ def run_page_size(cfg: sim.SimConfig, wl: Workload, prep: Prepared,
   bar.close()
   sched = carry.sched
   if int(sched.error) == ERR_STUCK:
+    waiting = int(np.sum(wl.arrival <= int(sched.clock))) - int(sched.head)
     raise RuntimeError(f"scheduler stuck at step {step_no - 1} (page_size={page_size}): "
-                       f"{int(jnp.searchsorted(dwl.arrival, sched.clock, side='right')) - int(sched.head)}"
-                       f" requests wait and none can be admitted")
+                       f"{waiting} requests wait and none can be admitted")
   records = np.concatenate(chunks) if chunks else np.zeros((0, len(steps.RECORD)), np.int64)
   res.requests_done = int(sched.done)
   res.sim_time = int(sched.clock)
