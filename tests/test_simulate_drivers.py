@@ -66,10 +66,10 @@ def test_drivers_make_the_same_decisions(ps, need_sort, share):
   if share:
     assert res.prefix_hits > 0
     assert res.evictions > 0, "the workload should make admission evict cached prefixes"
+    # The pool, not the rows, limited admission at times (cached prefixes fill it).
+    assert res.peak_reserved > 0.8
   else:
     assert res.prefix_hits == 0 and res.evictions == 0
-  # Admission waited for room at least once (the pool was the limit, not the rows).
-  assert res.peak_reserved > 0.8
   assert np.all(res.records[:, c["ok"]] == 1)
 
 
