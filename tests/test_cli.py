@@ -3,6 +3,7 @@ and the leak check firing on deliberately broken runs."""
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -49,7 +50,8 @@ def test_simulate_json_plot_and_table(tmp_path, capsys):
     assert r["leak_check"].startswith("ok"), r["leak_check"]
     assert r["alloc_failures"] == 0 and r["requests_done"] == 40
     assert r["prefix_hits"] > 0
-    assert len(r["usage"]) == r["steps"] == len(r["step_us"])
+    assert len(r["usage"]) == r["steps"] == len(r["step_us"]) == len(r["records"]["rows"])
+    assert r["driver"] == "device" and r["calls"] >= 1
     assert 0 < r["peak_usage"] <= 1 and r["mean_usage"] <= r["peak_usage"]
     # Whole pages only: the table's pages match the request count's page total minus
     # what the prefix cache saved.
@@ -62,7 +64,7 @@ def test_simulate_json_plot_and_table(tmp_path, capsys):
 def test_simulate_exact_page_accounting_without_sharing():
   # No shared prefixes: every request allocates exactly its prompt + output tokens, in
   # exactly ceil(total / page_size) pages however its prefill was chunked.
-  cfg = dataclasses.replace(TINY_CFG, num_prefixes=0)
+  cfg = dataclasses.replace(TINY_CFG, share_prob=0.0)  # same shapes: no new compile
   res = simulate.run(cfg, progress=False).results[0]
   wl = cfg.workload()
   assert res.tokens_allocated == int(np.sum(wl.prompt + wl.output))
@@ -80,25 +82,26 @@ def test_leak_check_fires_on_a_dropped_free(capsys):
 
 
 def test_leak_check_fires_when_the_device_free_loses_pages(monkeypatch):
-  # A broken free group (the device frees one page too few per request) must be caught
-  # even though the scheduler's own bookkeeping is right.
-  real = simulate_steps.free_group_indices
+  # A broken free group (the device frees one page too few of the first row it releases)
+  # must be caught although the scheduler's own bookkeeping is right: the device driver
+  # compares the pool with its count inside the loop, every step.
+  from jax_kvalloc import request_table  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import simulate_device  # pylint: disable=g-import-not-at-top
+  real = request_table.release_rows
 
-  def lossy(config, table, frees):
-    idx = real(config, table, frees)
-    return idx.at[0].set(0)
+  def lossy(config, state, table, rows, *, num_rows=None):
+    first = jnp.where(num_rows > 0, rows[0], table.lens.shape[0])
+    table = table._replace(owned_from=table.owned_from.at[first].add(1, mode="drop"))
+    return real(config, state, table, rows, num_rows=num_rows)
 
-  steps = (simulate_steps.prefill_step, simulate_steps.decode_step)
-  monkeypatch.setattr(simulate_steps, "free_group_indices", lossy)
-  for fn in steps:   # drop compiled steps that traced the real free group
-    fn.clear_cache()
+  monkeypatch.setattr(request_table, "release_rows", lossy)
+  simulate_device.run_steps.clear_cache()  # drop compiled loops that traced the real one
   cfg = dataclasses.replace(TINY_CFG, num_requests=12)
   try:
-    with pytest.raises(simulate.LeakCheckError, match="leak check failed"):
+    with pytest.raises(simulate.LeakCheckError, match="leak check failed at step"):
       simulate.run(cfg, progress=False)
   finally:
-    for fn in steps:  # and the lossy ones, for the tests that follow
-      fn.clear_cache()
+    simulate_device.run_steps.clear_cache()  # and the lossy ones, for the tests after
 
 
 def test_free_list_runs():

@@ -80,6 +80,11 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
   a("--max-prefill-reqs", type=int, default=d.max_prefill_reqs, help="requests per prefill")
   a("--max-frees", type=int, default=d.max_frees, help="rows freed per free group")
   a("--seed", type=int, default=d.seed)
+  a("--driver", choices=("device", "host"), default=d.driver,
+    help="device: the scheduler runs on the device, --steps-per-call steps per host "
+    "round trip; host: the host schedules and launches one jitted call per step")
+  a("--steps-per-call", type=int, default=d.steps_per_call,
+    help="scheduler iterations per jitted call (device driver)")
   a("--kernel", choices=("auto", "pallas", "jnp", "pallas_interpret"), default=d.kernel,
     help="index-kernel path (auto: Pallas on GPU/TPU, jnp on CPU)")
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "
@@ -105,7 +110,8 @@ def run_simulate(args) -> int:
       prefix_len=args.prefix_len, share_prob=args.share_prob,
       max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
       max_prefill_reqs=args.max_prefill_reqs, max_frees=args.max_frees, seed=args.seed,
-      kernel=args.kernel, inject_leak=args.inject_leak)
+      kernel=args.kernel, driver=args.driver, steps_per_call=args.steps_per_call,
+      inject_leak=args.inject_leak)
   if args.plot:
     report.pyplot()  # fail before the run, not after it
   progress = not args.no_progress

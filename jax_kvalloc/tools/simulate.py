@@ -2,23 +2,27 @@
 
 Requests arrive (jax_kvalloc.workload), share prefixes through a small prefix cache,
 prefill in chunked batches, decode one token per step, finish and are freed, all on the
-default JAX device. The device half of each scheduler iteration is one jitted call
-(jax_kvalloc.tools.simulate_steps); this module is the host half: a scheduler that, like
-SGLang's, runs a prefill batch whenever requests can be admitted and a decode batch
-otherwise, and frees each iteration's finished requests and evicted cache entries in one
-free group.
+default JAX device, through the request table (SPEC 11). Two drivers run the same
+policy and make the same decisions:
 
-Admission control is exact: the host mirrors the pool's page count with the same
+- `--driver device` (default; jax_kvalloc.tools.simulate_device): the scheduler runs on
+  the device, K steps per jitted call;
+- `--driver host` (this module's `_Simulation`): a host scheduler that, like SGLang's,
+  runs a prefill batch whenever requests can be admitted and a decode batch otherwise,
+  and frees each iteration's finished requests and evicted cache entries in one free
+  group; each step is one jitted call (jax_kvalloc.tools.simulate_steps).
+
+Admission control is exact: the scheduler counts the pool's pages with the same
 arithmetic the allocator uses (ceil(seq/ps) - ceil(pre/ps) new pages per request) and
 admits a request only when its whole lifetime, prompt plus output, fits in the free pages
-not yet promised to running requests (evicting unused cached prefixes, least recently
-used first, when that helps). So no allocation may fail, and the host never waits for
-the device to learn that: each step's status (ok, the device's page count) is checked
-against the mirror STATUS_LAG steps later, when the device has long finished it, so the
-host keeps launching steps ahead of the device (the free-list census, `runs`, is read at
-the end for the same reason). The run ends with every remaining status checked and a
-leak check that the free list, the release list and the pages still held partition the
-pool exactly.
+not yet promised to running requests; the first request that does not fit may evict
+unused cached prefixes, least recently used first, and is then the iteration's last
+admission. So no allocation may fail. The host driver never waits for the device to learn
+that: each step's status (ok, the device's page count, a checksum of its slots) is
+checked against the count STATUS_LAG steps later, when the device has long finished it
+(the free-list census, `runs`, is read at the end for the same reason); the device driver
+checks every step inside its loop. The run ends with a leak check that the free list, the
+release list and the pages the prefix cache holds partition the pool exactly.
 
 Run once per page size on the same requests, it answers the seed write-up's question:
 what a larger page costs in slots allocated but unused inside pages (internal
@@ -36,16 +40,18 @@ import jax
 import numpy as np
 
 from jax_kvalloc.tools import simulate_steps as steps
+from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
-from jax_kvalloc.tools.workload import Workload, make_workload
+from jax_kvalloc.tools.workload import Workload, make_workload, parse_dist
 
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
 # Steps between launching a step and reading its status: by then the device has run it,
 # so the read does not wait (a read of the newest status would, every step).
 STATUS_LAG = 8
+DRIVERS = ("device", "host")
 
 
 class LeakCheckError(RuntimeError):
@@ -74,6 +80,8 @@ class SimConfig:
   kernel: str = "auto"
   runs_every: int = 16
   max_steps: int = 1_000_000
+  driver: str = "device"     # "device": K steps per call, planned on the device; "host"
+  steps_per_call: int = 256  # K (device driver)
   inject_leak: bool = False  # test hook: the first finished request's free is dropped
 
   def workload(self) -> Workload:
@@ -90,6 +98,7 @@ class PageSizeResult:
   page_size: int
   num_pages: int
   kernel: str
+  driver: str = "host"
   steps: int = 0
   prefill_steps: int = 0
   decode_steps: int = 0
@@ -109,17 +118,24 @@ class PageSizeResult:
   runs_final: int = 0
   free_pages_final: int = 0
   in_use_final: int = 0
-  step_us_p50: float = 0.0       # host time to launch a step (no wait: see STATUS_LAG)
+  evictions: int = 0
+  step_us_p50: float = 0.0       # host driver: host time to launch a step (no wait)
   step_us_p99: float = 0.0
   step_wall_us: float = 0.0      # wall time / steps: the throughput, device included
   prefill_us_p50: float = 0.0
   decode_us_p50: float = 0.0
+  steps_per_call: int = 1        # device driver: K
+  calls: int = 0                 # device driver: jitted calls (host round trips)
   compile_s: float = 0.0
-  wall_s: float = 0.0
+  compile_options: str = "default"
+  wall_s: float = 0.0            # the run, compile excluded
   leak_check: str = "not run"
   usage: List[float] = dataclasses.field(default_factory=list, repr=False)
   step_us: List[float] = dataclasses.field(default_factory=list, repr=False)
   step_kind: List[str] = dataclasses.field(default_factory=list, repr=False)
+  records: Any = dataclasses.field(default=None, repr=False)  # i64[steps, RECORD]
+  free_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
+  release_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
 
 
 
@@ -127,35 +143,79 @@ def _pct(x: Sequence[float], q: float) -> float:
   return float(np.percentile(np.asarray(x, np.float64), q)) if len(x) else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static sizes of one page size's run (both drivers use the same)."""
+  acfg: AllocatorConfig
+  rows: int          # R request rows (max_running, bucketed)
+  groups: int        # G prefix-cache rows, one per group, after the request rows
+  batch: int         # B requests per prefill
+  tokens: int        # T prefill token budget (the extend's slot array)
+  frees: int         # F rows per free group
+  width: int         # page columns per table row
+  prefix_width: int  # page columns a cached prefix can span
+
+  @property
+  def num_pages(self) -> int:
+    return self.acfg.num_pages
+
+
+def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
+  """The static sizes; ValueError when a request cannot fit in the pool at all."""
+  kind = "token" if page_size == 1 else "paged"
+  acfg = AllocatorConfig(size=cfg.pool_size, page_size=page_size, need_sort=cfg.need_sort,
+                         kind=kind, kernel=cfg.kernel)
+  need = cdiv(wl.prompt + wl.output, page_size)
+  if need.size and int(need.max()) > acfg.num_pages:
+    i = int(np.argmax(need))
+    raise ValueError(
+        f"request {i} needs {int(need[i])} pages ({int(wl.prompt[i] + wl.output[i])} "
+        f"tokens) at page_size={page_size}, but the pool has only {acfg.num_pages}; "
+        f"raise --pool-size or shorten the length distributions")
+  # Widths from the distributions' bounds, not from the draws: every seed and share
+  # probability of one config has the same shapes (and compiles once).
+  prefix_hi = parse_dist(cfg.prefix_len).hi if cfg.num_prefixes > 0 else 0
+  longest = parse_dist(cfg.prompt_len).hi + prefix_hi + parse_dist(cfg.output_len).hi
+  return Layout(acfg=acfg, rows=bucket(cfg.max_running, 1), groups=max(cfg.num_prefixes, 1),
+                batch=bucket(cfg.max_prefill_reqs, 1),
+                tokens=bucket(cfg.max_prefill_tokens, 1), frees=max(cfg.max_frees, 1),
+                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
+                prefix_width=max(1, cdiv(prefix_hi, page_size)))
+
+
+def init_pool(lay: Layout):
+  """(state, table) of an empty pool and table."""
+  state = jax.jit(st.init, static_argnums=0)(lay.acfg)
+  table = jax.jit(rt.init_table, static_argnums=(0, 1, 2))(
+      lay.acfg, lay.rows + lay.groups, lay.width)
+  return state, table
+
+
+def leak_error(ps: int, step: int, device_pages: int, expected: int) -> LeakCheckError:
+  return LeakCheckError(
+      f"leak check failed at step {step} (page_size={ps}): the device has "
+      f"{device_pages} free + released pages, the scheduler's accounting expects "
+      f"{expected} (difference {device_pages - expected})")
+
+
+def failed_error(ps: int, step: int, pages: int) -> LeakCheckError:
+  return LeakCheckError(
+      f"allocation failed at step {step} (page_size={ps}) although admission "
+      f"control had reserved its pages ({pages} free + released on the device)")
+
+
 class _Simulation:
-  """One page size: host scheduler state plus the device state and token table."""
+  """One page size under the host scheduler: a numpy mirror of the requests, one jitted
+  call (simulate_steps.prefill_step / decode_step) per step."""
 
   def __init__(self, cfg: SimConfig, wl: Workload, page_size: int, progress: bool):
     self.cfg, self.wl, self.ps = cfg, wl, page_size
-    kind = "token" if page_size == 1 else "paged"
-    self.acfg = AllocatorConfig(size=cfg.pool_size, page_size=page_size,
-                                need_sort=cfg.need_sort, kind=kind, kernel=cfg.kernel)
-    self.num_pages = self.acfg.num_pages
-    self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel)
+    self.lay = lay = make_layout(cfg, wl, page_size)
+    self.acfg, self.num_pages = lay.acfg, lay.num_pages
+    self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel, driver="host")
     self.progress = progress
-    # A lax.cond skips empty copies/free groups on CPU; on GPU reading its predicate
-    # back costs more than the work it skips.
-    self.skip_empty = jax.default_backend() == "cpu"
-    r = self.R = bucket(cfg.max_running, 1)
-    g = self.G = max(cfg.num_prefixes, 1)
-    self.B = bucket(cfg.max_prefill_reqs, 1)
-    self.T = bucket(cfg.max_prefill_tokens, 1)
-    self.F = max(cfg.max_frees, 1)
-    self.ctx = cdiv(max(wl.max_context, 1), 64) * 64
-    longest_prefix = int(wl.prefix_len.max()) if wl.prefix_len.size else 1
-    self.copy_width = cdiv(max(longest_prefix, 1), 64) * 64
-    need = cdiv(wl.prompt + wl.output, page_size)
-    if need.size and int(need.max()) > self.num_pages:
-      i = int(np.argmax(need))
-      raise ValueError(
-          f"request {i} needs {int(need[i])} pages ({int(wl.prompt[i] + wl.output[i])} "
-          f"tokens) at page_size={page_size}, but the pool has only {self.num_pages}; "
-          f"raise --pool-size or shorten the length distributions")
+    r, g = self.R, self.G = lay.rows, lay.groups
+    self.B, self.T, self.F = lay.batch, lay.tokens, lay.frees
     # Host mirror, one entry per request row.
     self.req = np.full(r, -1, np.int64)
     self.phase = np.zeros(r, np.int64)
@@ -168,14 +228,14 @@ class _Simulation:
     self.hit = np.zeros(r, bool)           # holds a reference on its group's cache entry
     self.reserved = np.zeros(r, np.int64)  # pages of its own it may ever hold
     self.admitted_at = np.zeros(r, np.int64)
-    # Prefix cache, one entry per group; its tokens live in table row R + g.
+    # Prefix cache, one entry per group; its pages are owned by table row R + g.
     self.cache_tokens = np.zeros(g, np.int64)
     self.refcount = np.zeros(g, np.int64)
     self.last_used = np.full(g, -1, np.int64)
     self.free_pages = self.num_pages       # mirror of free_len + release_len
-    self.pending_free: collections.deque = collections.deque()  # (row, start, end, pages)
-    self.pending_copy_out: List[Tuple[int, int, int]] = []
+    self.pending_free: collections.deque = collections.deque()  # (row, pages, forget)
     self.leak_injected = False
+    self.records: List[List[int]] = []
 
   # -- accounting ---------------------------------------------------------------------
   def held(self) -> np.ndarray:
@@ -189,7 +249,7 @@ class _Simulation:
     return int(np.sum(np.where(live, self.reserved - self.held(), 0)))
 
   # -- planning -----------------------------------------------------------------------
-  def _evict_for(self, need: int, avail: int, keep: int, frees: list) -> int:
+  def _evict_for(self, need: int, avail: int, keep: int, frees: list, evicted: list) -> int:
     """Evicts unused cache entries (LRU, never `keep`) until need fits; returns avail."""
     order = np.argsort(self.last_used, kind="stable")
     cand = [int(h) for h in order if self.cache_tokens[h] > 0 and self.refcount[h] == 0
@@ -201,15 +261,19 @@ class _Simulation:
       if avail >= need or len(frees) >= self.F:
         break
       p = int(self.cache_tokens[h]) // self.ps
-      frees.append((self.R + h, 0, int(self.cache_tokens[h]), p))
+      frees.append((self.R + h, p, False))
+      evicted.append(h)
       self.cache_tokens[h] = 0
       avail += p
       self.free_pages += p
     return avail
 
-  def plan_prefill(self, waiting: collections.deque, frees: list, clock: int):
-    """A prefill batch [(row, pre, seq)] plus copy-ins, admitting from `waiting`."""
-    batch, copy_in = [], []
+  def plan_prefill(self, waiting: collections.deque, frees: list, evicted: list,
+                   clock: int):
+    """A prefill batch [(row, tokens)] and borrows [(row, cache row, pages)], admitting
+    from `waiting` in arrival order; a request admitted by evicting cached prefixes is
+    the iteration's last admission."""
+    batch, borrow = [], []
     budget = self.T
     avail = self.free_pages - self.committed()
     rows = np.flatnonzero(self.phase == PREFILL)
@@ -217,7 +281,7 @@ class _Simulation:
       if len(batch) == self.B or budget == 0:
         break
       chunk = int(min(self.prompt[r] - self.seq[r], budget))
-      batch.append((int(r), int(self.seq[r]), int(self.seq[r]) + chunk))
+      batch.append((int(r), chunk))
       budget -= chunk
     while waiting and len(batch) < self.B and budget > 0:
       empty = np.flatnonzero(self.phase == EMPTY)
@@ -229,8 +293,9 @@ class _Simulation:
       pre0 = int(self.cache_tokens[g]) if hit else 0
       total = int(self.wl.prompt[q] + self.wl.output[q])
       need = cdiv(total, self.ps) - pre0 // self.ps
-      if need > avail:
-        avail = self._evict_for(need, avail, g, frees)
+      last = need > avail
+      if last:
+        avail = self._evict_for(need, avail, g, frees, evicted)
         if need > avail:
           break
       waiting.popleft()
@@ -243,116 +308,96 @@ class _Simulation:
       if hit:
         self.refcount[g] += 1
         self.last_used[g] = clock
-        self.res.prefix_hits += 1
-        copy_in.append((self.R + g, r, pre0))
+        borrow.append((r, self.R + g, pre0 // self.ps))
       chunk = int(min(self.prompt[r] - pre0, budget))
-      batch.append((r, pre0, pre0 + chunk))
+      batch.append((r, chunk))
       budget -= chunk
-    return batch, copy_in
+      if last:
+        break
+    return batch, borrow
 
   def pop_frees(self) -> list:
     frees = []
     while self.pending_free and len(frees) < self.F:
-      row, start, end, pages = self.pending_free.popleft()
-      frees.append((row, start, end, pages))
+      row, pages, forget = self.pending_free.popleft()
+      frees.append((row, pages, forget))
       self.free_pages += pages
-      if row < self.R:
-        self.phase[row] = EMPTY
-        self.req[row] = -1
+      self.phase[row] = EMPTY
+      self.req[row] = -1
     return frees
 
   # -- device calls -------------------------------------------------------------------
-  def _copies(self, entries) -> np.ndarray:
-    c = np.zeros((3, self.B), np.int32)
-    for i, e in enumerate(entries):
-      c[:, i] = e
-    return c
+  def _plan(self, frees, borrow, rows, n, ins) -> steps.Plan:
+    def col(entries, i, size, fill=0):
+      out = np.full(size, fill, np.int32)
+      out[:len(entries)] = [e[i] for e in entries]
+      return out
+    forget = [row for row, _, f in frees if f]
+    b = self.B
+    return steps.Plan(
+        free_rows=col(frees, 0, self.F), num_free=len(frees),
+        forget_row=forget[0] if forget else -1,
+        borrow_rows=col(borrow, 0, b), borrow_src=col(borrow, 1, b),
+        borrow_pages=col(borrow, 2, b), num_borrow=len(borrow),
+        rows=np.asarray(rows, np.int32), n=np.asarray(n, np.int32),
+        num_rows=self._num_rows,
+        ins_rows=col(ins, 0, b), ins_dst=col(ins, 1, b), ins_pages=col(ins, 2, b),
+        num_ins=len(ins))
 
-  def _frees(self, entries) -> np.ndarray:
-    f = np.zeros((3, self.F), np.int32)
-    for i, (row, start, end, _) in enumerate(entries):
-      f[:, i] = (row, start, end)
-    return f
-
-  def _batch(self, rows, pre, seq, size) -> np.ndarray:
-    """rows, pre, seq padded to `size`, then the number of real rows."""
-    b = np.zeros(3 * size + 1, np.int32)
-    n = len(rows)
-    b[:n], b[size:size + n], b[2 * size:2 * size + n], b[-1] = rows, pre, seq, n
-    return b
-
-  def _run(self, fn, *parts, **kw) -> Tuple[Any, float]:
-    """Launches one step; returns its status (i32[2] device array: ok, free + released
-    pages), unread, and the host time the launch took (us)."""
-    packed = steps.pack(*parts)
+  def _run(self, plan: steps.Plan, prefill: bool) -> Tuple[Any, float]:
+    """Launches one step; returns its status (i32[3] device array), unread, and the host
+    time the launch took (us)."""
+    packed = steps.pack_plan(plan)
+    n = self.B if prefill else self.R
+    fn = steps.prefill_step if prefill else steps.decode_step
     t0 = time.perf_counter()
-    self.state, self.table, status = fn(self.acfg, self.state, self.table, packed,
-                                        copy_width=self.copy_width,
-                                        skip_empty=self.skip_empty, **kw)
+    self.state, self.table, status = fn(
+        self.acfg, self.state, self.table, packed,
+        sizes=steps.plan_sizes(self.F, self.B, n), max_tokens=self.T,
+        prefix_width=self.lay.prefix_width)
     return status, (time.perf_counter() - t0) * 1e6
-
-  def _expect(self, status, pages_after: int) -> None:
-    """Queues a step's status for the lagged check (the step is assumed to succeed:
-    admission control makes every allocation fit)."""
-    self.pending_status.append((self.res.steps, pages_after, status))
-    self._check_statuses(STATUS_LAG)
 
   def _check_statuses(self, lag: int) -> None:
     """Checks the queued statuses older than `lag` steps (0: all; waits for them)."""
     while len(self.pending_status) > lag:
-      step, pages_after, status = self.pending_status.popleft()
-      ok, pages = (int(v) for v in np.asarray(status))
+      step, status = self.pending_status.popleft()
+      ok, pages, check = (int(v) for v in np.asarray(status))
+      rec = self.records[step - 1]
+      rec[steps.COL["ok"]], rec[steps.COL["device_pages"]] = ok, pages
+      rec[steps.COL["checksum"]] = check
       if not ok:
-        raise LeakCheckError(
-            f"allocation failed at step {step} (page_size={self.ps}) although admission "
-            f"control had reserved its pages ({pages} free + released on the device)")
-      self._check_pages(step, pages, pages_after)
-
-  def _prefill_call(self, copy_out, frees, copy_in, batch) -> Tuple[Any, float]:
-    return self._run(steps.prefill_step, self._copies(copy_out), self._frees(frees),
-                     self._copies(copy_in), batch, max_tokens=self.T,
-                     sizes=(self.B, self.F, self.B))
-
-  def _decode_call(self, copy_out, frees, batch) -> Tuple[Any, float]:
-    return self._run(steps.decode_step, self._copies(copy_out), self._frees(frees), batch,
-                     sizes=(self.B, self.F, self.R))
-
-  def _check_pages(self, step: int, device_pages: int, expected: int) -> None:
-    if device_pages != expected:
-      raise LeakCheckError(
-          f"leak check failed at step {step} (page_size={self.ps}): the device has "
-          f"{device_pages} free + released pages, the scheduler's accounting expects "
-          f"{expected} (difference {device_pages - expected})")
+        raise failed_error(self.ps, step, pages)
+      if pages != self.num_pages - rec[steps.COL["used"]]:
+        raise leak_error(self.ps, step, pages, self.num_pages - rec[steps.COL["used"]])
 
   def warm_up(self) -> None:
-    """Compiles both step functions on all-padding inputs (the state is unchanged)."""
+    """Compiles both step functions on all-padding plans (the pool is unchanged)."""
     t0 = time.perf_counter()
-    self.state = jax.jit(st.init, static_argnums=0)(self.acfg)
-    self.table = jax.numpy.zeros((self.R + self.G, self.ctx), jax.numpy.int32)
-    s1, _ = self._prefill_call([], [], [], self._batch([], [], [], self.B))
-    s2, _ = self._decode_call([], [], self._batch([], [], [], self.R))
-    (ok1, p1), (ok2, p2) = np.asarray(s1).tolist(), np.asarray(s2).tolist()
+    self.state, self.table = init_pool(self.lay)
+    statuses = []
+    for prefill in (True, False):
+      n = self.B if prefill else self.R
+      self._num_rows = 0
+      plan = self._plan([], [], np.zeros(n), np.zeros(n), [])
+      statuses.append(self._run(plan, prefill)[0])
+    got = [np.asarray(s).tolist()[:2] for s in statuses]
     self.pending_status = collections.deque()
-    if not (ok1 and ok2 and p1 == p2 == self.num_pages):
-      raise RuntimeError(f"warm-up changed the pool: ok={ok1, ok2}, pages={p1, p2}")
-    jax.block_until_ready(steps.free_list_runs(self.state))
+    if got != [[1, self.num_pages]] * 2:
+      raise RuntimeError(f"warm-up changed the pool: {got}")
+    jax.block_until_ready(steps.free_list_runs_jit(self.state))
     self.res.compile_s = time.perf_counter() - t0
 
   # -- the loop -----------------------------------------------------------------------
   def run(self) -> PageSizeResult:
-    import tqdm  # pylint: disable=g-import-not-at-top
     cfg, wl, res, ps = self.cfg, self.wl, self.res, self.ps
     n = wl.num_requests
-    bar = tqdm.tqdm(total=n, desc=f"page_size={ps} (compiling)", unit="req",
-                    disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
-                    leave=False)
+    bar = progress_bar(n, ps, self.progress)
     self.warm_up()
     bar.set_description(f"page_size={ps}")
     t_start = time.perf_counter()
     waiting: collections.deque = collections.deque()
     nxt, clock, runs = 0, 0, []
-    waste, running = [], []
-    while res.requests_done < n or self.pending_free or self.pending_copy_out:
+    while res.requests_done < n or self.pending_free:
       if res.steps >= cfg.max_steps:
         raise RuntimeError(f"no progress after {res.steps} steps (page_size={ps}); "
                            f"waiting={len(waiting)}")
@@ -360,14 +405,15 @@ class _Simulation:
         waiting.append(nxt)
         nxt += 1
       frees = self.pop_frees()
-      batch, copy_in = self.plan_prefill(waiting, frees, clock) if waiting or (
+      evicted: List[int] = []
+      before = len(waiting)
+      batch, borrow = self.plan_prefill(waiting, frees, evicted, clock) if waiting or (
           self.phase == PREFILL).any() else ([], [])
-      copy_out, self.pending_copy_out = self.pending_copy_out, []
       decoding = np.flatnonzero(self.phase == DECODE)
       if batch:
-        ok = self._prefill(batch, copy_out, frees, copy_in)
-      elif decoding.size or frees or copy_out:
-        ok = self._decode(decoding, copy_out, frees, bar)
+        rec = self._prefill(batch, frees, borrow)
+      elif decoding.size or frees:
+        rec = self._decode(decoding, frees, bar)
       else:
         if nxt >= n and not waiting:
           break
@@ -378,87 +424,83 @@ class _Simulation:
         continue
       clock += 1
       res.steps += 1
-      res.alloc_failures += 0 if ok else 1
+      rec["admitted"] = before - len(waiting)
+      rec["hits"] = len(borrow)
+      rec["evicted"] = len(evicted)
+      rec["evict_code"] = sum((g + 1) << j for j, g in enumerate(evicted))
       used = self.num_pages - self.free_pages
-      res.usage.append(used / self.num_pages)
-      held = self.held()
       live = self.phase != EMPTY
-      w = int(np.sum(np.where(live, held * ps - (self.seq - self.own), 0)))
-      waste.append((w, max(used * ps, 1)))
-      running.append(int(np.sum(live)))
-      res.peak_reserved = max(res.peak_reserved,
-                              (used + self.committed()) / self.num_pages)
+      rec["used"] = used
+      rec["waste"] = int(np.sum(np.where(live, self.held() * ps - (self.seq - self.own), 0)))
+      rec["running"] = int(np.sum(live))
+      rec["committed"] = self.committed()
+      rec["runs"] = -1
       if res.steps % cfg.runs_every == 0:
-        runs.append(steps.free_list_runs(self.state))  # read at the end: no wait here
+        runs.append((res.steps, steps.free_list_runs_jit(self.state)))  # read at the end
+      self.records.append([rec.get(k, 0) for k in steps.RECORD])
+      self._check_statuses(STATUS_LAG)
     self._check_statuses(0)
     bar.close()
     res.wall_s = time.perf_counter() - t_start
+    for step, value in runs:
+      self.records[step - 1][steps.COL["runs"]] = int(value)
+    res.runs_final = int(steps.free_list_runs_jit(self.state))
     res.sim_time = clock
-    res.runs_final = int(steps.free_list_runs(self.state))
-    runs = [int(r) for r in runs] + [res.runs_final]
-    res.runs_mean = float(np.mean(runs))
-    res.peak_usage = max(res.usage, default=0.0)
-    res.mean_usage = float(np.mean(res.usage)) if res.usage else 0.0
-    res.mean_running = float(np.mean(running)) if running else 0.0
-    if waste:
-      wa = np.asarray(waste, np.float64)
-      res.waste_mean = float(np.mean(wa[:, 0] / wa[:, 1]))
-      res.waste_peak_slots = int(wa[:, 0].max())
+    finish_result(res, np.asarray(self.records, np.int64).reshape(-1, len(steps.RECORD)))
     res.step_us_p50, res.step_us_p99 = _pct(res.step_us, 50), _pct(res.step_us, 99)
-    res.step_wall_us = res.wall_s * 1e6 / max(res.steps, 1)
     kinds = np.asarray(res.step_kind)
     times = np.asarray(res.step_us)
     res.prefill_us_p50 = _pct(times[kinds == "prefill"], 50)
     res.decode_us_p50 = _pct(times[kinds == "decode"], 50)
-    self.final_leak_check()
+    final_leak_check(res, self.lay, self.state, self.table, self.cache_tokens)
     return res
 
-  def _prefill(self, batch, copy_out, frees, copy_in) -> bool:
-    rows, pre, seq = (np.array(c, np.int64) for c in zip(*batch))
-    pages = int(np.sum(steps.new_pages(pre, seq, self.ps)))
-    status, us = self._prefill_call(copy_out, frees, copy_in,
-                                    self._batch(rows, pre, seq, self.B))
+  def _prefill(self, batch, frees, borrow) -> Dict[str, int]:
+    rows, n = (np.array(c, np.int64) for c in zip(*batch))
+    pre = self.seq[rows]
+    pages = int(np.sum(steps.new_pages(pre, pre + n, self.ps)))
+    self.seq[rows] = pre + n
+    ins = []
+    for r in rows[self.seq[rows] == self.prompt[rows]]:
+      self.phase[r] = DECODE
+      ins.extend(self._maybe_insert(int(r)))
+    self._num_rows = len(batch)
+    plan = self._plan(frees, borrow, np.pad(rows, (0, self.B - rows.size)),
+                      np.pad(n, (0, self.B - n.size)), ins)
+    status, us = self._run(plan, True)
+    self.pending_status.append((self.res.steps + 1, status))
     self.res.step_us.append(us)
     self.res.step_kind.append("prefill")
     self.free_pages -= pages
-    self._expect(status, self.free_pages)
-    self.res.prefill_steps += 1
-    self.res.tokens_allocated += int(np.sum(seq - pre))
-    self.res.pages_allocated += pages
-    self.seq[rows] = seq
-    for r in rows[seq == self.prompt[rows]]:
-      self.phase[r] = DECODE
-      self._maybe_insert(int(r))
-    return True
+    return {"kind": steps.KIND_PREFILL, "tokens": int(np.sum(n)), "pages": pages}
 
-  def _maybe_insert(self, r: int) -> None:
+  def _maybe_insert(self, r: int) -> list:
     """Hands the whole pages of a freshly prefilled shared prefix to the cache."""
     g = int(self.group[r])
     if g < 0 or self.hit[r] or self.cache_tokens[g] > 0 or self.own[r] != 0:
-      return
+      return []
     aligned = int(self.wl.prefix_len[g]) // self.ps * self.ps
     if aligned == 0:
-      return
+      return []
     self.cache_tokens[g] = aligned
     self.own[r] = aligned
     self.reserved[r] -= aligned // self.ps
     self.hit[r] = True
     self.refcount[g] = 1
     self.last_used[g] = self.admitted_at[r]
-    self.pending_copy_out.append((r, self.R + g, aligned))
+    return [(r, self.R + g, aligned // self.ps)]
 
-  def _decode(self, rows, copy_out, frees, bar) -> bool:
+  def _decode(self, rows, frees, bar) -> Dict[str, int]:
     seq = self.seq[rows] + 1
     pages = int(np.sum(steps.new_pages(self.seq[rows], seq, self.ps)))
-    status, us = self._decode_call(copy_out, frees,
-                                   self._batch(rows, seq - 1, seq, self.R))
+    self._num_rows = rows.size
+    plan = self._plan(frees, [], np.pad(rows, (0, self.R - rows.size)),
+                      np.ones(self.R), [])
+    status, us = self._run(plan, False)
+    self.pending_status.append((self.res.steps + 1, status))
     self.res.step_us.append(us)
     self.res.step_kind.append("decode")
     self.free_pages -= pages
-    self._expect(status, self.free_pages)
-    self.res.decode_steps += 1
-    self.res.tokens_allocated += int(rows.size)
-    self.res.pages_allocated += pages
     self.seq[rows] = seq
     self.gen[rows] += 1
     done = rows[self.gen[rows] >= self.out[rows]]
@@ -467,49 +509,93 @@ class _Simulation:
       self.phase[r] = FREEING
       if self.hit[r]:
         self.refcount[self.group[r]] -= 1
-      start, end = int(self.own[r]), int(self.seq[r])
-      pages_held = cdiv(end, self.ps) - start // self.ps
-      if self.cfg.inject_leak and not self.leak_injected:
-        self.leak_injected = True
-        end = start  # the scheduler "forgets" to free this request's pages
-      self.pending_free.append((r, start, end, pages_held))
+      pages_held = cdiv(int(self.seq[r]), self.ps) - int(self.own[r]) // self.ps
+      forget = self.cfg.inject_leak and not self.leak_injected
+      self.leak_injected |= forget
+      self.pending_free.append((r, pages_held, forget))
     self.res.requests_done += int(done.size)
     if done.size:
       bar.update(int(done.size))
-    return True
+    return {"kind": steps.KIND_DECODE, "tokens": int(rows.size), "pages": pages,
+            "finished": int(done.size)}
 
-  def final_leak_check(self) -> None:
-    """free + released + held by the prefix cache must be exactly pages 1..num_pages."""
-    ps, res = self.ps, self.res
-    free = st.live_free_pages(self.state)
-    release = st.live_release_pages(self.state)
-    table = np.asarray(self.table[self.R:self.R + self.G])
-    held = []
-    for g in np.flatnonzero(self.cache_tokens > 0):
-      row = table[g, :int(self.cache_tokens[g])]
-      base = row[::ps]
-      if not np.array_equal(row, np.repeat(base, ps)[:row.size]
-                            + np.tile(np.arange(ps), base.size)[:row.size]):
-        raise LeakCheckError(f"cache entry {g} (page_size={ps}) is not made of whole "
-                             f"pages: {row[:2 * ps]}...")
-      held.append(base // ps)
-    held = np.concatenate(held) if held else np.zeros(0, np.int64)
-    everything = np.concatenate([free, release, held]).astype(np.int64)
-    res.free_pages_final = int(free.size + release.size)
-    res.in_use_final = int(held.size)
-    total = res.free_pages_final + res.in_use_final
-    uniq = np.unique(everything)
-    expected = np.arange(1, self.num_pages + 1)
-    if total != self.num_pages or not np.array_equal(uniq, expected):
-      missing = np.setdiff1d(expected, uniq).size
-      dup = everything.size - uniq.size
-      res.leak_check = "FAILED"
-      raise LeakCheckError(
-          f"leak check failed (page_size={ps}): free {res.free_pages_final} + in use "
-          f"{res.in_use_final} = {total} != total {self.num_pages} pages; "
-          f"{missing} pages missing, {dup} held twice")
-    res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "
-                      f"== {self.num_pages}")
+
+def progress_bar(n: int, ps: int, progress: bool):
+  import tqdm  # pylint: disable=g-import-not-at-top
+  return tqdm.tqdm(total=n, desc=f"page_size={ps} (compiling)", unit="req",
+                   disable=not progress, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def finish_result(res: PageSizeResult, records: np.ndarray) -> None:
+  """Fills the result's counts and series from the step records (simulate_steps.RECORD),
+  the same for both drivers; `res.runs_final` must be set."""
+  c = steps.COL
+  n = res.num_pages
+  res.records = records
+  kind = records[:, c["kind"]]
+  res.steps = int(kind.size)
+  res.prefill_steps = int(np.sum(kind == steps.KIND_PREFILL))
+  res.decode_steps = int(np.sum(kind == steps.KIND_DECODE))
+  res.prefix_hits = int(np.sum(records[:, c["hits"]]))
+  res.tokens_allocated = int(np.sum(records[:, c["tokens"]]))
+  res.pages_allocated = int(np.sum(records[:, c["pages"]]))
+  res.alloc_failures = int(np.sum(records[:, c["ok"]] == 0))
+  res.evictions = int(np.sum(records[:, c["evicted"]]))
+  used = records[:, c["used"]]
+  res.usage = (used / n).tolist()
+  res.peak_usage = float(used.max() / n) if used.size else 0.0
+  res.mean_usage = float(used.mean() / n) if used.size else 0.0
+  res.peak_reserved = (float((used + records[:, c["committed"]]).max() / n)
+                       if used.size else 0.0)
+  res.mean_running = float(records[:, c["running"]].mean()) if used.size else 0.0
+  if used.size:
+    waste = records[:, c["waste"]]
+    res.waste_mean = float(np.mean(waste / np.maximum(used * res.page_size, 1)))
+    res.waste_peak_slots = int(waste.max())
+  runs = records[:, c["runs"]]
+  runs = np.concatenate([runs[runs >= 0], [res.runs_final]])
+  res.runs_mean = float(np.mean(runs))
+  res.step_wall_us = res.wall_s * 1e6 / max(res.steps, 1)
+
+
+def final_leak_check(res: PageSizeResult, lay: Layout, state, table, cache_tokens) -> None:
+  """free + released + held by the prefix cache must be exactly pages 1..num_pages, and
+  every request row empty."""
+  ps, num_pages, r = lay.acfg.page_size, lay.num_pages, lay.rows
+  free = st.live_free_pages(state)
+  release = st.live_release_pages(state)
+  pages, lens, owned = (np.asarray(a) for a in table)
+  cache_tokens = np.asarray(cache_tokens)
+  held = []
+  for g in range(lay.groups):
+    want = int(cache_tokens[g])
+    if int(lens[r + g]) != want or (want and int(owned[r + g]) != 0):
+      raise LeakCheckError(f"cache entry {g} (page_size={ps}) holds {int(lens[r + g])} "
+                           f"tokens from column {int(owned[r + g])}, the scheduler "
+                           f"expects {want} from column 0")
+    held.append(pages[r + g, :want // ps])
+  if np.any(lens[:r]):
+    raise LeakCheckError(f"request rows still hold tokens at the end (page_size={ps}): "
+                         f"rows {np.flatnonzero(lens[:r]).tolist()}")
+  held = np.concatenate(held).astype(np.int64)
+  everything = np.concatenate([free, release, held]).astype(np.int64)
+  res.free_pages_final = int(free.size + release.size)
+  res.in_use_final = int(held.size)
+  res.free_list_final = free.tolist()
+  res.release_list_final = release.tolist()
+  total = res.free_pages_final + res.in_use_final
+  uniq = np.unique(everything)
+  expected = np.arange(1, num_pages + 1)
+  if total != num_pages or not np.array_equal(uniq, expected):
+    missing = np.setdiff1d(expected, uniq).size
+    dup = everything.size - uniq.size
+    res.leak_check = "FAILED"
+    raise LeakCheckError(
+        f"leak check failed (page_size={ps}): free {res.free_pages_final} + in use "
+        f"{res.in_use_final} = {total} != total {num_pages} pages; "
+        f"{missing} pages missing, {dup} held twice")
+  res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "
+                    f"== {num_pages}")
 
 
 @dataclasses.dataclass
@@ -544,10 +630,16 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
   """Runs the workload once per page size. Raises LeakCheckError on a leak."""
   if not cfg.page_sizes:
     raise ValueError("page_sizes is empty")
+  if cfg.driver not in DRIVERS:
+    raise ValueError(f"driver must be one of {DRIVERS}, got {cfg.driver!r}")
+  if cfg.steps_per_call < 1:
+    raise ValueError(f"steps_per_call must be >= 1, got {cfg.steps_per_call}")
   wl = cfg.workload()
-  out = []
-  for ps in cfg.page_sizes:
-    out.append(_Simulation(cfg, wl, int(ps), progress).run())
+  if cfg.driver == "host":
+    out = [_Simulation(cfg, wl, int(ps), progress).run() for ps in cfg.page_sizes]
+  else:
+    from jax_kvalloc.tools import simulate_device  # pylint: disable=g-import-not-at-top
+    out = simulate_device.run_all(cfg, wl, progress)
   return SimResult(dataclasses.asdict(cfg), device_name(), versions(), out)
 
 
@@ -592,28 +684,38 @@ def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
       row("free-list runs (mean/final)", lambda r: f"{r.runs_mean:.0f} / {r.runs_final}"),
       row("step time p50 (us)", lambda r: f"{r.step_us_p50:.0f}"),
       row("step time p99 (us)", lambda r: f"{r.step_us_p99:.0f}"),
-      row("wall time per step (us)", lambda r: f"{r.step_wall_us:.0f}"),
-      row("prefill / decode p50 (us)",
-          lambda r: f"{r.prefill_us_p50:.0f} / {r.decode_us_p50:.0f}"),
+      row("wall time per step (us)", lambda r: f"{r.step_wall_us:.1f}"),
+      row("launch time per step p50 / p99 (us)",
+          lambda r: f"{r.step_us_p50:.0f} / {r.step_us_p99:.0f}"),
+      row("steps per host round trip", lambda r: f"{r.steps / max(r.calls, 1):.0f} "
+          f"({r.calls} calls of up to {r.steps_per_call})"),
       row("sim time (iterations)", lambda r: f"{r.sim_time}"),
-      row("wall time (s), compile (s)", lambda r: f"{r.wall_s:.1f}, {r.compile_s:.1f}"),
+      row("wall time (s), compile (s)", lambda r: f"{r.wall_s:.2f}, {r.compile_s:.1f}"),
       row("leak check", lambda r: r.leak_check),
   ]
+  if result.mode == "synthetic":
+    drop = {"step time p50 (us)", "step time p99 (us)"}
+    drop.add("steps per host round trip" if result.results and
+             result.results[0].driver == "host" else "launch time per step p50 / p99 (us)")
+    rows = [r for r in rows if r[0] not in drop]
   if result.mode == "trace":
     rows = [r for r in rows if r[0] not in _SYNTHETIC_ONLY]
     rename = {"steps (prefill/decode)": "ops (extend+alloc/decode)",
               "requests done": "traces replayed", "step time p50 (us)": "op time p50 (us)",
               "step time p99 (us)": "op time p99 (us)"}
     rows = [(rename.get(n, n), v) for n, v in rows
-            if n != "prefill / decode p50 (us)"]
+            if n not in ("launch time per step p50 / p99 (us)", "steps per host round trip")]
   return rows
 
 
 def to_json(result: SimResult, *, series: bool = True) -> Dict[str, Any]:
   d = dataclasses.asdict(result)
-  if not series:
-    for r in d["results"]:
-      for k in ("usage", "step_us", "step_kind"):
+  for r in d["results"]:
+    recs = r.pop("records")
+    if series and recs is not None:
+      r["records"] = {"columns": list(steps.RECORD), "rows": np.asarray(recs).tolist()}
+    if not series:
+      for k in ("usage", "step_us", "step_kind", "free_list_final", "release_list_final"):
         r.pop(k)
   return d
 
@@ -631,7 +733,9 @@ def plot(result: SimResult, path: str) -> None:
       ax2.plot(t, np.arange(1, t.size + 1) / t.size, lw=1, label=f"page_size={r.page_size}")
   ax1.set(xlabel="step", ylabel="pool usage (%)", title="Pool usage over time",
           ylim=(0, 105))
-  ax2.set(xlabel="step time (us, log)", ylabel="fraction of steps",
+  what = ("wall time per step of its call" if result.results and
+          result.results[0].driver == "device" else "launch time")
+  ax2.set(xlabel=f"{what} (us, log)", ylabel="fraction of steps",
           title="Per-step time (CDF)", xscale="log")
   for ax in (ax1, ax2):
     ax.grid(alpha=0.3)

@@ -1,200 +1,204 @@
-"""The jitted device half of `jax-kvalloc simulate`: one serving step as one XLA call.
+"""What one `jax-kvalloc simulate` step does to the pool: the request-table operations of
+a scheduler iteration, shared by both drivers.
 
-A step runs, in order, what a scheduler iteration does to the KV pool:
+A step, in order (SPEC 11's operations, jax_kvalloc.request_table):
 
-  1. copy-out: prefixes inserted into the prefix cache last step are copied from their
-     request's row of the token table into the cache's row;
-  2. free group: finished requests and evicted cache entries are freed in ONE `free`
-     call (SGLang's free_group_begin/end around a batch's result processing);
-  3. copy-in (prefill only): cached prefixes are copied into newly admitted requests' rows;
-  4. allocation: `alloc_extend` (prefill) or `alloc_decode` (decode) for the batch
-     (`alloc` for the token allocator, page_size 1, as SGLang's callers do);
-  5. the new slots are written into the token table (SGLang's req_to_token).
+  1. free group: finished requests and evicted prefix-cache entries are released in ONE
+     `release_rows` call (one `free_page_ids` of their pages, row by row, no sort);
+  2. borrow: newly admitted requests whose prompt starts with a cached prefix start from
+     its pages (`borrow_pages` from the cache's table row);
+  3. allocation: `extend_rows` of the prefill batch (chunked prompts), or `decode_rows`
+     of every decoding request;
+  4. hand-over: a request that just finished prefilling a shared prefix that is not
+     cached yet hands the prefix's whole pages to the cache (the cache's row borrows them
+     and then owns them; the request keeps them as a borrowed prefix).
 
-The token table (i32[rows + groups, ctx]) lives on the device next to the allocator
-state: `last_loc` is gathered from it and frees read it, so the host never needs an index
-back and only ships lengths, packed into one i32 vector (one transfer in, one i32[2]
-status back). Both state and table are donated. Shapes are fixed for a whole run (padded
-with inert rows), so each step function compiles once per config.
+The table has `max_running` request rows followed by one row per prefix group (the
+cache). The host driver (jax_kvalloc.tools.simulate) plans each step on the host and
+launches `prefill_step` or `decode_step` with the plan packed into one i32 vector; the
+device driver (jax_kvalloc.tools.simulate_device) plans on the device and runs
+`apply_step` inside its loop. Both return a status: ok (every operation succeeded), the
+free + released pages after the step, and a checksum of the slots handed out (so the two
+drivers' allocations can be compared step by step without shipping them).
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvalloc import allocation
-from jax_kvalloc import freeing
-from jax_kvalloc import index_jnp
+from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
+from jax_kvalloc.request_table import RequestTable
 from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 
 
-class Copies(NamedTuple):
-  """Row-prefix copies in the token table: table[dst, :length] = table[src, :length]."""
-  src: Array     # i32[C] source rows
-  dst: Array     # i32[C] destination rows (padding: length 0)
-  length: Array  # i32[C] tokens to copy
+class Plan(NamedTuple):
+  """One step's work. Entries at index >= the matching count are padding."""
+  free_rows: Array     # i32[F] rows released in this step's free group, in order
+  num_free: Array      # i32[]
+  forget_row: Array    # i32[] a row whose pages are dropped, not freed (-1: none; test hook)
+  borrow_rows: Array   # i32[B] admitted rows that start from a cached prefix
+  borrow_src: Array    # i32[B] the cache rows they borrow from
+  borrow_pages: Array  # i32[B] whole pages borrowed
+  num_borrow: Array    # i32[]
+  rows: Array          # i32[N] rows to extend (prefill, N = B) or decode (N = max_running)
+  n: Array             # i32[N] tokens each row gets (1 when decoding)
+  num_rows: Array      # i32[]
+  ins_rows: Array      # i32[B] rows whose prefix pages go to the cache after the step
+  ins_dst: Array       # i32[B] the cache rows
+  ins_pages: Array     # i32[B] pages handed over
+  num_ins: Array       # i32[]
 
 
-class Frees(NamedTuple):
-  """One free group: the pages holding tokens [start, end) of each listed table row."""
-  rows: Array    # i32[F] table rows (padding: end = start = 0)
-  start: Array   # i32[F] first owned token (page aligned)
-  end: Array     # i32[F] one past the last owned token
+def plan_sizes(f: int, b: int, n: int) -> Tuple[int, ...]:
+  """Static lengths of the Plan fields (in order) for F frees, B admissions, N rows."""
+  return (f, 1, 1, b, b, b, 1, n, n, 1, b, b, b, 1)
 
 
-def _maybe(skip_empty: bool, pred: Array, fn, x):
-  """fn(x), or x when `skip_empty` and not pred. On CPU a lax.cond saves the work; on GPU
-  it would read its predicate back to the host, which costs more than the work."""
-  if not skip_empty:
-    return fn(x)
-  return jax.lax.cond(pred, fn, lambda v: v, x)
+def pack_plan(plan: Plan) -> np.ndarray:
+  """The host side of a step's inputs: every field in one i32 vector, one transfer."""
+  return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in plan])
 
 
-def _copy(table: Array, copies: Copies, width: int, skip_empty: bool) -> Array:
-  """Applies `copies` (O(C * width) gather + scatter; length-0 entries do nothing)."""
-  def apply(table):
-    j = jnp.arange(width, dtype=jnp.int32)[None, :]
-    vals = table[copies.src[:, None], jnp.minimum(j, table.shape[1] - 1)]
-    dst = jnp.where(j < copies.length[:, None], copies.dst[:, None], table.shape[0])
-    return table.at[dst, j].set(vals, mode="drop")
-  return _maybe(skip_empty, jnp.any(copies.length > 0), apply, table)
-
-
-def _free_group(config: AllocatorConfig, state: AllocatorState, table: Array,
-                frees: Frees, skip_empty: bool) -> AllocatorState:
-  """One `free` call for the whole group (an empty group frees nothing)."""
-  return _maybe(skip_empty, jnp.any(frees.end > frees.start),
-                lambda s: freeing.free(config, s, free_group_indices(config, table, frees)),
-                state)
-
-
-def free_group_indices(config: AllocatorConfig, table: Array, frees: Frees) -> Array:
-  """The slot indices a free group hands to `free`, i32[F * width] (0 = padding).
-
-  Paged: one slot per page (freeing any slot frees its page), width = ceil(ctx / ps).
-  Token: every slot, width = ctx.
-  """
-  ctx = table.shape[1]
-  stride = config.page_size
-  width = -(-ctx // stride)
-  k = jnp.arange(width, dtype=jnp.int32)[None, :]
-  tok = frees.start[:, None] + k * stride
-  idx = table[frees.rows[:, None], jnp.minimum(tok, ctx - 1)]
-  return jnp.where(tok < frees.end[:, None], idx, 0).reshape(-1)
-
-
-def _write(table: Array, rows: Array, pos: Array, values: Array, valid: Array) -> Array:
-  """table[rows, pos] = values where valid (others dropped)."""
-  rows = jnp.where(valid, rows, table.shape[0])
-  return table.at[rows, pos].set(values, mode="drop")
-
-
-def _status(ok: Array, state: AllocatorState) -> Array:
-  """i32[2]: ok, free + released pages (one transfer back to the host)."""
-  return jnp.stack([ok.astype(jnp.int32), state.free_len + state.release_len])
-
-
-def pack(*parts) -> np.ndarray:
-  """The host side of a step's inputs: everything in one i32 vector, one transfer."""
-  return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
-
-
-def _unpack(packed: Array, sizes):
-  """Splits `pack`'s vector back into arrays of the static `sizes`."""
+def unpack_plan(packed: Array, sizes: Tuple[int, ...]) -> Plan:
   out, at = [], 0
-  for n in sizes:
-    out.append(packed[at:at + n])
-    at += n
-  return out
+  for size in sizes:
+    part = packed[at:at + size]
+    out.append(part[0] if size == 1 and len(out) in (1, 2, 6, 9, 13) else part)
+    at += size
+  return Plan(*out)
 
 
-def _copies(packed: Array, n: int) -> Copies:
-  return Copies(*_unpack(packed, (n, n, n)))
+def checksum(slots: Array, count: Array) -> Array:
+  """i32[]: sum of (i + 1) * slots[i] over the first `count` slots, wrapping (the same
+  slots in the same order give the same value)."""
+  i = jnp.arange(slots.shape[0], dtype=jnp.uint32)
+  s = jnp.where(i < count.astype(jnp.uint32), slots.astype(jnp.uint32), 0)
+  return jnp.sum((i + 1) * s, dtype=jnp.uint32).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_tokens", "copy_width",
-                                             "sizes", "skip_empty"),
-                   donate_argnames=("state", "table"))
-def prefill_step(config: AllocatorConfig, state: AllocatorState, table: Array,
-                 packed: Array, *, max_tokens: int, copy_width: int,
-                 sizes: Tuple[int, int, int], skip_empty: bool
-                 ) -> Tuple[AllocatorState, Array, Array]:
-  """One prefill iteration. Returns (state, table, i32[2] [ok, free + released pages]).
+def apply_step(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+               plan: Plan, *, prefill: bool, max_tokens: int, prefix_width: int
+               ) -> Tuple[AllocatorState, RequestTable, Array]:
+  """Runs one planned step (the module docstring's four parts): `free_and_borrow`, then
+  `allocate`.
 
-  packed = pack(copy_out, frees, copy_in, batch, num_reqs) with sizes = (C, F, B):
-  copy_out and copy_in are Copies of C entries, frees a Frees of F rows, batch the B rows
-  (rows, pre, seq). On failure (ok 0) nothing is allocated or written; the copies and
-  frees stay done.
+  Args:
+    config: the pool's static configuration.
+    state, table: the pool and the request table (rows: requests, then the cache).
+    plan: the step's work (`Plan`).
+    prefill: static; extend the plan's rows by `n` and hand prefixes over (True) or
+      decode them (False; the plan then has no borrows and no hand-overs).
+    max_tokens: static length of the extend's slot array (the prefill token budget).
+    prefix_width: static page columns a cached prefix can span.
+
+  Returns:
+    (state, table, i32[3] status: ok, free + released pages after the step, checksum of
+    the slots allocated).
   """
-  c, f, b = sizes
-  copy_out, frees_, copy_in, batch_, n = _unpack(packed, (3 * c, 3 * f, 3 * c, 3 * b, 1))
-  rows, pre_in, seq_in = _unpack(batch_, (b, b, b))
-  num_reqs = n[0]
-  table = _copy(table, _copies(copy_out, c), copy_width, skip_empty)
-  state = _free_group(config, state, table, Frees(*_unpack(frees_, (f, f, f))), skip_empty)
-  table = _copy(table, _copies(copy_in, c), copy_width, skip_empty)
-  real = jnp.arange(b) < num_reqs
-  pre = jnp.where(real, pre_in, 0)
-  seq = jnp.where(real, seq_in, 0)
-  ext = seq - pre
-  if config.kind == "token":
-    state, out, ok = allocation.alloc(config, state, jnp.sum(ext), max_size=max_tokens)
-  else:
-    last_loc = jnp.where(pre > 0, table[rows, jnp.maximum(pre - 1, 0)], -1)
-    state, out, ok = allocation.alloc_extend(config, state, pre, seq, last_loc,
-                                             max_tokens=max_tokens, num_reqs=num_reqs)
-  tok_start = jnp.cumsum(ext) - ext
-  t = jnp.arange(max_tokens, dtype=jnp.int32)
-  r = index_jnp.searchsorted_right(tok_start + ext, t).astype(jnp.int32)
-  r = jnp.minimum(r, b - 1)
-  pos = pre[r] + t - tok_start[r]
-  table = _write(table, rows[r], pos, out, ok & (t < jnp.sum(ext)))
-  return state, table, _status(ok, state)
+  state, table, ok = free_and_borrow(config, state, table, plan, prefix_width=prefix_width,
+                                     borrow=prefill)
+  return allocate(config, state, table, plan, ok, prefill=prefill, max_tokens=max_tokens,
+                  prefix_width=prefix_width)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "copy_width", "sizes",
-                                             "skip_empty"),
-                   donate_argnames=("state", "table"))
-def decode_step(config: AllocatorConfig, state: AllocatorState, table: Array,
-                packed: Array, *, copy_width: int, sizes: Tuple[int, int, int],
-                skip_empty: bool) -> Tuple[AllocatorState, Array, Array]:
-  """One decode iteration (one new token per real row); returns as `prefill_step`.
+def free_and_borrow(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                    plan: Plan, *, prefix_width: int, borrow: bool = True
+                    ) -> Tuple[AllocatorState, RequestTable, Array]:
+  """Parts 1-2: the free group (`release_rows`) and the borrows. Returns (state, table,
+  bool[] ok)."""
+  ps = config.page_size
+  max_reqs = table.lens.shape[0]
+  forget = jnp.where(plan.forget_row >= 0, plan.forget_row, max_reqs)
+  table = table._replace(owned_from=table.owned_from.at[forget].set(
+      cdiv(table.lens[jnp.minimum(forget, max_reqs - 1)], ps), mode="drop"))
+  state, table, ok = rt.release_rows(config, state, table, plan.free_rows,
+                                     num_rows=plan.num_free)
+  if borrow:
+    src = table.pages[plan.borrow_src, :prefix_width]
+    table, ok_borrow = rt.borrow_pages(config, table, plan.borrow_rows, src,
+                                       plan.borrow_pages, num_rows=plan.num_borrow)
+    ok = ok & ok_borrow
+  return state, table, ok
 
-  packed = pack(copy_out, frees, batch, num_reqs) with sizes = (C, F, R); batch rows are
-  (rows, seq - 1, seq), seq counting the new token.
+
+def allocate(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+             plan: Plan, ok: Array, *, prefill: bool, max_tokens: int, prefix_width: int,
+             hide_merge: Optional[Array] = None
+             ) -> Tuple[AllocatorState, RequestTable, Array]:
+  """Parts 3-4: `extend_rows` and the hand-overs (prefill) or `decode_rows`. `ok` is the
+  first parts' flag; returns (state, table, status) as `apply_step`.
+
+  hide_merge (bool[], prefill only): an extend of no rows that must not run the need_sort
+  merge that an empty free list would trigger (the device driver's branch-free step runs
+  the extend of every step, with no rows when it decodes); the release list is hidden
+  from that call.
   """
-  c, f, r = sizes
-  copy_out, frees_, batch_, n = _unpack(packed, (3 * c, 3 * f, 3 * r, 1))
-  rows, _, seq_in = _unpack(batch_, (r, r, r))
-  num_reqs = n[0]
-  table = _copy(table, _copies(copy_out, c), copy_width, skip_empty)
-  state = _free_group(config, state, table, Frees(*_unpack(frees_, (f, f, f))), skip_empty)
-  real = jnp.arange(r) < num_reqs
-  seq = jnp.where(real, seq_in, 1)
-  if config.kind == "token":
-    state, out, ok = allocation.alloc(config, state, num_reqs, max_size=r)
+  if prefill:
+    before = state
+    if hide_merge is not None and config.need_sort:
+      state = state._replace(release_len=jnp.where(hide_merge, 0, state.release_len))
+    state, table, slots, ok_alloc = rt.extend_rows(config, state, table, plan.rows, plan.n,
+                                                   max_tokens=max_tokens,
+                                                   num_rows=plan.num_rows)
+    if hide_merge is not None and config.need_sort:
+      state = state._replace(release_len=jnp.where(hide_merge, before.release_len,
+                                                   state.release_len))
+    real = jnp.arange(plan.n.shape[0]) < plan.num_rows
+    count = jnp.sum(jnp.where(real, plan.n, 0))
+    table, ok_ins = hand_over(config, table, plan.ins_rows, plan.ins_dst, plan.ins_pages,
+                              plan.num_ins, prefix_width=prefix_width)
+    ok_alloc = ok_alloc & ok_ins
   else:
-    last_loc = jnp.where(seq >= 2, table[rows, jnp.maximum(seq - 2, 0)], -1)
-    state, out, ok = allocation.alloc_decode(config, state, seq, last_loc,
-                                             num_reqs=num_reqs)
-  table = _write(table, rows, seq - 1, out, ok & real)
-  return state, table, _status(ok, state)
+    state, table, slots, ok_alloc = rt.decode_rows(config, state, table, plan.rows,
+                                                   num_rows=plan.num_rows)
+    count = plan.num_rows
+  ok = ok & ok_alloc
+  status = jnp.stack([ok.astype(jnp.int32), state.free_len + state.release_len,
+                      checksum(slots, count)])
+  return state, table, status
 
 
-@jax.jit
+def hand_over(config: AllocatorConfig, table: RequestTable, src: Array, dst: Array,
+              pages: Array, num: Array, *, prefix_width: int) -> Tuple[RequestTable, Array]:
+  """Row dst[i] (empty) takes ownership of the first pages[i] pages of row src[i], which
+  keeps them as a borrowed prefix (owned_from = pages[i]). Returns (table, ok)."""
+  ids = table.pages[src, :prefix_width]
+  table, ok = rt.borrow_pages(config, table, dst, ids, pages, num_rows=num)
+  max_reqs = table.lens.shape[0]
+  real = jnp.arange(src.shape[0]) < num
+  owned = table.owned_from.at[jnp.where(real, dst, max_reqs)].set(0, mode="drop")
+  owned = owned.at[jnp.where(real & ok, src, max_reqs)].set(pages, mode="drop")
+  return table._replace(owned_from=owned), ok
+
+
+def _step(config, state, table, packed, *, prefill, sizes, max_tokens, prefix_width):
+  plan = unpack_plan(packed, sizes)
+  return apply_step(config, state, table, plan, prefill=prefill, max_tokens=max_tokens,
+                    prefix_width=prefix_width)
+
+
+_STATIC = ("config", "sizes", "max_tokens", "prefix_width")
+prefill_step = jax.jit(functools.partial(_step, prefill=True), static_argnames=_STATIC,
+                       donate_argnames=("state", "table"))
+prefill_step.__doc__ = """apply_step(prefill=True) of a plan packed by `pack_plan`."""
+decode_step = jax.jit(functools.partial(_step, prefill=False), static_argnames=_STATIC,
+                      donate_argnames=("state", "table"))
+decode_step.__doc__ = """apply_step(prefill=False) of a plan packed by `pack_plan`."""
+
+
 def free_list_runs(state: AllocatorState) -> Array:
   """Runs of consecutive page ids in the free list, in list order (i32[]); 0 if empty.
 
-  [5, 6, 7, 2, 3] has 2 runs. Fewer runs = more contiguous allocations.
+  [5, 6, 7, 2, 3] has 2 runs. Fewer runs = more contiguous allocations. Traceable.
   """
   n = state.free_ring.shape[0]
   w = st.ring_window(state.free_ring, state.free_head, state.free_len, n)
@@ -203,6 +207,31 @@ def free_list_runs(state: AllocatorState) -> Array:
   return jnp.where(state.free_len > 0, 1 + jnp.sum(brk), 0).astype(jnp.int32)
 
 
+free_list_runs_jit = jax.jit(free_list_runs)
+
+
 def new_pages(seq_before, seq_after, page_size: int):
   """Pages a request takes to grow from seq_before to seq_after tokens (host or device)."""
   return cdiv(seq_after, page_size) - cdiv(seq_before, page_size)
+
+
+# One row per step, the same columns from both drivers (the drivers-agree test compares
+# them; the report reads its series from them).
+RECORD = ("kind",          # 1 prefill, 2 decode
+          "admitted",      # requests admitted (the next ones in arrival order)
+          "finished",      # requests that generated their last token
+          "evicted",       # prefix-cache entries evicted
+          "evict_code",    # sum of (g + 1) * 2**j over the j-th evicted group g
+          "hits",          # admitted requests that borrow a cached prefix
+          "tokens",        # tokens allocated
+          "pages",         # pages allocated
+          "used",          # pages in use after the step (the scheduler's count)
+          "waste",         # unused slots inside the live requests' own pages
+          "running",       # requests holding a row
+          "committed",     # pages promised to running requests, not yet taken
+          "runs",          # free-list runs (every runs_every-th step; else -1)
+          "ok",            # every operation of the step succeeded (device status)
+          "device_pages",  # free + released pages on the device after the step
+          "checksum")      # `checksum` of the slots allocated
+COL = {name: i for i, name in enumerate(RECORD)}
+KIND_PREFILL, KIND_DECODE = 1, 2
