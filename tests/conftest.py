@@ -71,6 +71,8 @@ SLOW_TESTS = [
      "the extra-call variants compile the step twice; the plain and release ones run"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
      "every page size and layout, many pools, in Pallas' interpreter"),
+    ("test_attention.py", "test_every_kernel_page_sizes_slow", None,
+     "page sizes 1, 16, 64 through every kernel (ref eager, TPU/GPU interpreters)"),
 ]
 
 
