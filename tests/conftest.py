@@ -73,6 +73,8 @@ SLOW_TESTS = [
      "every page size and layout, many pools, in Pallas' interpreter"),
     ("test_attention.py", "test_every_kernel_page_sizes_slow", None,
      "page sizes 1, 16, 64 through every kernel (ref eager, TPU/GPU interpreters)"),
+    ("test_demo.py", "test_pallas_decode_kernel_tokens_equal_contiguous", None,
+     "the demo with Pallas' GPU paged_attention in its interpreter"),
 ]
 
 

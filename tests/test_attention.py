@@ -53,6 +53,12 @@ def _run_ref(ref_rpa, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
   return jax.jit(lambda q, kv: ref_rpa(q, kv, *ints))(q, kv_pages)
 
 
+# Jitted adapters (one compile each): eager op-by-op dispatch would dominate the tests.
+_dense = jax.jit(attention.dense_inputs, static_argnums=0, static_argnames="width")
+_ragged = jax.jit(attention.ragged_inputs, static_argnums=0, static_argnames="max_pages")
+_flat = jax.jit(attention.flat_inputs, static_argnums=0, static_argnames="max_tokens")
+
+
 def _args(case):
   return (case.config, case.table, case.rows, case.q_lens)
 
@@ -64,13 +70,13 @@ def _check_ragged_kernel_forms(page_size, seed):
   q = jnp.asarray(case.q)
 
   # Dense: as the kernel takes it.
-  d = attention.dense_inputs(*_args(case), num_rows=case.num_rows)
+  d = _dense(*_args(case), num_rows=case.num_rows)
   got = _run_ref(ref_rpa, q, case.kv_pages, d.kv_lens, d.page_indices, d.cu_q_lens,
                  d.num_seqs)
   np.testing.assert_allclose(got[:total], want[:total], atol=TOL, rtol=0)
 
   # Flat (v3): its page list viewed [S, W] (a reshape), queries in kernel order.
-  f = attention.flat_inputs(*_args(case), max_tokens=case.max_tokens,
+  f = _flat(*_args(case), max_tokens=case.max_tokens,
                             num_rows=case.num_rows)
   dist = np.asarray(f.distribution)
   q_len_k = np.diff(np.asarray(f.cu_q_lens))
@@ -84,7 +90,7 @@ def _check_ragged_kernel_forms(page_size, seed):
 
   # Ragged: each sequence reads its pages from its offset in the packed list.
   width = case.table.pages.shape[1]
-  r = attention.ragged_inputs(*_args(case), max_pages=6 * width,
+  r = _ragged(*_args(case), max_pages=6 * width,
                               num_rows=case.num_rows)
   assert bool(r.ok)
   starts = np.asarray(r.page_starts)
@@ -116,7 +122,7 @@ def _check_tpu_decode(page_size, seed, block=2):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   case, want = _case(page_size, seed)
   w = case.table.pages.shape[1]
-  d = attention.dense_inputs(*_args(case), num_rows=case.num_rows,
+  d = _dense(*_args(case), num_rows=case.num_rows,
                              width=-(-w // block) * block)
   b, q, expect = _decode_queries(case, want)
   with pltpu.force_tpu_interpret_mode():
@@ -130,7 +136,7 @@ def _check_gpu_decode(page_size, seed, k_splits=2, block=2):
   case, want = _case(page_size, seed)
   w = case.table.pages.shape[1]
   m = k_splits * block
-  d = attention.dense_inputs(*_args(case), num_rows=case.num_rows, width=-(-w // m) * m)
+  d = _dense(*_args(case), num_rows=case.num_rows, width=-(-w // m) * m)
   b, q, expect = _decode_queries(case, want)
   got = gpu_pa(jnp.asarray(q), case.k_pages, case.v_pages, d.page_indices[b],
                d.kv_lens[b], pages_per_compute_block=block, k_splits=k_splits,
@@ -185,7 +191,7 @@ def _spec(x):
 def test_tpu_ragged_kernel_lowers_with_dense_form():
   rpa = _kernel(RPA, "ragged_paged_attention")
   case, _ = _case(16, 0)
-  d = attention.dense_inputs(*_args(case), num_rows=case.num_rows)
+  d = _dense(*_args(case), num_rows=case.num_rows)
   fn = functools.partial(rpa, num_kv_pages_per_block=2, num_queries_per_block=16)
   ex = lowering_check.export_for(
       "tpu_v6e", fn, _spec(case.q), _spec(case.kv_pages),
@@ -196,7 +202,7 @@ def test_tpu_ragged_kernel_lowers_with_dense_form():
 def test_tpu_decode_kernel_lowers_with_dense_form():
   tpu_pa = _kernel(TPU_PA, "paged_attention")
   case, _ = _case(16, 0)
-  d = attention.dense_inputs(*_args(case), num_rows=case.num_rows, width=8)
+  d = _dense(*_args(case), num_rows=case.num_rows, width=8)
   fn = functools.partial(tpu_pa, pages_per_compute_block=2)
   ex = lowering_check.export_for(
       "tpu_v6e", fn, _spec(case.q[:len(case.rows)]), _spec(case.k_pages),
@@ -207,7 +213,7 @@ def test_tpu_decode_kernel_lowers_with_dense_form():
 def test_gpu_decode_kernel_lowers_for_h200_with_dense_form():
   gpu_pa = _kernel(GPU_PA, "paged_attention")
   case, _ = _case(16, 0)
-  d = attention.dense_inputs(*_args(case), num_rows=case.num_rows, width=8)
+  d = _dense(*_args(case), num_rows=case.num_rows, width=8)
   fn = functools.partial(gpu_pa, pages_per_compute_block=2, k_splits=2)
   ex = lowering_check.export_for(
       "h200", fn, _spec(case.q[:len(case.rows)]), _spec(case.k_pages),
@@ -253,13 +259,14 @@ def test_bad_arguments_name_themselves():
 
 
 def test_kv_writes_land_at_slots_and_skip_padding():
+  write_combined = jax.jit(attention.write_kv_combined)
   kv = jnp.full((3, 4, 4, 2), -1.0)
   k = jnp.arange(3 * 2 * 2, dtype=jnp.float32).reshape(3, 2, 2)
-  out = attention.write_kv_combined(kv, np.int32([5, 11, 6]), k, -k, num_tokens=2)
+  out = write_combined(kv, np.int32([5, 11, 6]), k, -k, num_tokens=np.int32(2))
   np.testing.assert_array_equal(out[1, 1], jnp.stack([k[0], -k[0]], 1).reshape(4, 2))
   np.testing.assert_array_equal(out[2, 3], jnp.stack([k[1], -k[1]], 1).reshape(4, 2))
   assert float(out[1, 2].max()) == -1.0          # the third token is padding
-  kp, vp = attention.write_kv_split(jnp.zeros((2, 3, 4, 2)), jnp.zeros((2, 3, 4, 2)),
+  kp, vp = jax.jit(attention.write_kv_split)(jnp.zeros((2, 3, 4, 2)), jnp.zeros((2, 3, 4, 2)),
                                     np.int32([5, -1]), k[:2], -k[:2])
   np.testing.assert_array_equal(kp[:, 1, 1], k[0])
   np.testing.assert_array_equal(vp[:, 1, 1], -k[0])

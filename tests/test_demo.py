@@ -29,6 +29,15 @@ def test_paged_tokens_equal_contiguous():
   # The allocator's share of a step is a timing (replayed steps against whole steps): it
   # is reported, never asserted beyond being measured (under load it can exceed 1).
   assert res["share"]["share"] > 0
+  assert res["late_compiles"] == 0          # one compile per step kind, then none
+
+
+def test_pallas_decode_kernel_tokens_equal_contiguous():
+  # Decode steps attend through Pallas' GPU paged_attention (its interpreter here) over
+  # pages written by attention.write_kv_split.
+  res = demo.run(demo.DemoConfig(**FAST, attention="pallas"))
+  assert res["identical"], (res["paged"], res["reference"])
+  assert res["decode_steps"] > 0 and res["late_compiles"] == 0
 
 
 def test_cli_demo_prints_identical(capsys):

@@ -36,12 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvalloc import attention as attn
 from jax_kvalloc import index_jnp
 from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 
 PREFIX_ROW = 0  # the row that holds the shared prefix (a stand-in for a prefix cache)
+ATTENTION = ("toy", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +65,11 @@ class DemoConfig:
   prompt_len: tuple = (2, 40)  # suffix tokens after the (optional) shared prefix
   new_tokens: tuple = (3, 12)  # generated tokens per request
   seed: int = 0
+  attention: str = "toy"      # "toy" (jnp gather) or "pallas" (a real paged kernel)
 
   def __post_init__(self):
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION}")
     if self.prefix_len % self.page_size:
       raise ValueError(f"prefix_len={self.prefix_len} must be a multiple of page_size="
                        f"{self.page_size} (a borrowed prefix is whole pages)")
@@ -151,6 +156,60 @@ def forward(cfg: DemoConfig, params, kv, tokens, pos, write, read, kv_len):
   return (k_cache, v_cache), _mm(_rms(x), params["unembed"])
 
 
+def _decode_blocks(cfg: DemoConfig) -> Tuple[int, int, int]:
+  """(table width, pages per compute block, k_splits) for Pallas' GPU paged_attention:
+  Triton wants power-of-two blocks and a dot of at least 16 keys, so the width is the
+  next power of two of max_pages_per_req and a block holds >= 16 tokens where it can."""
+  width = 1 << (cfg.max_pages_per_req - 1).bit_length()
+  block = min(width, 1 << (max(1, -(-16 // cfg.page_size)) - 1).bit_length())
+  return width, block, width // block
+
+
+def _kernel_decode(cfg: DemoConfig, q, k_pages, v_pages, att):
+  """Decode attention through jax.experimental.pallas.ops.gpu.paged_attention (Triton on
+  a GPU, its interpreter elsewhere): q f32[B, H, Dh] one token per entry, pages
+  f32[H, P, ps, Dh]. Entries of length 0 come out as NaN; nothing reads them."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa  # pylint: disable=g-import-not-at-top
+  width, block, splits = _decode_blocks(cfg)
+  tables = jnp.pad(att.page_indices, ((0, 0), (0, width - att.page_indices.shape[1])))
+  # 1/sqrt(Dh) folded into q (exact when Dh is a power of 4, as in the defaults).
+  return gpu_pa.paged_attention(q / np.sqrt(q.shape[-1]), k_pages, v_pages, tables,
+                                att.kv_lens, pages_per_compute_block=block,
+                                k_splits=splits, interpret=jax.default_backend() != "gpu")
+
+
+def forward_pages(cfg: DemoConfig, params, kv, tokens, pos, slots, num_tokens, att, b,
+                  kv_len, *, decode: bool):
+  """Logits of T packed tokens over a paged cache in the Pallas decode kernels' layout.
+
+  kv: (f32[layers, H, P, ps, Dh], same); the step's K/V go in with
+  attention.write_kv_split at `slots` (i32[T], the first num_tokens real). Decode steps
+  attend through the Pallas kernel (one query per batch entry, b = arange); prefill
+  steps gather each token's keys from the same pages in jnp.
+  """
+  h_, dh, ps = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.page_size
+  k_all, v_all = kv
+  x = params["embed"][tokens] + params["pos"][jnp.clip(pos, 0, cfg.max_len - 1)]
+  j = jnp.arange(cfg.max_len, dtype=jnp.int32)
+  key_pages = att.page_indices[:, j // ps][b]                   # i32[T, L]
+  for i, w in enumerate(params["layers"]):
+    h = _rms(x)
+    q = _mm(h, w["wq"]).reshape(-1, h_, dh)
+    kp, vp = attn.write_kv_split(k_all[i], v_all[i], slots,
+                                 _mm(h, w["wk"]).reshape(-1, h_, dh),
+                                 _mm(h, w["wv"]).reshape(-1, h_, dh), num_tokens=num_tokens)
+    k_all, v_all = k_all.at[i].set(kp), v_all.at[i].set(vp)
+    if decode and cfg.attention == "pallas":
+      o = _kernel_decode(cfg, q, kp, vp, att)
+    else:
+      keys = jnp.moveaxis(kp[:, key_pages, j % ps], 0, 2)       # f32[T, L, H, Dh]
+      values = jnp.moveaxis(vp[:, key_pages, j % ps], 0, 2)
+      o = attend(q, keys, values, pos, kv_len)
+    x = x + _mm(o.reshape(-1, cfg.d_model), w["wo"])
+    x = x + _mm(jax.nn.relu(_mm(_rms(x), w["w1"])), w["w2"])
+  return (k_all, v_all), _mm(_rms(x), params["unembed"])
+
+
 # ---------------------------------------------------------------------------------------
 # The paged way: one jitted step, everything addressed through the request table.
 # ---------------------------------------------------------------------------------------
@@ -209,8 +268,12 @@ def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool =
   j = jnp.arange(cfg.max_len, dtype=jnp.int32)
   read = att.page_indices[:, j // ps] * ps + j % ps              # i32[B, L]
   write = jnp.where(real, slots, 0)                              # padding: dummy slot 0
-  kv, logits = forward(cfg, params, kv, tokens, pos, write, read[b],
-                       jnp.where(real, att.kv_lens[b], 0))
+  kv_len = jnp.where(real, att.kv_lens[b], 0)
+  if cfg.attention == "toy":
+    kv, logits = forward(cfg, params, kv, tokens, pos, write, read[b], kv_len)
+  else:
+    kv, logits = forward_pages(cfg, params, kv, tokens, pos, slots, cu[-1], att, b, kv_len,
+                               decode=decode)
   last = jnp.clip(cu[1:] - 1, 0, tokens.shape[0] - 1)            # each entry's last token
   nxt = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
   return (state, table, kv), (nxt, k, ok)
@@ -285,6 +348,22 @@ def make_requests(cfg: DemoConfig) -> Tuple[List[Dict[str, Any]], List[int]]:
   return reqs, prefix
 
 
+_COMPILES = [0]          # backend compiles seen since the listener was installed
+_LISTENING = [False]
+
+
+def compile_count() -> int:
+  """Backend compiles so far in this process (XLA programs built, Pallas kernels too)."""
+  if not _LISTENING[0]:
+    def on_event(event: str, duration: float, **kwargs) -> None:
+      del duration, kwargs
+      if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    _LISTENING[0] = True
+  return _COMPILES[0]
+
+
 @dataclasses.dataclass
 class _Running:
   req: Dict[str, Any]
@@ -305,8 +384,11 @@ class PagedServer:
     self.cfg, self.params = cfg, params
     acfg = alloc_config(cfg)
     h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
-    kv = tuple(jnp.zeros((cfg.num_layers, acfg.num_slots, h_, dh), jnp.float32)
-               for _ in range(2))
+    if cfg.attention == "toy":
+      shape = (cfg.num_layers, acfg.num_slots, h_, dh)
+    else:  # the Pallas decode kernels' split layout, pages of the whole pool
+      shape = (cfg.num_layers, h_, acfg.num_slots // cfg.page_size, cfg.page_size, dh)
+    kv = tuple(jnp.zeros(shape, jnp.float32) for _ in range(2))
     self.carry = (st.init(acfg), rt.init_table(acfg, cfg.max_reqs, cfg.max_pages_per_req),
                   kv)
     self.initial = jax.tree.map(jnp.copy, self.carry[:2])
@@ -336,13 +418,18 @@ class PagedServer:
     """Runs one step; returns how many entries were admitted (they advance)."""
     x = self._batch(decode, entries, borrow)
     self.to_release = []
+    compiles = compile_count()
     t0 = time.perf_counter()
-    self.carry, (nxt, k, ok) = self._step(decode)(self.params, self.carry, x)
+    # One transfer of the whole batch, one step, one read-back (the scheduler needs k
+    # and the next tokens before it can pick the next batch).
+    self.carry, (nxt, k, ok) = self._step(decode)(self.params, self.carry,
+                                                  jax.device_put(x))
     nxt, k, ok = jax.device_get((nxt, k, ok))
     admitted = entries[:int(k)]
     self.deferred += len(entries) - int(k)
     self.log.append(dict(decode=decode, x=x, s=time.perf_counter() - t0,
-                         tokens=sum(n for _, n in admitted)))
+                         tokens=sum(n for _, n in admitted),
+                         compiles=compile_count() - compiles))
     if not ok:
       raise RuntimeError("the admitted batch was refused (admission and extend disagree)")
     for i, (r, n) in enumerate(admitted):
@@ -441,7 +528,12 @@ def run(cfg: DemoConfig) -> Dict[str, Any]:
   srv = paged["server"]
   share = allocator_share(srv)
   processed = sum(e["tokens"] for e in srv.log)
-  return dict(requests=requests, paged=paged["outputs"], reference=reference,
+  seen, late = set(), 0
+  for e in srv.log:
+    if e["decode"] in seen:
+      late += e["compiles"]
+    seen.add(e["decode"])
+  return dict(late_compiles=late, attention=cfg.attention,requests=requests, paged=paged["outputs"], reference=reference,
               identical=paged["outputs"] == reference, steps=len(srv.log),
               decode_steps=sum(e["decode"] for e in srv.log), wall_s=paged_s,
               generated=sum(len(g) for g in paged["outputs"]), processed=processed,
@@ -478,6 +570,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--new-tokens", type=_range, default=d.new_tokens, metavar="LO,HI",
     help="generated tokens per request")
   a("--seed", type=int, default=d.seed)
+  a("--attention", choices=ATTENTION, default=d.attention,
+    help="toy: a jnp gather of each token's keys; pallas: decode steps attend through "
+         "jax.experimental.pallas.ops.gpu.paged_attention (Triton on a GPU, its "
+         "interpreter elsewhere) over pages written with attention.write_kv_split")
   return p
 
 
@@ -488,7 +584,8 @@ def run_cli(args) -> int:
                      max_pages_per_req=args.max_pages_per_req, pool_pages=args.pool_pages,
                      max_tokens=args.max_tokens, chunk=args.chunk,
                      prefix_len=args.prefix_len, prompt_len=tuple(args.prompt_len),
-                     new_tokens=tuple(args.new_tokens), seed=args.seed)
+                     new_tokens=tuple(args.new_tokens), seed=args.seed,
+                     attention=args.attention)
     res = run(cfg)
   except (ValueError, RuntimeError) as e:  # a bad setting, or a pool too small to finish
     print(f"jax-kvalloc demo: {e}", file=sys.stderr)
@@ -510,6 +607,8 @@ def run_cli(args) -> int:
         f"{sh['step_s'] * 1e6:.0f} us, allocator part {sh['alloc_s'] * 1e6:.0f} us = "
         f"{100 * sh['share']:.0f}% of the step (the same steps replayed with only the "
         f"request-table and allocator work)")
+  print(f"attention: {res['attention']}; compiles after the first step of each kind: "
+        f"{res['late_compiles']}")
   print("tokens identical to the contiguous-cache run: "
         + ("YES" if res["identical"] else "NO"))
   return 0 if res["identical"] else 1
