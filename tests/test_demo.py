@@ -50,3 +50,29 @@ def test_cli_demo_prints_identical(capsys):
 def test_cli_demo_bad_setting_is_a_clear_error(capsys):
   assert cli.main(["demo", "--prefix-len", "5"]) == 2   # not whole pages of 4
   assert "prefix_len=5 must be a multiple of page_size=4" in capsys.readouterr().err
+
+
+def test_pallas_decode_kernel_lowers_for_h200_at_demo_shapes():
+  # The default demo's decode-kernel call, lowered through Pallas' Triton path for an
+  # abstract H200 (Python-side lowering: block shapes, powers of two).
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  try:
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    import pytest  # pylint: disable=g-import-not-at-top
+    pytest.skip(f"jax {jax.__version__} has no pallas.ops.gpu.paged_attention ({e})")
+  cfg = demo.DemoConfig()
+  width, block, splits = demo._decode_blocks(cfg)  # pylint: disable=protected-access
+  assert width % splits == 0 and block * cfg.page_size >= 16
+  heads, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+  pages = demo.alloc_config(cfg).num_slots // cfg.page_size
+  spec = jax.ShapeDtypeStruct
+  kv = spec((heads, pages, cfg.page_size, dh), jnp.float32)
+  ex = lowering_check.export_for(
+      "h200", functools.partial(gpu_pa.paged_attention, pages_per_compute_block=block,
+                                k_splits=splits),
+      spec((cfg.max_reqs, heads, dh), jnp.float32), kv, kv,
+      spec((cfg.max_reqs, width), jnp.int32), spec((cfg.max_reqs,), jnp.int32))
+  assert lowering_check.custom_call_targets(ex)
