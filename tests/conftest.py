@@ -75,6 +75,8 @@ SLOW_TESTS = [
      "page sizes 1, 16, 64 through every kernel (ref eager, TPU/GPU interpreters)"),
     ("test_demo.py", "test_pallas_decode_kernel_tokens_equal_contiguous", None,
      "the demo with Pallas' GPU paged_attention in its interpreter"),
+    ("test_demo.py", "test_rpa_reference_tokens_equal_contiguous", None,
+     "the demo through ref_ragged_paged_attention: one compile per step"),
 ]
 
 

@@ -52,6 +52,15 @@ def test_cli_demo_bad_setting_is_a_clear_error(capsys):
   assert "prefix_len=5 must be a multiple of page_size=4" in capsys.readouterr().err
 
 
+def test_rpa_reference_tokens_equal_contiguous():
+  # Every step through JAX's ref_ragged_paged_attention (one compile per step: a few
+  # requests only) over pages written by attention.write_kv_combined.
+  cfg = demo.DemoConfig(**dict(FAST, num_requests=3, new_tokens=(2, 3)), attention="rpa-ref")
+  res = demo.run(cfg)
+  assert res["identical"], (res["paged"], res["reference"])
+  assert res["decode_steps"] > 0
+
+
 def test_pallas_decode_kernel_lowers_for_h200_at_demo_shapes():
   # The default demo's decode-kernel call, lowered through Pallas' Triton path for an
   # abstract H200 (Python-side lowering: block shapes, powers of two).

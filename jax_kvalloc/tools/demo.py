@@ -43,7 +43,7 @@ from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 
 PREFIX_ROW = 0  # the row that holds the shared prefix (a stand-in for a prefix cache)
-ATTENTION = ("toy", "pallas")
+ATTENTION = ("toy", "rpa-ref", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DemoConfig:
   prompt_len: tuple = (2, 40)  # suffix tokens after the (optional) shared prefix
   new_tokens: tuple = (3, 12)  # generated tokens per request
   seed: int = 0
-  attention: str = "toy"      # "toy" (jnp gather) or "pallas" (a real paged kernel)
+  attention: str = "toy"      # "toy" (jnp gather), "rpa-ref" or "pallas" (real kernels)
 
   def __post_init__(self):
     if self.attention not in ATTENTION:
@@ -210,6 +210,58 @@ def forward_pages(cfg: DemoConfig, params, kv, tokens, pos, slots, num_tokens, a
   return (k_all, v_all), _mm(_rms(x), params["unembed"])
 
 
+def combined_layout(cfg: DemoConfig) -> bool:
+  """Whether the run keeps K/V in JAX's ragged paged attention layout [P, ps, 2H, Dh]
+  (rpa-ref everywhere, pallas on TPU) rather than split [H, P, ps, Dh] pages."""
+  return cfg.attention == "rpa-ref" or (cfg.attention == "pallas"
+                                        and jax.default_backend() == "tpu")
+
+
+def _rpa_reference(host_att, q, pages, att, sm_scale):
+  """JAX's jnp ref_ragged_paged_attention. It loops over num_seqs in Python and slices by
+  the lengths, so it reads them from `host_att` (numpy copies of att): traced with them
+  as constants, one program per step."""
+  del att
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention  # pylint: disable=g-import-not-at-top
+  kv_lens, page_indices, cu_q_lens, num_seqs = host_att
+  if num_seqs[0] == 0:      # a step that only releases rows: nothing to attend
+    return jnp.zeros_like(q)
+  out = ref_ragged_paged_attention(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                   sm_scale=sm_scale)
+  return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
+
+
+def _rpa_kernel(q, pages, att, sm_scale):
+  """jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; jittable)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention  # pylint: disable=g-import-not-at-top
+  return ragged_paged_attention(
+      q, pages, att.kv_lens, att.page_indices, att.cu_q_lens, att.num_seqs,
+      sm_scale=sm_scale, num_kv_pages_per_block=min(8, att.page_indices.shape[1]),
+      num_queries_per_block=min(16, q.shape[0]))
+
+
+def forward_combined(cfg: DemoConfig, params, kv, tokens, pos, slots, att, attend_fn):
+  """Logits of T packed tokens over pages in JAX's ragged paged attention layout.
+
+  kv: f32[layers, P, ps, 2H, Dh]; the step's K/V go in with attention.write_kv_combined
+  at `slots` (the first cu_q_lens[-1] real), then every token attends through attend_fn
+  (the ragged kernel or its jnp reference) with the dense attention inputs `att`.
+  """
+  h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+  x = params["embed"][tokens] + params["pos"][jnp.clip(pos, 0, cfg.max_len - 1)]
+  for i, w in enumerate(params["layers"]):
+    h = _rms(x)
+    q = _mm(h, w["wq"]).reshape(-1, h_, dh)
+    pages = attn.write_kv_combined(kv[i], slots, _mm(h, w["wk"]).reshape(-1, h_, dh),
+                                   _mm(h, w["wv"]).reshape(-1, h_, dh),
+                                   num_tokens=att.cu_q_lens[-1])
+    kv = kv.at[i].set(pages)
+    o = attend_fn(q, pages, att, 1.0 / np.sqrt(dh))
+    x = x + _mm(o.reshape(-1, cfg.d_model), w["wo"])
+    x = x + _mm(jax.nn.relu(_mm(_rms(x), w["w1"])), w["w2"])
+  return kv, _mm(_rms(x), params["unembed"])
+
+
 # ---------------------------------------------------------------------------------------
 # The paged way: one jitted step, everything addressed through the request table.
 # ---------------------------------------------------------------------------------------
@@ -253,9 +305,15 @@ def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool =
   acfg = alloc_config(cfg)
   state, table, kv = carry
   state, table, slots, att, k, ok = _table_work(acfg, cfg, state, table, x, decode=decode)
-  num_entries = x["rows"].shape[0]
   if not model:
-    return (state, table, kv), (jnp.zeros((num_entries,), jnp.int32), k, ok)
+    return (state, table, kv), (jnp.zeros((x["rows"].shape[0],), jnp.int32), k, ok)
+  kv, nxt = _model_part(cfg, params, kv, x, slots, att, decode=decode)
+  return (state, table, kv), (nxt, k, ok)
+
+
+def _model_part(cfg: DemoConfig, params, kv, x, slots, att, *, decode: bool,
+                attend_fn=None):
+  num_entries = x["rows"].shape[0]
   ps, tokens = cfg.page_size, x["tokens"]
   t = jnp.arange(tokens.shape[0], dtype=jnp.int32)
   cu = att.cu_q_lens
@@ -271,17 +329,49 @@ def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool =
   kv_len = jnp.where(real, att.kv_lens[b], 0)
   if cfg.attention == "toy":
     kv, logits = forward(cfg, params, kv, tokens, pos, write, read[b], kv_len)
+  elif combined_layout(cfg):
+    kv, logits = forward_combined(cfg, params, kv, tokens, pos, slots, att,
+                                  attend_fn or _rpa_kernel)
   else:
     kv, logits = forward_pages(cfg, params, kv, tokens, pos, slots, cu[-1], att, b, kv_len,
                                decode=decode)
   last = jnp.clip(cu[1:] - 1, 0, tokens.shape[0] - 1)            # each entry's last token
   nxt = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
-  return (state, table, kv), (nxt, k, ok)
+  return kv, nxt
+
+
+def _table_step(cfg: DemoConfig, carry, x, *, decode: bool):
+  state, table, kv = carry
+  state, table, slots, att, k, ok = _table_work(alloc_config(cfg), cfg, state, table, x,
+                                                decode=decode)
+  return (state, table, kv), slots, att, k, ok
+
+
+class _EagerReferenceStep:
+  """rpa-ref: the allocator part jitted once; the model part jitted per step around JAX's
+  jnp reference, whose Python loop slices by the step's lengths (read back to the host):
+  one compile per step, so this mode is for checking, not for timing."""
+
+  def __init__(self, cfg: DemoConfig, decode: bool):
+    self.cfg, self.decode = cfg, decode
+    self.table_step = jax.jit(functools.partial(_table_step, cfg, decode=decode),
+                              donate_argnums=0)
+
+  def __call__(self, params, carry, x):
+    (state, table, kv), slots, att, k, ok = self.table_step(carry, x)
+    host_att = jax.device_get((att.kv_lens, att.page_indices, att.cu_q_lens, att.num_seqs))
+    model = jax.jit(functools.partial(
+        _model_part, self.cfg, decode=self.decode,
+        attend_fn=functools.partial(_rpa_reference, host_att)), donate_argnums=1)
+    kv, nxt = model(params, kv, x, slots, att)
+    return (state, table, kv), (nxt, k, ok)
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: DemoConfig, decode: bool, model: bool):
   # One compile per config and kind, shared by every run (the carry is donated).
+  if model and cfg.attention == "rpa-ref":
+    return _EagerReferenceStep(cfg, decode)
   return jax.jit(functools.partial(serve_step, cfg, decode=decode, model=model),
                  donate_argnums=1)
 
@@ -384,11 +474,16 @@ class PagedServer:
     self.cfg, self.params = cfg, params
     acfg = alloc_config(cfg)
     h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+    pages = acfg.num_slots // cfg.page_size
     if cfg.attention == "toy":
       shape = (cfg.num_layers, acfg.num_slots, h_, dh)
+    elif combined_layout(cfg):  # JAX's ragged paged attention: K, V interleaved on heads
+      shape = (cfg.num_layers, pages, cfg.page_size, 2 * h_, dh)
     else:  # the Pallas decode kernels' split layout, pages of the whole pool
       shape = (cfg.num_layers, h_, acfg.num_slots // cfg.page_size, cfg.page_size, dh)
-    kv = tuple(jnp.zeros(shape, jnp.float32) for _ in range(2))
+    kv = jnp.zeros(shape, jnp.float32)
+    if not combined_layout(cfg):
+      kv = (kv, jnp.zeros(shape, jnp.float32))
     self.carry = (st.init(acfg), rt.init_table(acfg, cfg.max_reqs, cfg.max_pages_per_req),
                   kv)
     self.initial = jax.tree.map(jnp.copy, self.carry[:2])
@@ -571,9 +666,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="generated tokens per request")
   a("--seed", type=int, default=d.seed)
   a("--attention", choices=ATTENTION, default=d.attention,
-    help="toy: a jnp gather of each token's keys; pallas: decode steps attend through "
-         "jax.experimental.pallas.ops.gpu.paged_attention (Triton on a GPU, its "
-         "interpreter elsewhere) over pages written with attention.write_kv_split")
+    help="toy: a jnp gather of each token's keys; rpa-ref: every step through JAX's "
+         "ref_ragged_paged_attention (eager) over pages written with "
+         "attention.write_kv_combined; pallas: on a GPU (or off one, in the interpreter) "
+         "decode steps through jax.experimental.pallas.ops.gpu.paged_attention over "
+         "pages written with attention.write_kv_split, on a TPU every step through "
+         "ragged_paged_attention")
   return p
 
 
