@@ -85,3 +85,30 @@ def test_pallas_decode_kernel_lowers_for_h200_at_demo_shapes():
       spec((cfg.max_reqs, heads, dh), jnp.float32), kv, kv,
       spec((cfg.max_reqs, width), jnp.int32), spec((cfg.max_reqs,), jnp.int32))
   assert lowering_check.custom_call_targets(ex)
+
+
+def test_tpu_ragged_kernel_lowers_at_demo_shapes():
+  # What `--attention pallas` runs on a TPU (head dim 128: --d-model 512), lowered for an
+  # abstract TPU with the dense attention inputs' shapes, prefill and decode batches.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc import request_table as rt  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  try:
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    import pytest  # pylint: disable=g-import-not-at-top
+    pytest.skip(f"jax {jax.__version__} has no pallas.ops.tpu.ragged_paged_attention ({e})")
+  cfg = demo.DemoConfig(d_model=512)
+  heads, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+  spec = jax.ShapeDtypeStruct
+  b = cfg.max_reqs
+  att = rt.AttentionInputs(page_indices=spec((b, cfg.max_pages_per_req), jnp.int32),
+                           kv_lens=spec((b,), jnp.int32), cu_q_lens=spec((b + 1,), jnp.int32),
+                           num_seqs=spec((1,), jnp.int32))
+  pages = spec((demo.alloc_config(cfg).num_slots // cfg.page_size, cfg.page_size,
+                2 * heads, dh), jnp.float32)
+  for tokens in (cfg.max_tokens, b):
+    ex = lowering_check.export_for(
+        "tpu_v6e", lambda q, p, a: demo._rpa_kernel(q, p, a, dh ** -0.5),  # pylint: disable=protected-access
+        spec((tokens, heads, dh), jnp.float32), pages, att)
+    assert "tpu_custom_call" in lowering_check.custom_call_targets(ex)

@@ -16,12 +16,24 @@ positions, multi-head attention, a ReLU MLP), decoded greedily. Two ways to run 
               prompt (shared prefix included, recomputed) at once, then one token at a
               time. This is the reference.
 
-The generated tokens must be identical. Both use the same attention function over the same
-key length (max_pages_per_req * page_size, in token order), so only the addressing
-differs. The jnp gather path is used on every backend.
+The generated tokens must be identical. How the paged run attends (--attention):
 
-Also printed: tokens/s of the paged run and the allocator's share of its steps (the same
-steps replayed with only the request-table and allocator work).
+  toy      every token gathers its keys (max_pages_per_req * page_size of them, in token
+           order) and attends in jnp, the same function as the contiguous run: only the
+           addressing differs.
+  rpa-ref  K/V in JAX's ragged paged attention layout [P, ps, 2H, Dh], written with
+           jax_kvalloc.attention.write_kv_combined; every step attends through JAX's
+           jnp ref_ragged_paged_attention fed attention.dense_inputs. It slices by the
+           lengths in Python, so the model part is traced once per step (a check, not
+           a speed).
+  pallas   GPU (and CPU, in the interpreter): K/V split [H, P, ps, Dh] written with
+           attention.write_kv_split; decode steps attend through Pallas' GPU
+           paged_attention, prefill steps gather from the same pages. TPU: the combined
+           layout and ragged_paged_attention for every step (head dim 128).
+
+Also printed: tokens/s of the paged run, the allocator's share of its steps (the same
+steps replayed with only the request-table and allocator work) and the compiles after
+the first step of each kind (the paged step compiles once per kind; rpa-ref once a step).
 """
 from __future__ import annotations
 
@@ -70,6 +82,12 @@ class DemoConfig:
   def __post_init__(self):
     if self.attention not in ATTENTION:
       raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION}")
+    if (self.attention == "pallas" and jax.default_backend() == "tpu"
+        and (self.d_model // self.num_heads) % 128):
+      raise ValueError(f"--attention pallas on a TPU runs ragged_paged_attention, whose "
+                       f"head dim must be a multiple of 128: d_model={self.d_model} with "
+                       f"{self.num_heads} heads gives {self.d_model // self.num_heads} "
+                       f"(try --d-model {128 * self.num_heads})")
     if self.prefix_len % self.page_size:
       raise ValueError(f"prefix_len={self.prefix_len} must be a multiple of page_size="
                        f"{self.page_size} (a borrowed prefix is whole pages)")
