@@ -611,6 +611,8 @@ def allocator_share(srv: PagedServer) -> Dict[str, float]:
   each kind (compilation) is left out of both sums."""
   carry = srv.initial + (srv.carry[2],)
   seen, full_s, alloc_s, full_n, tokens = set(), 0.0, 0.0, 0, 0
+  per = {True: [], False: []}   # warm full-step times by kind (decode or not)
+  allocs = []
   for entry in srv.log:
     fn = srv._step(entry["decode"], model=False)  # pylint: disable=protected-access
     if entry["decode"] not in seen:
@@ -621,22 +623,38 @@ def allocator_share(srv: PagedServer) -> Dict[str, float]:
     t0 = time.perf_counter()
     carry, out = fn(srv.params, carry, entry["x"])
     jax.block_until_ready(out)
-    alloc_s += time.perf_counter() - t0
+    allocs.append(time.perf_counter() - t0)
+    alloc_s += allocs[-1]
+    per[entry["decode"]].append(entry["s"])
     full_s += entry["s"]
     full_n += 1
     tokens += entry["tokens"]
+  med = lambda v: float(np.median(v)) if v else float("nan")
   return dict(step_s=full_s / max(full_n, 1), alloc_s=alloc_s / max(full_n, 1),
+              step_median_s=med(per[True] + per[False]), alloc_median_s=med(allocs),
+              decode_median_s=med(per[True]), prefill_median_s=med(per[False]),
               share=alloc_s / full_s if full_s > 0 else float("nan"), steps=full_n,
               tokens_per_s=tokens / full_s if full_s > 0 else float("nan"))
 
 
-def run(cfg: DemoConfig) -> Dict[str, Any]:
-  """Both runs; returns their outputs, whether they are identical and the timings."""
+def run(cfg: DemoConfig, repeat: int = 1) -> Dict[str, Any]:
+  """Both runs; returns their outputs, whether they are identical and the timings.
+
+  repeat > 1 serves the requests that many times (every run's tokens are checked); the
+  timings are the last run's, whose steps are all warm."""
   params = init_params(cfg, jax.random.PRNGKey(cfg.seed))
   requests, prefix = make_requests(cfg)
-  t0 = time.perf_counter()
-  paged = run_paged(cfg, params, requests, prefix)
-  paged_s = time.perf_counter() - t0
+  runs, late = [], 0
+  for i in range(max(1, repeat)):
+    t0 = time.perf_counter()
+    runs.append(run_paged(cfg, params, requests, prefix))
+    paged_s = time.perf_counter() - t0
+    seen = set() if i == 0 else {True, False}
+    for e in runs[-1]["server"].log:
+      if e["decode"] in seen:
+        late += e["compiles"]
+      seen.add(e["decode"])
+  paged = runs[-1]
   reference = run_contiguous(cfg, params, requests)
   srv = paged["server"]
   share = allocator_share(srv)
@@ -647,7 +665,7 @@ def run(cfg: DemoConfig) -> Dict[str, Any]:
       late += e["compiles"]
     seen.add(e["decode"])
   return dict(late_compiles=late, attention=cfg.attention,requests=requests, paged=paged["outputs"], reference=reference,
-              identical=paged["outputs"] == reference, steps=len(srv.log),
+              identical=all(r["outputs"] == reference for r in runs), steps=len(srv.log),
               decode_steps=sum(e["decode"] for e in srv.log), wall_s=paged_s,
               generated=sum(len(g) for g in paged["outputs"]), processed=processed,
               deferred=srv.deferred, share=share, device=str(jax.devices()[0]))
@@ -683,6 +701,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--new-tokens", type=_range, default=d.new_tokens, metavar="LO,HI",
     help="generated tokens per request")
   a("--seed", type=int, default=d.seed)
+  a("--repeat", type=int, default=1,
+    help="serve the requests this many times; timings from the last (all steps warm)")
   a("--attention", choices=ATTENTION, default=d.attention,
     help="toy: a jnp gather of each token's keys; rpa-ref: every step through JAX's "
          "ref_ragged_paged_attention (eager) over pages written with "
@@ -702,7 +722,7 @@ def run_cli(args) -> int:
                      prefix_len=args.prefix_len, prompt_len=tuple(args.prompt_len),
                      new_tokens=tuple(args.new_tokens), seed=args.seed,
                      attention=args.attention)
-    res = run(cfg)
+    res = run(cfg, repeat=args.repeat)
   except (ValueError, RuntimeError) as e:  # a bad setting, or a pool too small to finish
     print(f"jax-kvalloc demo: {e}", file=sys.stderr)
     return 2
@@ -723,6 +743,10 @@ def run_cli(args) -> int:
         f"{sh['step_s'] * 1e6:.0f} us, allocator part {sh['alloc_s'] * 1e6:.0f} us = "
         f"{100 * sh['share']:.0f}% of the step (the same steps replayed with only the "
         f"request-table and allocator work)")
+  print(f"median warm step {sh['step_median_s'] * 1e6:.0f} us (decode "
+        f"{sh['decode_median_s'] * 1e6:.0f} us, prefill {sh['prefill_median_s'] * 1e6:.0f} "
+        f"us), allocator part {sh['alloc_median_s'] * 1e6:.0f} us; each step is one batch "
+        f"transfer, one jitted call and one read-back of k and the next tokens")
   print(f"attention: {res['attention']}; compiles after the first step of each kind: "
         f"{res['late_compiles']}")
   print("tokens identical to the contiguous-cache run: "
