@@ -1,6 +1,7 @@
 """`jax-kvalloc demo`: the toy decoder served through the request table generates exactly
 the tokens of the same model with a contiguous per-request KV cache (fast settings)."""
 import jax
+import pytest
 
 from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import demo
@@ -112,3 +113,19 @@ def test_tpu_ragged_kernel_lowers_at_demo_shapes():
         "tpu_v6e", lambda q, p, a: demo._rpa_kernel(q, p, a, dh ** -0.5),  # pylint: disable=protected-access
         spec((tokens, heads, dh), jnp.float32), pages, att)
     assert "tpu_custom_call" in lowering_check.custom_call_targets(ex)
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+def test_pallas_demo_on_gpu_is_identical_and_compiles_once():
+  # Triton's paged_attention for decode on the GPU; a second, warm run compiles nothing.
+  res = demo.run(demo.DemoConfig(attention="pallas"), repeat=2)
+  assert res["identical"], (res["paged"], res["reference"])
+  assert res["late_compiles"] == 0

@@ -735,7 +735,8 @@ def run_cli(args) -> int:
         f"{res['processed']}, generated {res['generated']}; batch entries deferred by "
         f"admission: {res['deferred']}")
   print(f"paged run: {sh['tokens_per_s']:.0f} tokens/s processed over {sh['steps']} warm "
-        f"steps ({res['wall_s']:.1f} s wall, {'compilation included' if args.repeat <= 1 else 'a warm run'}); per step "
+        f"steps ({res['wall_s']:.1f} s wall, "
+        f"{'compilation included' if args.repeat <= 1 else 'a warm run'}); per step "
         f"{sh['step_s'] * 1e6:.0f} us, allocator part {sh['alloc_s'] * 1e6:.0f} us = "
         f"{100 * sh['share']:.0f}% of the step (the same steps replayed with only the "
         f"request-table and allocator work)")
