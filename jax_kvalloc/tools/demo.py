@@ -385,12 +385,46 @@ class _EagerReferenceStep:
     return (state, table, kv), (nxt, k, ok)
 
 
+def pack_batch(x: Dict[str, Any]) -> Tuple[np.ndarray, tuple]:
+  """The batch's int32 arrays in one flat array (one host-to-device transfer a step) and
+  the static layout that `unpack_batch` reads them back with."""
+  layout = tuple((k, tuple(np.shape(v))) for k, v in x.items())
+  return np.concatenate([np.ravel(np.asarray(v, np.int32)) for v in x.values()]), layout
+
+
+def unpack_batch(flat, layout: tuple) -> Dict[str, Any]:
+  out, at = {}, 0
+  for key, shape in layout:
+    size = int(np.prod(shape, dtype=np.int64))
+    out[key] = flat[at:at + size].reshape(shape)
+    at += size
+  return out
+
+
+def _pack_out(nxt, k, ok):
+  """Next tokens, k and ok in one i32 array: one device-to-host read-back a step."""
+  return jnp.concatenate([nxt, k.reshape(1), ok.reshape(1).astype(jnp.int32)])
+
+
+def _packed_step(cfg: DemoConfig, decode: bool, model: bool, layout: tuple, params, carry,
+                 flat):
+  carry, out = serve_step(cfg, params, carry, unpack_batch(flat, layout), decode=decode,
+                          model=model)
+  return carry, _pack_out(*out)
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: DemoConfig, decode: bool, model: bool):
-  # One compile per config and kind, shared by every run (the carry is donated).
+def _jitted_step(cfg: DemoConfig, decode: bool, model: bool, layout: tuple):
+  """step(params, carry, flat batch) -> (carry, i32[B + 2] next tokens, k, ok). One
+  compile per config and kind, shared by every run (the carry is donated)."""
   if model and cfg.attention == "rpa-ref":
-    return _EagerReferenceStep(cfg, decode)
-  return jax.jit(functools.partial(serve_step, cfg, decode=decode, model=model),
+    inner = _EagerReferenceStep(cfg, decode)
+
+    def call(params, carry, flat):
+      carry, out = inner(params, carry, unpack_batch(flat, layout))
+      return carry, _pack_out(*out)
+    return call
+  return jax.jit(functools.partial(_packed_step, cfg, decode, model, layout),
                  donate_argnums=1)
 
 
@@ -509,8 +543,8 @@ class PagedServer:
     self.to_release: List[int] = []
     self.deferred = 0                      # batch entries that admission held back
 
-  def _step(self, decode: bool, model: bool = True):
-    return _jitted_step(self.cfg, decode, model)
+  def _step(self, decode: bool, layout: tuple, model: bool = True):
+    return _jitted_step(self.cfg, decode, model, layout)
 
   def _batch(self, decode: bool, entries, borrow: Sequence[int]):
     cfg, b = self.cfg, self.cfg.max_reqs
@@ -535,12 +569,14 @@ class PagedServer:
     t0 = time.perf_counter()
     # One transfer of the whole batch, one step, one read-back (the scheduler needs k
     # and the next tokens before it can pick the next batch).
-    self.carry, (nxt, k, ok) = self._step(decode)(self.params, self.carry,
-                                                  jax.device_put(x))
-    nxt, k, ok = jax.device_get((nxt, k, ok))
-    admitted = entries[:int(k)]
-    self.deferred += len(entries) - int(k)
-    self.log.append(dict(decode=decode, x=x, s=time.perf_counter() - t0,
+    flat, layout = pack_batch(x)
+    self.carry, out = self._step(decode, layout)(self.params, self.carry,
+                                                 jax.device_put(flat))
+    out = np.asarray(jax.device_get(out))
+    nxt, k, ok = out[:-2], int(out[-2]), bool(out[-1])
+    admitted = entries[:k]
+    self.deferred += len(entries) - k
+    self.log.append(dict(decode=decode, x=flat, layout=layout, s=time.perf_counter() - t0,
                          tokens=sum(n for _, n in admitted),
                          compiles=compile_count() - compiles))
     if not ok:
@@ -549,7 +585,7 @@ class PagedServer:
       r.done += n
       if r.row != PREFIX_ROW and not r.prefilling:   # a decode, or the prompt's last chunk
         r.gen.append(int(nxt[i]))
-    return int(k)
+    return k
 
 
 def run_paged(cfg: DemoConfig, params, requests, prefix) -> Dict[str, Any]:
@@ -614,7 +650,8 @@ def allocator_share(srv: PagedServer) -> Dict[str, float]:
   per = {True: [], False: []}   # warm full-step times by kind (decode or not)
   allocs = []
   for entry in srv.log:
-    fn = srv._step(entry["decode"], model=False)  # pylint: disable=protected-access
+    fn = srv._step(entry["decode"], entry["layout"],  # pylint: disable=protected-access
+                   model=False)
     if entry["decode"] not in seen:
       seen.add(entry["decode"])
       jax.block_until_ready(fn(srv.params, jax.tree.map(jnp.copy, carry), entry["x"]))
