@@ -45,6 +45,12 @@ import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 import jax
+# Importing Pallas defines jax config options, and (on jax 0.12, not 0.10.2) they are part of
+# each jit cache key: imported lazily inside the first step's trace (where the allocator's
+# kernels pull them in), they change that key and the second step compiles again. Import
+# them before any step.
+import jax.experimental.pallas  # pylint: disable=unused-import
+import jax.experimental.pallas.tpu  # pylint: disable=unused-import
 import jax.numpy as jnp
 import numpy as np
 
