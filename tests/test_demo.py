@@ -5,6 +5,7 @@ import pytest
 
 from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import demo
+from test_no_wait import _has_gpu
 
 # Small enough for CI: 8 requests over 5 serving rows, so that rows are reused, prompts
 # are chunked (chunk 8 < prompts of up to 12 + 24 tokens) and admission defers chunks
@@ -113,13 +114,6 @@ def test_tpu_ragged_kernel_lowers_at_demo_shapes():
         "tpu_v6e", lambda q, p, a: demo._rpa_kernel(q, p, a, dh ** -0.5),  # pylint: disable=protected-access
         spec((tokens, heads, dh), jnp.float32), pages, att)
     assert "tpu_custom_call" in lowering_check.custom_call_targets(ex)
-
-
-def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
 
 
 @pytest.mark.gpu
