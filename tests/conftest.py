@@ -90,6 +90,12 @@ SLOW_TESTS = [
     ("test_multiprocess.py", "test_two_processes_equal_one_every_op", None,
      "three JAX processes compiling every ranked operation; the serving ones run by default"),
     ("test_multiprocess.py", "test_bench_processes_runs", None, "starts JAX processes"),
+    ("test_attention.py", "test_every_kernel_page_sizes_slow", None,
+     "page sizes 1, 16, 64 through every kernel (ref eager, TPU/GPU interpreters)"),
+    ("test_demo.py", "test_pallas_decode_kernel_tokens_equal_contiguous", None,
+     "the demo with Pallas' GPU paged_attention in its interpreter"),
+    ("test_demo.py", "test_rpa_reference_tokens_equal_contiguous", None,
+     "the demo through ref_ragged_paged_attention: one compile per step"),
 ]
 
 

@@ -16,12 +16,24 @@ positions, multi-head attention, a ReLU MLP), decoded greedily. Two ways to run 
               prompt (shared prefix included, recomputed) at once, then one token at a
               time. This is the reference.
 
-The generated tokens must be identical. Both use the same attention function over the same
-key length (max_pages_per_req * page_size, in token order), so only the addressing
-differs. The jnp gather path is used on every backend.
+The generated tokens must be identical. How the paged run attends (--attention):
 
-Also printed: tokens/s of the paged run and the allocator's share of its steps (the same
-steps replayed with only the request-table and allocator work).
+  toy      every token gathers its keys (max_pages_per_req * page_size of them, in token
+           order) and attends in jnp, the same function as the contiguous run: only the
+           addressing differs.
+  rpa-ref  K/V in JAX's ragged paged attention layout [P, ps, 2H, Dh], written with
+           jax_kvalloc.attention.write_kv_combined; every step attends through JAX's
+           jnp ref_ragged_paged_attention fed attention.dense_inputs. It slices by the
+           lengths in Python, so the model part is traced once per step (a check, not
+           a speed).
+  pallas   GPU (and CPU, in the interpreter): K/V split [H, P, ps, Dh] written with
+           attention.write_kv_split; decode steps attend through Pallas' GPU
+           paged_attention, prefill steps gather from the same pages. TPU: the combined
+           layout and ragged_paged_attention for every step (head dim 128).
+
+Also printed: tokens/s of the paged run, the allocator's share of its steps (the same
+steps replayed with only the request-table and allocator work) and the compiles after
+the first step of each kind (the paged step compiles once per kind; rpa-ref once a step).
 """
 from __future__ import annotations
 
@@ -33,15 +45,23 @@ import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 import jax
+# Importing Pallas defines jax config options, and (on jax 0.12, not 0.10.2) they are part of
+# each jit cache key: imported lazily inside the first step's trace (where the allocator's
+# kernels pull them in), they change that key and the second step compiles again. Import
+# them before any step.
+import jax.experimental.pallas  # pylint: disable=unused-import
+import jax.experimental.pallas.tpu  # pylint: disable=unused-import
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvalloc import attention as attn
 from jax_kvalloc import index_jnp
 from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 
 PREFIX_ROW = 0  # the row that holds the shared prefix (a stand-in for a prefix cache)
+ATTENTION = ("toy", "rpa-ref", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +83,17 @@ class DemoConfig:
   prompt_len: tuple = (2, 40)  # suffix tokens after the (optional) shared prefix
   new_tokens: tuple = (3, 12)  # generated tokens per request
   seed: int = 0
+  attention: str = "toy"      # "toy" (jnp gather), "rpa-ref" or "pallas" (real kernels)
 
   def __post_init__(self):
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION}")
+    if (self.attention == "pallas" and jax.default_backend() == "tpu"
+        and (self.d_model // self.num_heads) % 128):
+      raise ValueError(f"--attention pallas on a TPU runs ragged_paged_attention, whose "
+                       f"head dim must be a multiple of 128: d_model={self.d_model} with "
+                       f"{self.num_heads} heads gives {self.d_model // self.num_heads} "
+                       f"(try --d-model {128 * self.num_heads})")
     if self.prefix_len % self.page_size:
       raise ValueError(f"prefix_len={self.prefix_len} must be a multiple of page_size="
                        f"{self.page_size} (a borrowed prefix is whole pages)")
@@ -151,6 +180,112 @@ def forward(cfg: DemoConfig, params, kv, tokens, pos, write, read, kv_len):
   return (k_cache, v_cache), _mm(_rms(x), params["unembed"])
 
 
+def _decode_blocks(cfg: DemoConfig) -> Tuple[int, int, int]:
+  """(table width, pages per compute block, k_splits) for Pallas' GPU paged_attention:
+  Triton wants power-of-two blocks and a dot of at least 16 keys, so the width is the
+  next power of two of max_pages_per_req and a block holds >= 16 tokens where it can."""
+  width = 1 << (cfg.max_pages_per_req - 1).bit_length()
+  block = min(width, 1 << (max(1, -(-16 // cfg.page_size)) - 1).bit_length())
+  return width, block, width // block
+
+
+def _kernel_decode(cfg: DemoConfig, q, k_pages, v_pages, att):
+  """Decode attention through jax.experimental.pallas.ops.gpu.paged_attention (Triton on
+  a GPU, its interpreter elsewhere): q f32[B, H, Dh] one token per entry, pages
+  f32[H, P, ps, Dh]. Entries of length 0 come out as NaN; nothing reads them."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa  # pylint: disable=g-import-not-at-top
+  width, block, splits = _decode_blocks(cfg)
+  tables = jnp.pad(att.page_indices, ((0, 0), (0, width - att.page_indices.shape[1])))
+  # 1/sqrt(Dh) folded into q (exact when Dh is a power of 4, as in the defaults).
+  return gpu_pa.paged_attention(q / np.sqrt(q.shape[-1]), k_pages, v_pages, tables,
+                                att.kv_lens, pages_per_compute_block=block,
+                                k_splits=splits, interpret=jax.default_backend() != "gpu")
+
+
+def forward_pages(cfg: DemoConfig, params, kv, tokens, pos, slots, num_tokens, att, b,
+                  kv_len, *, decode: bool):
+  """Logits of T packed tokens over a paged cache in the Pallas decode kernels' layout.
+
+  kv: (f32[layers, H, P, ps, Dh], same); the step's K/V go in with
+  attention.write_kv_split at `slots` (i32[T], the first num_tokens real). Decode steps
+  attend through the Pallas kernel (one query per batch entry, b = arange); prefill
+  steps gather each token's keys from the same pages in jnp.
+  """
+  h_, dh, ps = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.page_size
+  k_all, v_all = kv
+  x = params["embed"][tokens] + params["pos"][jnp.clip(pos, 0, cfg.max_len - 1)]
+  j = jnp.arange(cfg.max_len, dtype=jnp.int32)
+  key_pages = att.page_indices[:, j // ps][b]                   # i32[T, L]
+  for i, w in enumerate(params["layers"]):
+    h = _rms(x)
+    q = _mm(h, w["wq"]).reshape(-1, h_, dh)
+    kp, vp = attn.write_kv_split(k_all[i], v_all[i], slots,
+                                 _mm(h, w["wk"]).reshape(-1, h_, dh),
+                                 _mm(h, w["wv"]).reshape(-1, h_, dh), num_tokens=num_tokens)
+    k_all, v_all = k_all.at[i].set(kp), v_all.at[i].set(vp)
+    if decode and cfg.attention == "pallas":
+      o = _kernel_decode(cfg, q, kp, vp, att)
+    else:
+      keys = jnp.moveaxis(kp[:, key_pages, j % ps], 0, 2)       # f32[T, L, H, Dh]
+      values = jnp.moveaxis(vp[:, key_pages, j % ps], 0, 2)
+      o = attend(q, keys, values, pos, kv_len)
+    x = x + _mm(o.reshape(-1, cfg.d_model), w["wo"])
+    x = x + _mm(jax.nn.relu(_mm(_rms(x), w["w1"])), w["w2"])
+  return (k_all, v_all), _mm(_rms(x), params["unembed"])
+
+
+def combined_layout(cfg: DemoConfig) -> bool:
+  """Whether the run keeps K/V in JAX's ragged paged attention layout [P, ps, 2H, Dh]
+  (rpa-ref everywhere, pallas on TPU) rather than split [H, P, ps, Dh] pages."""
+  return cfg.attention == "rpa-ref" or (cfg.attention == "pallas"
+                                        and jax.default_backend() == "tpu")
+
+
+def _rpa_reference(host_att, q, pages, att, sm_scale):
+  """JAX's jnp ref_ragged_paged_attention. It loops over num_seqs in Python and slices by
+  the lengths, so it reads them from `host_att` (numpy copies of att): traced with them
+  as constants, one program per step."""
+  del att
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention  # pylint: disable=g-import-not-at-top
+  kv_lens, page_indices, cu_q_lens, num_seqs = host_att
+  if num_seqs[0] == 0:      # a step that only releases rows: nothing to attend
+    return jnp.zeros_like(q)
+  out = ref_ragged_paged_attention(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                   sm_scale=sm_scale)
+  return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
+
+
+def _rpa_kernel(q, pages, att, sm_scale):
+  """jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU; jittable)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention  # pylint: disable=g-import-not-at-top
+  return ragged_paged_attention(
+      q, pages, att.kv_lens, att.page_indices, att.cu_q_lens, att.num_seqs,
+      sm_scale=sm_scale, num_kv_pages_per_block=min(8, att.page_indices.shape[1]),
+      num_queries_per_block=min(16, q.shape[0]))
+
+
+def forward_combined(cfg: DemoConfig, params, kv, tokens, pos, slots, att, attend_fn):
+  """Logits of T packed tokens over pages in JAX's ragged paged attention layout.
+
+  kv: f32[layers, P, ps, 2H, Dh]; the step's K/V go in with attention.write_kv_combined
+  at `slots` (the first cu_q_lens[-1] real), then every token attends through attend_fn
+  (the ragged kernel or its jnp reference) with the dense attention inputs `att`.
+  """
+  h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+  x = params["embed"][tokens] + params["pos"][jnp.clip(pos, 0, cfg.max_len - 1)]
+  for i, w in enumerate(params["layers"]):
+    h = _rms(x)
+    q = _mm(h, w["wq"]).reshape(-1, h_, dh)
+    pages = attn.write_kv_combined(kv[i], slots, _mm(h, w["wk"]).reshape(-1, h_, dh),
+                                   _mm(h, w["wv"]).reshape(-1, h_, dh),
+                                   num_tokens=att.cu_q_lens[-1])
+    kv = kv.at[i].set(pages)
+    o = attend_fn(q, pages, att, 1.0 / np.sqrt(dh))
+    x = x + _mm(o.reshape(-1, cfg.d_model), w["wo"])
+    x = x + _mm(jax.nn.relu(_mm(_rms(x), w["w1"])), w["w2"])
+  return kv, _mm(_rms(x), params["unembed"])
+
+
 # ---------------------------------------------------------------------------------------
 # The paged way: one jitted step, everything addressed through the request table.
 # ---------------------------------------------------------------------------------------
@@ -194,9 +329,15 @@ def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool =
   acfg = alloc_config(cfg)
   state, table, kv = carry
   state, table, slots, att, k, ok = _table_work(acfg, cfg, state, table, x, decode=decode)
-  num_entries = x["rows"].shape[0]
   if not model:
-    return (state, table, kv), (jnp.zeros((num_entries,), jnp.int32), k, ok)
+    return (state, table, kv), (jnp.zeros((x["rows"].shape[0],), jnp.int32), k, ok)
+  kv, nxt = _model_part(cfg, params, kv, x, slots, att, decode=decode)
+  return (state, table, kv), (nxt, k, ok)
+
+
+def _model_part(cfg: DemoConfig, params, kv, x, slots, att, *, decode: bool,
+                attend_fn=None):
+  num_entries = x["rows"].shape[0]
   ps, tokens = cfg.page_size, x["tokens"]
   t = jnp.arange(tokens.shape[0], dtype=jnp.int32)
   cu = att.cu_q_lens
@@ -209,17 +350,87 @@ def serve_step(cfg: DemoConfig, params, carry, x, *, decode: bool, model: bool =
   j = jnp.arange(cfg.max_len, dtype=jnp.int32)
   read = att.page_indices[:, j // ps] * ps + j % ps              # i32[B, L]
   write = jnp.where(real, slots, 0)                              # padding: dummy slot 0
-  kv, logits = forward(cfg, params, kv, tokens, pos, write, read[b],
-                       jnp.where(real, att.kv_lens[b], 0))
+  kv_len = jnp.where(real, att.kv_lens[b], 0)
+  if cfg.attention == "toy":
+    kv, logits = forward(cfg, params, kv, tokens, pos, write, read[b], kv_len)
+  elif combined_layout(cfg):
+    kv, logits = forward_combined(cfg, params, kv, tokens, pos, slots, att,
+                                  attend_fn or _rpa_kernel)
+  else:
+    kv, logits = forward_pages(cfg, params, kv, tokens, pos, slots, cu[-1], att, b, kv_len,
+                               decode=decode)
   last = jnp.clip(cu[1:] - 1, 0, tokens.shape[0] - 1)            # each entry's last token
   nxt = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
-  return (state, table, kv), (nxt, k, ok)
+  return kv, nxt
+
+
+def _table_step(cfg: DemoConfig, carry, x, *, decode: bool):
+  state, table, kv = carry
+  state, table, slots, att, k, ok = _table_work(alloc_config(cfg), cfg, state, table, x,
+                                                decode=decode)
+  return (state, table, kv), slots, att, k, ok
+
+
+class _EagerReferenceStep:
+  """rpa-ref: the allocator part jitted once; the model part jitted per step around JAX's
+  jnp reference, whose Python loop slices by the step's lengths (read back to the host):
+  one compile per step, so this mode is for checking, not for timing."""
+
+  def __init__(self, cfg: DemoConfig, decode: bool):
+    self.cfg, self.decode = cfg, decode
+    self.table_step = jax.jit(functools.partial(_table_step, cfg, decode=decode),
+                              donate_argnums=0)
+
+  def __call__(self, params, carry, x):
+    (state, table, kv), slots, att, k, ok = self.table_step(carry, x)
+    host_att = jax.device_get((att.kv_lens, att.page_indices, att.cu_q_lens, att.num_seqs))
+    model = jax.jit(functools.partial(
+        _model_part, self.cfg, decode=self.decode,
+        attend_fn=functools.partial(_rpa_reference, host_att)), donate_argnums=1)
+    kv, nxt = model(params, kv, x, slots, att)
+    return (state, table, kv), (nxt, k, ok)
+
+
+def pack_batch(x: Dict[str, Any]) -> Tuple[np.ndarray, tuple]:
+  """The batch's int32 arrays in one flat array (one host-to-device transfer a step) and
+  the static layout that `unpack_batch` reads them back with."""
+  layout = tuple((k, tuple(np.shape(v))) for k, v in x.items())
+  return np.concatenate([np.ravel(np.asarray(v, np.int32)) for v in x.values()]), layout
+
+
+def unpack_batch(flat, layout: tuple) -> Dict[str, Any]:
+  out, at = {}, 0
+  for key, shape in layout:
+    size = int(np.prod(shape, dtype=np.int64))
+    out[key] = flat[at:at + size].reshape(shape)
+    at += size
+  return out
+
+
+def _pack_out(nxt, k, ok):
+  """Next tokens, k and ok in one i32 array: one device-to-host read-back a step."""
+  return jnp.concatenate([nxt, k.reshape(1), ok.reshape(1).astype(jnp.int32)])
+
+
+def _packed_step(cfg: DemoConfig, decode: bool, model: bool, layout: tuple, params, carry,
+                 flat):
+  carry, out = serve_step(cfg, params, carry, unpack_batch(flat, layout), decode=decode,
+                          model=model)
+  return carry, _pack_out(*out)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: DemoConfig, decode: bool, model: bool):
-  # One compile per config and kind, shared by every run (the carry is donated).
-  return jax.jit(functools.partial(serve_step, cfg, decode=decode, model=model),
+def _jitted_step(cfg: DemoConfig, decode: bool, model: bool, layout: tuple):
+  """step(params, carry, flat batch) -> (carry, i32[B + 2] next tokens, k, ok). One
+  compile per config and kind, shared by every run (the carry is donated)."""
+  if model and cfg.attention == "rpa-ref":
+    inner = _EagerReferenceStep(cfg, decode)
+
+    def call(params, carry, flat):
+      carry, out = inner(params, carry, unpack_batch(flat, layout))
+      return carry, _pack_out(*out)
+    return call
+  return jax.jit(functools.partial(_packed_step, cfg, decode, model, layout),
                  donate_argnums=1)
 
 
@@ -285,6 +496,22 @@ def make_requests(cfg: DemoConfig) -> Tuple[List[Dict[str, Any]], List[int]]:
   return reqs, prefix
 
 
+_COMPILES = [0]          # backend compiles seen since the listener was installed
+_LISTENING = [False]
+
+
+def compile_count() -> int:
+  """Backend compiles so far in this process (XLA programs built, Pallas kernels too)."""
+  if not _LISTENING[0]:
+    def on_event(event: str, duration: float, **kwargs) -> None:
+      del duration, kwargs
+      if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    _LISTENING[0] = True
+  return _COMPILES[0]
+
+
 @dataclasses.dataclass
 class _Running:
   req: Dict[str, Any]
@@ -305,8 +532,16 @@ class PagedServer:
     self.cfg, self.params = cfg, params
     acfg = alloc_config(cfg)
     h_, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
-    kv = tuple(jnp.zeros((cfg.num_layers, acfg.num_slots, h_, dh), jnp.float32)
-               for _ in range(2))
+    pages = acfg.num_slots // cfg.page_size
+    if cfg.attention == "toy":
+      shape = (cfg.num_layers, acfg.num_slots, h_, dh)
+    elif combined_layout(cfg):  # JAX's ragged paged attention: K, V interleaved on heads
+      shape = (cfg.num_layers, pages, cfg.page_size, 2 * h_, dh)
+    else:  # the Pallas decode kernels' split layout, pages of the whole pool
+      shape = (cfg.num_layers, h_, acfg.num_slots // cfg.page_size, cfg.page_size, dh)
+    kv = jnp.zeros(shape, jnp.float32)
+    if not combined_layout(cfg):
+      kv = (kv, jnp.zeros(shape, jnp.float32))
     self.carry = (st.init(acfg), rt.init_table(acfg, cfg.max_reqs, cfg.max_pages_per_req),
                   kv)
     self.initial = jax.tree.map(jnp.copy, self.carry[:2])
@@ -314,8 +549,8 @@ class PagedServer:
     self.to_release: List[int] = []
     self.deferred = 0                      # batch entries that admission held back
 
-  def _step(self, decode: bool, model: bool = True):
-    return _jitted_step(self.cfg, decode, model)
+  def _step(self, decode: bool, layout: tuple, model: bool = True):
+    return _jitted_step(self.cfg, decode, model, layout)
 
   def _batch(self, decode: bool, entries, borrow: Sequence[int]):
     cfg, b = self.cfg, self.cfg.max_reqs
@@ -336,20 +571,27 @@ class PagedServer:
     """Runs one step; returns how many entries were admitted (they advance)."""
     x = self._batch(decode, entries, borrow)
     self.to_release = []
+    compiles = compile_count()
     t0 = time.perf_counter()
-    self.carry, (nxt, k, ok) = self._step(decode)(self.params, self.carry, x)
-    nxt, k, ok = jax.device_get((nxt, k, ok))
-    admitted = entries[:int(k)]
-    self.deferred += len(entries) - int(k)
-    self.log.append(dict(decode=decode, x=x, s=time.perf_counter() - t0,
-                         tokens=sum(n for _, n in admitted)))
+    # One transfer of the whole batch, one step, one read-back (the scheduler needs k
+    # and the next tokens before it can pick the next batch).
+    flat, layout = pack_batch(x)
+    self.carry, out = self._step(decode, layout)(self.params, self.carry,
+                                                 jax.device_put(flat))
+    out = np.asarray(jax.device_get(out))
+    nxt, k, ok = out[:-2], int(out[-2]), bool(out[-1])
+    admitted = entries[:k]
+    self.deferred += len(entries) - k
+    self.log.append(dict(decode=decode, x=flat, layout=layout, s=time.perf_counter() - t0,
+                         tokens=sum(n for _, n in admitted),
+                         compiles=compile_count() - compiles))
     if not ok:
       raise RuntimeError("the admitted batch was refused (admission and extend disagree)")
     for i, (r, n) in enumerate(admitted):
       r.done += n
       if r.row != PREFIX_ROW and not r.prefilling:   # a decode, or the prompt's last chunk
         r.gen.append(int(nxt[i]))
-    return int(k)
+    return k
 
 
 def run_paged(cfg: DemoConfig, params, requests, prefix) -> Dict[str, Any]:
@@ -411,8 +653,11 @@ def allocator_share(srv: PagedServer) -> Dict[str, float]:
   each kind (compilation) is left out of both sums."""
   carry = srv.initial + (srv.carry[2],)
   seen, full_s, alloc_s, full_n, tokens = set(), 0.0, 0.0, 0, 0
+  per = {True: [], False: []}   # warm full-step times by kind (decode or not)
+  allocs = []
   for entry in srv.log:
-    fn = srv._step(entry["decode"], model=False)  # pylint: disable=protected-access
+    fn = srv._step(entry["decode"], entry["layout"],  # pylint: disable=protected-access
+                   model=False)
     if entry["decode"] not in seen:
       seen.add(entry["decode"])
       jax.block_until_ready(fn(srv.params, jax.tree.map(jnp.copy, carry), entry["x"]))
@@ -421,28 +666,45 @@ def allocator_share(srv: PagedServer) -> Dict[str, float]:
     t0 = time.perf_counter()
     carry, out = fn(srv.params, carry, entry["x"])
     jax.block_until_ready(out)
-    alloc_s += time.perf_counter() - t0
+    allocs.append(time.perf_counter() - t0)
+    alloc_s += allocs[-1]
+    per[entry["decode"]].append(entry["s"])
     full_s += entry["s"]
     full_n += 1
     tokens += entry["tokens"]
+  med = lambda v: float(np.median(v)) if v else float("nan")
   return dict(step_s=full_s / max(full_n, 1), alloc_s=alloc_s / max(full_n, 1),
+              step_median_s=med(per[True] + per[False]), alloc_median_s=med(allocs),
+              decode_median_s=med(per[True]), prefill_median_s=med(per[False]),
               share=alloc_s / full_s if full_s > 0 else float("nan"), steps=full_n,
               tokens_per_s=tokens / full_s if full_s > 0 else float("nan"))
 
 
-def run(cfg: DemoConfig) -> Dict[str, Any]:
-  """Both runs; returns their outputs, whether they are identical and the timings."""
+def run(cfg: DemoConfig, repeat: int = 1) -> Dict[str, Any]:
+  """Both runs; returns their outputs, whether they are identical and the timings.
+
+  repeat > 1 serves the requests that many times (every run's tokens are checked); the
+  timings are the last run's, whose steps are all warm."""
   params = init_params(cfg, jax.random.PRNGKey(cfg.seed))
   requests, prefix = make_requests(cfg)
-  t0 = time.perf_counter()
-  paged = run_paged(cfg, params, requests, prefix)
-  paged_s = time.perf_counter() - t0
+  runs, late = [], 0
+  for i in range(max(1, repeat)):
+    t0 = time.perf_counter()
+    runs.append(run_paged(cfg, params, requests, prefix))
+    paged_s = time.perf_counter() - t0
+    seen = set() if i == 0 else {True, False}
+    for e in runs[-1]["server"].log:
+      if e["decode"] in seen:
+        late += e["compiles"]
+      seen.add(e["decode"])
+  paged = runs[-1]
   reference = run_contiguous(cfg, params, requests)
   srv = paged["server"]
   share = allocator_share(srv)
   processed = sum(e["tokens"] for e in srv.log)
-  return dict(requests=requests, paged=paged["outputs"], reference=reference,
-              identical=paged["outputs"] == reference, steps=len(srv.log),
+  return dict(late_compiles=late, attention=cfg.attention, requests=requests,
+              paged=paged["outputs"], reference=reference,
+              identical=all(r["outputs"] == reference for r in runs), steps=len(srv.log),
               decode_steps=sum(e["decode"] for e in srv.log), wall_s=paged_s,
               generated=sum(len(g) for g in paged["outputs"]), processed=processed,
               deferred=srv.deferred, share=share, device=str(jax.devices()[0]))
@@ -478,6 +740,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--new-tokens", type=_range, default=d.new_tokens, metavar="LO,HI",
     help="generated tokens per request")
   a("--seed", type=int, default=d.seed)
+  a("--repeat", type=int, default=1,
+    help="serve the requests this many times; timings from the last (all steps warm)")
+  a("--attention", choices=ATTENTION, default=d.attention,
+    help="toy: a jnp gather of each token's keys; rpa-ref: every step through JAX's "
+         "ref_ragged_paged_attention (eager) over pages written with "
+         "attention.write_kv_combined; pallas: on a GPU (or off one, in the interpreter) "
+         "decode steps through jax.experimental.pallas.ops.gpu.paged_attention over "
+         "pages written with attention.write_kv_split, on a TPU every step through "
+         "ragged_paged_attention")
   return p
 
 
@@ -488,8 +759,9 @@ def run_cli(args) -> int:
                      max_pages_per_req=args.max_pages_per_req, pool_pages=args.pool_pages,
                      max_tokens=args.max_tokens, chunk=args.chunk,
                      prefix_len=args.prefix_len, prompt_len=tuple(args.prompt_len),
-                     new_tokens=tuple(args.new_tokens), seed=args.seed)
-    res = run(cfg)
+                     new_tokens=tuple(args.new_tokens), seed=args.seed,
+                     attention=args.attention)
+    res = run(cfg, repeat=args.repeat)
   except (ValueError, RuntimeError) as e:  # a bad setting, or a pool too small to finish
     print(f"jax-kvalloc demo: {e}", file=sys.stderr)
     return 2
@@ -506,10 +778,17 @@ def run_cli(args) -> int:
         f"{res['processed']}, generated {res['generated']}; batch entries deferred by "
         f"admission: {res['deferred']}")
   print(f"paged run: {sh['tokens_per_s']:.0f} tokens/s processed over {sh['steps']} warm "
-        f"steps ({res['wall_s']:.1f} s wall with compilation); per step "
+        f"steps ({res['wall_s']:.1f} s wall, "
+        f"{'compilation included' if args.repeat <= 1 else 'a warm run'}); per step "
         f"{sh['step_s'] * 1e6:.0f} us, allocator part {sh['alloc_s'] * 1e6:.0f} us = "
         f"{100 * sh['share']:.0f}% of the step (the same steps replayed with only the "
         f"request-table and allocator work)")
+  print(f"median warm step {sh['step_median_s'] * 1e6:.0f} us (decode "
+        f"{sh['decode_median_s'] * 1e6:.0f} us, prefill {sh['prefill_median_s'] * 1e6:.0f} "
+        f"us), allocator part {sh['alloc_median_s'] * 1e6:.0f} us; each step is one batch "
+        f"transfer, one jitted call and one read-back of k and the next tokens")
+  print(f"attention: {res['attention']}; compiles after the first step of each kind: "
+        f"{res['late_compiles']}")
   print("tokens identical to the contiguous-cache run: "
         + ("YES" if res["identical"] else "NO"))
   return 0 if res["identical"] else 1
