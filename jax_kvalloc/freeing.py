@@ -176,22 +176,18 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
   """`free`, with the operation its debug record names (free_page_ids and free_segment
   of the token allocator are `free`)."""
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
-  n = config.num_pages
-  if config.kind == "paged" and not config.debug:
-    m = free_index.shape[0]
-    return kernels.by_device(
-        config.kernel, state.free_ring,
-        lambda name: PAGED_FREE[paged_free_implementation(config, name, m)](
-            config, state, free_index))
-  if config.kind == "paged":
-    pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
-    values, count = free_pages_sorted_unique(pages, n)
-  else:
-    valid = (free_index >= 1) & (free_index <= n)
-    values, count = st.compact(free_index, valid)
-  if config.debug:
-    state, count = debug.finish_free(config, state, free_index, values, count, op)
-  return _give_back(config, state, values, count)
+  n, m = config.num_pages, free_index.shape[0]
+  if config.kind == "token":
+    values, count = st.compact(free_index, (free_index >= 1) & (free_index <= n))
+    if config.debug:
+      state, count = debug.finish_free(config, state, free_index, values, count, op)
+    return _give_back(config, state, values, count)
+  if config.debug:  # the checks need XLA's (values, count)
+    return PAGED_FREE[free_method(n, m)](config, state, free_index)
+  return kernels.by_device(
+      config.kernel, state.free_ring,
+      lambda name: PAGED_FREE[paged_free_implementation(config, name, m)](
+          config, state, free_index))
 
 
 def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:
@@ -211,6 +207,9 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
                     method: str) -> AllocatorState:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
   values, count = free_pages_sorted_unique(pages, config.num_pages, method)
+  if config.debug:
+    state, count = debug.finish_free(config, state, free_index, values, count,
+                                     debug.OP_FREE)
   return _give_back(config, state, values, count)
 
 
@@ -224,9 +223,10 @@ def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_inde
   return st.with_freed_list(config.need_sort, state, ring, head, length)
 
 
-# The paged `free` outside debug mode, by implementation (kernels.REGISTRY["free"]):
-# fn(config, state, free_index i32[M]) -> state, every one the same bits. `free` picks
-# one (paged_free_implementation); tests and benchmarks call one by name.
+# The paged `free` by implementation (kernels.REGISTRY["free"]): fn(config, state,
+# free_index i32[M] int32) -> state, every one the same bits (the Triton ones outside
+# debug mode only). `free` picks one (paged_free_implementation); tests and benchmarks
+# call one by name.
 PAGED_FREE = {
     "sort": functools.partial(_free_paged_xla, method="sort"),
     "bitmap": functools.partial(_free_paged_xla, method="bitmap"),
