@@ -338,6 +338,13 @@ def test_kernel_choice():
   assert kernels.for_platform("pallas", "tpu") == "mosaic"
   assert kernels.for_platform("pallas_interpret", "tpu") == "mosaic_interpret"
   assert kernels.for_platform("auto", "gpu") == "triton"
+  # One list of names: the config accepts exactly what kernels resolves, and the free's
+  # registry holds the implementations kernels.REGISTRY names (and their interpreters).
+  assert set(kv.config.KERNELS) == set(kernels.CONCRETE + kernels.BY_PLATFORM)
+  for name in kernels.CONCRETE:
+    assert kernels.family(name)[0] in kernels.REGISTRY["alloc_extend"]
+  from jax_kvalloc import freeing  # pylint: disable=g-import-not-at-top
+  assert set(freeing.PAGED_FREE) == set(kernels.REGISTRY["free"]) | {"triton_interpret"}
 
 
 def test_auto_on_several_backends_decides_when_lowering(monkeypatch):
