@@ -113,9 +113,11 @@ def platform_of(x) -> Optional[str]:
 
 def _abstract_mesh_platform() -> Optional[str]:
   """The platform of the abstract device of the abstract mesh in scope, if any."""
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
   try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    device = getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
+    if get is None:
+      from jax._src.mesh import get_abstract_mesh as get  # pylint: disable=g-import-not-at-top
+    device = getattr(get(), "abstract_device", None)
   except Exception:  # pylint: disable=broad-except
     return None
   return getattr(device, "platform", None)
@@ -123,12 +125,13 @@ def _abstract_mesh_platform() -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _backend_platforms() -> Tuple[str, ...]:
-  """lax.platform_dependent keys of the backends this process has (sorted)."""
+  """lax.platform_dependent keys of the backends this process has (sorted); every
+  platform where jax does not say."""
   try:
     from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
     names = set(xla_bridge.backends())
   except Exception:  # pylint: disable=broad-except
-    names = {jax.default_backend()}
+    return _PLATFORMS
   out = set()
   for name in names:
     out.update(("cuda", "rocm") if name == "gpu" else (name,))
