@@ -324,7 +324,7 @@ def main(argv=None):
     rec["kernels"] = kernel_counts(kps, kslots, km, log)
 
   cols = ["free sort", "free bitmap", "free bitmap/blocked", "free pallas", "free auto",
-          "pages sort", "pages bitmap", "pages bitmap/blocked", "pages pallas", "floor"]
+          "pages sort", "pages bitmap", "pages bitmap/blocked", "floor"]
   log("\nus per call (median; the floor is the harness's own cost at free's outputs; "
       "/blocked: the bitmap with blocked_prefix)")
   log(f"{'ps':>3} {'pages':>7} {'M':>7} {'auto':>6} " +
