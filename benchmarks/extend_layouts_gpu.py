@@ -8,7 +8,7 @@ For each extend case of `jax-kvalloc bench` on the H200 (bench_micro.make_case, 
 page size 64: bs 1 x 8192 tokens, 16 x 32768, 64 x 32768, 256 x 65536, 1024 x 65536),
 and two skewed batches (the same, but one row holds all tokens but 8 per other row: bs
 64 x 32768 and 1024 x 65536), it runs `pallas_kernels.alloc_extend_triton` with
-layout="tiles", "rows" and "blocks" (default tile, chunks and warps of each), checks the
+layout="tiles" and "rows" (default tile, chunks and warps of each), checks the
 whole result (indices, new head and length, ok) against the jnp path (kernel="jnp", the
 same case), then takes its own GPU time as `jax-kvalloc bench --bare` does
 (bench_micro.bare_kernel_time: CUPTI's kernel durations over the bare chain; valid
@@ -45,7 +45,7 @@ from jax_kvalloc.tools import timing
 CASES = ((1, 8192, False), (16, 32768, False), (64, 32768, False), (256, 65536, False),
          (1024, 65536, False), (64, 32768, True), (1024, 65536, True))
 SMALL_CASES = ((1, 300, False), (16, 512, False), (64, 1024, False), (16, 512, True))
-LAYOUTS = ("tiles", "rows", "blocks")
+LAYOUTS = ("tiles", "rows")
 SKEW_OTHERS = 8   # tokens of every row but the first in a skewed batch
 
 
@@ -72,10 +72,7 @@ def kernel_config(layout: str, bs: int, tokens: int) -> dict:
   if layout == "rows":
     tile, chunks, warps = tuning.extend_rows_block(bs, tokens)
     return dict(tile=tile, chunks=chunks, warps=warps, programs=bs * chunks)
-  if layout == "blocks":
-    tile, _, warps = tuning.extend_rows_block(bs, tokens)
-    return dict(tile=tile, warps=warps, programs=-(-tokens // tile) + bs)
-  tile, warps = tuning.extend_tile_warps(rows_pad, tokens, True, False)
+  tile, warps = tuning.extend_tile_warps(rows_pad, tokens, True)
   return dict(tile=tile, warps=warps, programs=-(-tokens // tile))
 
 
@@ -205,7 +202,6 @@ def main(argv=None) -> int:
       with open(args.json, "w") as f:
         json.dump({"env": env, "config": {
             "unroll": unroll, "min_time": min_time, "reps": reps, "interpret": interpret,
-            "per_row_layout": tuning.EXTEND_ROWS_LAYOUT,
             "per_row_range": [tuning.EXTEND_ROWS_MIN_ROWS, tuning.EXTEND_ROWS_MAX_ROWS]},
                    "results": results, "skipped": skipped, "table": lines,
                    "total_s": time.perf_counter() - start}, f, indent=1)

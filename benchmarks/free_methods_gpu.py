@@ -9,14 +9,15 @@ in the project's harness (jax_kvalloc.tools.timing.chain_time: calls chained in 
 every output consumed, linked to the next call's inputs):
 
   free sort / free bitmap / free pallas / free auto
-                                        freeing.free(cfg, state, free_index, method=...)
+                                        freeing.PAGED_FREE[...](cfg, state, free_index),
+                                        auto: freeing.free
                                         (the carry keeps the new ring and head, the free
                                         length stays fixed, as bench_micro's free case);
                                         pallas: the Triton kernels of
                                         pallas_kernels.triton_free, which also write the
                                         ring (in Pallas' interpreter on CPU); auto: the
                                         kernels on a GPU, the sort/bitmap rule on CPU
-  pages sort / pages bitmap / pages pallas
+  pages sort / pages bitmap
                                         the page computation alone: free_index // ps,
                                         then freeing.free_pages_sorted_unique
   free bitmap/blocked, pages bitmap/blocked
@@ -119,33 +120,40 @@ def make_case(ps: int, slots: int, m: int, seed: int = 0):
 
 
 def concrete(method: str) -> str:
-  """The method to run: "pallas" in Pallas' interpreter on CPU (it compiles for a GPU
-  only)."""
-  return "pallas_interpret" if method == "pallas" and jax.default_backend() == "cpu" \
-      else method
+  """The key of freeing.PAGED_FREE to run: "pallas" is the Triton kernels, in Pallas'
+  interpreter on CPU (they compile for a GPU only)."""
+  if method == "pallas":
+    return "triton_interpret" if jax.default_backend() == "cpu" else "triton"
+  return method
+
+
+def free_fn(cfg: AllocatorConfig, method: str):
+  """free(state, free_index) of one implementation; "auto": freeing.free itself."""
+  if method == "auto":
+    return functools.partial(freeing.free, cfg)
+  return functools.partial(freeing.PAGED_FREE[concrete(method)], cfg)
 
 
 def auto_runs(cfg: AllocatorConfig, m: int) -> str:
-  """The method free(method="auto") runs for a pool on the default device."""
-  path, backend = kernel_paths.by_device(cfg.kernel, jnp.zeros((1,), jnp.int32),
-                                         lambda path, backend: (path, backend))
-  return freeing._auto_method(cfg, m=m, path=path, backend=backend)  # pylint: disable=protected-access
+  """The implementation freeing.free runs for a pool on the default device."""
+  return kernel_paths.by_device(
+      cfg.kernel, jnp.zeros((1,), jnp.int32),
+      lambda name: freeing.paged_free_implementation(cfg, name, m))
 
 
 def free_call(cfg: AllocatorConfig, method: str):
   """bench_micro's chained free: the carry keeps the new ring and head, not the length."""
-  method = concrete(method)
+  fn = free_fn(cfg, method)
 
   def call(state, free_index):
-    res = freeing.free(cfg, state, free_index, method=method)
+    res = fn(state, free_index)
     return (state._replace(free_ring=res.free_ring, free_head=res.free_head),
             (res.free_head, res.free_len))
   return call
 
 
 def pages_fn(cfg: AllocatorConfig, method: str):
-  """The page computation of the paged `free` alone (free_index // ps included)."""
-  method = concrete(method)
+  """The page computation of the paged XLA `free` alone (free_index // ps included)."""
 
   def fn(free_index):
     pages = jnp.where(free_index >= 0, free_index // cfg.page_size, 0)
@@ -162,16 +170,17 @@ def check(cfg, state, free_index):
   got, states = [], []
   for meth, kind in VARIANTS:
     with prefix(kind):
-      got.append(jax.jit(pages_fn(cfg, meth))(free_index))
-      states.append(jax.jit(functools.partial(freeing.free, cfg, method=concrete(meth)))(
-          state, free_index))
+      if meth != "pallas":  # the kernels write the ring: no pages alone
+        got.append(jax.jit(pages_fn(cfg, meth))(free_index))
+      states.append(jax.jit(free_fn(cfg, meth))(state, free_index))
   want = np.unique(np.asarray(free_index) // cfg.page_size)
   count = int(got[0][1])
   if count != want.size or not np.array_equal(np.asarray(got[0][0])[:count], want):
     raise AssertionError("the sorted unique pages differ from numpy's")
-  for other, other_state in zip(got[1:], states[1:]):
+  for other in got[1:]:
     for a, b in zip(got[0], other):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for other_state in states[1:]:
     jax.tree.map(np.testing.assert_array_equal, states[0], other_state)
 
 
@@ -190,6 +199,8 @@ def time_case(ps, slots, m, *, unroll, min_time, reps, log):
           for meth, kind in VARIANTS]
   runs.append(("free auto", "cumsum", free_call(cfg, "auto"), state))
   for meth, kind in VARIANTS:
+    if meth == "pallas":
+      continue
     fn = pages_fn(cfg, meth)
     runs.append((variant_name("pages", meth, kind), kind, lambda c, x, fn=fn: (c, fn(x)),
                  jnp.zeros((), jnp.int32)))
@@ -214,9 +225,10 @@ def kernel_counts(ps, slots, m, log):
   out = {"page_size": ps, "pool_slots": slots, "M": m}
   for meth, kind in VARIANTS:
     for what, fn, args in (
-        ("free", functools.partial(freeing.free, cfg, method=concrete(meth)),
-         (state, free_index)),
+        ("free", free_fn(cfg, meth), (state, free_index)),
         ("pages", pages_fn(cfg, meth), (free_index,))):
+      if what == "pages" and meth == "pallas":
+        continue
       with prefix(kind):
         count, by_op, lines = kernels(jax.jit(fn).lower(*args).compile().as_text())
       name = variant_name(what, meth, kind)
@@ -240,14 +252,13 @@ def sweep_blocks(ms, *, unroll, min_time, reps, log):
   try:
     for m in ms:
       cfg, state, free_index = make_case(64, 2**24, m)
-      want = jax.jit(functools.partial(freeing.free, cfg, method="sort"))(state, free_index)
+      want = jax.jit(free_fn(cfg, "sort"))(state, free_index)
       for sb, pb, warps in BLOCK_CONFIGS:
         triton_free.SLOT_BLOCK, triton_free.PAGE_BLOCK, triton_free.NUM_WARPS = sb, pb, warps
         rec = {"M": m, "num_pages": cfg.num_pages, "slot_block": sb, "page_block": pb,
                "num_warps": warps}
         try:
-          got = jax.jit(functools.partial(freeing.free, cfg, method=concrete("pallas")))(
-              state, free_index)
+          got = jax.jit(free_fn(cfg, "pallas"))(state, free_index)
           jax.tree.map(np.testing.assert_array_equal, want, got)
           res = timing.chain_time(free_call(cfg, "pallas"), state, free_index,
                                   unroll=unroll, min_time=min_time, reps=reps)
@@ -313,7 +324,7 @@ def main(argv=None):
     rec["kernels"] = kernel_counts(kps, kslots, km, log)
 
   cols = ["free sort", "free bitmap", "free bitmap/blocked", "free pallas", "free auto",
-          "pages sort", "pages bitmap", "pages bitmap/blocked", "pages pallas", "floor"]
+          "pages sort", "pages bitmap", "pages bitmap/blocked", "floor"]
   log("\nus per call (median; the floor is the harness's own cost at free's outputs; "
       "/blocked: the bitmap with blocked_prefix)")
   log(f"{'ps':>3} {'pages':>7} {'M':>7} {'auto':>6} " +

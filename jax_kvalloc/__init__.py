@@ -28,7 +28,7 @@ Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   freeing.py      free, free_page_ids, free_segment, merge_and_sort_free
   gated.py        a merge branch that stays a branch under vmap
   index_jnp.py    the index arithmetic (jnp / numpy): the reference the kernels match
-  kernels.py      choice of index path (jnp or pallas_kernels) by the pool's device
+  kernels.py      the one selector: each operation's implementation (config.kernel)
   buckets.py      shape buckets               validate.py   input checks, clear errors
   debug.py        debug-mode checks under jit request_table.py  SPEC 11
   ranks.py        SPEC 12, functional          warmup.py     compile ahead of serving

@@ -191,13 +191,12 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
     valid = valid & (err[0] == 0)
   state = maybe_merge(config, state, valid & (total_tokens // ps + bs + 1 > state.free_len))
 
-  def rest(kernel: str, backend: Optional[str]) -> AllocResult:
+  def rest(name: str) -> AllocResult:
     fused = None
     if num_rows:  # zero rows: no kernel (an index kernel over zero rows does not lower)
       fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
-                                         num_reqs, max_tokens=max_tokens, kernel=kernel,
-                                         backend=backend)
-    if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
+                                         num_reqs, max_tokens=max_tokens, name=name)
+    if fused is not None:  # GPU: the rest in one kernel launch (jax_kvalloc.kernels)
       return _refuse_unless(None if num_new_pages is None else pages_agree, state, fused)
     s = state
     ok = valid & (total_pages <= s.free_len)
@@ -206,9 +205,8 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
                             _window_len(config, max_tokens // ps + num_rows + 1))
     out = jnp.zeros((max_tokens,), jnp.int32)
     if num_rows:
-      out = kernels.extend_indices(kernel, window, pre, seq, last_loc, tok_start,
-                                   page_start, page_size=ps, out_len=max_tokens,
-                                   backend=backend)
+      out = kernels.extend_indices(name, window, pre, seq, last_loc, tok_start,
+                                   page_start, page_size=ps, out_len=max_tokens)
     if config.debug:
       s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_EXTEND, err, ok, window,
                                  total_pages, out, jnp.arange(max_tokens) < total_tokens)
@@ -244,9 +242,9 @@ def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array
 
 def _alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
                   last_loc: Array, num_reqs: Optional[Array],
-                  path: Optional[Tuple[str, Optional[str]]] = None) -> AllocResult:
-  """alloc_decode; `path`: the (kernel path, backend) a caller's kernels.by_device already
-  resolved (None: resolve config.kernel here)."""
+                  name: Optional[str] = None) -> AllocResult:
+  """alloc_decode; `name`: the concrete implementation a caller's kernels.by_device
+  already resolved (None: resolve config.kernel here)."""
   ps = config.page_size
   seq_lens = validate.as_i32(seq_lens, "seq_lens")
   last_loc = validate.as_i32(last_loc, "last_loc")
@@ -263,26 +261,26 @@ def _alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Arra
   total_pages = jnp.sum(needs_page)
   state = maybe_merge(config, state, rows_valid & (bs > state.free_len))
 
-  def rest(kernel: str, backend: Optional[str]) -> AllocResult:
+  def rest(name: str) -> AllocResult:
     fused = kernels.alloc_decode_fused(config, state, seq_lens, last_loc, num_reqs,
-                                       kernel=kernel, backend=backend)
-    if fused is not None:  # GPU: the rest in one kernel launch (kernels.py says why)
+                                       name=name)
+    if fused is not None:  # GPU: the rest in one kernel launch (jax_kvalloc.kernels)
       return fused
     s = state
     ok = rows_valid & (total_pages <= s.free_len)
     window = st.ring_window(s.free_ring, s.free_head, jnp.where(ok, s.free_len, 0),
                             _window_len(config, num_rows))
     seq_for_kernel = jnp.where(real, seq, 0)  # padded rows need no page
-    out = kernels.decode_indices(kernel, window, seq_for_kernel, last_loc, page_start,
-                                 page_size=ps, backend=backend)
+    out = kernels.decode_indices(name, window, seq_for_kernel, last_loc, page_start,
+                                 page_size=ps)
     if config.debug:
       s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_DECODE, err, ok, window,
                                  total_pages, out, real)
     out = jnp.where(ok & real, out, 0)
     return _take_pages(s, total_pages, ok), out, ok
 
-  if path is not None:
-    return rest(*path)
+  if name is not None:
+    return rest(name)
   # "auto" follows the device that holds the pool (kernels.by_device).
   return kernels.by_device(config.kernel, state.free_ring, rest)
 
@@ -297,7 +295,7 @@ def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
   Exactly `alloc_decode(config, freeing.free_page_ids(config, state, page_ids, num),
   seq_lens, last_loc, num_reqs=num_reqs)`, bit for bit. On the Triton backend (a paged
   pool, need_sort and debug off, up to 2048 rows and 8192 page ids) both run as one
-  kernel launch (`pallas_kernels.release_alloc_decode_triton`; kernels.py says why);
+  kernel launch (`pallas_kernels.release_alloc_decode_triton`; jax_kvalloc.kernels);
   elsewhere as the two calls.
 
   Args:
@@ -330,15 +328,13 @@ def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
   last_loc = validate.as_i32(last_loc, "last_loc")
   validate.static_rows(seq_lens=seq_lens, last_loc=last_loc)
 
-  def rest(kernel: str, backend: Optional[str]) -> AllocResult:
+  def rest(name: str) -> AllocResult:
     fused = kernels.release_alloc_decode_fused(config, state, page_ids, num, seq_lens,
-                                               last_loc, num_reqs, kernel=kernel,
-                                               backend=backend)
+                                               last_loc, num_reqs, name=name)
     if fused is not None:  # GPU: both in one kernel launch
       return fused
     released = freeing.free_page_ids(config, state, page_ids, num)
-    return _alloc_decode(config, released, seq_lens, last_loc, num_reqs,
-                         path=(kernel, backend))
+    return _alloc_decode(config, released, seq_lens, last_loc, num_reqs, name=name)
 
   # "auto" follows the device that holds the pool (kernels.by_device).
   return kernels.by_device(config.kernel, state.free_ring, rest)

@@ -1,8 +1,13 @@
 """Giving slots back: `free` (SPEC 3 and 4.4), `merge_and_sort_free` (SPEC 6), and
 SGLang 0.5.23's newer frees (SPEC 10): `free_page_ids`, `free_segment` (no sort, O(pages
-freed)), the `free_full*` aliases, and the `get_all_free_pages` census."""
+freed)), the `free_full*` aliases, and the `get_all_free_pages` census.
+
+The paged `free` has several implementations with the same result (PAGED_FREE: XLA's
+sort and bitmap, the Triton kernels); config.kernel picks one (jax_kvalloc.kernels).
+"""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -18,22 +23,12 @@ from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 
-# The ways of computing `free`'s sorted unique pages (free_pages_sorted_unique): two in
-# XLA, and the Triton kernels of pallas_kernels.triton_free ("pallas" compiles for a GPU
-# only; "pallas_interpret" runs them in Pallas' interpreter, for tests).
-FREE_METHODS = ("auto", "sort", "bitmap", "pallas", "pallas_interpret")
-PALLAS_METHODS = ("pallas", "pallas_interpret")
-# "auto" takes the bitmap when num_pages <= BITMAP_RATIO * M. The bitmap costs O(num_pages
-# + M) in a few kernels (scatter, one reduction, a prefix sum over num_pages / 32 words,
-# scatter); the sort costs O(M log M). On an H200 (2026-11-30, M = 8k-262k over 262144
-# pages, ratio 1-32) the bitmap took 20.6-55.8 us against the sort's 59.7-82.1 (XLA's GPU
-# sort is a chain of many small kernels); on a GPU "auto" now runs the Triton kernels
-# instead (pallas_kernels.triton_free: 9.8-14.4 us). On this 2-core CPU (jit, medians) the
-# bitmap wins at ratio <= 16 (27.9 vs 32.4 us at 8192 pages, M = 512; 56.8 vs 91.4 at
-# 32768 / 2048) and at ratio 32 with large M (204 vs 391 us at 262144 / 8192), and loses
-# at ratio 32 with small M (36.3 vs 29.8 us, 16384 / 512) and beyond (37.9 vs 29.8 at
-# ratio 64): `jax-kvalloc simulate` at page size 1 (32768 pages) took 67 us per step with
-# ratio 128 and 49 us with the sort. 32 keeps every GPU case above on the bitmap.
+# XLA's two ways of finding `free`'s sorted unique pages (free_pages_sorted_unique). The
+# bitmap costs O(num_pages + M) in a few fused kernels, the sort O(M log M) (on a GPU a
+# chain of many small kernels); free_method takes the bitmap while num_pages <=
+# BITMAP_RATIO * M, the ratio up to which the bitmap won on the 2-core CPU and at every
+# H200 size measured.
+XLA_METHODS = ("sort", "bitmap")
 BITMAP_RATIO = 32
 
 
@@ -80,14 +75,20 @@ def maybe_merge(config: AllocatorConfig, state: AllocatorState,
   return gated.gated(merge_where)(state, shortfall & (state.release_len > 0))
 
 
-def free(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
-         method: str = "auto") -> AllocatorState:
+def free(config: AllocatorConfig, state: AllocatorState,
+         free_index: Array) -> AllocatorState:
   """Returns slots to the pool (SPEC 3 token allocator, SPEC 4.4 paged allocator).
 
   Paged (kind="paged"): the sorted unique pages `unique(free_index // page_size)` are
   prepended to release_pages (need_sort) or free_pages: LIFO, and freeing any slot of a
   page frees the whole page. Token (kind="token"): the slots are appended, in the order
   given, without de-duplication: FIFO.
+
+  The implementation follows config.kernel (jax_kvalloc.kernels): the paged free runs
+  the Triton kernels (one memset and three launches that also write the ring,
+  `pallas_kernels.free_push_front_triton`) for the Triton family outside debug mode and
+  for sizes `pallas_kernels.free_preferred` takes, else XLA's sort or bitmap
+  (`free_method`). Every implementation gives the same state.
 
   Args:
     config: static configuration.
@@ -96,48 +97,26 @@ def free(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
       name page 0 (the padding sink, so 0 is the padding value) or lie outside the pool
       are ignored; in debug mode any such entry other than 0, or a double free, is an
       error (recorded in state.debug) and the call frees nothing.
-    method: how the paged allocator finds the sorted unique pages (static; see
-      `free_pages_sorted_unique`): "auto" (default), "sort", "bitmap", "pallas" or
-      "pallas_interpret". Every method gives the same state; the token allocator ignores
-      it. "auto" runs the Triton kernels (one memset and three launches that also write
-      the ring, `pallas_kernels.free_push_front_triton`) where config.kernel selects the
-      Pallas path on the Triton backend, judged by the pool's device as for alloc
-      (kernels.by_device: a CPU pool never compiles them), outside debug mode and for
-      sizes `pallas_kernels.free_preferred` takes (pools up to 2**20 pages, or 128 * M);
-      else `free_method`'s rule (sort or bitmap).
 
   Returns:
     The new state. An all-padding `free_index` returns an equal state. Frees that would
     overflow the pool (only possible through double frees, which debug mode reports) are
     cut to fit, so the lists never overwrite one another's entries.
   """
-  return _free(config, state, free_index, debug.OP_FREE, method)
+  return _free(config, state, free_index, debug.OP_FREE)
 
 
-def free_method(num_pages: int, m: int, method: str = "auto") -> str:
-  """The method `free_pages_sorted_unique` runs for these static sizes.
-
-  Args:
-    num_pages: the pool's pages.
-    m: the number of page ids given.
-    method: one of FREE_METHODS (ValueError otherwise).
-
-  Returns:
-    `method` itself unless it is "auto", which is "sort" or "bitmap": the bitmap when
-    num_pages <= BITMAP_RATIO * m (the bitmap's O(num_pages) share is then at most
-    BITMAP_RATIO times the input) and num_pages <= 2**30 (the map's indices stay far
-    inside int32), else the sort.
-  """
-  if method not in FREE_METHODS:
-    raise ValueError(f"method must be one of {FREE_METHODS}, got {method!r}")
-  if method != "auto":
-    return method
+def free_method(num_pages: int, m: int) -> str:
+  """XLA's way ("sort" or "bitmap") of finding the sorted unique pages for these static
+  sizes: the bitmap when num_pages <= BITMAP_RATIO * m (its O(num_pages) share is then at
+  most BITMAP_RATIO times the input) and num_pages <= 2**30 (the map's indices stay far
+  inside int32), else the sort."""
   return "bitmap" if num_pages <= min(BITMAP_RATIO * m, 2**30) else "sort"
 
 
 def free_pages_sorted_unique(pages: Array, num_pages: int,
-                             method: str = "auto") -> Tuple[Array, Array]:
-  """The distinct pages of `pages` that lie in [1, num_pages], ascending (SPEC 4.4).
+                             method: Optional[str] = None) -> Tuple[Array, Array]:
+  """The distinct pages of `pages` that lie in [1, num_pages], ascending (SPEC 4.4), in XLA.
 
   Args:
     pages: i32[M] page ids; entries outside [1, num_pages] (page 0, negatives, past the
@@ -147,25 +126,20 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
       "bitmap" sets one bit per given page in a bitmap of num_pages + 1 bits (a scatter
       into bool[] and a reduction into u32 words), takes a prefix sum of the words'
       popcounts, and scatters each page to its place (the marked pages below it):
-      O(num_pages + M), no sort. "pallas" / "pallas_interpret": the same marks in the
-      Triton kernels of pallas_kernels.triton_free (one memset and three launches; GPU
-      only, or Pallas' interpreter), for num_pages that `pallas_kernels.free_supported`
-      takes (ValueError otherwise). "auto": `free_method`'s static rule (no pool here to
-      tell the device; `free` picks the kernels by the pool's device).
+      O(num_pages + M), no sort. None: `free_method`'s rule. ValueError otherwise.
 
   Returns:
     (values, count): i32[M] with the pages in values[:count] and 0 after them, and
-    i32[] count. Every method returns the same bits.
+    i32[] count. Both methods return the same bits.
   """
   pages = validate.as_i32(pages, "pages").reshape(-1)
   m = pages.shape[0]
   n = num_pages
   valid = (pages >= 1) & (pages <= n)
-  method = free_method(n, m, method)
-  if method in PALLAS_METHODS:
-    import pallas_kernels  # pylint: disable=g-import-not-at-top
-    return pallas_kernels.free_sorted_unique_triton(
-        pages, num_pages=n, interpret=method == "pallas_interpret")
+  if method is None:
+    method = free_method(n, m)
+  if method not in XLA_METHODS:
+    raise ValueError(f"method must be one of {XLA_METHODS} or None, got {method!r}")
   if method == "sort":
     pages = jnp.sort(jnp.where(valid, pages, st.SENTINEL))
     is_first = jnp.concatenate([jnp.ones((1,), bool), pages[1:] != pages[:-1]])
@@ -198,59 +172,67 @@ def _exclusive_prefix(x: Array) -> Array:
 
 
 def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
-          op: int, method: str = "auto") -> AllocatorState:
+          op: int) -> AllocatorState:
   """`free`, with the operation its debug record names (free_page_ids and free_segment
   of the token allocator are `free`)."""
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
-  ps = config.page_size
-  n = config.num_pages
-  free_method(n, free_index.shape[0], method)  # a bad method fails on every kind
-  if config.kind == "paged" and not config.debug:
-    if method == "auto":
-      return kernels.by_device(
-          config.kernel, state.free_ring,
-          lambda path, backend: _free_paged(config, state, free_index,
-                                            _auto_method(config, m=free_index.shape[0],
-                                                         path=path, backend=backend)))
-    return _free_paged(config, state, free_index, method)
-  if config.kind == "paged":
-    pages = jnp.where(free_index >= 0, free_index // ps, 0)
-    values, count = free_pages_sorted_unique(pages, n, method)
-  else:
-    valid = (free_index >= 1) & (free_index <= n)
-    values, count = st.compact(free_index, valid)
+  n, m = config.num_pages, free_index.shape[0]
+  if config.kind == "token":
+    values, count = st.compact(free_index, (free_index >= 1) & (free_index <= n))
+    if config.debug:
+      state, count = debug.finish_free(config, state, free_index, values, count, op)
+    return _give_back(config, state, values, count)
+  if config.debug:  # the checks need XLA's (values, count)
+    return PAGED_FREE[free_method(n, m)](config, state, free_index)
+  return kernels.by_device(
+      config.kernel, state.free_ring,
+      lambda name: PAGED_FREE[paged_free_implementation(config, name, m)](
+          config, state, free_index))
+
+
+def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:
+  """The key of PAGED_FREE that the paged `free` of M = m slots runs outside debug mode
+  for the concrete implementation `name` (kernels.by_device): the Triton kernels for the
+  Triton family where `pallas_kernels.free_preferred` takes the sizes, else
+  `free_method`'s."""
+  interpret = kernels.fused_triton(config, name)
+  if interpret is not None and m > 0:
+    import pallas_kernels  # pylint: disable=g-import-not-at-top
+    if pallas_kernels.free_preferred(config.num_pages, m):
+      return "triton_interpret" if interpret else "triton"
+  return free_method(config.num_pages, m)
+
+
+def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
+                    method: str) -> AllocatorState:
+  pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
+  values, count = free_pages_sorted_unique(pages, config.num_pages, method)
   if config.debug:
-    state, count = debug.finish_free(config, state, free_index, values, count, op)
+    state, count = debug.finish_free(config, state, free_index, values, count,
+                                     debug.OP_FREE)
   return _give_back(config, state, values, count)
 
 
-def _auto_method(config: AllocatorConfig, *, m: int, path: str,
-                 backend: Optional[str]) -> str:
-  """The method "auto" runs for a non-debug paged `free`, given the kernel path and Pallas
-  backend that kernels.by_device resolved for the pool's device."""
-  if path in PALLAS_METHODS and m > 0:
-    import pallas_kernels  # pylint: disable=g-import-not-at-top
-    if ((backend or pallas_kernels.default_backend()) == "triton"
-        and pallas_kernels.free_preferred(config.num_pages, m)):
-      return path
-  return free_method(config.num_pages, m, "auto")
-
-
-def _free_paged(config: AllocatorConfig, state: AllocatorState, free_index: Array,
-                method: str) -> AllocatorState:
-  """The paged `free` outside debug mode with a concrete method: the Triton kernels
-  write the ring themselves; the XLA methods go through `_give_back`."""
-  n = config.num_pages
-  if method not in PALLAS_METHODS or free_index.shape[0] == 0:
-    pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
-    values, count = free_pages_sorted_unique(pages, n, method)
-    return _give_back(config, state, values, count)
+def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+                       *, interpret: bool) -> AllocatorState:
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   ring, head, length, other = st.freed_list(config.need_sort, state)
   ring, head, length = pallas_kernels.free_push_front_triton(
       free_index, ring, head, length, other, page_size=config.page_size,
-      interpret=method == "pallas_interpret")
+      interpret=interpret)
   return st.with_freed_list(config.need_sort, state, ring, head, length)
+
+
+# The paged `free` by implementation (kernels.REGISTRY["free"]): fn(config, state,
+# free_index i32[M] int32) -> state, every one the same bits (the Triton ones outside
+# debug mode only). `free` picks one (paged_free_implementation); tests and benchmarks
+# call one by name.
+PAGED_FREE = {
+    "sort": functools.partial(_free_paged_xla, method="sort"),
+    "bitmap": functools.partial(_free_paged_xla, method="bitmap"),
+    "triton": functools.partial(_free_paged_triton, interpret=False),
+    "triton_interpret": functools.partial(_free_paged_triton, interpret=True),
+}
 
 
 def _give_back(config: AllocatorConfig, state: AllocatorState, values: Array,

@@ -1,35 +1,58 @@
-"""Picks the implementation of the extend/decode index computation by name.
+"""The one selector: which implementation runs each allocator operation.
 
-"jnp" (jax_kvalloc.index_jnp) is always present and is the truth; "pallas" runs the
-Pallas kernel for the default backend (Triton lowering on GPU, Mosaic on TPU);
-"pallas_interpret" runs the same kernels in Pallas' interpreter (any backend, for
-testing); "auto" is "pallas" on GPU and TPU and "jnp" on CPU, judged by the device that
-holds the pool (`by_device`): a concrete state's arrays say where they live, and inside
-jit the choice is made when the computation is lowered for its platform
-(`lax.platform_dependent`; only the chosen branch is compiled), so a CPU pool on a GPU
-host runs the jnp path. The name comes from `AllocatorConfig.kernel`, whose default is
-the environment variable JAX_KVALLOC_KERNEL.
+`AllocatorConfig.kernel` (default: the environment variable JAX_KVALLOC_KERNEL, else
+"auto") names an implementation family, and each operation runs that family's
+implementation where it has one that suits the call, else XLA's:
 
-Which Pallas kernel: for "auto", "mosaic" on TPU and "triton" on GPU (the pool's device);
-for an explicit "pallas"/"pallas_interpret", `pallas_kernels.default_backend()`, "mosaic"
-on TPU and "triton" elsewhere (JAX_KVALLOC_PALLAS_BACKEND overrides it).
+  "jnp"      XLA only: jax_kvalloc.index_jnp, freeing's sort or bitmap. The truth that
+             every kernel is checked against.
+  "triton"   the Pallas-Triton kernels of pallas_kernels (GPU).
+  "mosaic"   the Pallas-Mosaic kernels of pallas_kernels (TPU).
+  "triton_interpret", "mosaic_interpret"
+             the same kernels in Pallas' interpreter (any platform; for tests).
+  "auto"     the pool's platform decides: "triton" on a GPU, "mosaic" on a TPU, "jnp"
+             elsewhere (CPU).
+  "pallas", "pallas_interpret"
+             the older names: the Pallas kernels of the pool's platform ("mosaic" on a
+             TPU, "triton" elsewhere), in the interpreter for the second.
 
-On the Triton backend the allocator does not call the index kernel alone: the whole
-alloc_extend / alloc_decode (validity and capacity checks, prefix sums, reads of the free
-ring, indices, new head and length) runs as one kernel launch, `alloc_extend_fused` /
-`alloc_decode_fused`, because on a GPU every separate XLA op of the bookkeeping costs a
-launch of its own; a decode step's free_page_ids and alloc_decode together run as one
-launch too (`release_alloc_decode_fused`). They return None where they do not apply (the
-jnp path, the Mosaic backend, debug mode, and extend batches so large that the fused
-kernel's per-program row work would dominate); the caller then goes on with the index
-kernel alone (or, for the release, with the two calls). A need_sort merge stays with the
-caller, before the fused call.
+REGISTRY lists each operation's implementations. Where a family has none for an
+operation, or the call does not suit it, the operation runs XLA's:
+
+  alloc           jnp
+  alloc_extend    jnp; triton: the whole allocation in one launch (`alloc_extend_fused`),
+                  or, in debug mode and for batches past `extend_fused_preferred`, XLA's
+                  bookkeeping around the index kernel; mosaic: the index kernel
+  alloc_decode    jnp; triton: one launch (`alloc_decode_fused`), or the index kernel
+                  (debug mode, past `decode_fused_supported`); mosaic: the index kernel
+  release_decode  jnp (free_page_ids, then alloc_decode); triton: one launch for a paged
+                  pool without need_sort or debug (`release_alloc_decode_fused`)
+  free            sort or bitmap (XLA, by size: freeing.free_method); triton: one memset
+                  and three launches for a paged pool outside debug mode, for sizes
+                  `pallas_kernels.free_preferred` takes
+
+The fused Triton calls exist because on a GPU each separate XLA op of the bookkeeping is
+a launch of its own. A need_sort merge stays with the caller, before them.
+
+"auto" (and the older names) resolve by the platform of the pool (`by_device`): a
+concrete state's arrays say where they live; under tracing, the platform the program
+will be lowered for when that is known at trace time: the device of an abstract mesh in
+scope (`jax.sharding.use_abstract_mesh`, as pallas_kernels.lowering_check exports for an
+abstract H200 or TPU), else the platform of the only backend this process has (a
+CPU-only host). Only where several backends could run it (a GPU host has a CPU backend
+too) does the choice fall to `lax.platform_dependent` over those platforms, decided when
+lowering.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Tuple, TypeVar
 
 import jax
+# Imported here, not lazily where a kernel is first traced: on jax >= 0.12 importing Pallas
+# registers config options that join every later jit cache key, so a first import inside
+# a step's trace makes the next call of that step compile again.
+import jax.experimental.pallas  # pylint: disable=unused-import
 import jax.numpy as jnp
 
 from jax_kvalloc import index_jnp
@@ -38,23 +61,52 @@ from jax_kvalloc.state import AllocatorState
 
 Array = jax.Array
 AllocResult = Tuple[AllocatorState, Array, Array]
-
-
 T = TypeVar("T")
+
+# Names that resolve to themselves on every platform.
+CONCRETE = ("jnp", "triton", "mosaic", "triton_interpret", "mosaic_interpret")
+# Names whose meaning depends on the pool's platform.
+BY_PLATFORM = ("auto", "pallas", "pallas_interpret")
+
+REGISTRY = {
+    "alloc": ("jnp",),
+    "alloc_extend": ("jnp", "triton", "mosaic"),
+    "alloc_decode": ("jnp", "triton", "mosaic"),
+    "release_decode": ("jnp", "triton"),
+    "free": ("sort", "bitmap", "triton"),
+}
+
+# lax.platform_dependent's keys.
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def for_platform(kernel: str, platform: str) -> str:
+  """The concrete name (one of CONCRETE) that `kernel` selects for a pool on `platform`
+  ("cpu", "gpu", "cuda", "rocm", "tpu", ...)."""
+  if kernel not in BY_PLATFORM:
+    return kernel
+  gpu = platform in ("gpu", "cuda", "rocm")
+  if kernel == "auto":
+    return "triton" if gpu else "mosaic" if platform == "tpu" else "jnp"
+  name = "mosaic" if platform == "tpu" else "triton"
+  return name + ("_interpret" if kernel == "pallas_interpret" else "")
 
 
 def resolve(kernel: str) -> str:
-  """The concrete path ("jnp", "pallas" or "pallas_interpret") that `kernel` selects on
-  the default backend (for "auto" the allocator itself uses `by_device`)."""
-  if kernel == "auto":
-    return _auto(jax.default_backend())[0]
-  return kernel
+  """The concrete name `kernel` selects on the default backend (eager code and tools;
+  the allocator itself resolves by the pool's device, `by_device`)."""
+  return for_platform(kernel, jax.default_backend())
+
+
+def family(name: str) -> Tuple[str, bool]:
+  """("jnp" | "triton" | "mosaic", interpret) of a concrete name."""
+  base, _, mode = name.partition("_")
+  return base, mode == "interpret"
 
 
 def platform_of(x) -> Optional[str]:
   """The platform ("cpu", "gpu", "tpu", ...) of the device holding a concrete jax array;
-  None for a tracer or anything else (inside jit the platform is known only when the
-  computation is lowered)."""
+  None for a tracer or anything else."""
   if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
     return None
   try:
@@ -63,76 +115,97 @@ def platform_of(x) -> Optional[str]:
     return None
 
 
-def _auto(platform: str) -> Tuple[str, Optional[str]]:
-  """(path, Pallas backend) that "auto" selects on `platform`."""
-  if platform in ("gpu", "cuda", "rocm"):
-    return "pallas", "triton"
-  if platform == "tpu":
-    return "pallas", "mosaic"
-  return "jnp", None
+def _abstract_mesh_platform() -> Optional[str]:
+  """The platform of the abstract device of the abstract mesh in scope, if any."""
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  try:
+    if get is None:
+      from jax._src.mesh import get_abstract_mesh as get  # pylint: disable=g-import-not-at-top
+    device = getattr(get(), "abstract_device", None)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return getattr(device, "platform", None)
 
 
-def by_device(kernel: str, pool: Array, fn: Callable[[str, Optional[str]], T]) -> T:
-  """fn(path, backend): the allocator's work after `kernel` is resolved for the device
-  that holds `pool` (an array of the state).
+@functools.lru_cache(maxsize=None)
+def _backend_platforms() -> Tuple[str, ...]:
+  """lax.platform_dependent keys of the backends this process has (sorted); every
+  platform where jax does not say."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    names = set(xla_bridge.backends())
+  except Exception:  # pylint: disable=broad-except
+    return _PLATFORMS
+  out = set()
+  for name in names:
+    out.update(("cuda", "rocm") if name == "gpu" else (name,))
+  return tuple(sorted(p for p in out if p in _PLATFORMS)) or ("cpu",)
 
-  path is "jnp", "pallas" or "pallas_interpret"; backend is the Pallas backend
-  ("triton", "mosaic") or None for `pallas_kernels.default_backend()`. Only "auto"
-  depends on the device: from a concrete `pool` its device's platform, under tracing a
-  `lax.platform_dependent` over the branches (resolved when lowering, so the compiled
-  program holds the chosen branch alone).
-  """
-  if kernel != "auto":
-    return fn(kernel, None)
-  platform = platform_of(pool)
+
+def trace_platforms(pool: Array) -> Tuple[str, ...]:
+  """The platforms a computation on `pool` may be lowered for, as far as is known now:
+  one for a concrete array, an abstract mesh's device, or a process with one backend;
+  else every backend's."""
+  platform = platform_of(pool) or _abstract_mesh_platform()
   if platform is not None:
-    return fn(*_auto(platform))
-  branch = lambda platform: (lambda: fn(*_auto(platform)))
-  return jax.lax.platform_dependent(cpu=branch("cpu"), cuda=branch("cuda"),
-                                    rocm=branch("rocm"), tpu=branch("tpu"),
-                                    default=branch("cpu"))
+    return (platform,)
+  return _backend_platforms()
 
 
-def extend_indices(kernel: str, free_window: Array, prefix_lens: Array, seq_lens: Array,
+def by_device(kernel: str, pool: Array, fn: Callable[[str], T]) -> T:
+  """fn(name): the allocator's work with `kernel` resolved to a concrete name (one of
+  CONCRETE) for the platform of the device that holds `pool` (an array of the state).
+
+  Only the names in BY_PLATFORM depend on it; those trace the one branch of the
+  platform known at trace time (`trace_platforms`), or, where several are possible, a
+  `lax.platform_dependent` over the distinct names they select (resolved when lowering,
+  so the compiled program holds the chosen branch alone).
+  """
+  if kernel not in BY_PLATFORM:
+    return fn(kernel)
+  platforms = trace_platforms(pool)
+  names = {p: for_platform(kernel, p) for p in platforms}
+  if len(set(names.values())) == 1:
+    return fn(next(iter(names.values())))
+  branches = {p: (lambda name=name: fn(name)) for p, name in names.items()
+              if p in _PLATFORMS}
+  return jax.lax.platform_dependent(**branches, default=branches[platforms[0]])
+
+
+def extend_indices(name: str, free_window: Array, prefix_lens: Array, seq_lens: Array,
                    last_loc: Array, tok_start: Array, page_start: Array, *,
-                   page_size: int, out_len: int, backend: Optional[str] = None) -> Array:
-  """`index_jnp.extend_indices` through the implementation `kernel` names (a path, or
-  "auto" for the default backend's) on the Pallas `backend` (None: the default)."""
-  path = resolve(kernel)
+                   page_size: int, out_len: int) -> Array:
+  """`index_jnp.extend_indices` (i32[out_len]) through the implementation of the
+  concrete `name`."""
+  base, interpret = family(name)
   args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
-  if path == "jnp":
+  if base == "jnp":
     return index_jnp.extend_indices(*args, page_size=page_size, out_len=out_len)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.extend_indices(*args, page_size=page_size, out_len=out_len,
-                                       interpret=path == "pallas_interpret",
-                                       backend=backend)
+                                       interpret=interpret, backend=base)
 
 
-def decode_indices(kernel: str, free_window: Array, seq_lens: Array, last_loc: Array,
-                   page_start: Array, *, page_size: int,
-                   backend: Optional[str] = None) -> Array:
-  """`index_jnp.decode_indices` through the implementation `kernel` names (as
-  `extend_indices`)."""
-  path = resolve(kernel)
+def decode_indices(name: str, free_window: Array, seq_lens: Array, last_loc: Array,
+                   page_start: Array, *, page_size: int) -> Array:
+  """`index_jnp.decode_indices` (i32[B]) through the implementation of the concrete
+  `name`."""
+  base, interpret = family(name)
   args = (free_window, seq_lens, last_loc, page_start)
-  if path == "jnp":
+  if base == "jnp":
     return index_jnp.decode_indices(*args, page_size=page_size)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  return pallas_kernels.decode_indices(*args, page_size=page_size,
-                                       interpret=path == "pallas_interpret",
-                                       backend=backend)
+  return pallas_kernels.decode_indices(*args, page_size=page_size, interpret=interpret,
+                                       backend=base)
 
 
-def _fused_path(config: AllocatorConfig, kernel: str,
-                backend: Optional[str]) -> Optional[str]:
-  """"pallas" or "pallas_interpret" when the one-launch Triton allocation applies."""
-  path = resolve(kernel)
-  if path == "jnp" or config.debug:
+def fused_triton(config: AllocatorConfig, name: Optional[str]) -> Optional[bool]:
+  """The interpret flag when the one-launch Triton calls apply to `name` (None: the
+  config's kernel on the default backend), else None."""
+  base, interpret = family(name or resolve(config.kernel))
+  if base != "triton" or config.debug:
     return None
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
-  if (backend or pallas_kernels.default_backend()) != "triton":
-    return None
-  return path
+  return interpret
 
 
 def _num_reqs(num_reqs: Optional[Array], num_rows: int) -> Array:
@@ -143,18 +216,17 @@ def _num_reqs(num_reqs: Optional[Array], num_rows: int) -> Array:
 
 def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
                        seq_lens: Array, last_loc: Array, num_reqs: Optional[Array], *,
-                       max_tokens: int, kernel: Optional[str] = None,
-                       backend: Optional[str] = None) -> Optional[AllocResult]:
+                       max_tokens: int, name: Optional[str] = None) -> Optional[AllocResult]:
   """allocation.alloc_extend after its need_sort merge, as one Triton kernel launch.
 
   Args: as allocation.alloc_extend (i32[B] rows, raw: padded rows are masked inside);
-  `state` is the state after any merge; kernel/backend as `by_device` hands them out
-  (default: config.kernel on the default backend). Returns (state, i32[max_tokens],
-  bool[] ok), bit-identical to the jnp path, or None where the fused kernel does not
-  apply.
+  `state` is the state after any merge; `name` the concrete implementation `by_device`
+  handed out (None: config.kernel on the default backend). Returns (state,
+  i32[max_tokens], bool[] ok), bit-identical to the jnp path, or None where the fused
+  kernel does not apply.
   """
-  path = _fused_path(config, kernel or config.kernel, backend)
-  if path is None:
+  interpret = fused_triton(config, name)
+  if interpret is None:
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   num_rows = prefix_lens.shape[0]
@@ -163,22 +235,21 @@ def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_le
   out, head, length, ok = pallas_kernels.alloc_extend_triton(
       state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, num_rows),
       prefix_lens, seq_lens, last_loc, page_size=config.page_size, out_len=max_tokens,
-      interpret=path == "pallas_interpret")
+      interpret=interpret)
   return state._replace(free_head=head, free_len=length), out, ok
 
 
 def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
                        last_loc: Array, num_reqs: Optional[Array], *,
-                       kernel: Optional[str] = None,
-                       backend: Optional[str] = None) -> Optional[AllocResult]:
+                       name: Optional[str] = None) -> Optional[AllocResult]:
   """allocation.alloc_decode after its need_sort merge, as one Triton kernel launch.
 
   Args: as allocation.alloc_decode (i32[B] rows, raw); `state` is the state after any
-  merge; kernel/backend as in `alloc_extend_fused`. Returns (state, i32[B], bool[] ok),
+  merge; `name` as in `alloc_extend_fused`. Returns (state, i32[B], bool[] ok),
   bit-identical to the jnp path, or None where the fused kernel does not apply.
   """
-  path = _fused_path(config, kernel or config.kernel, backend)
-  if path is None:
+  interpret = fused_triton(config, name)
+  if interpret is None:
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   if not pallas_kernels.decode_fused_supported(seq_lens.shape[0], config.num_pages):
@@ -186,29 +257,28 @@ def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens:
   out, head, length, ok = pallas_kernels.alloc_decode_triton(
       state.free_ring, state.free_head, state.free_len,
       _num_reqs(num_reqs, seq_lens.shape[0]), seq_lens, last_loc,
-      page_size=config.page_size, interpret=path == "pallas_interpret")
+      page_size=config.page_size, interpret=interpret)
   return state._replace(free_head=head, free_len=length), out, ok
 
 
 def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
                                page_ids: Array, num: Optional[Array], seq_lens: Array,
                                last_loc: Array, num_reqs: Optional[Array], *,
-                               kernel: Optional[str] = None,
-                               backend: Optional[str] = None) -> Optional[AllocResult]:
+                               name: Optional[str] = None) -> Optional[AllocResult]:
   """allocation.release_and_alloc_decode (free_page_ids, then alloc_decode) as one Triton
   kernel launch.
 
   Args: as allocation.release_and_alloc_decode (page_ids i32[M], num i32[] or None, i32[B]
-  rows, raw: the kernel masks padding itself); kernel/backend as in `alloc_extend_fused`.
+  rows, raw: the kernel masks padding itself); `name` as in `alloc_extend_fused`.
   Returns (state, i32[B], bool[] ok), bit-identical to the composition on the jnp path,
-  or None where the kernel does not apply: the jnp path, the Mosaic backend, debug mode,
+  or None where the kernel does not apply: a family other than Triton, debug mode,
   need_sort (its release goes to release_pages and its decode may merge first), the
   token allocator, and sizes `pallas_kernels.release_decode_supported` refuses.
   """
   if config.kind != "paged" or config.need_sort:
     return None
-  path = _fused_path(config, kernel or config.kernel, backend)
-  if path is None:
+  interpret = fused_triton(config, name)
+  if interpret is None:
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   m, b = page_ids.shape[0], seq_lens.shape[0]
@@ -217,6 +287,5 @@ def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
   ring, head, length, out, ok = pallas_kernels.release_alloc_decode_triton(
       state.free_ring, state.free_head, state.free_len, state.release_len, page_ids,
       jnp.full((), m, jnp.int32) if num is None else num, _num_reqs(num_reqs, b),
-      seq_lens, last_loc, page_size=config.page_size,
-      interpret=path == "pallas_interpret")
+      seq_lens, last_loc, page_size=config.page_size, interpret=interpret)
   return state._replace(free_ring=ring, free_head=head, free_len=length), out, ok

@@ -167,8 +167,8 @@ def _count(num_rows: Optional[Array], num: int) -> Array:
 
 
 def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
-                  kernel: str, backend: Optional[str], *, max_tokens: int = 0,
-                  release=None, extend=None, decode=None):
+                  name: str, *, max_tokens: int = 0, release=None, extend=None,
+                  decode=None):
   """The given phases (release (rows, num), extend (rows, n, num), decode (rows, num); in
   that order) as one Triton launch that writes the pool and the table
   (pallas_kernels.table_step_triton), or None where it does not apply: the jnp path,
@@ -177,12 +177,10 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
   per-phase results)."""
   if config.kind != "paged" or config.need_sort or config.debug:
     return None
-  path = kernels.resolve(kernel)
-  if path not in ("pallas", "pallas_interpret"):
+  impl, interpret = kernels.family(name)
+  if impl != "triton":
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  if (backend or pallas_kernels.default_backend()) != "triton":
-    return None
   max_reqs, width = table.pages.shape
   size = lambda phase: 0 if phase is None else phase[0].shape[0]
   if not pallas_kernels.table_supported(
@@ -194,7 +192,7 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
       state.free_ring, state.free_head, state.free_len, state.release_len, table.pages,
       table.lens, table.owned_from, page_size=config.page_size, release=release,
       extend=extend, max_tokens=max_tokens, decode=decode,
-      interpret=path == "pallas_interpret")
+      interpret=interpret)
   state = state._replace(free_ring=out["ring"], free_head=out["head"],
                          free_len=out["length"])
   return state, RequestTable(out["pages"], out["lens"], out["owned_from"]), out
@@ -204,8 +202,8 @@ def _one_launch(config: AllocatorConfig, state: AllocatorState, table: RequestTa
                 pick: Tuple[str, ...], fallback, **phases):
   """(state, table, *the kernel's results named in pick) from one table launch where it
   applies (on the pool's device, kernels.by_device), else fallback()."""
-  def run(kernel: str, backend: Optional[str]):
-    out = _table_kernel(config, state, table, kernel, backend, **phases)
+  def run(name: str):
+    out = _table_kernel(config, state, table, name, **phases)
     if out is None:
       return fallback()
     state2, table2, res = out
@@ -455,9 +453,8 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
   if not phases:
     return composed()
 
-  def run(kernel: str, backend: Optional[str]):
-    got = _table_kernel(config, state, table, kernel, backend, max_tokens=max_tokens,
-                        **phases)
+  def run(name: str):
+    got = _table_kernel(config, state, table, name, max_tokens=max_tokens, **phases)
     if got is None:
       return composed()
     s, t, res = got

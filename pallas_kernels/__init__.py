@@ -10,18 +10,17 @@ triton_decode) or "mosaic" (TPU, Mosaic: mosaic_extend); None means `default_bac
 
 The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 `alloc_decode_triton` (free ring in, indices and new head/length out), and the paged
-`free` in one memset and three launches: `free_push_front_triton` (its sorted unique
-pages alone: `free_sorted_unique_triton`). A decode step's free_page_ids and alloc_decode
-run as one launch: `release_alloc_decode_triton`. The request table's release, extend and
-decode (each, or all three together) run as one launch that also writes the table:
-`table_step_triton`.
+`free` in one memset and three launches: `free_push_front_triton`. A decode step's
+free_page_ids and alloc_decode run as one launch: `release_alloc_decode_triton`. The
+request table's release, extend and decode (each, or all three together) run as one
+launch that also writes the table: `table_step_triton`. jax_kvalloc.kernels chooses
+among them.
 
 `lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
 from __future__ import annotations
 
 import importlib
-import os
 
 import jax
 
@@ -43,7 +42,6 @@ _LAZY = {
     "extend_fused_supported": ("triton_extend", "fused_supported"),
     "free_preferred": ("triton_free", "preferred"),
     "free_push_front_triton": ("triton_free", "free_push_front_triton"),
-    "free_sorted_unique_triton": ("triton_free", "sorted_unique_pages_triton"),
     "free_supported": ("triton_free", "supported"),
     "table_step_triton": ("triton_table", "table_step_triton"),
     "table_supported": ("triton_table", "supported"),
@@ -62,18 +60,11 @@ def __getattr__(name: str):
 Array = jax.Array
 
 BACKENDS = ("triton", "mosaic")
-ENV_BACKEND = "JAX_KVALLOC_PALLAS_BACKEND"
 
 
 def default_backend() -> str:
-  """"mosaic" on TPU, "triton" elsewhere (GPU; on CPU the Triton-style kernel is the one
-  interpret mode runs, as it is the GPU allocator's). The environment variable
-  JAX_KVALLOC_PALLAS_BACKEND overrides it (e.g. to test the TPU kernel on CPU)."""
-  env = os.environ.get(ENV_BACKEND, "").strip()
-  if env:
-    if env not in BACKENDS:
-      raise ValueError(f"{ENV_BACKEND}={env!r} must be one of {BACKENDS}")
-    return env
+  """"mosaic" on TPU, "triton" elsewhere (GPU; on CPU the Triton kernel is the one
+  interpret mode runs, as it is the GPU allocator's)."""
   return "mosaic" if jax.default_backend() == "tpu" else "triton"
 
 
@@ -128,7 +119,6 @@ __all__ = [
     "extend_indices_triton",
     "free_preferred",
     "free_push_front_triton",
-    "free_sorted_unique_triton",
     "free_supported",
     "release_alloc_decode_triton",
     "release_decode_supported",

@@ -125,7 +125,7 @@ def _quiet_lowering(ctx, *args, fn):
   if platforms and all(p == "cpu" for p in platforms):
     raise ValueError(
         f"{getattr(fn, 'name', 'this kernel')} is a Pallas-Triton kernel: it compiles for "
-        "a GPU only. On CPU use kernel='pallas_interpret' (the same kernel in Pallas' "
+        "a GPU only. On CPU use kernel='triton_interpret' (the same kernel in Pallas' "
         "interpreter) or kernel='jnp'.")
   return _silenced(lambda: mlir.lower_fun(lambda *a: tuple(fn(*a)),
                                           multiple_results=True)(ctx, *args))

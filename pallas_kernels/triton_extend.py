@@ -26,7 +26,7 @@ where fnp = ceil(pre/ps) and E = fnp*ps - A. They differ in how a token finds it
   work is repeated by every program, so `fused_supported` limits rows * programs; beyond
   it the allocator computes the prefix sums in XLA and calls the contract kernel.
 
-`alloc_extend_triton` has three layouts (static `layout`, default `tuning.extend_layout`):
+`alloc_extend_triton` has two layouts (static `layout`, default `tuning.extend_layout`):
 
 - "tiles", as above: a program per tile of T output tokens, rows found by a search.
 - "rows": a program per (row, chunk), grid B * C. Every program loads all rows once (the
@@ -39,12 +39,6 @@ where fnp = ceil(pre/ps) and E = fnp*ps - A. They differ in how a token finds it
   program; a row far above the mean loops on its C programs (one row of all out_len
   tokens: out_len / (C * T) blocks in a row on each), and programs whose chunk lies past
   their row's end do only the row loads.
-- "blocks": each row's tokens cut into blocks of T (T as for "rows"), program pid writes
-  the pid-th block of the batch and block grid - 1 - pid of the zero tail, grid
-  cdiv(out_len, T) + B (the most row blocks a batch can have). A program finds its
-  row by one prefix scan of the rows' block counts and one count; then as "rows" but
-  with no loop. No row is long for it (a row of all tokens is spread over its blocks'
-  programs); it pays that scan and up to B programs that do only the row loads.
 
 Every read of the free list is masked by the capacity check (fused) or clamped into the
 window (contract), and every index is clamped into its array: no read leaves its buffer
@@ -75,7 +69,7 @@ _LINE = 8
 
 MAX_FUSED_ROWS = capacity.MAX_EXACT_LANES  # the exact total check's lane limit
 MAX_FUSED_ROW_WORK = 2**17   # rows_pad * programs: beyond, the contract path scales better
-LAYOUTS = ("rows", "blocks", "tiles")  # alloc_extend_triton's layouts (module docstring)
+LAYOUTS = ("rows", "tiles")  # alloc_extend_triton's layouts (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +84,6 @@ class _Params:
   src_len: int         # length of the free ring (fused) or of the window (contract)
   barrier: bool        # False in interpret mode (programs run one after another there)
   exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
-  onehot: bool = False  # fused: find rows by a [tile, rows] comparison, no scratch
   layout: str = "tiles"  # fused: one of LAYOUTS (the module docstring)
   chunks: int = 1      # C, programs per row (layout "rows"); `tile` is then their block
 
@@ -190,22 +183,6 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
   _util.store(out_ref, t, jnp.where(t < limit, acc, 0), t < p.out_len)
 
 
-def _fill_tile_onehot(p: _Params, pid, table, limit, read_page, out_ref):
-  """_fill_tile for few rows: each token's row and constants come from one [tile, rows]
-  comparison in registers (row = #rows ending at or before t; its constants by a
-  masked sum over the one-hot row), so no scratch, barrier or dependent probe."""
-  r = jnp.arange(p.rows_pad, dtype=jnp.int32)
-  t = pid * p.tile + jnp.arange(p.tile, dtype=jnp.int32)
-  ends = table[_TOK_END]
-  row = jnp.sum(jnp.where(ends[None, :] <= t[:, None], 1, 0), axis=1)
-  onehot = r[None, :] == row[:, None]
-  pick = lambda v: jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
-  mine = t < limit
-  slot = _slot(p.page_size, t, pick(table[_A]), pick(table[_E]), pick(table[_C]),
-               pick(table[_BP]), read_page, mine)
-  _util.store(out_ref, t, jnp.where(mine, slot, 0), t < p.out_len)
-
-
 class _Batch(NamedTuple):
   """The fused kernels' view of the whole batch, which every program computes: per-row
   i32[rows_pad] vectors (padded rows 0, and all rows 0 when one is invalid) and the
@@ -299,10 +276,7 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   table = (tok_end, a, b.fnp * ps - a, last + 1 - (tok_end - b.ext), page_start - b.fnp)
   read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
   limit = jnp.where(b.ok, b.total, 0)
-  if p.onehot:
-    _fill_tile_onehot(p, pid, table, limit, read_page, out_ref)
-  else:
-    _fill_tile(p, pid, table, limit, read_page, out_ref, scr_ref)
+  _fill_tile(p, pid, table, limit, read_page, out_ref, scr_ref)
 
   _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
 
@@ -355,49 +329,16 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
   _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
 
 
-def _blocks_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
-                   pre_ref, seq_ref, last_ref,                # inputs: batch
-                   out_ref, head_out, len_out, ok_out,        # outputs
-                   *, p: _Params):
-  """Layout "blocks": program pid writes one block of T tokens (module docstring). Refs
-  as in _fused_kernel, no scratch."""
-  ps, tile = p.page_size, p.tile
-  grid = pl.cdiv(p.out_len, tile) + p.num_rows
-  pid = pl.program_id(0)
-  head = head_ref[0]
-  flen = flen_ref[0]
-  b = _batch(p, flen, nreq_ref, pre_ref, seq_ref)
-  blocks = jnp.where(b.ok, cdiv(b.ext, tile), 0)
-  # The row whose blocks hold block pid: #rows whose blocks end at or before it (all
-  # rows when pid is past the last row block: then it writes no row tokens).
-  row = jnp.sum(jnp.where(jnp.cumsum(blocks) <= pid, 1, 0))
-  before, tok_start, tok_end, consts = _own_row(p, b, row, pre_ref, seq_ref, last_ref)
-  first_block = jnp.sum(jnp.where(before, blocks, 0))  # <= pid
-  read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
-  lanes = jnp.arange(tile, dtype=jnp.int32)
-  t = tok_start + (pid - first_block) * tile + lanes
-  mine = t < tok_end
-  _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine), mine)
-  # The zero tail [start, out_len): its block q by program grid - 1 - q (a program may
-  # write a row block and a tail block; row blocks number at most
-  # sum(cdiv(ext, T)) <= cdiv(out_len, T) + B = grid, tail blocks cdiv(out_len, T)).
-  start = jnp.where(b.ok, b.total, 0)
-  t = start + (grid - 1 - pid) * tile + lanes
-  _util.store(out_ref, t, jnp.zeros_like(t), (t >= start) & (t < p.out_len))
-
-  _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
-
-
 # ---------------------------------------------------------------------------------------
 # Grid, shapes and wrappers.
 # ---------------------------------------------------------------------------------------
 
 def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret,
-            onehot=None, layout="tiles", chunks=None):
+            layout="tiles", chunks=None):
   rows_pad = _util.next_pow2(num_rows)
-  if layout in ("rows", "blocks"):
+  if layout == "rows":
     tile, default_chunks, _ = tuning.extend_rows_block(num_rows, out_len, tile)
-    chunks = default_chunks if chunks is None or layout == "blocks" else chunks
+    chunks = default_chunks if chunks is None else chunks
     if not (_util.is_pow2(tile) and isinstance(chunks, int) and chunks >= 1):
       raise ValueError(f"tile={tile} must be a power of two and chunks={chunks} an int "
                        ">= 1")
@@ -406,10 +347,7 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
                    barrier=not interpret,
                    exact_totals=_may_wrap(num_rows, out_len, src_len), layout=layout,
                    chunks=chunks)
-  if onehot is None:
-    onehot = fused and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS
-  onehot = bool(fused and onehot)
-  default_tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused, onehot)
+  default_tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused)
   tile = min(_util.next_pow2(out_len), tile or default_tile)
   window = min(rows_pad, window or tuning.EXTEND_WINDOW)
   if not (_util.is_pow2(tile) and _util.is_pow2(window)):
@@ -417,8 +355,7 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
   return _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, tile=tile,
                  window=window, page_size=page_size, out_len=out_len, src_len=src_len,
                  barrier=not interpret,
-                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len),
-                 onehot=onehot)
+                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len))
 
 
 def _may_wrap(num_rows: int, out_len: int, ring_len: int) -> bool:
@@ -439,15 +376,14 @@ def fused_preferred(num_rows: int, out_len: int, ring_len: int) -> bool:
   if not fused_supported(num_rows, out_len, ring_len):
     return False
   rows_pad = _util.next_pow2(num_rows)
-  onehot = rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS
-  tile, _ = tuning.extend_tile_warps(rows_pad, out_len, True, onehot)
+  tile, _ = tuning.extend_tile_warps(rows_pad, out_len, True)
   return rows_pad * pl.cdiv(out_len, tile) <= MAX_FUSED_ROW_WORK
 
 
 def _default_warps(p: _Params) -> int:
-  if p.layout in ("rows", "blocks"):
+  if p.layout == "rows":
     return tuning.extend_rows_block(p.num_rows, p.out_len, p.tile)[2]
-  tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused, p.onehot)
+  tile, warps = tuning.extend_tile_warps(p.rows_pad, p.out_len, p.fused)
   if p.tile != tile:  # a tile set by hand: warps by the same rule
     warps = max(1, min(8, p.tile // 256))
   return warps
@@ -466,26 +402,17 @@ class _Call(_util.TritonCall):
       flag = jax.ShapeDtypeStruct((1,), jnp.bool_)
       if p.layout == "rows":
         return (out, one, one, flag), _rows_kernel, (p.num_rows * p.chunks,)
-      if p.layout == "blocks":
-        return (out, one, one, flag), _blocks_kernel, (grid + p.num_rows,)
-      scratch = jax.ShapeDtypeStruct((1 if p.onehot else grid * p.window * _LINE,),
-                                     jnp.int32)
+      scratch = jax.ShapeDtypeStruct((grid * p.window * _LINE,), jnp.int32)
       return (out, one, one, flag, scratch), _fused_kernel, (grid,)
     return (out,), _contract_kernel, (grid,)
 
 
-def _layout(layout: str | None, num_rows: int, out_len: int, onehot: bool | None) -> str:
+def _layout(layout: str | None, num_rows: int, out_len: int) -> str:
   """alloc_extend_triton's layout: the argument, checked, or the default rule."""
-  rows_pad = _util.next_pow2(num_rows)
   if layout is None:
-    if onehot or (onehot is None and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS):
-      return "tiles"  # the one-hot search is a tiles-layout search
-    return tuning.extend_layout(rows_pad, out_len)
+    return tuning.extend_layout(_util.next_pow2(num_rows), out_len)
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
-  if layout != "tiles" and onehot:
-    raise ValueError(f"onehot=True is a row search of layout='tiles'; layout={layout!r} "
-                     "has none")
   return layout
 
 
@@ -523,7 +450,7 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
                         last_loc: Array, *, page_size: int, out_len: int,
                         interpret: bool = False, tile: int | None = None,
                         window: int | None = None, num_warps: int | None = None,
-                        onehot: bool | None = None, layout: str | None = None,
+                        layout: str | None = None,
                         chunks: int | None = None) -> Tuple[Array, Array, Array, Array]:
   """A whole alloc_extend (SPEC 4.2, no need_sort merge) in one kernel launch.
 
@@ -532,13 +459,10 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     num_reqs: i32[] real rows (rows at index >= num_reqs are padding).
     prefix_lens, seq_lens, last_loc: i32[B].
     page_size, out_len: static.
-    layout: static, "rows", "blocks" or "tiles" (module docstring); None:
-      `tuning.extend_layout`, or "tiles" when the one-hot search applies (onehot=True,
-      or onehot=None and rows_pad <= tuning.EXTEND_ONEHOT_MAX_ROWS).
-    tile, window, num_warps, onehot, chunks: static tuning overrides. "tiles": tile
-      (tokens per program), window, onehot; "rows": tile (tokens per block) and chunks
-      (programs per row); "blocks": tile (tokens per block). Powers of two except
-      chunks (>= 1).
+    layout: static, "rows" or "tiles" (module docstring); None: `tuning.extend_layout`.
+    tile, window, num_warps, chunks: static tuning overrides. "tiles": tile (tokens per
+      program) and window; "rows": tile (tokens per block) and chunks (programs per
+      row). Powers of two except chunks (>= 1).
 
   Returns:
     (i32[out_len] slots, i32[] new free_head, i32[] new free_len, bool[] ok), equal to
@@ -547,7 +471,7 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     when the tokens exceed out_len, or when the new pages exceed free_len.
 
   Raises TypeError naming the argument for a non-integer dtype, ValueError for an
-  unknown layout or onehot=True with layout="rows".
+  unknown layout.
   """
   (free_ring, free_head, free_len, num_reqs, prefix_lens, seq_lens,
    last_loc) = _util.check_ints(free_ring=free_ring, free_head=free_head,
@@ -559,9 +483,8 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
   if not fused_supported(b, out_len, n):
     raise ValueError(f"alloc_extend_triton does not take {b=} rows, {out_len=}, ring "
                      f"length {n} (see fused_supported)")
-  layout = _layout(layout, b, out_len, onehot)
-  p = _params(True, b, page_size, out_len, n, tile, window, interpret, onehot, layout,
-              chunks)
+  layout = _layout(layout, b, out_len)
+  p = _params(True, b, page_size, out_len, n, tile, window, interpret, layout, chunks)
   name = "jax_kvalloc_alloc_extend_triton" + ("" if layout == "tiles" else "_" + layout)
   call = _Call(name, p, num_warps or _default_warps(p), interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),

@@ -67,7 +67,7 @@ SLOW_TESTS = [
      lambda it: _param(it, "ps") == 16, "page sizes 1 and 4 run by default"),
     ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",
      lambda it: "[0]" not in it.name, "the TPU interpreter; case 0 runs by default"),
-    ("test_triton_free.py", "test_unique_pages_equal_the_sort",
+    ("test_triton_free.py", "test_every_slot_kind_equals_the_sort",
      lambda it: "-default]" not in it.name and "[23-40-1-small]" not in it.name,
      "Pallas' interpreter; the default blocks and one many-program case run by default"),
     ("test_triton_free.py", "test_free_states_equal_the_sort",

@@ -41,18 +41,16 @@ UNROLL = 32
 REPS = 5
 MIN_TIME = 0.03
 
-# (bs, tokens) x (layout, tile, warps, window, onehot, chunks) and bs x (warps,
+# (bs, tokens) x (layout, tile, warps, window, chunks) and bs x (warps,
 # row_block) to try. dict(): the default layout (tuning.extend_layout); the tiles' tile
 # sizes name their layout. benchmarks/extend_layouts_gpu.py times the two layouts bare.
 EXTEND_CASES = ((1, 8192), (16, 8192), (16, 32768), (64, 32768), (256, 65536),
                 (1024, 65536))
-EXTEND_TUNINGS = (dict(), dict(layout="tiles"), dict(layout="rows"), dict(layout="blocks"),
+EXTEND_TUNINGS = (dict(), dict(layout="tiles"), dict(layout="rows"),
                   dict(layout="rows", num_warps=8), dict(layout="rows", tile=256),
                   dict(layout="tiles", tile=256, num_warps=1),
                   dict(layout="tiles", tile=1024, num_warps=4),
-                  dict(layout="tiles", tile=2048, num_warps=8), dict(onehot=True),
-                  dict(onehot=True, num_warps=8), dict(onehot=True, tile=128),
-                  dict(onehot=True, tile=1024))
+                  dict(layout="tiles", tile=2048, num_warps=8))
 DECODE_BS = (1, 16, 64, 256, 1024)
 DECODE_TUNINGS = (dict(), dict(num_warps=1), dict(num_warps=2), dict(num_warps=4))
 

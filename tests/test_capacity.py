@@ -47,7 +47,7 @@ EXTEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["jnp", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["jnp", "triton_interpret"])
 def test_extend_part1_in_the_page_of_int32_max(kernel):
   """The new tokens of a prefix that ends within the last page below 2**31 fill that
   page (last_loc + 1, + 2, ...), on the jnp path too (its part-1 test once multiplied
@@ -101,18 +101,16 @@ def test_extend_near_int32_max_all_paths(case, monkeypatch):
   assert bool(want[2]) == fits
   if not fits:
     assert int(want[0].free_len) == NUM_PAGES and not np.asarray(want[1]).any()
-  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
-  _same(_extend(ps, "pallas_interpret", pre, seq), want)       # fused Triton kernel
+  _same(_extend(ps, "triton_interpret", pre, seq), want)       # fused Triton kernel
   from pallas_kernels import triton_extend  # pylint: disable=g-import-not-at-top
   with monkeypatch.context() as m:                              # Triton contract kernel
     m.setattr(triton_extend, "MAX_FUSED_ROW_WORK", 0)
-    _same(_extend(ps, "pallas_interpret", pre, seq), want)
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "mosaic")      # Mosaic kernel
-  _same(_extend(ps, "pallas_interpret", pre, seq), want)
+    _same(_extend(ps, "triton_interpret", pre, seq), want)
+  _same(_extend(ps, "mosaic_interpret", pre, seq), want)       # Mosaic kernel
 
 
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
-def test_decode_near_int32_max_all_paths(case, monkeypatch):
+def test_decode_near_int32_max_all_paths(case):
   ps, seq, last = DECODE_CASES[case]
   seq, last = np.asarray(seq, np.int32), np.asarray(last, np.int32)
 
@@ -122,10 +120,8 @@ def test_decode_near_int32_max_all_paths(case, monkeypatch):
 
   want = run("jnp")
   assert bool(want[2])
-  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
-  _same(run("pallas_interpret"), want)
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "mosaic")
-  _same(run("pallas_interpret"), want)
+  _same(run("triton_interpret"), want)
+  _same(run("mosaic_interpret"), want)
 
 
 def test_mosaic_contract_near_int32_max_under_tpu_interpreter():
@@ -168,9 +164,8 @@ def test_capacity_rule_exact_on_wrapping_sums():
 # ---------------------------------------------------------------------------------------
 
 def _pretend_gpu(monkeypatch):
-  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert kernels.resolve("auto") == "pallas"  # what the default backend alone would say
+  assert kernels.resolve("auto") == "triton"  # what the default backend alone would say
 
 
 def test_auto_uses_the_pools_device_not_the_default_backend(monkeypatch):

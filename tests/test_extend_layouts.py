@@ -1,4 +1,4 @@
-"""The fused Triton extend kernel's layouts ("rows", "blocks", "tiles"), on CPU (interpreter).
+"""The fused Triton extend kernel's layouts ("rows", "tiles"), on CPU (interpreter).
 
 `alloc_extend_triton(layout=...)` (pallas_kernels/triton_extend.py) must equal the jnp
 path bit for bit, whole result (indices, new head and length, ok), in either layout:
@@ -8,7 +8,7 @@ path bit for bit, whole result (indices, new head and length, ok), in either lay
   exact, one page short or 0), against the jnp path and the model. The default rule
   sends the other allocator tests (test_pallas_alloc.py, test_capacity.py) through the
   rows layout; the tiles layout runs here for every page size;
-- the kernel alone, rows and blocks layouts, with blocks and chunks that force long
+- the kernel alone, rows layout, with blocks and chunks that force long
   loops, strided chunks, a zero tail spread over programs, one row, and rows not a power
   of two;
 - lengths at and near 2**31 - 1 (tests/test_capacity.py's cases), also with the exact
@@ -42,11 +42,9 @@ LAYOUTS = triton_extend.LAYOUTS
 
 def force_layout(monkeypatch, layout: str) -> None:
   """Makes tuning.extend_layout (the default of alloc_extend_triton) return `layout`."""
-  per_row = layout != "tiles"
+  per_row = layout == "rows"
   monkeypatch.setattr(tuning, "EXTEND_ROWS_MIN_ROWS", 1 if per_row else 2**16)
   monkeypatch.setattr(tuning, "EXTEND_ROWS_MAX_ROWS", 2**16 if per_row else 0)
-  if per_row:
-    monkeypatch.setattr(tuning, "EXTEND_ROWS_LAYOUT", layout)
 
 
 def _check_kernel(ps, *, rows, max_tokens, num_pages, seed, num_cases=8, interpret=True,
@@ -99,17 +97,6 @@ def test_tiles_layout_through_the_allocator(ps, monkeypatch):
 def test_rows_layout_blocks_and_chunks(ps, rows, max_tokens, tile, chunks):
   _check_kernel(ps, rows=rows, max_tokens=max_tokens, num_pages=3 * max_tokens // ps + 40,
                 seed=rows, layout="rows", tile=tile, chunks=chunks)
-
-
-@pytest.mark.parametrize("ps,rows,max_tokens,tile", [
-    (1, 8, 128, 8),          # rows of many blocks, each its own program; a long tail
-    (3, 5, 200, 16),         # 5 rows, out_len not a power of two
-    (64, 1, 300, 32),        # one row
-    (16, 33, 512, None),     # the defaults
-])
-def test_blocks_layout(ps, rows, max_tokens, tile):
-  _check_kernel(ps, rows=rows, max_tokens=max_tokens, num_pages=3 * max_tokens // ps + 40,
-                seed=rows + 100, layout="blocks", tile=tile)
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,33 +199,23 @@ def test_num_reqs_zero_and_past_the_rows(layout):
   assert bool(ok) and (int(head), int(length)) == (2, 13)
 
 
-def test_layout_argument_and_default_rule(monkeypatch):
-  monkeypatch.setattr(tuning, "EXTEND_ONEHOT_MAX_ROWS", 0)
+def test_layout_argument_and_default_rule():
   i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
 
   def name(rows, **kwargs):
     fn = functools.partial(pallas_kernels.alloc_extend_triton, page_size=4, out_len=64,
                            interpret=True, **kwargs)
     text = str(jax.make_jaxpr(fn)(i32(16), 0, 16, rows, i32(rows), i32(rows), i32(rows)))
-    for layout in ("rows", "blocks"):
-      if f"jax_kvalloc_alloc_extend_triton_{layout}" in text:
-        return layout
-    return "tiles"
+    return "rows" if "jax_kvalloc_alloc_extend_triton_rows" in text else "tiles"
 
   lo, hi = tuning.EXTEND_ROWS_MIN_ROWS, tuning.EXTEND_ROWS_MAX_ROWS
-  for per_row in ("rows", "blocks"):
-    monkeypatch.setattr(tuning, "EXTEND_ROWS_LAYOUT", per_row)
-    for rows in (1, 2, 7, 1024, 1025):
-      want = per_row if lo <= triton_extend._util.next_pow2(rows) <= hi else "tiles"
-      assert tuning.extend_layout(triton_extend._util.next_pow2(rows), 64) == want
-      assert name(rows) == want
+  for rows in (1, 2, 7, 1024, 1025):
+    want = "rows" if lo <= triton_extend._util.next_pow2(rows) <= hi else "tiles"
+    assert tuning.extend_layout(triton_extend._util.next_pow2(rows), 64) == want
+    assert name(rows) == want
   assert name(8, layout="tiles") == "tiles" and name(1, layout="rows") == "rows"
-  assert name(1, layout="blocks") == "blocks"
-  assert name(8, onehot=True) == "tiles"  # the one-hot search is a tiles search
   with pytest.raises(ValueError, match="layout must be one of"):
-    name(8, layout="columns")
-  with pytest.raises(ValueError, match="onehot"):
-    name(8, layout="blocks", onehot=True)
+    name(8, layout="blocks")
   with pytest.raises(ValueError, match="chunks"):
     name(8, layout="rows", chunks=0)
   # The rows layout's blocks for the bench's extend cases: one block per program for
@@ -250,11 +227,11 @@ def test_layout_argument_and_default_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("ps,layout", [(ps, "rows") for ps in testing.PAGE_SIZES + (3,)]
-                         + [(ps, layout) for layout in ("tiles", "blocks") for ps in (1, 64)])
+                         + [(ps, "tiles") for ps in (1, 64)])
 def test_layouts_exhaustive(ps, layout, monkeypatch):
   # Slow (SLOW_TESTS): more random pools per page size through the allocator (against
-  # the model too), and the rows and blocks layouts at small blocks: the default layout
-  # ("rows") at every page size, the other two at page sizes 1 and 64 (CI's time).
+  # the model too), and the rows layout at small blocks: the default layout ("rows") at
+  # every page size, "tiles" at page sizes 1 and 64 (CI's time).
   force_layout(monkeypatch, layout)
   check_alloc_extend(ps, num_cases=32, model_cases=12, seed=31)
   check_alloc_extend(ps, rows=40, max_tokens=600, num_pages=700, num_cases=8,
@@ -263,7 +240,3 @@ def test_layouts_exhaustive(ps, layout, monkeypatch):
     for tile, chunks in ((4, 1), (8, 5), (64, 2)):
       _check_kernel(ps, rows=12, max_tokens=300, num_pages=800, seed=tile, num_cases=16,
                     layout="rows", tile=tile, chunks=chunks)
-  if layout == "blocks":
-    for tile in (4, 64):
-      _check_kernel(ps, rows=12, max_tokens=300, num_pages=800, seed=tile, num_cases=16,
-                    layout="blocks", tile=tile)

@@ -1,6 +1,7 @@
 """`free`'s sorted unique pages two ways (freeing.free_pages_sorted_unique): the sort and
 the bitmap give the same bits as each other and as numpy's unique, on the page ids alone
-and through `free` (need_sort on and off, debug on and off); "auto" follows its rule."""
+and through the paged free's implementations (freeing.PAGED_FREE; need_sort on and off,
+debug on and off); `free` follows free_method's rule."""
 import functools
 
 import jax
@@ -79,11 +80,8 @@ def test_auto_rule():
   assert freeing.free_method(r * 100 + 1, 100) == "sort"
   assert freeing.free_method(10, 0) == "sort"
   assert freeing.free_method(2**30 + 1, 2**30) == "sort"     # the map's size cap
-  for method in METHODS:
-    assert freeing.free_method(2**24, 64, method) == method
-    assert freeing.free_method(1, 10**6, method) == method
   with pytest.raises(ValueError, match="method"):
-    freeing.free_method(10, 10, "radix")
+    freeing.free_pages_sorted_unique(jnp.zeros((4,), jnp.int32), 10, "radix")
 
 
 def test_auto_runs_the_method_its_rule_names():
@@ -94,19 +92,13 @@ def test_auto_runs_the_method_its_rule_names():
     assert ("stablehlo.sort" in text) == (freeing.free_method(n, m) == "sort"), (n, m)
 
 
-def test_bad_method_is_refused_on_every_kind():
-  for cfg in [AllocatorConfig(size=64, page_size=4), AllocatorConfig(size=64, kind="token")]:
-    with pytest.raises(ValueError, match="method"):
-      freeing.free(cfg, st.init(cfg), jnp.zeros((4,), jnp.int32), method="radix")
-
-
 # ---------------------------------------------------------------------------------------
 # Through `free`: bit-identical states, and the prepend SPEC 4.4 describes.
 # ---------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def _free_fn(cfg: AllocatorConfig, method: str):
-  return jax.jit(functools.partial(freeing.free, cfg, method=method))
+  return jax.jit(functools.partial(freeing.PAGED_FREE[method], cfg))
 
 
 def _taken_state(cfg: AllocatorConfig, rng: np.random.Generator, taken: int):
@@ -194,9 +186,10 @@ def test_debug_mode_states_are_identical(need_sort):
 
 
 def test_default_free_takes_auto():
-  """`free` without a method equals the method auto names, for both outcomes."""
-  for ps, n, m in [(16, 64, 64), (1, 50000, 64)]:
-    cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False)
+  """`free` equals the implementation free_method names, for both outcomes, also in
+  debug mode."""
+  for ps, n, m, dbg in [(16, 64, 64, False), (1, 50000, 64, False), (4, 64, 64, True)]:
+    cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=dbg)
     rng = np.random.default_rng([ps, n, m])
     state = _taken_state(cfg, rng, n // 2)
     free_index = jnp.asarray(rng.integers(-2, (n + 2) * ps, m), jnp.int32)
@@ -213,7 +206,7 @@ def test_methods_agree_under_vmap():
   states = [_taken_state(cfg, rng, t) for t in (30, 64)]
   stacked = jax.tree.map(lambda *x: jnp.stack(x), *states)
   free_index = jnp.asarray(rng.integers(-5, (n + 6) * ps, (2, m)), jnp.int32)
-  outs = [jax.vmap(functools.partial(freeing.free, cfg, method=method))(stacked, free_index)
+  outs = [jax.vmap(functools.partial(freeing.PAGED_FREE[method], cfg))(stacked, free_index)
           for method in METHODS]
   jax.tree.map(np.testing.assert_array_equal, outs[0], outs[1])
   for r in range(2):  # and each rank equals its own unbatched call

@@ -36,7 +36,7 @@ def _rng(*key):
   return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def _configs(ps, need_sort=False, kernel="pallas_interpret", num_pages=NUM_PAGES):
+def _configs(ps, need_sort=False, kernel="triton_interpret", num_pages=NUM_PAGES):
   jnp_cfg = kv.AllocatorConfig(size=num_pages * ps, page_size=ps, need_sort=need_sort,
                                kernel="jnp", debug=False)
   return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
@@ -83,7 +83,7 @@ def _model(ps, ring, head, length):
   return m
 
 
-def check_alloc_extend(ps, kernel="pallas_interpret", *, rows=ROWS, max_tokens=MAX_TOKENS,
+def check_alloc_extend(ps, kernel="triton_interpret", *, rows=ROWS, max_tokens=MAX_TOKENS,
                        num_pages=NUM_PAGES, num_cases=NUM_CASES, model_cases=NUM_CASES,
                        seed=0):
   """alloc_extend with `kernel` == the jnp path (whole result, vmapped over random pools
@@ -115,7 +115,7 @@ def check_alloc_extend(ps, kernel="pallas_interpret", *, rows=ROWS, max_tokens=M
     assert live.tolist() == m.free_pages
 
 
-def check_alloc_decode(ps, kernel="pallas_interpret", *, rows=ROWS, num_pages=NUM_PAGES,
+def check_alloc_decode(ps, kernel="triton_interpret", *, rows=ROWS, num_pages=NUM_PAGES,
                        num_cases=NUM_CASES, model_cases=NUM_CASES, seed=0):
   """alloc_decode with `kernel` == the jnp path and the model, as check_alloc_extend."""
   jnp_cfg, pallas_cfg = _configs(ps, kernel=kernel, num_pages=num_pages)
@@ -234,15 +234,6 @@ def test_large_batches_take_the_contract_kernel(monkeypatch):
   check_alloc_extend(16, seed=9)
 
 
-@pytest.mark.parametrize("ps", (1, 3, 16))
-def test_fused_extend_onehot_row_search(ps, monkeypatch):
-  # The fused kernel's [tile, rows] row search (tuning.EXTEND_ONEHOT_MAX_ROWS) on every
-  # batch of the random cases, against the jnp path and the model.
-  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(tuning, "EXTEND_ONEHOT_MAX_ROWS", 2**15)
-  check_alloc_extend(ps, seed=11)
-
-
 def test_vmap_over_pools_and_donation():
   ps = 16
   jnp_cfg, pallas_cfg = _configs(ps)
@@ -265,11 +256,10 @@ def test_vmap_over_pools_and_donation():
   _assert_same(results[1], results[0])
 
 
-def test_mosaic_backend_behind_the_allocator(monkeypatch):
+def test_mosaic_backend_behind_the_allocator():
   # The TPU kernel serves the allocator through the contract path (no fused kernel).
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "mosaic")
   ps = 4
-  jnp_cfg, pallas_cfg = _configs(ps)
+  jnp_cfg, pallas_cfg = _configs(ps, kernel="mosaic_interpret")
   (pre, seq, last, nreq), (ring, head, length) = _extend_cases(_rng("mosaic"), ps, 4)
   (dseq, dlast, dnreq), _ = _decode_cases(_rng("mosaic-d"), ps, 4)
 
@@ -314,53 +304,83 @@ def _lowered_kernel_names(cfg, platform=None):
                             "jax_kvalloc_extend_indices_mosaic") if name in text}
 
 
-def test_kernel_choice(monkeypatch):
-  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
+def test_kernel_choice():
   base = kv.AllocatorConfig(size=64, page_size=4, kernel="jnp", debug=False)
   fused = {"jax_kvalloc_alloc_extend_triton", "jax_kvalloc_alloc_decode_triton"}
-  on_accelerator = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
-  # "auto" under jit traces every platform's branch (lax.platform_dependent) and lowers
-  # only the pool's: on the CPU the lowered program holds no kernel, on a GPU the fused
-  # Triton kernels (what the program holds, not the function's formula again).
-  auto = _lowered_kernel_names(dataclasses.replace(base, kernel="auto"))
-  if not on_accelerator:
-    assert _kernel_names(dataclasses.replace(base, kernel="auto")) >= fused  # traced...
-    assert auto == set() and kernels.resolve("auto") == "jnp"               # ...not lowered
-    assert _lowered_kernel_names(dataclasses.replace(base, kernel="auto"), "h200") == fused
+  accelerator = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+  auto = dataclasses.replace(base, kernel="auto")
+  if not accelerator:
+    # "auto" on a CPU-only process traces the CPU's branch alone: no kernel in the
+    # jaxpr (the platform is known at trace time), none lowered.
+    assert _kernel_names(auto) == set() and _lowered_kernel_names(auto) == set()
+    assert kernels.resolve("auto") == "jnp"
+    # Exported for an abstract H200 or TPU, it picks that platform's kernels.
+    assert _lowered_kernel_names(auto, "h200") == fused
+    assert _lowered_kernel_names(auto, "tpu_v6e") == {"jax_kvalloc_extend_indices_mosaic"}
   elif jax.default_backend() != "tpu":
-    assert auto == fused and kernels.resolve("auto") == "pallas"
-  assert kernels.resolve("pallas_interpret") == "pallas_interpret"
+    assert _lowered_kernel_names(auto) == fused and kernels.resolve("auto") == "triton"
   assert _kernel_names(base) == set()
+  for name in ("triton_interpret", "triton"):
+    assert kernels.resolve(name) == name
+    assert _kernel_names(dataclasses.replace(base, kernel=name)) == fused
+  # Debug mode keeps the jnp bookkeeping and calls the index kernels alone.
+  debug = dataclasses.replace(base, kernel="triton_interpret", debug=True)
+  assert _kernel_names(debug) == {"jax_kvalloc_extend_indices_triton",
+                                  "jax_kvalloc_decode_indices_triton"}
+  for name in ("mosaic_interpret", "mosaic"):
+    assert _kernel_names(dataclasses.replace(base, kernel=name)) == {
+        "jax_kvalloc_extend_indices_mosaic"}
+  # The older names: the platform's Pallas kernels.
   if jax.default_backend() != "tpu":
-    assert _kernel_names(dataclasses.replace(base, kernel="pallas_interpret")) == fused
+    assert kernels.resolve("pallas_interpret") == "triton_interpret"
+    assert kernels.resolve("pallas") == "triton"
+    assert _kernel_names(dataclasses.replace(base, kernel="triton_interpret")) == fused
     assert _kernel_names(dataclasses.replace(base, kernel="pallas")) == fused
-    # Debug mode keeps the jnp bookkeeping and calls the index kernels alone.
-    debug = dataclasses.replace(base, kernel="pallas_interpret", debug=True)
-    assert _kernel_names(debug) == {"jax_kvalloc_extend_indices_triton",
-                                    "jax_kvalloc_decode_indices_triton"}
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "mosaic")
-  assert _kernel_names(dataclasses.replace(base, kernel="pallas_interpret")) == {
-      "jax_kvalloc_extend_indices_mosaic"}
+  assert kernels.for_platform("pallas", "tpu") == "mosaic"
+  assert kernels.for_platform("pallas_interpret", "tpu") == "mosaic_interpret"
+  assert kernels.for_platform("auto", "gpu") == "triton"
+  # One list of names: the config accepts exactly what kernels resolves, and the free's
+  # registry holds the implementations kernels.REGISTRY names (and their interpreters).
+  assert set(kv.config.KERNELS) == set(kernels.CONCRETE + kernels.BY_PLATFORM)
+  for name in kernels.CONCRETE:
+    assert kernels.family(name)[0] in kernels.REGISTRY["alloc_extend"]
+  from jax_kvalloc import freeing  # pylint: disable=g-import-not-at-top
+  assert set(freeing.PAGED_FREE) == set(kernels.REGISTRY["free"]) | {"triton_interpret"}
+
+
+def test_auto_on_several_backends_decides_when_lowering(monkeypatch):
+  # A process with a GPU backend has a CPU one too: under jit the pool's platform is not
+  # known at trace time, so "auto" traces both branches (lax.platform_dependent) and
+  # the CPU lowering keeps the jnp one alone.
+  monkeypatch.setattr(kernels, "_backend_platforms", lambda: ("cpu", "cuda"))
+  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="auto", debug=False)
+  fused = {"jax_kvalloc_alloc_extend_triton", "jax_kvalloc_alloc_decode_triton"}
+  assert _kernel_names(cfg) == fused                       # traced...
+  if jax.default_backend() == "cpu":
+    assert _lowered_kernel_names(cfg) == set()             # ...not lowered for the CPU
+  assert _lowered_kernel_names(cfg, "h200") == fused       # the abstract device decides
 
 
 def test_kernel_from_environment_and_keyword(monkeypatch):
-  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "pallas_interpret")
-  assert kv.AllocatorConfig(size=64, page_size=4).kernel == "pallas_interpret"
-  assert kvs.PagedTokenToKVPoolAllocator(64, 4).config.kernel == "pallas_interpret"
-  assert kvs.TokenToKVPoolAllocator(64, None, None).config.kernel == "pallas_interpret"
+  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "triton_interpret")
+  assert kv.AllocatorConfig(size=64, page_size=4).kernel == "triton_interpret"
+  assert kvs.PagedTokenToKVPoolAllocator(64, 4).config.kernel == "triton_interpret"
+  assert kvs.TokenToKVPoolAllocator(64, None, None).config.kernel == "triton_interpret"
   monkeypatch.setenv("JAX_KVALLOC_KERNEL", "jnp")
-  assert kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="pallas").config.kernel == "pallas"
+  assert kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="mosaic").config.kernel == "mosaic"
   assert kvs.TokenToKVPoolAllocator(64, None, None, kernel="pallas").config.kernel == "pallas"
-  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "triton")
+  monkeypatch.setenv("JAX_KVALLOC_KERNEL", "cuda")
   with pytest.raises(ValueError, match="JAX_KVALLOC_KERNEL"):
     kv.AllocatorConfig(size=64, page_size=4)
+  with pytest.raises(ValueError, match="kernel must be one of"):
+    kv.AllocatorConfig(size=64, page_size=4, kernel="sort")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU message")
-def test_pallas_without_interpreter_on_cpu_says_what_to_do(monkeypatch):
-  monkeypatch.delenv(pallas_kernels.ENV_BACKEND, raising=False)
-  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="pallas", debug=False)
-  with pytest.raises(ValueError, match="pallas_interpret"):
+@pytest.mark.parametrize("kernel", ("triton", "pallas"))
+def test_triton_without_interpreter_on_cpu_says_what_to_do(kernel):
+  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel=kernel, debug=False)
+  with pytest.raises(ValueError, match="triton_interpret"):
     jax.jit(functools.partial(kv.alloc_decode, cfg))(kv.init(cfg), jnp.ones(8, jnp.int32),
                                                      jnp.ones(8, jnp.int32))
 
@@ -399,7 +419,7 @@ def check_classes_follow_the_model(a, m, rng, *, steps, max_bs, max_ext, max_pag
 
 def test_classes_with_pallas_interpret_follow_the_model():
   ps = 4
-  a = kvs.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="pallas_interpret")
+  a = kvs.PagedTokenToKVPoolAllocator(64 * ps, ps, kernel="triton_interpret")
   m = ModelAllocator(size=64 * ps, page_size=ps, kind="paged")
   check_classes_follow_the_model(a, m, _rng("classes"), steps=12, max_bs=5, max_ext=20,
                                  max_page=60)

@@ -87,22 +87,19 @@ def test_extend_tunings(tile, window, warps, rows):
   _assert_same(got, jax.jit(jax.vmap(ref))(ring, head, length, pre, seq, last, nreq))
 
 
-@pytest.mark.parametrize("layout", ("rows", "blocks"))
 @pytest.mark.parametrize("rows,ps,kwargs", [
     (16, 1, {}), (1024, 64, {}), (256, 16, dict(num_warps=8)), (256, 64, dict(tile=256)),
     (64, 3, dict(tile=64, chunks=3, num_warps=2)), (1, 64, {})])
-def test_extend_per_row_layouts(rows, ps, kwargs, layout):
-  # The rows layout (one program per row and chunk) and the blocks layout (one per
-  # row-aligned block) at the defaults and the tunings benchmarks/extend_layouts_gpu.py
-  # and gpu_check.py time; tiles in test_extend_tunings.
+def test_extend_rows_layout(rows, ps, kwargs):
+  # The rows layout (one program per row and chunk) at the defaults and the tunings
+  # benchmarks/extend_layouts_gpu.py and gpu_check.py time; tiles in
+  # test_extend_tunings.
   from test_extend_layouts import _check_kernel  # pylint: disable=g-import-not-at-top
-  if layout != "rows":
-    kwargs = {k: v for k, v in kwargs.items() if k != "chunks"}
   _check_kernel(ps, rows=rows, max_tokens=16384, num_pages=20000, seed=rows,
-                layout=layout, interpret=INTERPRET, **kwargs)
+                layout="rows", interpret=INTERPRET, **kwargs)
 
 
-@pytest.mark.parametrize("layout", ("rows", "blocks", "tiles"))
+@pytest.mark.parametrize("layout", ("rows", "tiles"))
 def test_fused_allocation_each_layout(layout, monkeypatch):
   # The allocator with each layout forced (the default rule picks one per batch size).
   from test_extend_layouts import force_layout  # pylint: disable=g-import-not-at-top
@@ -145,16 +142,6 @@ def test_classes_on_gpu_follow_the_model():
   m = ModelAllocator(size=512 * ps, page_size=ps, kind="paged")
   check_classes_follow_the_model(a, m, np.random.default_rng(7), steps=40, max_bs=40,
                                  max_ext=200, max_page=500)
-
-
-@pytest.mark.parametrize("ps", testing.PAGE_SIZES)
-def test_fused_extend_onehot_row_search(ps, monkeypatch):
-  # The [tile, rows] row search of the fused extend kernel, for every batch size used.
-  from pallas_kernels import tuning  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(tuning, "EXTEND_ONEHOT_MAX_ROWS", 2**15)
-  check_alloc_extend(ps, KERNEL, num_cases=16, model_cases=4, seed=7)
-  check_alloc_extend(ps, KERNEL, rows=256, max_tokens=8192, num_pages=9000,
-                     num_cases=4, model_cases=1, seed=8)
 
 
 def test_capacity_edges_on_gpu():

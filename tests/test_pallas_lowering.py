@@ -64,7 +64,7 @@ def test_triton_kernels_lower_for_h200(ps):
       "h200", fused_dec, i32(100_000), *scalars, *[i32(16384)] * 2))
 
 
-@pytest.mark.parametrize("layout", ("rows", "blocks", "tiles"))
+@pytest.mark.parametrize("layout", ("rows", "tiles"))
 def test_fused_extend_layouts_lower_for_h200(layout):
   # Every layout of the one-launch extend kernel: the bench's batch shapes (the exact
   # total check where B * ring length passes int32), one row, rows not a power of two,
@@ -87,10 +87,12 @@ def test_fused_extend_layouts_lower_for_h200(layout):
 
 
 @pytest.mark.parametrize("target,backend", [("h200", "triton"), ("tpu_v6e", "mosaic")])
-def test_whole_allocator_lowers(target, backend, monkeypatch):
-  # The jitted calls a server makes, as they would be compiled for each accelerator.
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, backend)
-  cfg = kv.AllocatorConfig(size=4096 * 16, page_size=16, kernel="pallas", debug=False)
+@pytest.mark.parametrize("kernel", ("auto", "pallas", "named"))
+def test_whole_allocator_lowers(target, backend, kernel):
+  # The jitted calls a server makes, as they would be compiled for each accelerator:
+  # "auto" and "pallas" pick the target's kernel from the abstract device at trace time.
+  kernel = backend if kernel == "named" else kernel
+  cfg = kv.AllocatorConfig(size=4096 * 16, page_size=16, kernel=kernel, debug=False)
   state = jax.eval_shape(functools.partial(kv.init, cfg))
 
   def serve(state, pre, seq, last, dseq, dlast, n):

@@ -338,8 +338,8 @@ def test_sharded_programs_have_no_collectives():
   for name, call in calls.items():
     hlo = jax.jit(call).lower(state).compile().as_text()
     assert ranks.collectives_in(hlo) == {}, name
-  # kernel="auto" traces the Pallas path too (lax.platform_dependent): it must trace
-  # under shard_map, and run the jnp one here.
+  # kernel="auto" under shard_map (its abstract mesh names no device): the platform of
+  # the process's backends decides, and the jnp path runs here.
   auto = ranks.ranks_allocator(kv.AllocatorConfig(size=dp * 64 * 4, page_size=4,
                                                   kernel="auto"), dp, mesh=mesh, axis_name="dp")
   state_auto = auto.init()

@@ -46,7 +46,7 @@ def _rng(*key):
   return np.random.default_rng([SEED, zlib.crc32(repr(key).encode())])
 
 
-def _configs(ps, num_pages, kernel="pallas_interpret", **kw):
+def _configs(ps, num_pages, kernel="triton_interpret", **kw):
   jnp_cfg = kv.AllocatorConfig(size=num_pages * ps, page_size=ps, kernel="jnp",
                                debug=False, **kw)
   return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
@@ -159,7 +159,7 @@ def check_against_model(ps, args, result, info, msg=""):
   assert st.live_free_pages(new_state).tolist() == m.free_pages, msg
 
 
-def check_release_decode(ps, num_pages, rows, m, count, tag, kernel="pallas_interpret"):
+def check_release_decode(ps, num_pages, rows, m, count, tag, kernel="triton_interpret"):
   """kernel path == jnp composition (vmapped, whole results), and == the model on the
   clean cases."""
   jnp_cfg, cfg = _configs(ps, num_pages, kernel)
@@ -262,7 +262,7 @@ def _worked_state(cfg):
   return _state(cfg, ring, 8, 3)
 
 
-@pytest.mark.parametrize("kernel", ("pallas_interpret", "jnp"))
+@pytest.mark.parametrize("kernel", ("triton_interpret", "jnp"))
 def test_worked_example(kernel):
   cfg = kv.AllocatorConfig(size=40, page_size=4, kernel=kernel, debug=False)
   # Release [9, 0, 3, 99, 2] with num 4: 0 is padding, 99 is outside the pool, 2 lies
@@ -361,7 +361,7 @@ def test_fallbacks_equal_the_composition(change):
 
 
 def test_allocator_namedtuple_and_jit_without_recompiles():
-  alloc = kv.paged_allocator(size=64 * 4, page_size=4, kernel="pallas_interpret")
+  alloc = kv.paged_allocator(size=64 * 4, page_size=4, kernel="triton_interpret")
   state = alloc.init()
   state, out, ok = alloc.alloc_decode(state, jnp.ones(4, jnp.int32), jnp.full(4, -1))
   traces = []
@@ -391,7 +391,7 @@ def test_allocator_namedtuple_and_jit_without_recompiles():
     (dict(last_loc=np.int32([1, 2, 3])), ValueError, "last_loc"),
 ])
 def test_bad_arguments_name_the_argument(bad, exc, name):
-  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="pallas_interpret", debug=False)
+  cfg = kv.AllocatorConfig(size=64, page_size=4, kernel="triton_interpret", debug=False)
   args = dict(page_ids=np.int32([3]), seq_lens=np.int32([2, 2]),
               last_loc=np.int32([4, 8]), num=None, num_reqs=None)
   args.update(bad)
@@ -415,9 +415,9 @@ def test_kernel_lowers_for_h200(ps):
     assert TRITON in lowering_check.custom_call_targets(e)
 
 
-def test_whole_step_is_one_launch_on_h200(monkeypatch):
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "triton")
-  cfg = kv.AllocatorConfig(size=4096 * 64, page_size=64, kernel="pallas", debug=False)
+@pytest.mark.parametrize("kernel", ("auto", "triton"))
+def test_whole_step_is_one_launch_on_h200(kernel):
+  cfg = kv.AllocatorConfig(size=4096 * 64, page_size=64, kernel=kernel, debug=False)
   state = jax.eval_shape(functools.partial(kv.init, cfg))
 
   def step(state, ids, seq, last, n):
@@ -440,7 +440,7 @@ def test_serving_step_fused_release_equals_page_release():
   from jax_kvalloc.tools import bench_serving  # pylint: disable=g-import-not-at-top
   # Lengths of 8-48 tokens: every row finishes (and is released) within the 40 steps.
   case = bench_serving.make_case(16, 16, 40, seed=SEED % 1000, len_lo=8, len_hi=48)
-  cfg = dataclasses.replace(bench_serving._config(case), kernel="pallas_interpret")  # pylint: disable=protected-access
+  cfg = dataclasses.replace(bench_serving._config(case), kernel="triton_interpret")  # pylint: disable=protected-access
   steps = {r: jax.jit(functools.partial(bench_serving.serve_step, cfg, case.max_frees,
                                         release=r)) for r in ("pages", "fused")}
   assert _runs_kernel(steps["fused"], bench_serving.initial_carry(case))

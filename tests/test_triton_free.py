@@ -1,11 +1,11 @@
 """The paged `free`'s Triton kernels (pallas_kernels.triton_free), on CPU: in Pallas'
-interpreter, bit for bit against freeing's sort method, both alone ((values, count)) and
-through `free` (states, need_sort on and off, the room cut, vmapped pools); "auto" picks
-them only where it should; and they lower for an abstract H200 (jax.export), alone and
-inside the jitted `free`. On a GPU (marker gpu) the compiled kernels against the sort.
+interpreter, bit for bit against freeing's sort (freeing.PAGED_FREE: states, need_sort on
+and off, every kind of slot, the room cut, vmapped pools); `free` picks them only where
+it should; and they lower for an abstract H200 (jax.export), alone and inside the jitted
+`free`. On a GPU (marker gpu) the compiled kernels against the sort.
 
 Small blocks (monkeypatched) make many programs over small pools, so the cross-block
-ranks, the zeroing of `values` and the last partial block are all exercised cheaply.
+ranks and the last partial block are exercised cheaply.
 Interpret mode fills unwritten outputs with INT32_MIN, and the rings the kernel writes
 into are random pages and -7 poison, so a missing or stray store shows.
 """
@@ -50,18 +50,6 @@ def _both_blocks(cases, default_too):
                 for c in default_too]
 
 
-def _unique_kernel(n: int, ps: int):
-  return jax.jit(functools.partial(triton_free.sorted_unique_pages_triton, num_pages=n,
-                                   page_size=ps, interpret=True))
-
-
-def _unique_sort(slots, n: int, ps: int):
-  """freeing's sort method on the pages `free` computes from these slots."""
-  slots = jnp.asarray(slots, jnp.int32)
-  pages = jnp.where(slots >= 0, slots // ps, 0)
-  return freeing.free_pages_sorted_unique(pages, n, "sort")
-
-
 def _slot_vectors(rng, n: int, ps: int, m: int):
   """Slot vectors of length m: every slot kind `free` sees."""
   slot = lambda pages: pages * ps + rng.integers(0, ps, pages.shape)
@@ -83,36 +71,25 @@ CASES = [(1, 1, 1), (5, 1, 16), (7, 3, 64), (23, 40, 1), (24, 64, 16), (40, 300,
 @pytest.mark.parametrize("n,m,ps,blocks",
                          _both_blocks(CASES, [(7, 3, 64), (4095, 5000, 1), (4096, 700, 64)]),
                          indirect=["blocks"])
-def test_unique_pages_equal_the_sort(n, m, ps, blocks):
+def test_every_slot_kind_equals_the_sort(n, m, ps, blocks):
+  # A pool with every page held (room for all), freed from every kind of slot vector.
+  cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False)
   rng = np.random.default_rng([n, m, ps, blocks[1]])
-  fn = _unique_kernel(n, ps)
+  state = _taken_state(cfg, rng, n)
   for k, slots in enumerate(_slot_vectors(rng, n, ps, m)):
-    slots = np.asarray(slots, np.int64).astype(np.int32)
-    values, count = fn(jnp.asarray(slots))
-    want_v, want_c = _unique_sort(slots, n, ps)
-    assert values.dtype == jnp.int32 and values.shape == (m,) and count.shape == ()
-    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_v), err_msg=str(k))
-    assert int(count) == int(want_c), k
-    ref_v, ref_c = triton_free.reference_sorted_unique(slots, num_pages=n, page_size=ps)
-    np.testing.assert_array_equal(np.asarray(ref_v), np.asarray(want_v))
-    assert int(ref_c) == int(want_c)
-
-
-def test_method_pallas_interpret_through_free_pages_sorted_unique():
-  n, m = 33, 100
-  pages = jnp.asarray(np.random.default_rng(1).integers(-3, n + 4, m), jnp.int32)
-  got = freeing.free_pages_sorted_unique(pages, n, "pallas_interpret")
-  want = freeing.free_pages_sorted_unique(pages, n, "sort")
-  jax.tree.map(np.testing.assert_array_equal, got, want)
-  empty = freeing.free_pages_sorted_unique(jnp.zeros((0,), jnp.int32), n, "pallas_interpret")
-  assert empty[0].shape == (0,) and int(empty[1]) == 0
+    free_index = jnp.asarray(np.asarray(slots, np.int64).astype(np.int32))
+    s = _poisoned(state, rng)
+    got = _free_fn(cfg, "triton_interpret", blocks)(s, free_index)
+    want = _free_fn(cfg, "sort")(s, free_index)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(k))
 
 
 @functools.lru_cache(maxsize=None)
 def _free_fn(cfg: AllocatorConfig, method: str, blocks=None):
   """The jitted free; `blocks` keys the cache (a trace keeps the block sizes it saw)."""
   del blocks
-  return jax.jit(functools.partial(freeing.free, cfg, method=method))
+  return jax.jit(functools.partial(freeing.PAGED_FREE[method], cfg))
 
 
 def _poisoned(state, rng):
@@ -144,7 +121,7 @@ def test_free_states_equal_the_sort(ps, n, m, need_sort, blocks):
     for k, slots in enumerate(inputs):
       state = _poisoned(state, rng)
       free_index = jnp.asarray(np.asarray(slots, np.int64).astype(np.int32))
-      got = _free_fn(cfg, "pallas_interpret", blocks)(state, free_index)
+      got = _free_fn(cfg, "triton_interpret", blocks)(state, free_index)
       want = _free_fn(cfg, "sort")(state, free_index)
       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
@@ -164,27 +141,10 @@ def test_room_cut_and_wrapping_head():
     s = _poisoned(state._replace(free_head=jnp.int32(head), free_len=jnp.int32(length)),
                   rng)
     free_index = jnp.asarray(rng.integers(0, (n + 1) * ps, 400), jnp.int32)
-    got = _free_fn(cfg, "pallas_interpret")(s, free_index)
+    got = _free_fn(cfg, "triton_interpret")(s, free_index)
     want = _free_fn(cfg, "sort")(s, free_index)
     jax.tree.map(np.testing.assert_array_equal, got, want)
     assert int(got.free_len) == n  # ~all 50 pages freed: always cut
-
-
-@pytest.mark.parametrize("need_sort", [False, True])
-def test_debug_mode_with_the_kernel_method(need_sort):
-  """method="pallas_interpret" in debug mode: the values kernel feeds debug's checks;
-  the same states and error records as the sort (valid frees, junk, double frees)."""
-  ps, n, m = 4, 30, 48
-  cfg = AllocatorConfig(size=n * ps, page_size=ps, need_sort=need_sort, debug=True)
-  rng = np.random.default_rng([8, need_sort])
-  state = _taken_state(cfg, rng, 20)
-  held = st.live_free_pages(state._replace(free_head=jnp.int32(0), free_len=jnp.int32(20)))
-  for k, slots in enumerate(_slot_inputs(rng, cfg, held, m)):
-    free_index = jnp.asarray(np.asarray(slots, np.int64).astype(np.int32))
-    got = _free_fn(cfg, "pallas_interpret")(state, free_index)
-    want = _free_fn(cfg, "sort")(state, free_index)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"input {k}")
 
 
 def test_vmapped_pools():
@@ -195,7 +155,7 @@ def test_vmapped_pools():
   states = [_taken_state(cfg, rng, t) for t in (30, 64, 5)]
   stacked = jax.tree.map(lambda *x: jnp.stack(x), *states)
   free_index = jnp.asarray(rng.integers(-5, (n + 6) * ps, (3, m)), jnp.int32)
-  got = jax.jit(jax.vmap(functools.partial(freeing.free, cfg, method="pallas_interpret")))(
+  got = jax.jit(jax.vmap(functools.partial(freeing.PAGED_FREE["triton_interpret"], cfg)))(
       stacked, free_index)
   for r in range(3):
     one = _free_fn(cfg, "sort")(states[r], free_index[r])
@@ -210,18 +170,22 @@ def test_auto_picks_the_kernels_only_on_the_triton_path():
   ps, n, m = 16, 64, 32
   state_of = lambda cfg: _taken_state(cfg, np.random.default_rng(0), 20)
   x = jnp.arange(m, dtype=jnp.int32) * 7
-  for kernel, debug, want in [("pallas_interpret", False, True), ("jnp", False, False),
-                              ("pallas_interpret", True, False)]:
+  for kernel, debug, want in [("triton_interpret", False, True), ("jnp", False, False),
+                              ("triton_interpret", True, False),
+                              ("mosaic_interpret", False, False),
+                              ("pallas_interpret", False, True)]:
     cfg = AllocatorConfig(size=n * ps, page_size=ps, kernel=kernel, debug=debug)
     s = state_of(cfg)
     assert _jaxpr_has_pallas(functools.partial(freeing.free, cfg), s, x) == want, kernel
     got = jax.jit(functools.partial(freeing.free, cfg))(s, x)
     jax.tree.map(np.testing.assert_array_equal, got, _free_fn(cfg, "sort")(s, x))
-  # "auto" on a CPU pool: a concrete state runs the XLA rule; under jit the Triton branch
-  # is traced but only the CPU branch is compiled.
+  # "auto" on a CPU pool: a concrete state runs the XLA rule; under jit in a CPU-only
+  # process the Triton branch is not even traced.
   cfg = AllocatorConfig(size=n * ps, page_size=ps, kernel="auto", debug=False)
   s = state_of(cfg)
   assert not _jaxpr_has_pallas(lambda x: freeing.free(cfg, s, x), x)
+  if jax.default_backend() == "cpu":
+    assert not _jaxpr_has_pallas(functools.partial(freeing.free, cfg), s, x)
   text = jax.jit(functools.partial(freeing.free, cfg)).lower(s, x).compile().as_text()
   assert TRITON not in text
   got = jax.jit(functools.partial(freeing.free, cfg))(s, x)
@@ -232,7 +196,7 @@ def test_auto_leaves_huge_pools_with_few_slots_to_xla():
   """Past 2**20 pages the kernels' O(num_pages) passes are taken only for M >= n / 128."""
   assert triton_free.preferred(2**20, 1) and not triton_free.preferred(2**20 + 1, 8192)
   assert triton_free.preferred(2**21, 2**14) and not triton_free.preferred(2**26, 2**20)
-  cfg = AllocatorConfig(size=2**21, page_size=1, kernel="pallas_interpret", debug=False)
+  cfg = AllocatorConfig(size=2**21, page_size=1, kernel="triton_interpret", debug=False)
   state = jax.eval_shape(functools.partial(st.init, cfg))
   for m, want in [(64, False), (2**14, True)]:
     x = jax.ShapeDtypeStruct((m,), jnp.int32)
@@ -240,18 +204,20 @@ def test_auto_leaves_huge_pools_with_few_slots_to_xla():
 
 
 def test_bad_inputs():
+  z = jnp.zeros((), jnp.int32)
+  push = functools.partial(triton_free.free_push_front_triton, page_size=1, interpret=True)
   with pytest.raises(TypeError, match="slots"):
-    triton_free.sorted_unique_pages_triton(jnp.zeros((4,), jnp.float32), num_pages=8,
-                                           interpret=True)
+    push(jnp.zeros((4,), jnp.float32), jnp.zeros((8,), jnp.int32), z, z, z)
+  with pytest.raises(TypeError, match="ring"):
+    push(jnp.zeros((4,), jnp.int32), jnp.zeros((8,), jnp.float32), z, z, z)
   with pytest.raises(ValueError, match="num_pages"):
-    triton_free.sorted_unique_pages_triton(jnp.zeros((4,), jnp.int32), num_pages=2**25,
-                                           interpret=True)
+    jax.eval_shape(push, i32(4), i32(2**25), i32(), i32(), i32())
   limit = triton_free.MAX_BLOCKS * triton_free.PAGE_BLOCK  # 2**25
   assert not triton_free.supported(limit, 4) and triton_free.supported(limit - 1, 4)
   # An empty free_index: no kernel, the same state.
   cfg = AllocatorConfig(size=64, page_size=4, debug=False)
   s = st.init(cfg)
-  out = freeing.free(cfg, s, jnp.zeros((0,), jnp.int32), method="pallas_interpret")
+  out = freeing.PAGED_FREE["triton_interpret"](cfg, s, jnp.zeros((0,), jnp.int32))
   jax.tree.map(np.testing.assert_array_equal, out, s)
 
 
@@ -262,10 +228,6 @@ def test_bad_inputs():
 @pytest.mark.parametrize("n,m,ps", [(262144, 262144 * 64, 64), (262144, 8192, 64),
                                     (2**20, 8192, 1), (5, 1, 1), (300, 70000, 3)])
 def test_kernels_lower_for_h200(n, m, ps):
-  unique = functools.partial(triton_free.sorted_unique_pages_triton, num_pages=n,
-                             page_size=ps)
-  e = lowering_check.export_for("h200", unique, i32(m))
-  assert lowering_check.custom_call_targets(e).count(TRITON) == 3
   push = functools.partial(triton_free.free_push_front_triton, page_size=ps)
   e = lowering_check.export_for("h200", push, i32(m), i32(n), i32(), i32(), i32())
   assert lowering_check.custom_call_targets(e).count(TRITON) == 3
@@ -299,7 +261,7 @@ def test_free_auto_lowers_for_h200(need_sort):
 @pytest.mark.parametrize("need_sort", [False, True])
 def test_gpu_kernels_equal_the_sort(ps, slots, m, need_sort):
   cfg = AllocatorConfig(size=slots, page_size=ps, need_sort=need_sort, debug=False,
-                        kernel="pallas")
+                        kernel="triton")
   n = cfg.num_pages
   rng = np.random.default_rng([ps, m, need_sort])
   state = _taken_state(cfg, rng, min(n, m // ps + 7))
@@ -307,14 +269,10 @@ def test_gpu_kernels_equal_the_sort(ps, slots, m, need_sort):
                                            free_len=jnp.int32(min(n, m // ps + 7))))
   for k, x in enumerate(_slot_inputs(rng, cfg, held, m)):
     x = jnp.asarray(np.asarray(x, np.int64).astype(np.int32))
-    got = _free_fn(cfg, "pallas")(state, x)
+    got = _free_fn(cfg, "triton")(state, x)
     want = _free_fn(cfg, "sort")(state, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(k))
-    auto = jax.jit(functools.partial(freeing.free, cfg))(state, x)  # auto: the kernels
+    auto = jax.jit(functools.partial(freeing.free, cfg))(state, x)  # free: the kernels
     jax.tree.map(np.testing.assert_array_equal, auto, want)
-    pages = jnp.where(x >= 0, x // ps, 0)
-    got = jax.jit(functools.partial(freeing.free_pages_sorted_unique, num_pages=n,
-                                    method="pallas"))(pages)
-    jax.tree.map(np.testing.assert_array_equal, got, _unique_sort(x, n, ps))
     state = want

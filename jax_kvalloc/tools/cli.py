@@ -14,6 +14,8 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
+from jax_kvalloc.config import KERNELS
+
 COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class")
 
 
@@ -85,8 +87,9 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
     "round trip; host: the host schedules and launches one jitted call per step")
   a("--steps-per-call", type=int, default=d.steps_per_call,
     help="scheduler iterations per jitted call (device driver)")
-  a("--kernel", choices=("auto", "pallas", "jnp", "pallas_interpret"), default=d.kernel,
-    help="index-kernel path (auto: Pallas on GPU/TPU, jnp on CPU)")
+  a("--kernel", choices=KERNELS, default=d.kernel,
+    help="implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, jnp "
+    "on CPU)")
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "
     "golden format) instead of the synthetic workload")
   a("--json", metavar="FILE", help="also write the results as JSON")

@@ -1,7 +1,7 @@
 """Cross-implementation parity: replays allocator traces through jax_kvalloc, torch_ref
 and (when installed) SGLang itself, step by step, and reports the first mismatch.
 
-    jax-kvalloc parity TRACE.jsonl [--device cpu|cuda] [--kernel jnp|pallas|...]
+    jax-kvalloc parity TRACE.jsonl [--device cpu|cuda] [--kernel jnp|triton|...]
     jax-kvalloc parity --generate N --seed S [--steps K] [--write OUT.jsonl]
 
 The trace format (JSON lines of operations, optionally with expected results and lists)
@@ -28,7 +28,7 @@ batches, decode, speculative steps with snapshots and rollbacks, random finishes
 groups, evictions; page sizes 1, 4, 16, 64; need_sort on and off; pools that run out),
 driven by jax_kvalloc, with a leak check at every step.
 
-Options: --device cpu|cuda (default cpu); --kernel jnp|pallas|pallas_interpret|auto
+Options: --device cpu|cuda (default cpu); --kernel jnp|triton|triton_interpret|auto|...
 (jax_kvalloc's index kernel, default jnp); --torch-kernel triton|torch|auto or a comma
 list such as triton,torch to compare both (default triton; on cpu it sets
 TRITON_INTERPRET=1); --impls jax,torch (which to run besides SGLang, the first one
@@ -50,7 +50,7 @@ file), 3 (a requested implementation is unavailable).
 Examples:
     python -m torch_ref.parity my_trace.jsonl --torch-kernel torch      # quick, CPU
     python -m torch_ref.parity --generate 12 --seed 300 --steps 250     # Triton interp.
-    python -m torch_ref.parity --device cuda --kernel pallas --torch-kernel triton,torch
+    python -m torch_ref.parity --device cuda --kernel triton --torch-kernel triton,torch
         --generate 4 --seed 1000 --steps 3000                           # H200, one line
 """
 from __future__ import annotations
@@ -63,6 +63,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from jax_kvalloc.config import KERNELS
 from jax_kvalloc.tools import traces
 
 
@@ -283,8 +284,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                  help="device of the jax and torch allocators")
   p.add_argument("--kernel", default="jnp",
-                 choices=("jnp", "pallas", "pallas_interpret", "auto"),
-                 help="jax_kvalloc's index kernel")
+                 choices=KERNELS, help="jax_kvalloc's implementations (jax_kvalloc.kernels)")
   p.add_argument("--torch-kernel", default="triton",
                  help="torch_ref's index path: triton, torch or auto, or a comma list to "
                       "compare several (triton on cpu runs Triton's interpreter, "
