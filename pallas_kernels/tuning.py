@@ -1,7 +1,7 @@
 """Tile sizes and warp counts of the Triton kernels, from H200 measurements.
 
 Source: `tests/gpu_check.py` on an NVIDIA H200 (2026-11-30, jax 0.11.2, triton 3.6.0;
-benchmarks/h200_machine.txt), alloc_extend_triton timed in the bench harness
+benchmarks/results/2026-11-30-h200x2-run3-ranks/machine.txt), alloc_extend_triton timed in the bench harness
 (jax_kvalloc.tools.timing: every output consumed, calls linked), page size 64, us/call:
 
   fused extend          default  (256,1)  (1024,4)  (2048,8)  one-hot: default  8 warps  tile 128
