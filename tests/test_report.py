@@ -164,3 +164,12 @@ def test_runner_passes_per_step_arguments():
                        capture_output=True, text=True, timeout=30, env=env, check=False)
   assert out.stdout.split() == ["timeout", "7", "python3", "-m", "jax_kvalloc", "demo",
                                 "--attention", "pallas"]
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+  """The CLI tests add --plot only where matplotlib imports; without it, --plot fails up
+  front with this message (so those tests' other branch is this behaviour)."""
+  import sys  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+  with pytest.raises(RuntimeError, match="--plot needs matplotlib"):
+    report.pyplot()
