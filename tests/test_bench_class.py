@@ -8,7 +8,7 @@ from jax_kvalloc.tools import cli
 def test_bench_class_smoke(tmp_path, capsys):
   out = tmp_path / "bc.json"
   rc = cli.main(["bench-class", "--impls", "device,host,sgljax,nosuch", "--pool", "65536",
-                 "--decode", "1,9", "--extend", "2", "--free", "64",
+                 "--decode", "1,9", "--extend", "2", "--extend-tokens", "8", "--free", "64",
                  "--restore-decode", "8", "--restore-free", "64", "--reps", "2",
                  "--stalls", "3", "--stall-max-batch", "4", "--json", str(out)])
   assert rc == 0
