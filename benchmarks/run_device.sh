@@ -24,8 +24,22 @@
 #   SGLJAX          sglang-jax's checkout for bench-class (default: left out)
 #   COMMIT          the tree's commit, where the device copy has no .git
 #   PYTHON          interpreter (default python3)
-#   ARGS_<STEP>     extra arguments for one step ('-' in its name as '_': ARGS_bench_class)
-#   TIMEOUT_<STEP>  its time limit in seconds (defaults below; the whole call has 10 min)
+#   ARGS_<STEP>     extra arguments for one step ('-' in its name as '_': ARGS_bench_class);
+#                   they come last, so they override a default (ARGS_decode='--paths
+#                   pallas,jnp,torch' adds the jnp column)
+#   TIMEOUT_<STEP>  its time limit in seconds (defaults below)
+#   BUDGET          seconds for all steps together (default 560: the device tool's call
+#                   has 10 minutes); a step gets at most what is left, and a step with
+#                   under 20 s left is skipped (its manifest entry says so)
+#
+# Two GPUs: two runners at once, one per GPU, each with its own NAME, e.g.
+#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh a decode extend &
+#   CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh b gpu-tests serving; wait
+# (linked figures then share the host's CPU; the bare ones do not notice).
+#
+# The headline (bare kernels with quartiles, in-step allocator share), one call:
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_device.sh headline \
+#     decode extend serving gpu-tests
 #
 # Adding a step: write a function step_<name> (dashes as '_') that calls
 #   run KIND TIMEOUT command...     (KIND: the step's name; $DIR/<name>.json is its data)
@@ -50,11 +64,11 @@ demo          jax-kvalloc demo (ARGS_demo='--attention pallas' for the Pallas at
 ranks         tools.bench_ranks over 1 and 2 devices (needs 2 GPUs)
 profile       benchmarks/gpu_profile.py --serving: the serving step's GPU activities"
 
-step_gpu_tests()    { run gpu-tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests; }
-step_decode()       { run decode 200 $KV $BENCH --no-serving --ops decode --sglang-kernels "$SGK" --json "$DIR/decode.json"; }
-step_extend()       { run extend 200 $KV $BENCH --no-serving --ops extend --sglang-kernels "$SGK" --json "$DIR/extend.json"; }
+step_gpu_tests()    { run gpu-tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests; }
+step_decode()       { run decode 150 $KV $BENCH --no-serving --ops decode --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/decode.json"; }
+step_extend()       { run extend 150 $KV $BENCH --no-serving --ops extend --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/extend.json"; }
 step_free()         { run free 120 $KV bench --no-progress --min-time 0.02 --reps 5 --no-serving --ops free --paths jnp,torch --json "$DIR/free.json"; }
-step_serving()      { run serving 200 $KV bench --no-progress --min-time 0.02 --reps 5 --no-micro --json "$DIR/serving.json"; }
+step_serving()      { run serving 150 $KV bench --no-progress --min-time 0.02 --reps 5 --no-micro --json "$DIR/serving.json"; }
 step_free_methods() { run free-methods 150 $PY benchmarks/free_methods_gpu.py --json "$DIR/free-methods.json"; }
 step_bench_table()  { run bench-table 90 $KV bench-table --json "$DIR/bench-table.json"; }
 step_bench_class()  { run bench-class 150 $KV bench-class --impls device,host,torch_ref,sglang${SGLJAX:+,sgljax} ${SGLJAX:+--sgljax $SGLJAX} --pool 16777216 --page-size 64 --json "$DIR/bench-class.json"; }
@@ -64,10 +78,11 @@ step_ranks()        { run ranks 90 $PY -m jax_kvalloc.tools.bench_ranks --device
 step_profile()      { run profile 120 $PY benchmarks/gpu_profile.py --serving 64,1024 --iters 20 --json "$DIR/profile.json"; }
 
 DRY=0
+BUDGET=${BUDGET:-560}
 case "${1:-}" in
   --list) echo "$STEPS"; exit 0 ;;
   --dry-run) DRY=1; shift ;;
-  ""|-h|--help) sed -n '2,30p' "$0"; exit 2 ;;
+  ""|-h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac
 NAME=${1:?usage: run_device.sh NAME STEP...}; shift
 [[ "$NAME" =~ ^[A-Za-z0-9-]+$ ]] || { echo "NAME must be letters, digits and '-': $NAME" >&2; exit 2; }
@@ -87,7 +102,13 @@ run() {  # run NAME TIMEOUT CMD...: CMD (+ ARGS_<NAME>) under timeout, output to
   local name=$1 limit=$2; shift 2
   local var=${name//-/_}; local extra="ARGS_$var" tvar="TIMEOUT_$var"
   limit=${!tvar:-$limit}
+  local left=$((BUDGET - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
   if [ "$DRY" = 1 ]; then echo "timeout $limit $* ${!extra:-}"; return; fi
+  if [ "$limit" -lt 20 ]; then
+    printf '%s\t%s\t%s\t%s\n' "$name" -1 0 "skipped: $left s of BUDGET left" >> "$STEPLOG"
+    echo "== $name: skipped ($left s of BUDGET left)"; return
+  fi
   local t0=$SECONDS
   timeout "$limit" "$@" ${!extra:-} > "$DIR/$name.log" 2>&1
   local rc=$?

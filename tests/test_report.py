@@ -173,3 +173,29 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
   monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
   with pytest.raises(RuntimeError, match="--plot needs matplotlib"):
     report.pyplot()
+
+
+def test_manifest_of_a_run(tmp_path, monkeypatch):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("manifest", ROOT / "benchmarks" / "manifest.py")
+  manifest = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(manifest)
+  (tmp_path / "decode.json").write_text("{}")
+  steps = tmp_path / "steps.tsv"
+  steps.write_text("decode\t0\t42\tpython -m jax_kvalloc bench --ops decode\n"
+                   "serving\t-1\t0\tskipped: 5 s of BUDGET left\n")
+  kernels = tmp_path / "allocator.py"
+  kernels.write_text("# kernels\n")
+  (tmp_path / "VERSION").write_text("sglang 0.5.23 (wheel x.whl)\n")
+  monkeypatch.setenv("COMMIT", "abc1234")
+  m = manifest.manifest(str(tmp_path), "bash benchmarks/run_device.sh t decode", str(steps),
+                        str(kernels))
+  assert m["commit"] == "abc1234" and m["command"].endswith("t decode")
+  assert m["steps"][0] == {"name": "decode", "exit": 0, "seconds": 42,
+                           "command": "python -m jax_kvalloc bench --ops decode"}
+  assert m["steps"][1]["exit"] == -1
+  import hashlib  # pylint: disable=g-import-not-at-top
+  assert m["sglang"]["sha256"] == hashlib.sha256(b"# kernels\n").hexdigest()
+  assert m["sglang"]["wheel"] == "sglang 0.5.23 (wheel x.whl)"
+  assert "decode.json" in m["files"] and m["reconstructed"] == []
+  assert m["versions"]["python"] and "jax" in m["versions"]
