@@ -52,9 +52,14 @@ def machine_tag() -> str:
   return word + (f"x{len(g)}" if len(g) > 1 else "")
 
 
+VERSION_MODULES = ("jax", "jaxlib", "torch", "triton", "numpy")
+
+
 def versions() -> Dict[str, Optional[str]]:
+  """{"python", and each of VERSION_MODULES: its __version__, None where it does not
+  import}."""
   out: Dict[str, Optional[str]] = {"python": platform.python_version()}
-  for mod in ("jax", "jaxlib", "torch", "triton", "numpy"):
+  for mod in VERSION_MODULES:
     try:
       out[mod] = importlib.import_module(mod).__version__
     except Exception:  # pylint: disable=broad-except  (absent or broken: say so)

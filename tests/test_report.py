@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 
+import jax
 import numpy as np
 import pytest
 
@@ -188,6 +189,8 @@ def test_manifest_of_a_run(tmp_path, monkeypatch):
   kernels.write_text("# kernels\n")
   (tmp_path / "VERSION").write_text("sglang 0.5.23 (wheel x.whl)\n")
   monkeypatch.setenv("COMMIT", "abc1234")
+  # torch and triton take long to import here; the rule is the same for any module
+  monkeypatch.setattr(manifest, "VERSION_MODULES", ("numpy", "jax", "no_such_module_x"))
   m = manifest.manifest(str(tmp_path), "bash benchmarks/run_device.sh t decode", str(steps),
                         str(kernels))
   assert m["commit"] == "abc1234" and m["command"].endswith("t decode")
@@ -198,4 +201,5 @@ def test_manifest_of_a_run(tmp_path, monkeypatch):
   assert m["sglang"]["sha256"] == hashlib.sha256(b"# kernels\n").hexdigest()
   assert m["sglang"]["wheel"] == "sglang 0.5.23 (wheel x.whl)"
   assert "decode.json" in m["files"] and m["reconstructed"] == []
-  assert m["versions"]["python"] and "jax" in m["versions"]
+  assert m["versions"]["python"] and m["versions"]["jax"] == jax.__version__
+  assert m["versions"]["no_such_module_x"] is None
