@@ -1,7 +1,9 @@
 """`jax-kvalloc bench`: microbenchmarks (jax_kvalloc.tools.bench_micro) and the
 serving-loop benchmark (jax_kvalloc.tools.bench_serving) on whatever device is present,
-with tables, same-run ratios against torch_ref and SGLang's released kernels
-(`--sglang-kernels PATH`), the targets, JSON and an optional log-log plot.
+with tables, torch_ref and SGLang's released kernels (`--sglang-kernels PATH`) side by
+side, the targets, JSON and an optional log-log plot. Only each kernel's own GPU time
+(bare) is compared across sides, with report.verdict's rule (faster / slower only where
+the interquartile ranges do not overlap); a linked figure carries its side's own link.
 
 Every number in a measured column or a verdict comes from the run itself (or the JSON of
 one); nothing is typed in. Columns degrade gracefully: "pallas" needs a GPU or TPU,
