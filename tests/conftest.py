@@ -69,6 +69,8 @@ SLOW_TESTS = [
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step",
      lambda it: it.name.endswith(("[alloc]", "[free]")),
      "the extra-call variants compile the step twice; the plain and release ones run"),
+    ("test_barriers.py", "test_a_dropped_barrier_fails", None,
+     "the mutation check lowers both kernels again; the barrier counts run by default"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
      "every page size and layout, many pools, in Pallas' interpreter"),
 ]
