@@ -64,6 +64,8 @@ SLOW_TESTS = [
      "Pallas' interpreter; the default blocks and one release-list case run by default"),
     ("test_free_methods.py", "test_free_states_are_identical_and_match_the_model",
      lambda it: "True]" in it.name, "need_sort off (the default) runs by default"),
+    ("test_warmup.py", "test_persistent_cache_second_process_compiles_nothing", None,
+     "two subprocesses, each importing jax (9 s idle, 30-40 s on a loaded machine)"),
     ("test_warmup.py", "test_device_last_loc_after_warmup_compiles_nothing", None,
      "compiles every bucket twice"),
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step",

@@ -72,7 +72,7 @@ _CHILD = textwrap.dedent("""
 
 
 def test_persistent_cache_second_process_compiles_nothing(tmp_path):
-  # Two subprocesses, 3-10 s in all: fast enough for the default set.
+  # Two subprocesses, 3-10 s in all (slow set: SLOW_TESTS).
   cache = tmp_path / "jax_cache"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
