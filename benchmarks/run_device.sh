@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one device runner: runs the chosen steps, one after the other on one GPU, and
+# The one device runner (run it from the repository root): runs the chosen steps, one
+# after the other on one GPU, and
 # writes every output of the run into one result folder with a manifest.
 #
 #   bash benchmarks/run_device.sh NAME STEP [STEP ...]
