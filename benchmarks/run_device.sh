@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one device runner (run it from the repository root): runs the chosen steps, one
-# after the other on one GPU, and
-# writes every output of the run into one result folder with a manifest.
+# after the other on one GPU, and writes every output of the run into one result folder
+# with a manifest.
 #
 #   bash benchmarks/run_device.sh NAME STEP [STEP ...]
 #   bash benchmarks/run_device.sh --list            # the steps and what each runs
