@@ -1,71 +1,139 @@
 #!/usr/bin/env bash
-# The accelerator run behind BENCHMARKS.md, on a 2-GPU machine: two lanes in parallel,
-# one GPU each, then the data-parallel scaling run over both GPUs.
-#   GPU 0: `jax-kvalloc bench` decode/extend microbenchmarks (Pallas linked and bare,
-#          jnp, torch_ref and SGLang's released kernels side by side, --extra-consumer
-#          check), then the free table.
-#   GPU 1: the GPU tests (every `-m gpu` test), `demo`, `bench-class` (device backend vs
-#          torch_ref's eager class, SGLang's class when importable, host backend and
-#          sglang-jax), `bench-table`, `simulate`.
-#   Both:  `bench_ranks` at 1 and 2 devices.
-# SGLang's kernels file and sglang-jax's allocator are not in the repository: pass their
-# paths (ignored folders that travel with the run):
-#   SGLANG_KERNELS=.sglang_kernels/allocator.py SGLJAX=.sgljax OUT=$OUT bash benchmarks/run_device.sh
-# Each step has its own time limit (the whole run fits in 10 minutes). Writes into $OUT.
+# The one device runner (run it from the repository root): runs the chosen steps, one
+# after the other on one GPU, and writes every output of the run into one result folder
+# with a manifest.
+#
+#   bash benchmarks/run_device.sh NAME STEP [STEP ...]
+#   bash benchmarks/run_device.sh --list            # the steps and what each runs
+#   bash benchmarks/run_device.sh --dry-run NAME STEP ...   # print the commands only
+#
+# NAME is a short name of the run (letters, digits, '-'). The folder is
+#   benchmarks/results/<YYYY-MM-DD>-<machine>-<NAME>/      (machine: h200, h200x2, cpu, ...)
+# holding <step>.json (the step's data, where it writes any), <step>.log (its output) and
+# manifest.json (benchmarks/manifest.py: command, git commit, date, machine, driver,
+# python/jax/jaxlib/torch/triton versions, SGLang wheel and kernels file hash, and each
+# step's command, exit status and seconds). With $OUT set (the device tool), the folder
+# is also packed into $OUT/<folder>.tgz and its manifest copied to $OUT/manifest.json;
+# unpack here with `tar xzf <folder>.tgz -C benchmarks/results`.
+# Then `jax-kvalloc report` regenerates BENCHMARKS.md's and the README's tables from the
+# folders their markers name.
+#
+# Settings (environment):
+#   SGLANG_KERNELS  SGLang's sglang/kernels/ops/memory/allocator.py from the sglang wheel
+#                   (default .sglang_kernels/allocator.py, an ignored folder carried to
+#                   the device; a VERSION file beside it names the wheel and its sha256)
+#   SGLJAX          sglang-jax's checkout for bench-class (default: left out)
+#   COMMIT          the tree's commit, where the device copy has no .git
+#   PYTHON          interpreter (default python3)
+#   ARGS_<STEP>     extra arguments for one step ('-' in its name as '_': ARGS_bench_class);
+#                   they come last, so they override a default (ARGS_decode='--paths
+#                   pallas,jnp,torch' adds the jnp column)
+#   TIMEOUT_<STEP>  its time limit in seconds (defaults below)
+#   BUDGET          seconds for all steps together (default 560: the device tool's call
+#                   has 10 minutes); a step gets at most what is left, and a step with
+#                   under 20 s left is skipped (its manifest entry says so)
+#
+# Two GPUs: two runners at once, one per GPU, each with its own NAME, e.g.
+#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh a decode extend &
+#   CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh b gpu-tests serving; wait
+# (linked figures then share the host's CPU; the bare ones do not notice).
+#
+# The headline (bare kernels with quartiles, in-step allocator share), one call:
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_device.sh headline \
+#     decode extend serving gpu-tests
+#
+# Adding a step: write a function step_<name> (dashes as '_') that calls
+#   run KIND TIMEOUT command...     (KIND: the step's name; $DIR/<name>.json is its data)
+# and add one line for it to STEPS below.
 set -u
-DEST=${OUT:-benchmarks/out}
-OUT=$DEST/run   # everything lands here, then one results.tgz in $DEST (few files travel back)
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false   # leave GPU memory for torch
+HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
-SGL=${SGLANG_KERNELS:+--sglang-kernels $SGLANG_KERNELS}
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
-    --format=csv 2>&1
-  $PY -c "import sys, jax, jaxlib, torch, triton; print('python', sys.version.split()[0], \
-'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'torch', torch.__version__, \
-'triton', triton.__version__, jax.devices())" 2>&1
-  [ -n "${SGLANG_KERNELS:-}" ] && cat "$(dirname "$SGLANG_KERNELS")/VERSION" 2>/dev/null
-  lscpu | grep -E "Model name|^CPU\(s\)" 2>&1
-} > "$OUT/machine.txt"
-(
-  export CUDA_VISIBLE_DEVICES=${GPU0:-0}
-  timeout "${BENCH_TIMEOUT:-330}" $KV bench --no-progress --ops decode,extend --no-serving \
-    --bare --extra-consumer --min-time 0.03 --reps 3 $SGL --json "$OUT/bench.json" \
-    --plot "$OUT/bench.png" ${BENCH_ARGS:-}
-  echo "bench exit $?"
-  timeout "${FREE_TIMEOUT:-90}" $KV bench --no-progress --ops free --paths jnp,torch \
-    --no-serving --extra-consumer --min-time 0.03 --reps 3 --json "$OUT/bench_free.json"
-  echo "free exit $?"
-) > "$OUT/gpu0.txt" 2>&1 &
-LANE0=$!
-(
-  export CUDA_VISIBLE_DEVICES=${GPU1:-1}
-  $PY - <<'PY'
-import functools, jax, jax.numpy as jnp
-import jax_kvalloc as kv
-cfg = kv.AllocatorConfig(size=64 * 16, page_size=16, kernel="auto", debug=False)
-rows = jnp.ones((8,), jnp.int32)
-hlo = jax.jit(functools.partial(kv.alloc_decode, cfg)).lower(
-    kv.init(cfg), rows + 1, rows).compile().as_text()
-print("auto on GPU: conditional in compiled HLO:", "conditional" in hlo,
-      "| triton custom calls:", hlo.count("__gpu$xla.gpu.triton"))
-PY
-  timeout "${TESTS_TIMEOUT:-170}" $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 25
-  echo "gpu tests exit ${PIPESTATUS[0]}"
-  timeout 60 $KV demo; echo "demo exit $?"
-  timeout 110 $KV bench-class --impls device,host,sgljax,torch_ref,sglang \
-    ${SGLJAX:+--sgljax $SGLJAX} --pool 16777216 --page-size 64 --stalls 200 \
-    --stall-max-batch 256 --json "$OUT/bench_class.json"; echo "bench-class exit $?"
-  timeout 60 $KV bench-table --json "$OUT/bench_table.json"; echo "bench-table exit $?"
-  timeout 90 $KV simulate --no-progress --json "$OUT/simulate.json"; echo "simulate exit $?"
-) > "$OUT/gpu1.txt" 2>&1
-wait $LANE0
-timeout "${RANKS_TIMEOUT:-70}" $PY -m jax_kvalloc.tools.bench_ranks --devices 1,2 \
-  --json "$OUT/ranks.json" > "$OUT/ranks.txt" 2>&1; echo "ranks exit $?" >> "$OUT/ranks.txt"
-tar czf "$DEST/results.tgz" -C "$OUT" . && rm -rf "$OUT"
-tar xzf "$DEST/results.tgz" -O ./machine.txt ./gpu1.txt ./ranks.txt
-tar xzf "$DEST/results.tgz" -O ./gpu0.txt | tail -n 60
+SGK=${SGLANG_KERNELS:-.sglang_kernels/allocator.py}
+BENCH="bench --no-progress --bare --min-time 0.02 --reps 5"
+
+STEPS="gpu-tests     every -m gpu test (pytest)
+decode        bench decode: pallas, jnp, torch_ref, SGLang, bare (CUPTI) columns
+extend        bench extend: the same columns
+free          bench free: jnp, torch_ref eager
+serving       bench serving loop: jit step, scan, allocator share, torch_ref eager
+free-methods  benchmarks/free_methods_gpu.py: sort / bitmap / Pallas free
+bench-table   jax-kvalloc bench-table: the request table's step
+bench-class   jax-kvalloc bench-class: device / host / torch_ref / SGLang classes
+simulate      jax-kvalloc simulate (the main job)
+demo          jax-kvalloc demo --attention pallas (Pallas' paged attention on GPU)
+ranks         tools.bench_ranks over 1 and 2 devices (needs 2 GPUs)
+profile       benchmarks/gpu_profile.py --serving: the serving step's GPU activities
+scan-copies   benchmarks/scan_copies.py: the compiled serving loops' copies per step
+simulate-host jax-kvalloc simulate --driver host (one jitted call per step)
+demo-toy      jax-kvalloc demo --attention toy
+swa           benchmarks/swa_gpu.py: SWA lock-step traces on GPU, then timings"
+
+step_gpu_tests()    { run gpu-tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests; }
+step_decode()       { run decode 150 $KV $BENCH --no-serving --ops decode --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/decode.json"; }
+step_extend()       { run extend 150 $KV $BENCH --no-serving --ops extend --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/extend.json"; }
+step_free()         { run free 120 $KV bench --no-progress --min-time 0.02 --reps 5 --no-serving --ops free --paths jnp,torch --json "$DIR/free.json"; }
+step_serving()      { run serving 150 $KV bench --no-progress --min-time 0.02 --reps 5 --no-micro --json "$DIR/serving.json"; }
+step_free_methods() { run free-methods 150 $PY benchmarks/free_methods_gpu.py --json "$DIR/free-methods.json"; }
+step_bench_table()  { run bench-table 200 $KV bench-table --budget-s 150 --min-time 0.02 --reps 3 --json "$DIR/bench-table.json"; }
+step_bench_class()  { run bench-class 150 $KV bench-class --impls device,host,torch_ref,sglang${SGLJAX:+,sgljax} ${SGLJAX:+--sgljax $SGLJAX} --device cuda --pool 16777216 --page-size 64 --decode 1,8,64 --extend 4,64 --free 64,1024 --reps 200 --json "$DIR/bench-class.json"; }
+step_simulate()     { run simulate 150 $KV simulate --no-progress --driver device --json "$DIR/simulate.json"; }
+step_simulate_host() { run simulate-host 200 $KV simulate --no-progress --driver host --json "$DIR/simulate-host.json"; }
+step_demo()         { run demo 120 $KV demo --attention pallas --repeat 3; }
+step_demo_toy()     { run demo-toy 90 $KV demo --attention toy --repeat 3; }
+step_ranks()        { run ranks 90 $PY -m jax_kvalloc.tools.bench_ranks --devices 1,2 --json "$DIR/ranks.json"; }
+step_profile()      { run profile 120 $PY benchmarks/gpu_profile.py --serving 64,1024 --iters 20 --json "$DIR/profile.json"; }
+step_scan_copies()  { run scan-copies 90 $PY benchmarks/scan_copies.py --out "$DIR/scan-copies" --bs 256 --page-size 64 --steps old,calls,step,step_ext --harnesses chain,scan,scan_donated; }
+step_swa()          { run swa 150 $PY benchmarks/swa_gpu.py "$DIR/swa.json"; }
+
+DRY=0
+BUDGET=${BUDGET:-560}
+case "${1:-}" in
+  --list) echo "$STEPS"; exit 0 ;;
+  --dry-run) DRY=1; shift ;;
+  ""|-h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
+esac
+NAME=${1:?usage: run_device.sh NAME STEP...}; shift
+[[ "$NAME" =~ ^[A-Za-z0-9-]+$ ]] || { echo "NAME must be letters, digits and '-': $NAME" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "no steps given; --list shows them" >&2; exit 2; }
+for s in "$@"; do
+  echo "$STEPS" | grep -q "^$s " || { echo "unknown step: $s (--list shows them)" >&2; exit 2; }
+done
+
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false   # leave GPU memory for torch
+MACHINE=$($PY "$HERE/manifest.py" --machine-tag 2>/dev/null || echo unknown)
+FOLDER="$(date -u +%F)-$MACHINE-$NAME"
+DIR=benchmarks/results/$FOLDER
+STEPLOG=$(mktemp)
+
+run() {  # run NAME TIMEOUT CMD...: CMD (+ ARGS_<NAME>) under timeout, output to $DIR/NAME.log
+  local name=$1 limit=$2; shift 2
+  local var=${name//-/_}; local extra="ARGS_$var" tvar="TIMEOUT_$var"
+  limit=${!tvar:-$limit}
+  local left=$((BUDGET - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$DRY" = 1 ]; then echo "timeout $limit $* ${!extra:-}"; return; fi
+  if [ "$limit" -lt 20 ]; then
+    printf '%s\t%s\t%s\t%s\n' "$name" -1 0 "skipped: $left s of BUDGET left" >> "$STEPLOG"
+    echo "== $name: skipped ($left s of BUDGET left)"; return
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" ${!extra:-} > "$DIR/$name.log" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$* ${!extra:-}" >> "$STEPLOG"
+  echo "== $name: exit $rc in $((SECONDS - t0)) s"
+  tail -n 15 "$DIR/$name.log"
+}
+
+[ "$DRY" = 1 ] || mkdir -p "$DIR"
+for s in "$@"; do "step_${s//-/_}"; done
+[ "$DRY" = 1 ] && exit 0
+$PY "$HERE/manifest.py" --dir "$DIR" --steps "$STEPLOG" --sglang-kernels "$SGK" \
+  --command "bash benchmarks/run_device.sh $NAME $*"
+rm -f "$STEPLOG"
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/$FOLDER.tgz" -C benchmarks/results "$FOLDER" && cp "$DIR/manifest.json" "$OUT/"
+  echo "packed $OUT/$FOLDER.tgz"
+fi
+echo "wrote $DIR"

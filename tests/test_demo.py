@@ -1,5 +1,6 @@
 """`jax-kvalloc demo`: the toy decoder served through the request table generates exactly
 the tokens of the same model with a contiguous per-request KV cache (fast settings)."""
+import collections
 import jax
 import pytest
 
@@ -18,14 +19,23 @@ FAST_ARGS = ["--num-requests", "8", "--d-model", "32", "--max-reqs", "6",
              "--new-tokens", "3,8"]
 
 
-def test_paged_tokens_equal_contiguous():
+def test_paged_tokens_equal_contiguous(monkeypatch):
   cfg = demo.DemoConfig(**FAST)
+  placed = []   # (request id, table row) each time a request takes a row
+  running = demo._Running  # pylint: disable=protected-access
+
+  def record(req, row):
+    placed.append((req["id"], row))
+    return running(req, row)
+  monkeypatch.setattr(demo, "_Running", record)
   res = demo.run(cfg)
   assert res["identical"], (res["paged"], res["reference"])
   reqs = res["requests"]
   assert any(r["shared"] for r in reqs) and not all(r["shared"] for r in reqs)
   assert any(len(r["prompt"]) > cfg.chunk for r in reqs)         # chunked prefill
-  assert cfg.num_requests > cfg.max_reqs - 1                       # rows reused
+  rows = collections.Counter(row for rid, row in placed if rid >= 0)
+  assert sorted(rid for rid, _ in placed if rid >= 0) == list(range(cfg.num_requests))
+  assert max(rows.values()) > 1 and demo.PREFIX_ROW not in rows  # rows reused
   assert res["deferred"] > 0                                       # admission at work
   assert res["decode_steps"] > 0
   # The allocator's share of a step is a timing (replayed steps against whole steps): it

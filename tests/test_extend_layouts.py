@@ -208,22 +208,28 @@ def test_layout_argument_and_default_rule():
     text = str(jax.make_jaxpr(fn)(i32(16), 0, 16, rows, i32(rows), i32(rows), i32(rows)))
     return "rows" if "jax_kvalloc_alloc_extend_triton_rows" in text else "tiles"
 
-  lo, hi = tuning.EXTEND_ROWS_MIN_ROWS, tuning.EXTEND_ROWS_MAX_ROWS
+  seen = set()   # the kernel takes the layout the rule names
   for rows in (1, 2, 7, 1024, 1025):
-    want = "rows" if lo <= triton_extend._util.next_pow2(rows) <= hi else "tiles"
-    assert tuning.extend_layout(triton_extend._util.next_pow2(rows), 64) == want
+    want = tuning.extend_layout(triton_extend._util.next_pow2(rows), 64)
     assert name(rows) == want
+    seen.add(want)
+  assert seen == {"rows", "tiles"}   # both sides of the rule were taken
   assert name(8, layout="tiles") == "tiles" and name(1, layout="rows") == "rows"
   with pytest.raises(ValueError, match="layout must be one of"):
     name(8, layout="blocks")
   with pytest.raises(ValueError, match="chunks"):
     name(8, layout="rows", chunks=0)
-  # The rows layout's blocks for the bench's extend cases: one block per program for
-  # rows up to twice the mean.
-  assert tuning.extend_rows_block(1024, 65536)[:2] == (128, 1)
-  assert tuning.extend_rows_block(256, 65536)[:2] == (512, 1)
-  assert tuning.extend_rows_block(16, 32768)[:2] == (1024, 4)
-  assert tuning.extend_rows_block(1, 8192)[:2] == (1024, 8)
+  # The rows layout's blocks: a row of up to twice the mean (capped at out_len) is
+  # covered by its C programs of T tokens each, T a power of two within the tuned bounds.
+  lo, hi = tuning.EXTEND_ROWS_BLOCK
+  for rows, out_len in ((1, 8), (1, 8192), (3, 100), (16, 32768), (256, 65536),
+                        (1024, 65536), (1000, 7)):
+    tile, chunks, warps = tuning.extend_rows_block(rows, out_len)
+    span = min(2 * -(-out_len // rows), out_len)
+    assert triton_extend._util.is_pow2(tile) and tile <= max(hi, 1)
+    assert tile >= min(lo, triton_extend._util.next_pow2(out_len))
+    assert chunks * tile >= span and (chunks - 1) * tile < span, (rows, out_len)
+    assert 1 <= warps <= 8
 
 
 @pytest.mark.parametrize("ps,layout", [(ps, "rows") for ps in testing.PAGE_SIZES + (3,)]

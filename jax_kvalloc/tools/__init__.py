@@ -5,7 +5,8 @@
   workload       the workload generator of `simulate`
   bench*         microbenchmarks and the serving-loop benchmark
   timing         the one timing harness every benchmark uses
-  report         tables and plots
+  report         tables, plots, the verdict rule, and `jax-kvalloc report` (the docs'
+                 generated tables from benchmarks/results/)
   traces         the JSON-lines trace format, replayers and the seeded trace generator
   parity         lock-step parity of jax_kvalloc, torch_ref and SGLang over traces
   sglang_oracle  an adapter that drives the released SGLang allocator

@@ -215,11 +215,21 @@ def one_custom_call(case: Case, path: str) -> bool:
   return body.count("custom-call(") == 1 and launches == 1
 
 
-def time_floor(case: Case, *, unroll: int, min_time: float, reps: int) -> Dict[str, float]:
-  """The harness's own cost at this case's output shapes (timing.floor_time)."""
+def time_floor(case: Case, path: str = "jnp", *, unroll: int, min_time: float,
+               reps: int) -> Dict[str, float]:
+  """The harness's own cost at this case's output shapes, around a stand-in that writes
+  those outputs the way `path` writes them: one XLA fusion for jnp (timing.stand_in),
+  one Pallas kernel launch for the Pallas paths (timing.stand_in_pallas). A floor taken
+  with the XLA stand-in for a Pallas figure costs more than the figure itself at small
+  sizes (several fusions and their launches against one kernel), so each path gets its
+  own."""
   _, call, carry, inputs = jax_call(case, "jnp")
   outs = jax.eval_shape(call, carry, inputs)[1]
-  return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps)
+  if path == "jnp":
+    return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps)
+  stand = bt.stand_in_pallas(outs, interpret=path == "pallas_interpret")
+  return bt.chain_time(stand, jnp.zeros((), jnp.int32), inputs, unroll=unroll,
+                       min_time=min_time, reps=reps)
 
 
 # ---------------------------------------------------------------------------------------
@@ -403,6 +413,13 @@ def cases(ops: Sequence[str], batch_sizes: Sequence[int],
   return out
 
 
+def _quartiles_us(timing: Dict[str, float], prefix: str = "") -> Dict[str, float]:
+  """{prefix + "q1_us", prefix + "q3_us"} of a timing result that has quartiles."""
+  if "q1_s" not in timing:
+    return {}
+  return {f"{prefix}q1_us": timing["q1_s"] * 1e6, f"{prefix}q3_us": timing["q3_s"] * 1e6}
+
+
 def _err(e: Exception) -> Dict[str, str]:
   return {"error": f"{type(e).__name__}: {e}"[:300]}
 
@@ -486,7 +503,8 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         row["jax"][path] = _err(e)
         continue
       cell = {"us": timing["s"] * 1e6, "min_us": timing["min_s"] * 1e6,
-              "spread": timing["spread"], "compile_s": timing["compile_s"]}
+              "spread": timing["spread"], "compile_s": timing["compile_s"],
+              **_quartiles_us(timing)}
       for key in ("us_extra_consumer", "extra_consumer_change", "extra_consumer_net_change",
                   "stand_in_us", "stand_in_extra_consumer_us"):
         if key in timing:
@@ -498,6 +516,7 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
             tb = time_bare(case, path)
             cell["bare_us"] = tb["s"] * 1e6
             cell["bare_spread"] = tb["spread"]
+            cell.update(_quartiles_us(tb, "bare_"))
         except Exception as e:  # pylint: disable=broad-except
           cell["bare_error"] = _err(e)["error"]
       row["jax"][path] = cell
@@ -505,6 +524,14 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         ref = out
       elif not np.array_equal(out, ref):
         row["check"] = f"MISMATCH: {path} differs from {op_paths[0]}"
+    for path in op_paths:  # the Pallas paths' floor: a Pallas stand-in (time_floor)
+      cell = row["jax"].get(path) or {}
+      if path != "jnp" and "us" in cell:
+        try:
+          cell["floor_us"] = time_floor(case, path, unroll=unroll, min_time=min_time,
+                                        reps=reps)["s"] * 1e6
+        except Exception as e:  # pylint: disable=broad-except
+          cell["floor_error"] = _err(e)["error"]
     if "stand_in_us" in (row["jax"].get("jnp") or {}):  # measured with the check
       row["floor_us"] = row["jax"]["jnp"]["stand_in_us"]
     else:
@@ -525,7 +552,7 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
       try:
         timing, out, method = time_torch(case, unroll=unroll, min_time=min_time, reps=reps)
         row["torch"] = {"us": timing["s"] * 1e6, "spread": timing["spread"],
-                        "method": method}
+                        "method": method, **_quartiles_us(timing)}
         if ref is not None and not np.array_equal(np.asarray(out, np.int64),
                                                   np.asarray(ref, np.int64)):
           row["check"] = "MISMATCH: torch_ref differs from jax"
@@ -538,7 +565,8 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         linked, alone, out = time_sglang(case, sglang, unroll=unroll, min_time=min_time,
                                          reps=reps)
         row["sglang"] = {"us": linked["s"] * 1e6, "spread": linked["spread"],
-                         "bare_us": alone["s"] * 1e6}
+                         "bare_us": alone["s"] * 1e6, "bare_spread": alone["spread"],
+                         **_quartiles_us(linked), **_quartiles_us(alone, "bare_")}
         if ref is not None and not np.array_equal(np.asarray(out, np.int64),
                                                   np.asarray(ref, np.int64)):
           row["check"] = "MISMATCH: SGLang's kernel differs from jax"

@@ -5,6 +5,7 @@
   jax-kvalloc parity [options]     lock-step parity: jax_kvalloc, torch_ref, SGLang
   jax-kvalloc demo [options]       a toy decoder served through the request table
   jax-kvalloc bench-table [options] the serving loop through the request table, in one jit
+  jax-kvalloc report [--check] [DOC...]  BENCHMARKS.md's / README's tables from results
 
 `jax-kvalloc COMMAND --help` lists each command's options.
 """
@@ -16,7 +17,7 @@ from typing import List, Optional, Sequence
 
 from jax_kvalloc.config import KERNELS
 
-COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class")
+COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class", "report")
 
 
 def int_list(text: str) -> List[int]:
@@ -164,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
       epilog="Without a command, runs `simulate`.")
   sub = parser.add_subparsers(dest="command",
-                              metavar="{simulate,bench,parity,demo,bench-table,bench-class}")
+                              metavar="{simulate,bench,parity,demo,bench-table,bench-class,report}")
   simulate_parser(sub)
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   bench.add_parser(sub)
@@ -174,6 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   bench_table.add_parser(sub)
   from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
   bench_class.add_parser(sub)
+  from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
+  report.add_parser(sub)
   if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
     argv = ["simulate"] + argv
   args = parser.parse_args(argv)
@@ -185,6 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return bench_table.run_cli(args)
   if args.command == "bench-class":
     return bench_class.main_args(args)
+  if args.command == "report":
+    return report.run_report(args.docs, check=args.check)
   return run_simulate(args)
 
 

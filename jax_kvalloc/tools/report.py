@@ -1,9 +1,15 @@
-"""Plain-text tables, JSON files and (optional) matplotlib for the CLI's reports."""
+"""Plain-text tables, JSON files and (optional) matplotlib for the CLI's reports, the
+verdict rule of every comparison, and `jax-kvalloc report`, which prints BENCHMARKS.md's
+and the README's generated tables again from the result folders they cite."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
-from typing import Any, Sequence
+import os
+import re
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
@@ -43,6 +49,30 @@ def fmt_ratio(x: Any) -> str:
   return f"{float(x):.2f}x"
 
 
+NO_SPREAD = "no spread recorded"
+
+
+def verdict(ours: Optional[Tuple[float, float]],
+            theirs: Optional[Tuple[float, float]]) -> str:
+  """'faster' / 'slower' (ours against theirs, lower is faster) only when the two
+  interquartile ranges (q1, q3) do not overlap, else 'tie'; NO_SPREAD when either side's
+  quartiles were not recorded (old runs: nothing is guessed)."""
+  if ours is None or theirs is None:
+    return NO_SPREAD
+  if ours[1] < theirs[0]:
+    return "faster"
+  if ours[0] > theirs[1]:
+    return "slower"
+  return "tie"
+
+
+def iqr(cell: Optional[Dict[str, Any]], prefix: str = "") -> Optional[Tuple[float, float]]:
+  """(q1, q3) in us of a result cell's `{prefix}q1_us` / `{prefix}q3_us`, or None."""
+  if not cell or f"{prefix}q1_us" not in cell:
+    return None
+  return cell[f"{prefix}q1_us"], cell[f"{prefix}q3_us"]
+
+
 def write_json(path: str, data: Any) -> None:
   with open(path, "w") as f:
     json.dump(data, f, indent=1, default=_default)
@@ -70,3 +100,165 @@ def pyplot():
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   return plt
+
+
+# ---------------------------------------------------------------------------------------
+# Generated blocks of BENCHMARKS.md and README.md (`jax-kvalloc report`)
+# ---------------------------------------------------------------------------------------
+# A block is everything between a marker line `<!-- report: KIND ARG... -->` and the next
+# `<!-- end report -->`; KIND and ARGs say what to print from which result files (paths
+# relative to the repository root, under benchmarks/results/<run folder>/), and each
+# block ends by citing them. Prose outside the blocks is written by hand.
+#   bench FILE...            `jax-kvalloc bench --from-json FILE...`'s tables
+#   bench-class FILE         `jax-kvalloc bench-class`'s table of that run
+#   headline SPEC...         the bare kernel comparison and the in-step allocator share;
+#                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
+
+_BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
+                    re.S)
+
+
+class ReportError(ValueError):
+  """A marker that names an unknown kind or a file that is not there."""
+
+
+def _load(root: str, path: str) -> Dict[str, Any]:
+  full = os.path.join(root, path)
+  if not os.path.exists(full):
+    raise ReportError(f"report marker names {path!r}: no such file under {root!r}")
+  with open(full) as f:
+    return json.load(f)
+
+
+def _cite(paths: Sequence[str]) -> str:
+  return "Source: " + ", ".join(f"[`{p.split('benchmarks/results/')[-1]}`]({p})"
+                                for p in paths) + "\n"
+
+
+def _bench_block(root: str, paths: Sequence[str]) -> str:
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  missing = [p for p in paths if not os.path.exists(os.path.join(root, p))]
+  if missing:
+    raise ReportError(f"report marker names {missing[0]!r}: no such file under {root!r}")
+  result = bench.load_json([os.path.join(root, p) for p in paths])
+  text = bench.render(result, result.get("notes", ()))
+  return "```\n" + text.rstrip("\n") + "\n```\n" + _cite(paths)
+
+
+def _bench_class_block(root: str, paths: Sequence[str]) -> str:
+  from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
+  (path,) = paths
+  return "```\n" + bench_class.table(_load(root, path)) + "\n```\n" + _cite(paths)
+
+
+def _run_name(path: str) -> str:
+  """'run14' from '.../2026-11-30-h200x2-run14/decode-scan.json' (the folder's short name)."""
+  folder = path.rstrip("/").split("/")[-2]
+  return folder.split("-", 4)[-1]
+
+
+def _headline_block(root: str, specs: Sequence[str]) -> str:
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  kernel_rows, serving_rows, cited = [], [], []
+  for spec in specs:
+    kind, _, rest = spec.partition("=")
+    path, _, sizes = rest.partition(":")
+    if kind not in ("decode", "extend", "serving") or not path:
+      raise ReportError(f"headline spec {spec!r}: expected decode=FILE:BS,..., "
+                        "extend=FILE:BS,... or serving=FILE")
+    data = _load(root, path)
+    cited.append(path)
+    link = f"[{_run_name(path)}]({path})"
+    if kind == "serving":
+      for r in data["serving"]:
+        fused = r.get("scan_alloc_fused_us")
+        serving_rows.append([r["bs"], fmt_us(fused), fmt_us(r["scan_alloc_us"]),
+                             fmt_us(r.get("scan_alloc_pages_us")),
+                             "-" if fused is None else
+                             ("yes" if fused <= bench.SCAN_ALLOC_TARGET_US else "no"),
+                             link])
+      continue
+    want = [int(b) for b in sizes.split(",")] if sizes else None
+    for r in data["micro"]:
+      if r["op"] != kind or (want is not None and r["bs"] not in want):
+        continue
+      pb, sg = bench._bare_cells(r)  # pylint: disable=protected-access
+      kernel_rows.append([kind, r["bs"], r["tokens"], fmt_us(pb.get("bare_us")),
+                          fmt_us(sg.get("bare_us")),
+                          fmt_ratio(sg["bare_us"] / pb["bare_us"]
+                                    if pb.get("bare_us") and sg.get("bare_us") else None),
+                          bench.bare_verdict(r) or "-", link])
+  out = []
+  if kernel_rows:
+    out.append(table(["op", "bs", "tokens", "pallas bare (us)", "SGLang bare (us)",
+                      "SGLang / pallas", "verdict (IQR)", "run"], kernel_rows,
+                     align="lrrrrrrl"))
+  if serving_rows:
+    out.append(table(["serving bs", "allocator in scan, fused release+decode (us)",
+                      "separate calls: free (us)", "separate calls: page release (us)",
+                      f"fused <= {bench.SCAN_ALLOC_TARGET_US:.0f} us", "run"],
+                     serving_rows, align="rrrrrl"))
+  return "\n\n".join(out) + "\n\n" + _cite(cited)
+
+
+_KINDS = {"bench": _bench_block, "bench-class": _bench_class_block,
+          "headline": _headline_block}
+
+
+def generate_block(spec: str, root: str) -> str:
+  """The body of the block whose marker says `spec` ('KIND ARG...')."""
+  kind, *args = spec.split()
+  if kind not in _KINDS:
+    raise ReportError(f"report marker kind {kind!r}: expected one of {sorted(_KINDS)}")
+  return _KINDS[kind](root, args)
+
+
+def regenerate(text: str, root: str) -> str:
+  """`text` with every generated block's body printed again from its result files."""
+  return _BLOCK.sub(lambda m: m.group(1) + generate_block(m.group("spec"), root)
+                    + m.group(4), text)
+
+
+def blocks(text: str) -> List[str]:
+  """The specs of the generated blocks of `text`, in order."""
+  return [m.group("spec") for m in _BLOCK.finditer(text)]
+
+
+def run_report(docs: Sequence[str], *, check: bool) -> int:
+  """Regenerates each doc's blocks (root: the doc's folder). check=True writes nothing
+  and returns 1, with a unified diff on stdout, where a committed block differs."""
+  import difflib  # pylint: disable=g-import-not-at-top
+  status = 0
+  for doc in docs:
+    with open(doc) as f:
+      old = f.read()
+    new = regenerate(old, os.path.dirname(os.path.abspath(doc)))
+    n = len(blocks(old))
+    if new == old:
+      print(f"{doc}: {n} generated block(s) up to date")
+      continue
+    if check:
+      status = 1
+      sys.stdout.writelines(difflib.unified_diff(
+          old.splitlines(True), new.splitlines(True), doc, doc + " (generated)"))
+      print(f"{doc}: generated blocks differ from `jax-kvalloc report`")
+    else:
+      with open(doc, "w") as f:
+        f.write(new)
+      print(f"{doc}: rewrote {n} generated block(s)")
+  return status
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+  p = sub.add_parser(
+      "report", help="regenerate BENCHMARKS.md's and the README's tables from result "
+      "folders",
+      description="Prints again every block between `<!-- report: KIND ARG... -->` and "
+      "`<!-- end report -->` in the given Markdown files from the result files the "
+      "marker names (benchmarks/results/<run>/...), and writes the files. Prose outside "
+      "the blocks is left alone. --check writes nothing and fails on a difference.")
+  p.add_argument("docs", nargs="*", default=["BENCHMARKS.md", "README.md"],
+                 help="Markdown files (default: BENCHMARKS.md README.md)")
+  p.add_argument("--check", action="store_true",
+                 help="write nothing; exit 1 with a diff if a block is out of date")
+  return p

@@ -14,8 +14,11 @@ barriers before fusion, so a barrier alone does not keep calls apart):
   inputs depend on it (nothing input-only can be hoisted out of the loop), and a
   reduction separates consecutive calls (XLA never fuses a reduction into a consumer of
   another shape), so no two calls share a kernel. The link's own cost (one reduction,
-  one add to the inputs) is part of every figure; the torch and SGLang graphs pay the
-  same link (`torch_graph_time(link=...)`), so ratios compare like with like.
+  one add to the inputs) is part of every figure. The torch and SGLang graphs pay the
+  same link written in torch (bench_micro.torch_linked), but there it is 4-5 eager
+  kernels per call where XLA fuses it into one or two, so a ratio of two linked
+  figures measures the links as much as the allocators: comparisons across sides use
+  each kernel's own GPU time (`kernel_time`, CUPTI) instead.
 - The carry, inputs and outputs also pass `jax.lax.optimization_barrier` between calls
   (what keeps them apart on TPU, where barriers survive).
 - The fold (consumers >= 2, the default): at the end of each iteration every output of
@@ -35,7 +38,7 @@ barriers before fusion, so a barrier alone does not keep calls apart):
 count the call's characteristic ops (tests/test_bench_harness.py).
 
 torch: `torch_graph_time` captures `unroll` calls in one CUDA graph and times replays with
-CUDA events; `host_time` times plain calls from Python (synchronizing at the end), which
+CUDA events, reporting the same slope statistic as `chain_time`; `host_time` times plain calls from Python (synchronizing at the end), which
 is how a scheduler pays for eager calls.
 """
 from __future__ import annotations
@@ -165,12 +168,20 @@ def _prepared(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: flo
   return timed, n, compile_s
 
 
+def quartiles(values) -> Tuple[float, float]:
+  """(first, third) quartile of `values` (linear interpolation between order statistics,
+  numpy's default; a single value is both)."""
+  q1, q3 = np.percentile(np.asarray(list(values), np.float64), [25, 75])
+  return float(q1), float(q3)
+
+
 def _result(ta, tb, n: int, unroll: int, compile_s: float) -> Dict[str, float]:
   slopes = [(b - a) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
   med = statistics.median(slopes)
+  q1, q3 = quartiles(slopes)
   return {"s": med, "min_s": (min(tb) - min(ta)) / ((n - 1) * unroll),
           "spread": (max(slopes) - min(slopes)) / med if med > 0 else float("inf"),
-          "iters": n, "compile_s": compile_s}
+          "q1_s": q1, "q3_s": q3, "iters": n, "compile_s": compile_s}
 
 
 def _noise_error(n: int, med: float) -> "TimingError":
@@ -186,8 +197,8 @@ def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: fl
   one jit (see the module docstring).
 
   Returns {"s": median over repetitions of the per-call slope, "min_s": the slope of the
-  fastest run of each length, "spread": (max - min) / median of the slopes, "iters": n,
-  "compile_s": first call}.
+  fastest run of each length, "spread": (max - min) / median of the slopes, "q1_s" /
+  "q3_s": the slopes' quartiles, "iters": n, "compile_s": first call}.
   """
   timed, n, compile_s = _prepared(call, carry, inputs, unroll=unroll, min_time=min_time,
                                   consumers=consumers, linked=linked)
@@ -375,16 +386,18 @@ def kernel_time(activities: list, name_prefix: str, *, min_count: int) -> Dict[s
   """The GPU execution time of the kernels whose name starts with `name_prefix`: {"s":
   median duration, "min_s", "spread": (max - min) / median, "count"}. This is the kernel
   alone, launch excluded, the same on both sides of a comparison however each was
-  launched. TimingError when fewer than `min_count` such kernels ran (a profile that
-  lost records, or a name that matches nothing)."""
+  launched; "q1_s" / "q3_s" are the durations' quartiles. TimingError when fewer than
+  `min_count` such kernels ran (a profile that lost records, or a name that matches
+  nothing)."""
   durs = [d * 1e-6 for _, d, cat, name in activities
           if cat == "kernel" and name.startswith(name_prefix)]
   if len(durs) < min_count:
     raise TimingError(f"{len(durs)} kernels named {name_prefix}* in the profile, "
                       f"expected at least {min_count}")
   med = statistics.median(durs)
+  q1, q3 = quartiles(durs)
   return {"s": med, "min_s": min(durs), "spread": (max(durs) - min(durs)) / med,
-          "count": len(durs)}
+          "q1_s": q1, "q3_s": q3, "count": len(durs)}
 
 
 def torch_graph(fn: Callable[[], Any], unroll: int):
@@ -408,7 +421,11 @@ def torch_graph(fn: Callable[[], Any], unroll: int):
 
 def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
                      reps: int) -> Dict[str, float]:
-  """Per-call seconds of `fn` (CUDA work only) from replays of a graph of `unroll` calls."""
+  """Per-call seconds of `fn` (CUDA work only) from replays of a graph of `unroll` calls,
+  the statistic `chain_time` reports for JAX: the slope between a run of 1 replay and a
+  run of n (n grown until a run takes `min_time`), median over `reps` repetitions, so
+  that the cost of starting a run (the first replay's launch, the events) falls out on
+  both sides alike. Returns chain_time's keys less "compile_s"."""
   import torch  # pylint: disable=g-import-not-at-top
   graph = torch_graph(fn, unroll)
   start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -421,14 +438,20 @@ def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
     end.synchronize()
     return start.elapsed_time(end) / 1e3
 
-  n = 1
-  while timed(n) < min_time and n < MAX_ITERS:
+  t1 = min(timed(1) for _ in range(3))
+  n = 2
+  while timed(n) < max(min_time, 8 * t1) and n < MAX_ITERS:
     n *= 2
-  times = [timed(n) / (n * unroll) for _ in range(reps)]
-  med = statistics.median(times)
+  ta, tb = [], []
+  for _ in range(reps):
+    ta.append(timed(1))
+    tb.append(timed(n))
   del graph
-  return {"s": med, "spread": (max(times) - min(times)) / med if med > 0 else 0.0,
-          "iters": n}
+  res = _result(ta, tb, n, unroll, 0.0)
+  del res["compile_s"]
+  if res["s"] <= 0:
+    raise _noise_error(n, res["s"])
+  return res
 
 
 def loglog_slope(x, y) -> float:
