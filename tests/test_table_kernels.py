@@ -380,7 +380,7 @@ def test_step_rows_arguments():
 BS, MAX_FREES, PROMPT = 1024, 8, 256
 
 
-def _h200_step(ps, which, kernel="pallas"):
+def _h200_step(ps, which, kernel="triton"):
   cfg = kv.AllocatorConfig(size=(BS * 20 + 8) * ps, page_size=ps, kernel=kernel,
                            debug=False)
   width = _cdiv(1024 + PROMPT + 1, ps)
@@ -415,11 +415,10 @@ def _launches(fn, specs):
 
 
 @pytest.mark.parametrize("ps", (64, pytest.param(16, marks=pytest.mark.slow)))
-def test_serving_steps_launch_counts_on_h200(ps, monkeypatch):
+def test_serving_steps_launch_counts_on_h200(ps):
   # The decode step (release <= 8 rows + decode every row): 2 launches as two calls, 1
   # as step_rows; release + extend (256 tokens each) + decode: 3 and 1. No XLA scatter
   # or gather of the table anywhere.
-  monkeypatch.setenv(pallas_kernels.ENV_BACKEND, "triton")
   for which, n_separate in (("decode", 2), ("extend", 3)):
     separate, combined, specs = _h200_step(ps, which)
     assert _launches(separate, specs) == (n_separate, 0, 0), (which, ps)
