@@ -4,9 +4,10 @@
 #   GPU 0: their GPU tests (compiled kernel vs the jnp path, a scan vs the loop model),
 #          then the compiled serving loops' copies (benchmarks/scan_copies.py).
 #   GPU 1: `jax-kvalloc bench-table`: decode step and release + extend + decode step at
-#          bs 64 / 256 / 1024, page sizes 64 and 16 (64 first; --budget-s stops starting
-#          new cases after 130 s), calls vs step_rows vs stand-ins vs one empty launch,
-#          the kernels' own GPU times (CUPTI), SGLang's eager class per step.
+#          bs 64 / 256 / 1024 at page size 64 (calls vs step_rows vs stand-ins vs one
+#          empty launch, the kernels' own GPU times (CUPTI), SGLang's eager class per
+#          step), then bs 256 at page size 16 (step_rows and stand-ins); --budget-s stops
+#          starting new cases after 140 s. About 4.5 minutes on one GPU.
 # OUT=$OUT bash benchmarks/run_device_i.sh
 set -u
 source "$(dirname "$0")/device_run_lib.sh"
@@ -20,7 +21,7 @@ tests_and_copies() {
   echo "copies exit $?"
 }
 bench() {
-  timeout 200 $PY -m jax_kvalloc bench-table --budget-s 130 --min-time 0.02 --reps 3 \
+  timeout 220 $PY -m jax_kvalloc bench-table --budget-s 140 --min-time 0.02 --reps 3 \
     --json "$OUT/bench_table.json"; echo "bench-table exit $?"
 }
 if [ "$GPUS" -ge 2 ]; then
