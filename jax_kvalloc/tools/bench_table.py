@@ -15,14 +15,17 @@ Each step runs in several variants, timed in the same harness (tools/timing.py,
 `chain_time`: chained steps in one `fori_loop`, slope per step):
 
   calls     the table operations as separate calls (one launch each on a GPU pool)
-  step      `step_rows`: the same work as one call (one launch on a GPU pool)
+  step      `step_rows`: the same work as one call (one launch on a GPU pool, two with
+            extend)
   none      stand-ins that only move the lengths, as an engine's bookkeeping would
   floor     `none` plus one empty Pallas-Triton launch per step (GPU only): what one
             launch costs in this loop
 
-"share" = variant - none: the allocator's part of a step. On a GPU the run also records
-each variant's kernels from CUPTI (timing.cuda_activities): "kernels us" is the sum of
-the jax_kvalloc kernels' own GPU times per step (launch gaps excluded). SGLang has no
+At the page sizes after the first, only --other-batch-sizes run, and only `step` and
+`none` (the run stays near 150 s on a GPU). "share" = variant - none: the allocator's
+part of a step. On a GPU the run also records each variant's kernels from CUPTI
+(timing.cuda_activities): "kernels us" is the sum of the jax_kvalloc kernels' own GPU
+times per step (launch gaps excluded). SGLang has no
 request table: its per-step cost for the same work is the eager class calls a scheduler
 makes (free_group_begin, free_page_ids of each finished request, free_group_end,
 alloc_extend of the restarted requests, alloc_decode of every row), timed from Python
