@@ -170,7 +170,7 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
                   name: str, *, max_tokens: int = 0, release=None, extend=None,
                   decode=None):
   """The given phases (release (rows, num), extend (rows, n, num), decode (rows, num); in
-  that order) as one Triton launch that writes the pool and the table
+  that order) as one Triton launch (two with extend) that writes the pool and the table
   (pallas_kernels.table_step_triton), or None where it does not apply: the jnp path,
   the Mosaic backend, need_sort (a merge may run), debug mode, the token allocator, and
   sizes pallas_kernels.table_supported refuses. Returns (state, table, the kernel's
@@ -401,7 +401,8 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
               decode: Optional[Array] = None, num_decode: Optional[Array] = None
               ) -> Tuple[AllocatorState, RequestTable, StepOutputs]:
   """A serving step's table work: `release_rows`, then `extend_rows`, then `decode_rows`
-  (each optional), bit for bit their composition, as one kernel launch on a GPU pool.
+  (each optional), bit for bit their composition, as one kernel launch on a GPU pool
+  (two when it extends: the slots by a program per row).
 
   Args:
     config: static configuration.
@@ -418,7 +419,8 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
     result as its own operation returns it. A refused phase changes nothing, as that
     operation alone; the later phases run on what the earlier ones left. On the Triton
     backend (paged pool, need_sort and debug off, sizes pallas_kernels.table_supported
-    takes) one launch of pallas_kernels.table_step_triton; elsewhere the three calls.
+    takes) pallas_kernels.table_step_triton (one launch, two with extend);
+    elsewhere the three calls.
 
   Raises:
     TypeError / ValueError naming the argument, as the operations do; ValueError when

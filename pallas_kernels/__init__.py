@@ -13,8 +13,8 @@ The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 `free` in one memset and three launches: `free_push_front_triton`. A decode step's
 free_page_ids and alloc_decode run as one launch: `release_alloc_decode_triton`. The
 request table's release, extend and decode (each, or all three together) run as one
-launch that also writes the table: `table_step_triton`. jax_kvalloc.kernels chooses
-among them.
+launch that also writes the table (two with extend: the slots by a program per row):
+`table_step_triton`. jax_kvalloc.kernels chooses among them.
 
 `lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
 """

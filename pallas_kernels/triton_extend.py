@@ -303,30 +303,37 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
   flen = flen_ref[0]
   b = _batch(p, flen, nreq_ref, pre_ref, seq_ref)
   _, tok_start, tok_end, consts = _own_row(p, b, row, pre_ref, seq_ref, last_ref)
-  lanes = jnp.arange(tile, dtype=jnp.int32)
   read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
+  row_and_tail(ps, tile, p.chunks, grid, pid, chunk, tok_start, tok_end, consts, read_page,
+               jnp.where(b.ok, b.total, 0), p.out_len, out_ref)
+  _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
+
+
+def row_and_tail(ps: int, tile: int, chunks: int, grid: int, pid, chunk, tok_start,
+                 tok_end, consts, read_page, tail_start, out_len: int, out_ref) -> None:
+  """The "rows" layout's writes of program pid (its row's chunk `chunk` of C = chunks):
+  the row's slots in blocks chunk, chunk + C, ... of `tile` tokens of [tok_start,
+  tok_end) (_slot with consts = (a, e, c, bp)), then its share of the zero tail
+  [tail_start, out_len) (blocks pid, pid + grid, ...). Also the request table's slot
+  kernel (triton_table)."""
+  lanes = jnp.arange(tile, dtype=jnp.int32)
 
   def row_block(i, carry):
-    t = tok_start + (chunk + i * p.chunks) * tile + lanes
+    t = tok_start + (chunk + i * chunks) * tile + lanes
     mine = t < tok_end
     _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine), mine)
     return carry
 
   blocks = cdiv(tok_end - tok_start, tile)  # 0 for padded rows and failed batches
-  lax.fori_loop(0, cdiv(jnp.maximum(blocks - chunk, 0), p.chunks), row_block, 0)
-
-  # The zero tail, blocks spread over all programs.
-  start = jnp.where(b.ok, b.total, 0)
+  lax.fori_loop(0, cdiv(jnp.maximum(blocks - chunk, 0), chunks), row_block, 0)
 
   def tail_block(i, carry):
-    t = start + (pid + i * grid) * tile + lanes
-    _util.store(out_ref, t, jnp.zeros_like(t), t < p.out_len)
+    t = tail_start + (pid + i * grid) * tile + lanes
+    _util.store(out_ref, t, jnp.zeros_like(t), t < out_len)
     return carry
 
-  blocks = cdiv(p.out_len - start, tile)
+  blocks = cdiv(out_len - tail_start, tile)
   lax.fori_loop(0, cdiv(jnp.maximum(blocks - pid, 0), grid), tail_block, 0)
-
-  _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
 
 
 # ---------------------------------------------------------------------------------------

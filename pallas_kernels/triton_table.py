@@ -1,4 +1,5 @@
-"""The request table's operations on GPU: one Pallas-Triton launch per step of table work.
+"""The request table's operations on GPU: one Pallas-Triton launch per step of table work,
+two when it extends.
 
 Reference: jax_kvalloc.request_table's jnp path (SPEC 11), bit for bit: `release_rows`
 (free_page_ids of each row's owned pages, in row order, then the rows cleared),
@@ -9,12 +10,25 @@ jnp composition for them).
 
 `table_step_triton` runs any of the three phases, in that order, in ONE program
 (grid (1,)): a phase reads the allocator state and the table as the previous phase left
-them. Everything is in the kernel: the row checks (rows inside the table and distinct,
-row capacity), the prefix sums, the capacity checks, the reads of the free ring, the
-slots, the new head and length, the release's ring writes, and the table writes
-(pages, lens, owned_from). The ring (when there is a release), the pages (flattened),
-lens and owned_from (release) are aliased in and out (input_output_aliases), so under
-donation, or a loop carry XLA can reuse, the kernel writes them in place.
+them. Everything but the extend slots is in that program: the row checks (rows inside
+the table and distinct, row capacity), the prefix sums, the capacity checks, the reads of
+the free ring, the decode slots, the new head and length, the release's ring writes, and
+the table writes (pages, lens, owned_from). The ring (when there is a release), the
+pages (flattened), lens, owned_from (release), and the free list's head and length (i32[1] each)
+are aliased in and out (input_output_aliases), so under donation, or a loop carry XLA
+can reuse, the kernel writes them in place (an unaliased output cannot take the buffer
+of a carry the call reads: XLA would copy it into the carry every step). The head and
+length are loaded before the first CTA barrier and stored after the last.
+
+The extend slots (up to tens of thousands of tokens) are the one part that is per token:
+one program would write them serially. The table program writes an extend plan instead
+(per row: its span of the output and triton_extend._slot's constants; the free list as
+extend found it; the batch's tokens, 0 when it failed) and appends the new pages to the
+table page by page (page k of the batch, ring[head + k], goes to the row whose pages end
+after k: a [T, rows] comparison in registers). A second launch, `_slots_kernel`, a
+program per (row, chunk) as triton_extend's "rows" layout, writes each row's slots from
+its plan line and the ring the first launch left, and the zero tail. Decode, later in
+the first program, needs only the table and the free list's head, both final there.
 
 Distinct rows, without a sort and without O(B^2) work: every real row inside the table
 stores its lane number at scratch[row] (one region per phase); after a CTA barrier each
@@ -24,15 +38,11 @@ and the release's loads of the rows before it clears them (one program: __syncth
 makes a CTA's global writes visible to all its threads). A write that depends on the
 value it replaces (lens += n) needs none: the data dependence orders it.
 
-The extend phase writes its slots tile by tile (T tokens per tile, a loop with a traced
-trip count up to the batch's tokens, then zeros): each token finds its row by one
-[T, rows] comparison in registers (row = #rows ending at or before it) and picks its
-row's constants from that one-hot row. A new page's first token (offset 0, past the
-rest of the prefix's page) appends the page to its row. The slot formula is
-triton_extend._slot (Parts 1-3 of SPEC 4.2 in one expression).
+The extend slots follow triton_extend._slot (Parts 1-3 of SPEC 4.2 in one expression).
 
 Sizes: `supported` bounds the rows of each phase and the extend tokens (one program holds
-them); larger batches take the jnp composition, whose kernels scale over programs.
+the rows and loops over the new pages); larger batches take the jnp composition, whose
+kernels scale over programs.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ from typing import Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _util
@@ -57,6 +68,13 @@ MAX_EXTEND_ROWS = 256       # extend rows per call (padded): the [T, rows] row s
 MAX_RELEASE_LANES = 2**14   # release rows (padded) * page columns (padded)
 MAX_EXTEND_TOKENS = 2**16   # extend slots per call (one program loops over them)
 ONEHOT_WORK = 2**13         # T * extend rows (padded): a tile's row search
+
+# The extend plan (the first launch's output, the slot launch's input): per extend row a
+# line of _LINE ints (token span, then triton_extend._slot's constants), then one line
+# with the free list as extend found it and the batch's tokens (0 when it failed).
+_TS, _TE, _A, _E, _C, _BP = range(6)
+_HEAD, _FLEN, _LIMIT = range(3)
+_LINE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +110,7 @@ class _Params:
     rel = self.rel_rows > 0
     names = (("ring_o",) if rel else ()) + ("pages_o", "lens_o")
     names += (("owned_o",) if rel else ()) + ("head_o", "flen_o", "ok_o")
-    names += (("ext_out",) if self.ext_rows else ()) + (("dec_out",) if self.dec_rows else ())
+    names += (("plan",) if self.ext_rows else ()) + (("dec_out",) if self.dec_rows else ())
     return names + ("scr",)
 
 
@@ -205,34 +223,31 @@ def _extend(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head,
   consts = (a, fnp * ps - a, last + 1 - tok_start, jnp.cumsum(new_pages) - new_pages - fnp,
             rows.row)
   limit = jnp.where(ok, total, 0)
+  # The slots are written by the second launch (_slots_kernel, a program per row and
+  # chunk) from this plan: one line per row, then the free list as extend found it.
+  for v, vec in enumerate((tok_start, jnp.where(ok, tok_end, tok_start)) + consts[:4]):
+    _util.store(r["plan"], rows.b * _LINE + v, vec, rows.b < p.ext_pad)
+  g = p.ext_pad * _LINE
+  r["plan"][g + _HEAD] = head
+  r["plan"][g + _FLEN] = flen
+  r["plan"][g + _LIMIT] = limit
+  # The new pages, appended to their rows: page k of the batch (ring[head + k]) goes to
+  # the row whose pages end after k, column fnp + k - page_start there.
+  page_end = jnp.cumsum(new_pages)
+  pconsts = (fnp - (page_end - new_pages), rows.row)
   lanes = jnp.arange(p.tile, dtype=jnp.int32)
 
-  def tile(i, carry):
-    t = i * p.tile + lanes
-    at = jnp.sum(jnp.where(tok_end[None, :] <= t[:, None], 1, 0), axis=1)
+  def page_tile(i, carry):
+    k = i * p.tile + lanes
+    at = jnp.sum(jnp.where(page_end[None, :] <= k[:, None], 1, 0), axis=1)
     onehot = rows.b[None, :] == at[:, None]
-    ta, te, tc, tbp, trow = (jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
-                             for v in consts)
-    mine = t < limit
-    read_page = lambda k, mask: _read_ring(p, ring_ref, head, flen, k, mask)
-    slot = triton_extend._slot(  # pylint: disable=protected-access
-        ps, t, ta, te, tc, tbp, read_page, mine)
-    _util.store(r["ext_out"], t, jnp.where(mine, slot, 0), t < p.max_tokens)
-    # A new page's first token (past the prefix's page, offset 0): slot = page * ps.
-    pos = t + ta
-    starts = mine & (t >= te) & (mod(pos, ps) == 0)
-    _util.store(pages_ref, trow * w + floordiv(pos, ps), floordiv(slot, ps), starts)
+    tcol, trow = (jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1) for v in pconsts)
+    mine = ok & (k < total_pages)
+    page = _read_ring(p, ring_ref, head, flen, k, mine)
+    _util.store(pages_ref, trow * w + tcol + k, page, mine)
     return carry
 
-  def zeros(i, carry):
-    t = i * p.tile + lanes
-    _util.store(r["ext_out"], t, jnp.zeros_like(t), t < p.max_tokens)
-    return carry
-
-  tiles = cdiv(p.max_tokens, p.tile)
-  busy = cdiv(limit, p.tile)
-  lax.fori_loop(0, busy, tile, 0)
-  lax.fori_loop(busy, tiles, zeros, 0)
+  lax.fori_loop(0, cdiv(jnp.where(ok, total_pages, 0), p.tile), page_tile, 0)
   ok_e = ok & go
   _util.store(lens_ref, rows.row, seq, ok_e & real)
   taken = jnp.where(ok, total_pages, 0)
@@ -313,6 +328,43 @@ def _kernel(*refs, p: _Params):
     r["ok_o"][i] = ok.astype(jnp.int32)
 
 
+def _slots_kernel(ring_ref, plan_ref, out_ref, *, p: "_SlotParams"):
+  """The extend slots, program pid = row * C + chunk: its row's blocks chunk, chunk + C,
+  ... of T tokens from the plan's line (triton_extend._slot), then its share of the zero
+  tail [limit, max_tokens). ring_ref i32[n] (as the first launch left it), plan_ref
+  i32[(rows_pad + 1) * 8], out_ref i32[max_tokens]."""
+  ps, tile, grid = p.page_size, p.tile, p.rows * p.chunks
+  pid = pl.program_id(0)
+  row = floordiv(pid, p.chunks) if p.chunks > 1 else pid
+  chunk = mod(pid, p.chunks) if p.chunks > 1 else 0
+  g = p.rows_pad * _LINE
+  head, flen, limit = plan_ref[g + _HEAD], plan_ref[g + _FLEN], plan_ref[g + _LIMIT]
+  ts, te, a, e, c, bp = (plan_ref[row * _LINE + v] for v in (_TS, _TE, _A, _E, _C, _BP))
+  read_page = lambda k, mask: _read_ring(p, ring_ref, head, flen, k, mask)
+  triton_extend.row_and_tail(ps, tile, p.chunks, grid, pid, chunk, ts, te, (a, e, c, bp),
+                             read_page, limit, p.max_tokens, out_ref)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotParams:
+  page_size: int
+  num_pages: int
+  rows: int        # extend rows given
+  rows_pad: int
+  max_tokens: int
+  tile: int        # T, tokens per block
+  chunks: int      # C, programs per row
+
+
+class _SlotCall(_util.TritonCall):
+  """The extend slots' pallas_call: a program per (row, chunk)."""
+
+  def spec(self):
+    p = self.p
+    out = jax.ShapeDtypeStruct((p.max_tokens,), jnp.int32)
+    return (out,), _slots_kernel, (p.rows * p.chunks,)
+
+
 # ---------------------------------------------------------------------------------------
 # Shapes and the wrapper.
 # ---------------------------------------------------------------------------------------
@@ -325,14 +377,16 @@ class _Call(_util.TritonCall):
     i32 = lambda n: jax.ShapeDtypeStruct((max(n, 1),), jnp.int32)
     shapes = dict(ring_o=i32(p.num_pages), pages_o=i32(p.max_reqs * p.width),
                   lens_o=i32(p.max_reqs), owned_o=i32(p.max_reqs), head_o=i32(1),
-                  flen_o=i32(1), ok_o=i32(3), ext_out=i32(p.max_tokens),
+                  flen_o=i32(1), ok_o=i32(3), plan=i32((p.ext_pad + 1) * _LINE),
                   dec_out=i32(p.dec_rows), scr=i32(3 * p.max_reqs))
     return tuple(shapes[k] for k in p.out_names), _kernel, (1,)
 
   def aliases(self):
     ins, outs = self.p.in_names, self.p.out_names
-    return {ins.index(k): outs.index(k + "_o") for k in ("ring", "pages", "lens", "owned")
-            if k + "_o" in outs}
+    # head and flen too: an output that is not aliased to its input cannot take the
+    # buffer of a loop carry the call reads, so XLA would copy it into the carry.
+    return {ins.index(k): outs.index(k + "_o")
+            for k in ("ring", "head", "flen", "pages", "lens", "owned") if k + "_o" in outs}
 
 
 def supported(*, max_reqs: int, width: int, num_pages: int, page_size: int,
@@ -366,7 +420,8 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
                       interpret: bool = False,
                       num_warps: Optional[int] = None) -> Dict[str, Array]:
   """The request table's release, extend and decode (each optional, in that order) in one
-  kernel launch (SPEC 11; need_sort off, no debug, paged pool).
+  kernel launch, two with extend (the slots by a program per row; SPEC 11; need_sort off,
+  no debug, paged pool).
 
   Args:
     free_ring: i32[n] the free ring (n = num_pages); free_head, free_len: i32[];
@@ -402,7 +457,8 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
     raise ValueError(f"table_step_triton does not take {sizes}, {max_tokens=}, a table "
                      f"of {max_reqs}x{width}, ring length {n} (see supported)")
   ext_pad = _util.next_pow2(sizes["extend"]) if extend is not None else 1
-  tile = min(_util.next_pow2(max(max_tokens, 1)), max(16, ONEHOT_WORK // ext_pad))
+  max_new_pages = min(n, max_tokens // page_size + sizes["extend"] + 1)
+  tile = min(_util.next_pow2(max_new_pages), max(16, ONEHOT_WORK // ext_pad))
   p = _Params(page_size=page_size, num_pages=n, max_reqs=max_reqs, width=width,
               width_pad=_util.next_pow2(width), rel_rows=sizes["release"],
               rel_pad=_util.next_pow2(sizes["release"]), ext_rows=sizes["extend"],
@@ -435,7 +491,12 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
   if release is not None:
     result["release_ok"] = ok[0]
   if extend is not None:
-    result["extend_slots"], result["extend_ok"] = outs["ext_out"], ok[1]
+    block, chunks, warps = tuning.extend_rows_block(p.ext_rows, p.max_tokens)
+    sp = _SlotParams(page_size=page_size, num_pages=n, rows=p.ext_rows, rows_pad=p.ext_pad,
+                     max_tokens=p.max_tokens, tile=block, chunks=chunks)
+    slots = _SlotCall("jax_kvalloc_table_extend_slots_triton", sp, warps,
+                      interpret).run(result["ring"], outs["plan"])
+    result["extend_slots"], result["extend_ok"] = slots[0], ok[1]
   if decode is not None:
     result["decode_slots"], result["decode_ok"] = outs["dec_out"], ok[2]
   return result

@@ -15,14 +15,17 @@ Each step runs in several variants, timed in the same harness (tools/timing.py,
 `chain_time`: chained steps in one `fori_loop`, slope per step):
 
   calls     the table operations as separate calls (one launch each on a GPU pool)
-  step      `step_rows`: the same work as one call (one launch on a GPU pool)
+  step      `step_rows`: the same work as one call (one launch on a GPU pool, two with
+            extend)
   none      stand-ins that only move the lengths, as an engine's bookkeeping would
   floor     `none` plus one empty Pallas-Triton launch per step (GPU only): what one
             launch costs in this loop
 
-"share" = variant - none: the allocator's part of a step. On a GPU the run also records
-each variant's kernels from CUPTI (timing.cuda_activities): "kernels us" is the sum of
-the jax_kvalloc kernels' own GPU times per step (launch gaps excluded). SGLang has no
+At the page sizes after the first, only --other-batch-sizes run, and only `step` and
+`none` (the run stays near 150 s on a GPU). "share" = variant - none: the allocator's
+part of a step. On a GPU the run also records each variant's kernels from CUPTI
+(timing.cuda_activities): "kernels us" is the sum of the jax_kvalloc kernels' own GPU
+times per step (launch gaps excluded). SGLang has no
 request table: its per-step cost for the same work is the eager class calls a scheduler
 makes (free_group_begin, free_page_ids of each finished request, free_group_end,
 alloc_extend of the restarted requests, alloc_decode of every row), timed from Python
@@ -150,10 +153,17 @@ def table_step(case: TableCase, carry, inputs, *, variant: str = "calls"):
   return (state, table, target, pending, ok_all), outs
 
 
+@functools.lru_cache(maxsize=8)
+def _step_call(case: TableCase, variant: str):
+  """table_step of one case and variant, one object per pair: the timed and the profiled
+  run share its compiled loop (timing.chain_loop is memoized on the call)."""
+  return functools.partial(table_step, case, variant=variant)
+
+
 def _kernels_per_step(case: TableCase, variant: str, unroll: int, iters: int):
   """CUPTI: the sum of the jax_kvalloc kernels' GPU us per step, all kernels' GPU us per
   step, activities per step, and whether every step of the run succeeded ("ok")."""
-  call = functools.partial(table_step, case, variant=variant)
+  call = _step_call(case, variant)
   carry, inputs = initial_carry(case), jnp.zeros((), jnp.int32)
   run = timing.chain_loop(call, unroll)
   sink = timing.sink_init(call, carry, inputs)
@@ -189,7 +199,7 @@ def run_case(case: TableCase, *, unroll: int, min_time: float, reps: int,
   for variant in variants:
     if variant == "floor" and not gpu:
       continue
-    call = functools.partial(table_step, case, variant=variant)
+    call = _step_call(case, variant)
     res = timing.chain_time(call, initial_carry(case), jnp.zeros((), jnp.int32),
                             unroll=unroll, min_time=min_time, reps=reps)
     out[f"{variant}_us"] = res["s"] * 1e6
@@ -343,6 +353,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--batch-sizes", type=int_list, default=[64, 256, 1024], help="table rows")
   a("--page-sizes", type=int_list, default=[64, 16])
   a("--page-size", type=int, default=None, help="one page size (overrides --page-sizes)")
+  a("--other-batch-sizes", type=int_list, default=[256],
+    help="table rows at the page sizes after the first (their cases time step_rows and "
+    "the stand-ins only)")
   a("--steps", default="decode,extend", help="which steps: decode, extend")
   a("--prompt", type=int, default=256, help="prefill tokens of a restarted request")
   a("--max-frees", type=int, default=8, help="rows released and restarted per step")
@@ -372,9 +385,10 @@ def run_cli(args) -> int:
       raise SystemExit(f"--steps: {s!r} is not one of {STEPS}")
   t0 = time.perf_counter()
   results = []
-  for ps in page_sizes:  # the first page size's cases first (--budget-s)
+  for i, ps in enumerate(page_sizes):  # the first page size's cases first (--budget-s)
+    first = i == 0
     for step in steps:
-      for bs in args.batch_sizes:
+      for bs in (args.batch_sizes if first else args.other_batch_sizes):
         case = TableCase(bs=bs, page_size=ps, prompt=args.prompt,
                          max_frees=args.max_frees, seed=args.seed,
                          extend=step == "extend", kernel=args.kernel)
@@ -382,7 +396,8 @@ def run_cli(args) -> int:
           results.append({"step": step, "bs": bs, "page_size": ps, "skipped": True})
           continue
         r = run_case(case, unroll=unroll, min_time=min_time, reps=args.reps,
-                     profile=not args.no_profile)
+                     profile=not args.no_profile,
+                     variants=VARIANTS if first else ("step", "none"))
         if not args.no_sglang:
           try:
             r["sglang"] = sglang_step(case, min_time=min_time, reps=args.reps)

@@ -44,6 +44,7 @@ is how a scheduler pays for eager calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Any, Callable, Dict, Tuple
@@ -115,10 +116,13 @@ def _xor_fold(folds, outs_per_call):
   return tuple(out)
 
 
+@functools.lru_cache(maxsize=16)
 def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
                linked: bool = True):
   """jit(carry, inputs, sink, n) -> (carry, inputs, sink) after n iterations of `unroll`
-  chained, linked calls (see the module docstring). `sink` from `sink_init`.
+  chained, linked calls (see the module docstring). `sink` from `sink_init`. Memoized on
+  its arguments (`call` by identity unless it defines equality), so that timing and
+  profiling the same call object compile its loop once.
 
   linked=False ("bare") drops the link: only the call's scalar outputs reach the sink and
   the inputs stay the same. That is valid only for a call that is one custom call (a
