@@ -417,14 +417,36 @@ def _swa_pages_of_segment(config: SWAConfig, state: SWAState, free_index: Array,
   start_pos = validate.as_i32(start_pos, "start_pos")
   aligned = start_pos % ps == 0
   given = _given(free_index.shape[0], num) & (free_index > 0) & aligned
-  reps, rep_given = free_index[::ps], given[::ps]
-  peers = translate(state.mapping, jnp.where(rep_given, reps, 0))
+  mapping, pages = take_segment_pages(state.mapping, free_index, ps, given)
+  return mapping, pages, aligned
+
+
+def take_segment_pages(mapping: Array, free_index: Array, page_size: int,
+                       given: Optional[Array] = None) -> Tuple[Array, Array]:
+  """The SWA pages of a segment's full pages, read and unpaired in one step.
+
+  Args:
+    mapping: i32[L].
+    free_index: i32[M] full slots of consecutive tokens of one request, from a page
+      start (free_swa_segment's argument).
+    page_size: static.
+    given: optional bool[M]; entries where it is False are skipped (None: all given).
+
+  Returns:
+    (mapping with every slot of the full pages of free_index[::page_size] set to 0 (the
+    representatives alone at page size 1), i32[ceil(M / page_size)] the SWA pages
+    mapping[free_index[::page_size]] // page_size, 0 where a representative is not given
+    or has no peer).
+  """
+  ps = page_size
+  free_index = validate.as_i32(free_index, "free_index").reshape(-1)
+  reps = free_index[::ps]
+  rep_given = jnp.ones(reps.shape, bool) if given is None else given[::ps]
+  peers = translate(mapping, jnp.where(rep_given, reps, 0))
   pages = jnp.where(rep_given & (peers > 0), peers // ps, 0)
   if ps == 1:
-    mapping = clear_mapping(state.mapping, reps, rep_given)
-  else:
-    mapping = clear_mapping(state.mapping, _widen(reps, ps), jnp.repeat(rep_given, ps))
-  return mapping, pages, aligned
+    return clear_mapping(mapping, reps, rep_given), pages
+  return clear_mapping(mapping, _widen(reps, ps), jnp.repeat(rep_given, ps)), pages
 
 
 def free_swa_segment(config: SWAConfig, state: SWAState, free_index: Array,
