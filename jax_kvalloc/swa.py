@@ -164,14 +164,12 @@ def translate_state(config: SWAConfig, state: SWAState, loc: Array) -> Array:
 
 def pair_tail(mapping: Array, full: Array, swa: Array) -> Array:
   """The mapping after `alloc_extend_swa_tail` (static shapes): the last len(swa) full
-  slots pair with swa, and, when swa is not empty, the ones before them get 0.
+  slots pair with swa, and the ones before them get 0 (all of them when swa is empty).
 
   Args:
     mapping: i32[L]; full: i32[ext] the extend's full slots; swa: i32[tail], tail <= ext.
   """
   ext, tail = full.shape[0], swa.shape[0]
-  if tail == 0:
-    return mapping
   mapping = set_mapping(mapping, full[ext - tail:], swa)
   return clear_mapping(mapping, full[:ext - tail])
 
@@ -314,7 +312,8 @@ def alloc_extend_swa_tail(config: SWAConfig, state: SWAState, prefix_lens: Array
   Returns:
     (state, i32[max_tokens] full slots, bool[] ok). The SWA slots are a fresh request's
     (prefix 0, last_loc -1) and pair with the last tail full slots; the head's mapping is
-    set to 0 when tail > 0 (SGLang leaves it alone at tail 0). Refused (old state, no
+    set to 0 (SPEC 13; at tail 0 SGLang writes nothing, and in valid use those entries are 0
+    already: every free of SWA KV clears its whole full pages). Refused (old state, no
     merge) when the full pages or ceil(tail / ps) SWA pages are not available.
   """
   if config.page_size == 1:
@@ -344,7 +343,7 @@ def alloc_extend_swa_tail(config: SWAConfig, state: SWAState, prefix_lens: Array
   head = ext - tail
   peer = jnp.take(out_s, jnp.clip(j - head, 0, max_tokens - 1))
   mapping = set_mapping(state.mapping, out_f, peer, ok & (j >= head) & (j < ext))
-  mapping = clear_mapping(mapping, out_f, ok & has_tail & (j < head))
+  mapping = clear_mapping(mapping, out_f, ok & (j < head))
   return _select(ok, SWAState(full, swa, mapping), state), jnp.where(ok, out_f, 0), ok
 
 

@@ -21,7 +21,7 @@ from swa_model import ModelSWA
 from test_no_wait import DeviceRead, no_device_reads
 
 PS = 4
-WINDOW = 2 * PS + 1
+WINDOW = PS + 1
 
 
 def _new(ps, need_sort, debug=False):
@@ -108,7 +108,7 @@ def _serve(a, m, outputs, guard, device_inputs, steps=24):
         a.free_full_segment(put(slots[ps:]), start_pos=ps)
         m.free_full_segment(slots[ps:], ps)
         end(on)
-      if len(reqs) > 3:  # finish the oldest: its window-freed head, then the rest
+      if len(reqs) > 4:  # finish the oldest: its window-freed head, then the rest
         on = group(step % 2 == 0)
         r = reqs.pop(0)
         if r.swa_start:

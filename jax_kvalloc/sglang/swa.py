@@ -428,7 +428,8 @@ class SWATokenToKVPoolAllocator:
       return None
     full = self.full_attn_allocator.alloc_extend(pre, pre, seq, seq, last_loc, ext)
     assert full is not None
-    if tail == 0:
+    if tail == 0:  # the head is all of it: mapping 0 (SPEC 13; 0 already in valid use)
+      self.clear_full_to_swa_mapping(full)
       return full
     zero, one = np.zeros((1,), np.int64), np.array([tail], np.int64)
     swa = self.swa_attn_allocator.alloc_extend(zero, zero, one, one,
