@@ -347,8 +347,8 @@ def test_tail_zero_sets_the_head_mapping_to_zero(backend):
     s = s._replace(mapping=core.set_mapping(s.mapping, jnp.asarray(slots),
                                             jnp.asarray(slots)))
     one = jnp.ones((1,), jnp.int32)
-    s, out, ok = core.alloc_extend_swa_tail(cfg, s, 0 * one, 8 * one, -one, 0,
-                                            max_tokens=8)
+    s, out, ok = jax.jit(lambda s: core.alloc_extend_swa_tail(
+        cfg, s, 0 * one, 8 * one, -one, 0, max_tokens=8))(s)  # one compile, not op by op
     assert bool(ok)
     peers = np.asarray(core.translate(s.mapping, jnp.asarray(slots)))
   else:
