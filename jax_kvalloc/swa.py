@@ -164,14 +164,12 @@ def translate_state(config: SWAConfig, state: SWAState, loc: Array) -> Array:
 
 def pair_tail(mapping: Array, full: Array, swa: Array) -> Array:
   """The mapping after `alloc_extend_swa_tail` (static shapes): the last len(swa) full
-  slots pair with swa, and, when swa is not empty, the ones before them get 0.
+  slots pair with swa, and the ones before them get 0 (all of them when swa is empty).
 
   Args:
     mapping: i32[L]; full: i32[ext] the extend's full slots; swa: i32[tail], tail <= ext.
   """
   ext, tail = full.shape[0], swa.shape[0]
-  if tail == 0:
-    return mapping
   mapping = set_mapping(mapping, full[ext - tail:], swa)
   return clear_mapping(mapping, full[:ext - tail])
 
@@ -314,7 +312,8 @@ def alloc_extend_swa_tail(config: SWAConfig, state: SWAState, prefix_lens: Array
   Returns:
     (state, i32[max_tokens] full slots, bool[] ok). The SWA slots are a fresh request's
     (prefix 0, last_loc -1) and pair with the last tail full slots; the head's mapping is
-    set to 0 when tail > 0 (SGLang leaves it alone at tail 0). Refused (old state, no
+    set to 0 (SPEC 13; at tail 0 SGLang writes nothing, and in valid use those entries are 0
+    already: every free of SWA KV clears its whole full pages). Refused (old state, no
     merge) when the full pages or ceil(tail / ps) SWA pages are not available.
   """
   if config.page_size == 1:
@@ -344,7 +343,7 @@ def alloc_extend_swa_tail(config: SWAConfig, state: SWAState, prefix_lens: Array
   head = ext - tail
   peer = jnp.take(out_s, jnp.clip(j - head, 0, max_tokens - 1))
   mapping = set_mapping(state.mapping, out_f, peer, ok & (j >= head) & (j < ext))
-  mapping = clear_mapping(mapping, out_f, ok & has_tail & (j < head))
+  mapping = clear_mapping(mapping, out_f, ok & (j < head))
   return _select(ok, SWAState(full, swa, mapping), state), jnp.where(ok, out_f, 0), ok
 
 
@@ -417,14 +416,36 @@ def _swa_pages_of_segment(config: SWAConfig, state: SWAState, free_index: Array,
   start_pos = validate.as_i32(start_pos, "start_pos")
   aligned = start_pos % ps == 0
   given = _given(free_index.shape[0], num) & (free_index > 0) & aligned
-  reps, rep_given = free_index[::ps], given[::ps]
-  peers = translate(state.mapping, jnp.where(rep_given, reps, 0))
+  mapping, pages = take_segment_pages(state.mapping, free_index, ps, given)
+  return mapping, pages, aligned
+
+
+def take_segment_pages(mapping: Array, free_index: Array, page_size: int,
+                       given: Optional[Array] = None) -> Tuple[Array, Array]:
+  """The SWA pages of a segment's full pages, read and unpaired in one step.
+
+  Args:
+    mapping: i32[L].
+    free_index: i32[M] full slots of consecutive tokens of one request, from a page
+      start (free_swa_segment's argument).
+    page_size: static.
+    given: optional bool[M]; entries where it is False are skipped (None: all given).
+
+  Returns:
+    (mapping with every slot of the full pages of free_index[::page_size] set to 0 (the
+    representatives alone at page size 1), i32[ceil(M / page_size)] the SWA pages
+    mapping[free_index[::page_size]] // page_size, 0 where a representative is not given
+    or has no peer).
+  """
+  ps = page_size
+  free_index = validate.as_i32(free_index, "free_index").reshape(-1)
+  reps = free_index[::ps]
+  rep_given = jnp.ones(reps.shape, bool) if given is None else given[::ps]
+  peers = translate(mapping, jnp.where(rep_given, reps, 0))
   pages = jnp.where(rep_given & (peers > 0), peers // ps, 0)
   if ps == 1:
-    mapping = clear_mapping(state.mapping, reps, rep_given)
-  else:
-    mapping = clear_mapping(state.mapping, _widen(reps, ps), jnp.repeat(rep_given, ps))
-  return mapping, pages, aligned
+    return clear_mapping(mapping, reps, rep_given), pages
+  return clear_mapping(mapping, _widen(reps, ps), jnp.repeat(rep_given, ps)), pages
 
 
 def free_swa_segment(config: SWAConfig, state: SWAState, free_index: Array,

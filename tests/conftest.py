@@ -58,7 +58,7 @@ SLOW_TESTS = [
         _param(it, "which") in ("device", "core") and it.originalname in (
             "test_token_vector", "test_decode_refused_unless_both_pools_fit")),
      "SWA device-backend class and core compiles beyond the paged vectors"),
-    ("test_swa_no_wait.py", "test_swa_device_class_allocations_do_not_wait",
+    ("test_swa_no_wait.py", "test_swa_device_class_serving_does_not_wait",
      lambda it: "True" in it.name, "need_sort with a device last_loc: the second variant"),
     ("test_host_backend.py", "test_small_path_matches_general_path_and_device",
      lambda it: "-16]" in it.name, "page size 4 runs by default"),

@@ -81,7 +81,8 @@ class ModelSWA:
     if not self._pages_fit(cdiv(seq_len, ps) - cdiv(prefix_len, ps), cdiv(tail, ps)):
       return None
     full = self.full.alloc_extend([prefix_len], [seq_len], [last_loc])
-    if tail == 0:
+    if tail == 0:  # SPEC 13: the head (all of it) gets 0; SGLang writes nothing there,
+      self._unpair(full)  # where valid use has 0 already
       return full
     swa = self.swa.alloc_extend([0], [tail], [-1])
     self._pair(full[ext - tail:], swa)

@@ -333,3 +333,32 @@ def test_bound_swa_allocator_under_jit():
   assert int(a.available_size(s)) == 8 and a.translate(s, out[:2]).tolist() == [4, 5]
   s = jax.jit(a.free)(s, out)
   assert int(a.swa_available_size(s)) == 16 and int(a.full_available_size(s)) == 32
+
+
+@pytest.mark.parametrize("backend", ["device", "host", "core"])
+def test_tail_zero_sets_the_head_mapping_to_zero(backend):
+  # SPEC 13: the head's mapping is 0, also when the tail is empty (the head is all of the
+  # extend). SGLang writes nothing there, which is the same in valid use (those entries are
+  # 0 already); stale entries, put here on purpose, show the write.
+  slots = np.arange(4, 12)
+  if backend == "core":
+    cfg = core.SWAConfig(64, 32, 4, False, kernel="jnp")
+    s = core.init(cfg)
+    s = s._replace(mapping=core.set_mapping(s.mapping, jnp.asarray(slots),
+                                            jnp.asarray(slots)))
+    one = jnp.ones((1,), jnp.int32)
+    s, out, ok = jax.jit(lambda s: core.alloc_extend_swa_tail(
+        cfg, s, 0 * one, 8 * one, -one, 0, max_tokens=8))(s)  # one compile, not op by op
+    assert bool(ok)
+    peers = np.asarray(core.translate(s.mapping, jnp.asarray(slots)))
+  else:
+    from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator
+    a = SWATokenToKVPoolAllocator(64, 32, 4, None, "cpu", None, False, kernel="jnp",
+                                  debug=False, backend=backend)
+    a.set_full_to_swa_mapping(slots, slots)
+    z, n = np.zeros(1, np.int64), np.array([8])
+    out = a.alloc_extend_swa_tail(z, z, n, n, np.array([-1]), 8, 0)
+    peers = np.asarray(a.translate_loc_from_full_to_swa(slots))
+    assert a.swa_available_size() == 32
+  np.testing.assert_array_equal(np.asarray(out), slots)
+  np.testing.assert_array_equal(peers, 0)

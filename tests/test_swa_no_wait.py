@@ -1,14 +1,18 @@
 """The SWA class's steady serving calls do not wait on the device (device backend).
 
 As tests/test_no_wait.py for the paged class: prefill (alloc_extend, and
-alloc_extend_swa_tail), decode (alloc_decode, host last_loc or a device last_loc),
-speculative snapshots (backup_state / restore_state), sizes, translate, and full-pool
-frees of tokens without SWA KV (free_full, free_full_segment, inside free groups too) run
-inside `no_device_reads`, fed host data only, with the SPEC 13 model in lock step.
-The SWA frees (free, free_swa, free_swa_segment, free_segment) read the freed slots'
-mapping entries back, as SGLang's free_swa synchronizes; they run outside the guard here,
-and the last test shows that they do read.
+alloc_extend_swa_tail with and without an SWA tail), decode (alloc_decode), speculative
+snapshots (backup_state / restore_state), sizes, translate, window frees through
+free_swa_segment, finishes through free_segment (the SWA part) and free_full_segment
+(the part whose window KV is gone), and full-only frees (free_full, free_full_segment),
+inside free groups and outside, all run inside `no_device_reads` with the SPEC 13 model in
+lock step; with `device_inputs`, last_loc and every segment free's free_index are device
+arrays (as SGLang passes them). free_swa / free at page size > 1 read the mapping once (as
+SGLang's free_swa synchronizes): the last tests show it, and that debug mode checks
+device segments' peers.
 """
+import contextlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,23 +20,45 @@ import pytest
 from swa_model import ModelSWA
 from test_no_wait import DeviceRead, no_device_reads
 
+PS = 4
+WINDOW = PS + 1
 
-def _new(ps, need_sort):
+
+def _new(ps, need_sort, debug=False):
   from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator
   return SWATokenToKVPoolAllocator(48 * ps, 24 * ps, ps, None, "cpu", None, need_sort,
-                                   backend="device", kernel="jnp", debug=False)
+                                   backend="device", kernel="jnp", debug=debug)
 
 
-def _serve(a, m, outputs, guard, device_last, steps=16):
-  """Serving steps; allocation-side calls run inside `guard()`; each finished request's
-  SWA free runs outside it. Appends (device output, model output) pairs."""
+class _Req:
+  """One request's full slots and its first token that still has SWA KV."""
+
+  def __init__(self, slots, swa_start=0):
+    self.slots, self.swa_start = list(slots), swa_start
+
+
+def _serve(a, m, outputs, guard, device_inputs, steps=24):
+  """Serving steps, each inside `guard()`. Appends (device output, model output) pairs."""
   ps = a.page_size
-  put = (lambda x: jnp.asarray(np.asarray(x, np.int32))) if device_last else (lambda x: x)
+  put = (lambda x: jnp.asarray(np.asarray(x, np.int32))) if device_inputs else (
+      lambda x: np.asarray(x, np.int64))
   rng = np.random.default_rng(0)
   reqs, full_only = [], []
+
+  def group(on):
+    if on:
+      a.free_group_begin()
+      m.free_group_begin()
+    return on
+
+  def end(on):
+    if on:
+      a.free_group_end()
+      m.free_group_end()
+
   for step in range(steps):
     with guard():
-      if step % 4 == 0:  # prefill two requests, and one without SWA KV
+      if step % 4 == 0:  # prefill two requests, one SWA-tail request, one full-only
         seq = rng.integers(1, 3 * ps + 2, 2)
         z = np.zeros(2, np.int64)
         out = a.alloc_extend(z, z, seq, seq, put(np.full(2, -1)), int(seq.sum()))
@@ -40,17 +66,19 @@ def _serve(a, m, outputs, guard, device_last, steps=16):
         assert (out is None) == (want is None)
         if want is not None:
           outputs.append((out, want))
-          reqs += [list(want[:seq[0]]), list(want[seq[0]:])]
+          reqs += [_Req(want[:seq[0]]), _Req(want[seq[0]:])]
         one = np.array([0], np.int64)
-        n = np.array([2 * ps], np.int64)
-        out = a.alloc_extend_swa_tail(one, one, n, n, np.array([-1]), 2 * ps, 0)
-        want = m.alloc_extend_swa_tail(0, 2 * ps, -1, 0)
-        if want is not None:
-          outputs.append((out, want))
-          full_only.append(want)
+        for tail, into in ((ps, reqs), (0, full_only)):  # tail ps: SWA KV of page 3 only
+          n = np.array([3 * ps], np.int64)
+          out = a.alloc_extend_swa_tail(one, one, n, n, np.array([-1]), 3 * ps, tail)
+          want = m.alloc_extend_swa_tail(0, 3 * ps, -1, tail)
+          assert (out is None) == (want is None)
+          if want is not None:
+            outputs.append((out, want))
+            into.append(_Req(want, 2 * ps) if tail else want)
       elif reqs:
-        seq = np.array([len(r) + 1 for r in reqs])
-        last = np.array([r[-1] for r in reqs])
+        seq = np.array([len(r.slots) + 1 for r in reqs])
+        last = np.array([r.slots[-1] for r in reqs])
         snap = a.backup_state() if step % 3 == 1 else None
         msnap = m.backup_state() if snap is not None else None
         out = a.alloc_decode(seq, seq, put(last))
@@ -62,49 +90,82 @@ def _serve(a, m, outputs, guard, device_last, steps=16):
         elif want is not None:
           outputs.append((out, want))
           for r, s in zip(reqs, want):
-            r.append(s)
+            r.slots.append(s)
+      if step % 2 == 1:  # the window: SWA KV of whole pages before len - WINDOW leaves
+        on = group(step % 4 == 3)
+        for r in reqs:
+          start = max(0, (len(r.slots) - WINDOW) // ps * ps)
+          if start > r.swa_start:
+            a.free_swa_segment(put(r.slots[r.swa_start:start]), start_pos=r.swa_start)
+            m.free_swa_segment(r.slots[r.swa_start:start], r.swa_start)
+            r.swa_start = start
+        end(on)
       if full_only and step % 3 == 2:  # tokens without SWA KV leave the full pool only
-        a.free_group_begin()
-        m.free_group_begin()
+        on = group(step % 6 == 2)
         slots = full_only.pop(0)
         a.free_full(np.asarray(slots[:ps], np.int64))
         m.free_full(slots[:ps])
-        a.free_full_segment(np.asarray(slots[ps:], np.int64), start_pos=ps)
+        a.free_full_segment(put(slots[ps:]), start_pos=ps)
         m.free_full_segment(slots[ps:], ps)
-        a.free_group_end()
-        m.free_group_end()
+        end(on)
+      if len(reqs) > 4:  # finish the oldest: its window-freed head, then the rest
+        on = group(step % 2 == 0)
+        r = reqs.pop(0)
+        if r.swa_start:
+          a.free_full_segment(put(r.slots[:r.swa_start]), start_pos=0)
+          m.free_full_segment(r.slots[:r.swa_start], 0)
+        a.free_segment(put(r.slots[r.swa_start:]), start_pos=r.swa_start)
+        m.free_segment(r.slots[r.swa_start:], r.swa_start)
+        end(on)
       assert a.available_size() == m.available_size()
       assert a.full_available_size() == m.full_available_size()
+      assert a.swa_available_size() == m.swa_available_size()
       outputs.append((a.translate_loc_from_full_to_swa(np.array([-1])), [-1]))
-    if len(reqs) > 3:  # finish the oldest (reads the mapping: outside the guard)
-      slots = reqs.pop(0)
-      a.free(np.asarray(slots, np.int64))
-      m.free(slots)
+      live = [s for r in reqs for s in r.slots]
+      outputs.append((a.translate_loc_from_full_to_swa(np.asarray(live, np.int64)),
+                      m.translate(live)))
 
 
-@pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, True)])
-def test_swa_device_class_allocations_do_not_wait(need_sort, device_last):
-  import contextlib
-  ps = 4
+@pytest.mark.parametrize("need_sort,device_inputs", [(False, False), (True, True)])
+def test_swa_device_class_serving_does_not_wait(need_sort, device_inputs):
+  ps = PS
   a = _new(ps, need_sort)
   _serve(a, ModelSWA(48 * ps, 24 * ps, ps, need_sort), [], contextlib.nullcontext,
-         device_last)  # compiles every program the sequence needs
+         device_inputs)  # compiles every program the sequence needs
   a.clear()
   m = ModelSWA(48 * ps, 24 * ps, ps, need_sort)
   outputs = []
-  _serve(a, m, outputs, no_device_reads, device_last)
-  assert len(outputs) > 20
+  _serve(a, m, outputs, no_device_reads, device_inputs)
+  assert len(outputs) > 40
   for out, want in outputs:
     np.testing.assert_array_equal(np.asarray(out), want)
-  np.testing.assert_array_equal(a.full_attn_allocator.free_pages, m.full.free_pages)
-  np.testing.assert_array_equal(a.swa_attn_allocator.free_pages, m.swa.free_pages)
+  for mine, model in ((a.full_attn_allocator, m.full), (a.swa_attn_allocator, m.swa)):
+    np.testing.assert_array_equal(mine.free_pages, model.free_pages)
+    np.testing.assert_array_equal(mine.release_pages, model.release_pages)
 
 
-def test_swa_frees_read_the_mapping():
-  a = _new(4, False)
+def test_swa_free_swa_reads_the_mapping_at_page_size_above_1():
+  a = _new(PS, False)
   z = np.zeros(1, np.int64)
-  out = a.alloc_extend(z, z, np.array([8]), np.array([8]), np.array([-1]), 8)
+  a.alloc_extend(z, z, np.array([12]), np.array([12]), np.array([-1]), 12)
   a.free_swa(np.arange(4, 8))  # compile outside the guard
   with no_device_reads(), pytest.raises(DeviceRead):
-    a.free_swa_segment(np.arange(8, 12), start_pos=4)
-  del out
+    a.free_swa(np.arange(8, 12))
+
+
+def test_swa_debug_mode_checks_device_segments():
+  from jax_kvalloc.sglang.swa import SWADebugError
+  a = _new(PS, False, debug=True)
+  z = np.zeros(1, np.int64)
+  out = a.alloc_extend(z, z, np.array([12]), np.array([12]), np.array([-1]), 12)
+  a.free_swa_segment(out[:4], start_pos=0)
+  before = a.swa_available_size()
+  with pytest.raises(SWADebugError, match="no SWA peer"):
+    a.free_swa_segment(out[:8], start_pos=0)  # page 1's SWA KV is already gone
+  with pytest.raises(SWADebugError, match="still has SWA peer"):
+    a.free_full_segment(out[4:12], start_pos=4)
+  assert a.swa_available_size() == before
+  a.free_full_segment(out[:4], start_pos=0)
+  a.free_segment(out[4:], start_pos=4)
+  assert a.swa_available_size() == a.size_swa
+  assert a.full_available_size() == a.size_full

@@ -7,10 +7,13 @@ backend, numpy on the host backend, updated by jax_kvalloc.swa's pure functions)
 SGLang's method names.
 
 Waits (device backend). Allocations never wait: the SWA side's last_loc is translated on
-the device and handed to the SWA pool as a device array. Frees of SWA KV (free, free_swa,
-free_swa_segment, free_segment) read the mapping entries of the freed slots back, as
-SGLang's own free_swa synchronizes at page size > 1: the SWA pool's free counts its
-pages on the host.
+the device and handed to the SWA pool as a device array. The segment frees
+(free_swa_segment, free_segment, free_full_segment; device-array free_index too) never
+wait either: the SWA pages are gathered and the mapping cleared on the device, and the SWA
+pool's free_page_ids takes them as a device array (one page per full page of the
+segment). free_swa (and free) at page size > 1 read the freed pages' mapping entries
+back once, as SGLang's own free_swa synchronizes there: the SWA pool's free counts the
+sorted unique pages on the host. Page size 1: the token pools' frees read device arrays.
 
 One deliberate difference (SPEC 13): `alloc_decode` allocates in neither pool unless
 both fit (SGLang keeps what the fitting pool took). Debug mode (`debug=True`) also
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The lead repoints these at jax_kvalloc.sglang's own modules at merge.
+from jax_kvalloc.sglang.base import concat
 from jax_kvalloc.sglang.paged import PagedTokenToKVPoolAllocator
 from jax_kvalloc.sglang.token import TokenToKVPoolAllocator
 from jax_kvalloc import swa as core
@@ -54,6 +58,8 @@ _SET = _jit_pair(core.set_mapping)
 _CLEAR = _jit_pair(core.clear_mapping)
 _TAIL = _jit_pair(core.pair_tail)
 _TRANSLATE = jax.jit(core.translate)
+_SEGMENT = (jax.jit(core.take_segment_pages, static_argnums=2),
+            jax.jit(core.take_segment_pages, static_argnums=2, donate_argnums=0))
 
 
 @jax.jit
@@ -422,7 +428,8 @@ class SWATokenToKVPoolAllocator:
       return None
     full = self.full_attn_allocator.alloc_extend(pre, pre, seq, seq, last_loc, ext)
     assert full is not None
-    if tail == 0:
+    if tail == 0:  # the head is all of it: mapping 0 (SPEC 13; 0 already in valid use)
+      self.clear_full_to_swa_mapping(full)
       return full
     zero, one = np.zeros((1,), np.int64), np.array([tail], np.int64)
     swa = self.swa_attn_allocator.alloc_extend(zero, zero, one, one,
@@ -498,14 +505,19 @@ class SWATokenToKVPoolAllocator:
 
   @_ranked
   def free_swa(self, free_index) -> None:
-    """Frees the SWA peers of these full slots and clears their mapping (SPEC 13). Page
-    size > 1: every slot of their full pages. Reads the mapping (device: a wait)."""
+    """Frees the SWA peers of these full slots and clears their mapping (SPEC 13).
+
+    Page size 1: as free_swa_segment(free_index, start_pos=0). Page size > 1: every slot
+    of their full pages; the SWA pool frees the sorted unique pages of the peers found
+    (SPEC 4.4), whose count needs their values: one read of the mapping (device: a
+    wait), as SGLang's own free_swa synchronizes at page size > 1.
+    """
     idx = self._free_args(free_index)
     if idx is None:
       return
     ps = self.page_size
     if ps == 1:
-      self._free_swa_pages(idx, 0, "free_swa")
+      self._free_swa_pages(idx, "free_swa")
       return
     self._debug_peers(idx, True, "free_swa")
     wide = ((idx // ps) * ps)[:, None] + np.arange(ps)[None, :]
@@ -518,33 +530,64 @@ class SWATokenToKVPoolAllocator:
     elif peers.size:
       self.swa_attn_allocator.free(peers)
 
+  def _segment_arg(self, free_index, start_pos) -> Any:
+    """free_index of a segment call: a device i32 array as it is (device backend, never
+    read back), else checked host int64 slots; None when empty."""
+    validate.start_pos(start_pos, self.page_size)
+    dev = None if self._host else validate.device_ints(free_index, "free_index")
+    if dev is not None:
+      return dev if dev.shape[0] else None
+    idx = validate.host_ints(free_index, "free_index")
+    if idx.size == 0:
+      return None
+    self._check_slots(idx, "free_index")
+    return idx
+
+  def _debug_segment(self, idx, mapped: bool, op: str) -> None:
+    """Debug mode: a device free_index is read (a wait) and checked as host slots, then
+    every slot (mapped: each page's first token) is checked for its peer."""
+    if not self._debug:
+      return
+    if isinstance(idx, jax.Array):
+      idx = np.asarray(idx).astype(np.int64)
+      self._check_slots(idx, "free_index")
+    self._debug_peers(idx[::self.page_size] if mapped else idx, mapped, op)
+
   @_ranked
   def free_swa_segment(self, free_index, *, start_pos: int) -> None:
     """Frees the SWA pages of one request's tokens start_pos, start_pos + 1, ...:
-    mapping[free_index[::ps]] // ps through free_page_ids, in that order (SPEC 13)."""
-    idx = validate.host_ints(free_index, "free_index")
-    start = validate.start_pos(start_pos, self.page_size)
-    if idx.size == 0:
-      return
-    self._check_slots(idx, "free_index")
-    self._free_swa_pages(idx, start, "free_swa_segment")
+    mapping[free_index[::ps]] // ps through the SWA pool's free_page_ids, in that order,
+    and clears the mapping of those full pages (SPEC 13).
 
-  def _free_swa_pages(self, idx: np.ndarray, start: int, op: str) -> None:
-    del start  # validated by the caller
+    Device backend: never waits. free_index may be a device array (taken as it is); the
+    pages are gathered, and the mapping cleared, in one jitted program, and handed to
+    the SWA pool as a device array: its count is one page per full page of the segment,
+    so each of them must have its SWA peer (as SGLang expects; debug mode checks it,
+    reading the values). Page size 1: the SWA token pool's free reads the slots back, as
+    the token class does for every device array.
+    """
+    idx = self._segment_arg(free_index, start_pos)
+    if idx is not None:
+      self._free_swa_pages(idx, "free_swa_segment")
+
+  def _free_swa_pages(self, idx, op: str) -> None:
+    """Frees the SWA pages of checked segment slots (host int64 or device i32)."""
     ps = self.page_size
-    reps = idx[::ps]
-    self._debug_peers(reps, True, op)
-    peers = self._read(reps)
-    pages = peers // ps
-    pages = pages[peers > 0]
-    if ps == 1:
-      self.clear_full_to_swa_mapping(reps)
+    self._debug_segment(idx, True, op)
+    if self._host:
+      reps = idx[::ps]
+      peers = self._translate_host(reps)
+      pages = (peers // ps)[peers > 0]
+      wide = reps if ps == 1 else (((reps // ps) * ps)[:, None]
+                                   + np.arange(ps)[None, :]).reshape(-1)
+      self.clear_full_to_swa_mapping(wide)
     else:
-      self.clear_full_to_swa_mapping(
-          (((reps // ps) * ps)[:, None] + np.arange(ps)[None, :]).reshape(-1))
+      fn = _SEGMENT[0] if self._mapping_shared else _SEGMENT[1]
+      self._mapping, pages = fn(self._mapping, self._dev(idx), ps)
+      self._mapping_shared = False
     if self._group is not None:
       self._group.append(pages)
-    elif pages.size:
+    elif pages.shape[0]:
       self.swa_attn_allocator.free_page_ids(pages)
 
   @_ranked
@@ -558,23 +601,22 @@ class SWATokenToKVPoolAllocator:
 
   @_ranked
   def free_segment(self, free_index, *, start_pos: int) -> None:
-    """free_swa_segment, then the full pool's free_segment (SPEC 13)."""
-    idx = validate.host_ints(free_index, "free_index")
-    validate.start_pos(start_pos, self.page_size)
-    if idx.size == 0:
+    """free_swa_segment, then the full pool's free_segment (SPEC 13). Device backend:
+    never waits (a device free_index is taken as it is; see free_swa_segment)."""
+    idx = self._segment_arg(free_index, start_pos)
+    if idx is None:
       return
-    self.free_swa_segment(idx, start_pos=start_pos)
+    self._free_swa_pages(idx, "free_segment")
     self.full_attn_allocator.free_segment(idx, start_pos=start_pos)
 
   @_ranked
   def free_full_segment(self, free_index, *, start_pos: int) -> None:
-    """The full pool's free_segment alone; the slots must have no SWA peer left."""
-    idx = validate.host_ints(free_index, "free_index")
-    validate.start_pos(start_pos, self.page_size)
-    if idx.size == 0:
+    """The full pool's free_segment alone; the slots must have no SWA peer left.
+    Device backend: never waits (outside debug mode)."""
+    idx = self._segment_arg(free_index, start_pos)
+    if idx is None:
       return
-    self._check_slots(idx, "free_index")
-    self._debug_peers(idx, False, "free_full_segment")
+    self._debug_segment(idx, False, "free_full_segment")
     self.full_attn_allocator.free_segment(idx, start_pos=start_pos)
 
   def free_group_begin(self) -> None:
@@ -598,8 +640,8 @@ class SWATokenToKVPoolAllocator:
     validate.group_end(self._group)
     pages, slots = self._group, self._group_slots
     self._group, self._group_slots = None, []
-    if pages and sum(p.size for p in pages):
-      self.swa_attn_allocator.free_page_ids(np.concatenate(pages))
+    if pages and sum(p.shape[0] for p in pages):
+      self.swa_attn_allocator.free_page_ids(concat(pages))
     if slots and sum(s.size for s in slots):
       self.swa_attn_allocator.free(np.concatenate(slots))
     self.full_attn_allocator.free_group_end()
