@@ -103,15 +103,51 @@ SLOW_TESTS = [
 ]
 
 
+# Tests of the default set whose cost is their own, not their breadth: slow as a whole.
+HEAVY_TESTS = [
+    ("test_readme.py", "*", "every README example (about 50 s of compiles)"),
+    ("test_swa_no_wait.py", "test_swa_device_class_serving_does_not_wait", "long serving sequence"),
+    ("test_swa_no_wait.py", "test_swa_debug_mode_checks_device_segments", "debug compiles"),
+    ("test_cli.py", "test_simulate_json_plot_and_table", "three simulate runs"),
+    ("test_cli.py", "test_leak_check_fires_when_the_device_free_loses_pages", "a simulate run"),
+    ("test_demo.py", "test_paged_tokens_equal_contiguous", "the whole demo"),
+    ("test_traces.py", "test_jax_kvalloc_replays_generated_traces", "generated traces"),
+    ("test_warmup.py", "test_no_compile_after_warmup", "compiles every bucket"),
+    ("test_triton_free.py", "test_auto_picks_the_kernels_only_on_the_triton_path",
+     "lowers every path"),
+    ("test_swa.py", "test_paged_vector", "the vector through every implementation"),
+    ("test_simulate_drivers.py", "*", "compiles both drivers"),
+    ("test_capacity.py", "test_auto_uses_the_pools_device_not_the_default_backend",
+     "compiles every path"),
+    ("test_debug.py", "test_works_under_vmap", "vmapped debug compiles"),
+]
+
+
+def _mark_slow(item, why: str) -> None:
+  item.add_marker(pytest.mark.slow(reason=why))
+
+
 def pytest_collection_modifyitems(config, items):
   del config
+  first_case = set()   # (file, test) pairs whose default case is taken
   for item in items:
-    for file, name, pred, why in SLOW_TESTS:
-      if item.path.name == file and name in ("*", getattr(item, "originalname", item.name),
-                                             item.name.split("[")[0]):
+    name = getattr(item, "originalname", item.name.split("[")[0])
+    if any(item.path.name == f and n in ("*", name) for f, n, _ in HEAVY_TESTS):
+      _mark_slow(item, "heavy")
+      continue
+    for file, test, pred, why in SLOW_TESTS:
+      if item.path.name == file and test in ("*", name, item.name.split("[")[0]):
         if pred is None or pred(item):
-          item.add_marker(pytest.mark.slow(reason=why))
+          _mark_slow(item, why)
           break
+    else:
+      # The default set runs every test function once: its first remaining case. The
+      # other cases (page sizes, backends, seeds) run in the slow set, which CI runs too.
+      key = (item.path.name, item.cls.__name__ if item.cls else "", name)
+      if key in first_case:
+        _mark_slow(item, "more cases of a test whose first case runs by default")
+      else:
+        first_case.add(key)
 
 
 def pytest_configure(config):

@@ -68,7 +68,7 @@ def release_decode_barriers() -> list:
 
 def tiles_extend_barriers() -> list:
   fn = functools.partial(triton_extend.alloc_extend_triton, page_size=16, out_len=512,
-                         layout="tiles", onehot=False)
+                         layout="tiles")
   e = lowering_check.export_for("h200", fn, I32(256), I32(), I32(), I32(), I32(8), I32(8),
                                 I32(8))
   return [k.count(BARRIER) for k in triton_kernels(e)]

@@ -160,11 +160,12 @@ def test_runner_lists_and_dry_runs_its_steps():
 
 
 def test_runner_passes_per_step_arguments():
-  env = dict(os.environ, ARGS_demo="--attention pallas", TIMEOUT_demo="7")
+  env = dict(os.environ, ARGS_demo="--attention toy", TIMEOUT_demo="7")
   out = subprocess.run(["bash", str(RUNNER), "--dry-run", "x", "demo"], cwd=ROOT,
                        capture_output=True, text=True, timeout=30, env=env, check=False)
   assert out.stdout.split() == ["timeout", "7", "python3", "-m", "jax_kvalloc", "demo",
-                                "--attention", "pallas"]
+                                "--attention", "pallas", "--repeat", "3", "--attention",
+                                "toy"]   # the step's own arguments, then ARGS_demo last
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
