@@ -105,7 +105,7 @@ def test_held_ranks_match_the_full_allocator(kind, backend):
   assert held.dp_ranks == HELD and full.dp_ranks == (0, 1, 2, 3) and held.dp_size == DP
   for seed, r in enumerate(HELD):
     run_workload(Tee(held, full, r), size=PAGES * _ps(kind), page_size=_ps(kind),
-                 need_sort=need_sort, kind=kind, steps=40, seed=seed)
+                 need_sort=need_sort, kind=kind, steps=30, seed=seed)
   assert _held(held) == _held(full)
   assert [held.free_pages[r] for r in OTHERS] == [None, None]
   # The functional state: the held ranks, stacked in dp_ranks order, are the full one's.

@@ -352,10 +352,11 @@ class BaseAllocator:
 
     state: an AllocatorState of this pool's shapes and dtypes (with dp_size > 1: ranked,
     the held ranks along the leading axis in dp_ranks order), not a tracer, whose
-    lengths and heads describe lists of this pool (TypeError / ValueError naming the field otherwise; nothing
-    changed, on any rank). In debug mode a misuse the caller's code recorded raises
-    AllocatorDebugError, and the state is not taken. Reads the lengths (a wait). The
-    caller may still hold these arrays, so the next write copies rather than donates.
+    lengths and heads describe lists of this pool (TypeError / ValueError naming the
+    field otherwise; nothing changed, on any rank). In debug mode a misuse the caller's
+    code recorded raises AllocatorDebugError, and the state is not taken. Reads the
+    lengths (a wait). The caller may still hold these arrays, so the next write copies
+    rather than donates.
     """
     if self._dp_size == 1:
       parts = [state]
