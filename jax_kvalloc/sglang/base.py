@@ -36,6 +36,18 @@ and closes the group; `clear(dp_rank=r)` resets rank r and drops the frees queue
 `set_state` cover every rank (with dp_size > 1: a `RankedSnapshot`, lists, and the ranks
 stacked along a leading axis as jax_kvalloc.ranks works on), all or nothing. `device`
 may be one device for every rank or a sequence of dp_size devices.
+
+Ranks over several processes (`dp_ranks=`): on a pod each host runs the scheduler of the
+ranks whose devices it owns, so an allocator there holds the pools and host mirrors of
+those ranks only (`dp_ranks`, e.g. `multiprocess.process_ranks(mesh, "dp", dp_size)`);
+nothing of another host's rank is needed, and replicating every rank's mirror on every
+host (as sglang-jax replicates its scheduler) would make every host do every rank's host
+work. A call naming a rank held elsewhere raises ValueError (naming dp_rank and the ranks
+held here) before anything changes; `available_size` / `merge_and_sort_free` take held
+ranks only; `clear()` and free groups act on the held ranks; `backup_state` /
+`restore_state` (a snapshot of the same held ranks only), `state` / `set_state` (the held
+ranks stacked in dp_ranks order) and the views (None at ranks held elsewhere) cover them.
+`device` as a sequence still has dp_size entries; only the held ranks' are used.
 """
 from __future__ import annotations
 
@@ -56,9 +68,10 @@ from jax_kvalloc.warmup import WarmupReport
 
 
 class RankedSnapshot(NamedTuple):
-  """What `backup_state` returns when dp_size > 1: one snapshot per rank."""
+  """What `backup_state` returns when dp_size > 1: one snapshot per held rank."""
   config: AllocatorConfig          # the whole pool's
-  ranks: Tuple[Any, ...]           # each rank's AllocatorSnapshot, rank order
+  ranks: Tuple[Any, ...]           # each held rank's AllocatorSnapshot, rank order
+  dp_ranks: Optional[Tuple[int, ...]] = None  # the ranks held (None: every rank)
 
 
 def check_dp_rank(dp_rank: Any, dp_size: int) -> int:
@@ -69,6 +82,31 @@ def check_dp_rank(dp_rank: Any, dp_size: int) -> int:
     raise ValueError(f"dp_rank={dp_rank} is out of range: dp_size={dp_size} "
                      f"(ranks 0..{dp_size - 1})")
   return int(dp_rank)
+
+
+def check_dp_ranks(dp_ranks: Any, dp_size: int) -> Tuple[int, ...]:
+  """The ranks a process holds, ascending: every rank for None, else distinct ints in
+  0..dp_size-1, at least one (TypeError / ValueError naming dp_ranks otherwise)."""
+  if dp_ranks is None:
+    return tuple(range(dp_size))
+  if isinstance(dp_ranks, (str, bytes)) or not hasattr(dp_ranks, "__iter__"):
+    raise TypeError(f"dp_ranks must be a sequence of ints, got "
+                    f"{type(dp_ranks).__name__} {dp_ranks!r}")
+  got = list(dp_ranks)
+  for r in got:
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+      raise TypeError(f"dp_ranks must hold ints, got {type(r).__name__} {r!r} in "
+                      f"{got!r}")
+  got = [int(r) for r in got]
+  if not got:
+    raise ValueError("dp_ranks is empty: an allocator holds at least one rank")
+  bad = [r for r in got if not 0 <= r < dp_size]
+  if bad:
+    raise ValueError(f"dp_ranks={got} names rank {bad[0]}, out of range for "
+                     f"dp_size={dp_size} (ranks 0..{dp_size - 1})")
+  if len(set(got)) != len(got):
+    raise ValueError(f"dp_ranks={got} names a rank twice")
+  return tuple(sorted(got))
 
 
 def concat(parts: List[Any]) -> Any:
@@ -88,8 +126,10 @@ class BaseAllocator:
   """SGLang's allocator interface over `dp_size` pools (see the module docstring)."""
 
   def __init__(self, config: AllocatorConfig, dtype: Any = None, device: Any = None,
-               kvcache: Any = None, backend: str = "device", dp_size: int = 1):
+               kvcache: Any = None, backend: str = "device", dp_size: int = 1,
+               dp_ranks: Optional[Sequence[int]] = None):
     rank_config = _ranks.rank_config(config, dp_size)  # validates dp_size
+    held = check_dp_ranks(dp_ranks, dp_size)
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * dp_size
     if len(devices) != dp_size:
       raise ValueError(f"device: a sequence needs one device per rank, got "
@@ -99,9 +139,12 @@ class BaseAllocator:
     self.device = device
     self.backend = backend
     self._kvcache = kvcache
-    self._pools = [Pool(rank_config, make_backend(backend, rank_config, d))
-                   for d in devices]
-    self._group: Optional[List[_Queued]] = None  # per rank, while a free group is open
+    self._dp_size = dp_size
+    self._dp_ranks = held                           # global rank of self._pools[i]
+    self._index = {r: i for i, r in enumerate(held)}
+    self._pools = [Pool(rank_config, make_backend(backend, rank_config, devices[r]))
+                   for r in held]
+    self._group: Optional[List[_Queued]] = None  # per held rank, while a group is open
 
   # -- attributes SGLang exposes -----------------------------------------------------
   @property
@@ -118,7 +161,12 @@ class BaseAllocator:
 
   @property
   def dp_size(self) -> int:
-    return len(self._pools)
+    return self._dp_size
+
+  @property
+  def dp_ranks(self) -> Tuple[int, ...]:
+    """The ranks this allocator holds, ascending (every rank unless `dp_ranks=`)."""
+    return self._dp_ranks
 
   @property
   def is_not_in_free_group(self) -> bool:
@@ -128,10 +176,18 @@ class BaseAllocator:
     return self._kvcache
 
   def _pool_index(self, dp_rank: Any) -> int:
-    """The rank dp_rank names (TypeError / ValueError naming it otherwise)."""
-    if type(dp_rank) is int and 0 <= dp_rank < len(self._pools):
-      return dp_rank  # the common case, without a call
-    return check_dp_rank(dp_rank, len(self._pools))
+    """Where in self._pools rank dp_rank's pool is (TypeError / ValueError naming it
+    otherwise, and ValueError for a rank held by another process)."""
+    if type(dp_rank) is int:
+      i = self._index.get(dp_rank)
+      if i is not None:
+        return i  # the common case, without a call
+    r = check_dp_rank(dp_rank, self._dp_size)
+    i = self._index.get(r)
+    if i is None:
+      raise ValueError(f"dp_rank={r} is held by another process (this allocator holds "
+                       f"dp_ranks={self._dp_ranks} of dp_size={self._dp_size})")
+    return i
 
   def available_size(self, dp_rank: int = 0) -> int:
     """Free slots, released ones included. Never waits: read from the host mirror."""
@@ -212,14 +268,14 @@ class BaseAllocator:
 
   # -- free groups ---------------------------------------------------------------------
   def free_group_begin(self) -> None:
-    """Opens a free group on every rank: frees are queued until free_group_end (SPEC 7;
-    page-id frees in a second queue, SPEC 10)."""
+    """Opens a free group on every held rank: frees are queued until free_group_end
+    (SPEC 7; page-id frees in a second queue, SPEC 10)."""
     validate.group_begin(self._group)
     self._group = [_Queued([], []) for _ in self._pools]
 
   def free_group_end(self) -> None:
-    """Closes the free group: on each rank, the queued slot frees as one `free`, then
-    the queued page-id frees as one block in front (SPEC 7 and 10)."""
+    """Closes the free group: on each held rank, the queued slot frees as one `free`,
+    then the queued page-id frees as one block in front (SPEC 7 and 10)."""
     validate.group_end(self._group)
     queued, self._group = self._group, None
     for pool, q in zip(self._pools, queued):
@@ -230,8 +286,8 @@ class BaseAllocator:
 
   # -- state ---------------------------------------------------------------------------
   def clear(self, dp_rank: Optional[int] = None) -> None:
-    """Back to the initial state (SPEC 2): every rank, closing any open free group; or
-    rank dp_rank only, dropping the frees queued for it (the group stays open for the
+    """Back to the initial state (SPEC 2): every held rank, closing any open free group;
+    or rank dp_rank only, dropping the frees queued for it (the group stays open for the
     other ranks unless dp_size == 1)."""
     if dp_rank is None:
       targets = range(len(self._pools))
@@ -241,31 +297,37 @@ class BaseAllocator:
       self._pools[r].clear()
       if self._group is not None:
         self._group[r] = _Queued([], [])
-    if len(targets) == len(self._pools):
+    if dp_rank is None or self._dp_size == 1:
       self._group = None
 
   def backup_state(self):
     """A snapshot that `restore_state` puts back exactly (SPEC 8): an AllocatorSnapshot,
-    or with dp_size > 1 a RankedSnapshot of every rank. O(1) per rank: the snapshot
+    or with dp_size > 1 a RankedSnapshot of every held rank. O(1) per rank: the snapshot
     holds the current rings, which are copied only if a later free writes them."""
     snaps = tuple(pool.snapshot() for pool in self._pools)
-    return snaps[0] if len(snaps) == 1 else RankedSnapshot(self.config, snaps)
+    if self._dp_size == 1:
+      return snaps[0]
+    return RankedSnapshot(self.config, snaps, self._dp_ranks)
 
   def restore_state(self, state) -> None:
-    """Puts a snapshot from `backup_state` of an allocator of the same config back, every
-    rank or none (TypeError / ValueError otherwise). O(1); a snapshot without lengths
-    (built by hand) has them read from its state (a wait)."""
-    if len(self._pools) == 1:
+    """Puts a snapshot from `backup_state` of an allocator of the same config and held
+    ranks back, every held rank or none (TypeError / ValueError otherwise). O(1); a
+    snapshot without lengths (built by hand) has them read from its state (a wait)."""
+    if self._dp_size == 1:
       snaps = (state,)
     else:
       if not isinstance(state, RankedSnapshot):
         raise TypeError(f"state must be a RankedSnapshot from backup_state() of an "
                         f"allocator with dp_size={self.dp_size}, got "
                         f"{type(state).__name__}")
-      if state.config != self.config or len(state.ranks) != self.dp_size:
+      taken = (tuple(range(len(state.ranks))) if state.dp_ranks is None
+               else tuple(state.dp_ranks))
+      if (state.config != self.config or taken != self._dp_ranks
+          or len(state.ranks) != len(taken)):
         raise ValueError(f"state is a snapshot of another allocator ({state.config}, "
-                         f"{len(state.ranks)} ranks), not of {self.config} with "
-                         f"dp_size={self.dp_size}")
+                         f"{len(state.ranks)} ranks, dp_ranks={taken}), not of "
+                         f"{self.config} with dp_size={self.dp_size} holding "
+                         f"dp_ranks={self._dp_ranks}")
       snaps = state.ranks
     for pool, snap in zip(self._pools, snaps):
       validate.snapshot(snap, pool.config, AllocatorSnapshot)
@@ -276,11 +338,11 @@ class BaseAllocator:
   def state(self):
     """The functional state (for handing the pool to jitted code; give it back with
     `set_state`). Its rings count as held from now on: the next write to one copies it.
-    With dp_size > 1, every rank's state stacked along a leading axis (a new array,
-    O(pool): the state jax_kvalloc.ranks works on; ranks on different devices cannot be
-    stacked)."""
+    With dp_size > 1, every held rank's state stacked along a leading axis in dp_ranks
+    order (a new array, O(pool): the state jax_kvalloc.ranks works on; ranks on
+    different devices cannot be stacked)."""
     states = [pool.hold() for pool in self._pools]
-    return states[0] if len(states) == 1 else _ranks.stack_ranks(states)
+    return states[0] if self._dp_size == 1 else _ranks.stack_ranks(states)
 
   def set_state(self, state) -> None:
     """Takes back a state that jitted code returned (it got the pool from `state`).
@@ -289,19 +351,20 @@ class BaseAllocator:
         allocator.set_state(state)                         # what `state` handed out
 
     state: an AllocatorState of this pool's shapes and dtypes (with dp_size > 1: ranked,
-    dp_size along the leading axis), not a tracer, whose lengths and heads describe
-    lists of this pool (TypeError / ValueError naming the field otherwise; nothing
-    changed, on any rank). In debug mode a misuse the caller's code recorded raises
-    AllocatorDebugError, and the state is not taken. Reads the lengths (a wait). The
-    caller may still hold these arrays, so the next write copies rather than donates.
+    the held ranks along the leading axis in dp_ranks order), not a tracer, whose
+    lengths and heads describe lists of this pool (TypeError / ValueError naming the
+    field otherwise; nothing changed, on any rank). In debug mode a misuse the caller's
+    code recorded raises AllocatorDebugError, and the state is not taken. Reads the
+    lengths (a wait). The caller may still hold these arrays, so the next write copies
+    rather than donates.
     """
-    if len(self._pools) == 1:
+    if self._dp_size == 1:
       parts = [state]
     else:
-      if _ranks.num_ranks(state) != self.dp_size:
+      if _ranks.num_ranks(state) != len(self._pools):
         raise ValueError(f"state has {_ranks.num_ranks(state)} ranks, this allocator "
-                         f"{self.dp_size}")
-      parts = [_ranks.rank_state(state, r) for r in range(self.dp_size)]
+                         f"holds {len(self._pools)} (dp_ranks={self._dp_ranks})")
+      parts = [_ranks.rank_state(state, i) for i in range(len(self._pools))]
     checked = []
     for pool, part in zip(self._pools, parts):
       lengths = pool.check_state(part)
@@ -318,16 +381,25 @@ class BaseAllocator:
   @property
   def free_pages(self):
     """The free list in order (slot ids for the token allocator), i32[len]; with
-    dp_size > 1 a list, rank r's at [r]. Reads the device (device backend)."""
-    lists = [_live(pool.state, "free") for pool in self._pools]
-    return lists[0] if len(lists) == 1 else lists
+    dp_size > 1 a list, rank r's at [r] (None for a rank held by another process).
+    Reads the device (device backend)."""
+    return self._per_rank([_live(pool.state, "free") for pool in self._pools])
 
   @property
   def release_pages(self):
     """The release list in order (need_sort), i32[len]; a list per rank as free_pages.
     Reads the device (device backend)."""
-    lists = [_live(pool.state, "release") for pool in self._pools]
-    return lists[0] if len(lists) == 1 else lists
+    return self._per_rank([_live(pool.state, "release") for pool in self._pools])
+
+  def _per_rank(self, held: List[Any]) -> Any:
+    """One value per held rank as the views give it: the value itself with dp_size 1,
+    else a list over every rank, None at ranks held elsewhere."""
+    if self._dp_size == 1:
+      return held[0]
+    out: List[Any] = [None] * self._dp_size
+    for r, x in zip(self._dp_ranks, held):
+      out[r] = x
+    return out
 
   def get_all_free_pages(self, dp_rank: int = 0) -> np.ndarray:
     """free_pages ++ release_pages of rank dp_rank (SPEC 10), a host int32 array (reads
@@ -338,10 +410,11 @@ class BaseAllocator:
   def debug_print(self, dp_rank: Optional[int] = None) -> str:
     """One line: free, released and in-use pages, and any open free group (from the
     host mirror: no wait). Returns the string (as SGLang's does). With dp_size > 1 and
-    dp_rank None, one line per rank, prefixed "rank r:"."""
-    if dp_rank is not None or len(self._pools) == 1:
+    dp_rank None, one line per held rank, prefixed "rank r:"."""
+    if dp_rank is not None or self._dp_size == 1:
       return self._debug_line(self._pool_index(0 if dp_rank is None else dp_rank))
-    return "\n".join(f"rank {r}: {self._debug_line(r)}" for r in range(len(self._pools)))
+    return "\n".join(f"rank {r}: {self._debug_line(i)}"
+                     for i, r in enumerate(self._dp_ranks))
 
   def _debug_line(self, r: int) -> str:
     pool = self._pools[r]
@@ -414,6 +487,8 @@ class BaseAllocator:
   def __repr__(self) -> str:
     c = self.config
     dp = f", dp_size={self.dp_size}" if self.dp_size > 1 else ""
+    if len(self._pools) != self._dp_size:
+      dp += f", dp_ranks={self._dp_ranks}"
     return (f"{type(self).__name__}(size={c.size}, page_size={c.page_size}, "
             f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
             f"backend={self.backend!r}{dp})")

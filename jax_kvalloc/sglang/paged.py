@@ -26,16 +26,23 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       (NumPy state and results, for host schedulers); see jax_kvalloc.sglang.base.
     dp_size: data-parallel ranks (sglang-jax's dp_size), each a pool of size // dp_size
       slots with rank-local page ids; every method then takes `dp_rank=` (default 0).
+    dp_ranks: the ranks this process holds (default None: all). On several hosts each
+      host passes its own, `multiprocess.process_ranks(mesh, "dp", dp_size)`, and holds
+      only those ranks' pools and host mirrors (a rank's scheduler runs on the host that
+      owns its devices; see jax_kvalloc.sglang.base). A call with another dp_rank
+      raises ValueError naming it and the ranks held here.
   """
 
   def __init__(self, size: int, page_size: int, dtype: Any = None, device: Any = None,
                kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device", dp_size: int = 1):
+               backend: str = "device", dp_size: int = 1,
+               dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
     config = AllocatorConfig(size=size, page_size=page_size, need_sort=need_sort,
                              kind="paged", **extra)
-    super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size)
+    super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
+                     dp_ranks=dp_ranks)
 
   # -- allocation ----------------------------------------------------------------------
   def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,

@@ -23,13 +23,14 @@ full-only frees find none left (SWADebugError), on top of each pool's own checks
 from __future__ import annotations
 
 import functools
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 # The lead repoints these at jax_kvalloc.sglang's own modules at merge.
+from jax_kvalloc.sglang.base import check_dp_ranks
 from jax_kvalloc.sglang.base import concat
 from jax_kvalloc.sglang.paged import PagedTokenToKVPoolAllocator
 from jax_kvalloc.sglang.token import TokenToKVPoolAllocator
@@ -99,15 +100,20 @@ class SWATokenToKVPoolAllocator:
       allocation; "host": NumPy).
     dp_size: data-parallel ranks, each an SWA allocator of size // dp_size and
       size_swa // dp_size slots; methods then take `dp_rank=` (default 0).
+    dp_ranks: the ranks this process holds (default None: all), as on the pool classes
+      (jax_kvalloc.sglang.base): only their allocators are built; a call with another
+      dp_rank raises ValueError naming it; backup_state gives None at the others.
   """
 
   def __init__(self, size: int, size_swa: int, page_size: int, dtype: Any = None,
                device: Any = None, kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device", dp_size: int = 1):
+               backend: str = "device", dp_size: int = 1,
+               dp_ranks: Optional[Sequence[int]] = None):
     dp_size = validate.count(dp_size, "dp_size")
     if dp_size < 1:
       raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    self.dp_ranks = check_dp_ranks(dp_ranks, dp_size)
     self.page_size, self.dtype, self.device = page_size, dtype, device
     self.need_sort, self.backend, self.dp_size = need_sort, backend, dp_size
     self._kvcache = kvcache
@@ -121,7 +127,7 @@ class SWATokenToKVPoolAllocator:
       self._ranks = [SWATokenToKVPoolAllocator(
           size // dp_size, size_swa // dp_size, page_size, dtype, device, kvcache,
           need_sort, kernel=kernel, debug=debug, backend=backend)
-          for _ in range(dp_size)]
+          if i in self.dp_ranks else None for i in range(dp_size)]
       return
     kw = dict(kernel=kernel, debug=debug, backend=backend)
     if page_size == 1:
@@ -151,7 +157,11 @@ class SWATokenToKVPoolAllocator:
       return None
     if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < self.dp_size:
       raise ValueError(f"dp_rank must be in 0..{self.dp_size - 1}, got {dp_rank!r}")
-    return self._ranks[int(dp_rank)]
+    rank = self._ranks[int(dp_rank)]
+    if rank is None:
+      raise ValueError(f"dp_rank={int(dp_rank)} is held by another process (this allocator "
+                       f"holds dp_ranks={self.dp_ranks} of dp_size={self.dp_size})")
+    return rank
 
   # -- sizes -----------------------------------------------------------------------------
   @property
@@ -290,8 +300,10 @@ class SWATokenToKVPoolAllocator:
   def clear(self, dp_rank: Optional[int] = None) -> None:
     """Both pools as new, the mapping all 0 but its last -1, no free group."""
     if self._ranks is not None:
+      if dp_rank is not None:
+        self._rank(dp_rank)  # a rank of this allocator, held here
       for i, r in enumerate(self._ranks):
-        if dp_rank is None or dp_rank == i:
+        if r is not None and (dp_rank is None or dp_rank == i):
           r.clear()
       return
     self.full_attn_allocator.clear()
@@ -307,7 +319,7 @@ class SWATokenToKVPoolAllocator:
     """A snapshot of both pools and the mapping (our addition: SGLang's SWA class has
     none). O(1) on the device backend (the mapping is copied only when next written)."""
     if self._ranks is not None:
-      return [r.backup_state() for r in self._ranks]
+      return [None if r is None else r.backup_state() for r in self._ranks]
     self._mapping_shared = True
     return SWASnapshot(self.full_attn_allocator.backup_state(),
                        self.swa_attn_allocator.backup_state(), self._mapping)
@@ -315,8 +327,13 @@ class SWATokenToKVPoolAllocator:
   def restore_state(self, state) -> None:
     """Puts a `backup_state` snapshot back exactly."""
     if self._ranks is not None:
+      if (not isinstance(state, (list, tuple)) or len(state) != self.dp_size
+          or any((r is None) != (s is None) for r, s in zip(self._ranks, state))):
+        raise ValueError(f"state must be backup_state() of an allocator with dp_size="
+                         f"{self.dp_size} holding dp_ranks={self.dp_ranks}")
       for r, s in zip(self._ranks, state):
-        r.restore_state(s)
+        if r is not None:
+          r.restore_state(s)
       return
     if not isinstance(state, SWASnapshot):
       raise TypeError(f"state must be an SWASnapshot from backup_state, got "
@@ -624,7 +641,8 @@ class SWATokenToKVPoolAllocator:
     time and queued; the full pool's own group queues its frees."""
     if self._ranks is not None:
       for r in self._ranks:
-        r.free_group_begin()
+        if r is not None:
+          r.free_group_begin()
       return
     validate.group_begin(self._group)
     self.full_attn_allocator.free_group_begin()
@@ -635,7 +653,8 @@ class SWATokenToKVPoolAllocator:
     free), then closes the full pool's group (SPEC 13)."""
     if self._ranks is not None:
       for r in self._ranks:
-        r.free_group_end()
+        if r is not None:
+          r.free_group_end()
       return
     validate.group_end(self._group)
     pages, slots = self._group, self._group_slots
