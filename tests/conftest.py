@@ -142,6 +142,14 @@ HEAVY_TESTS = [
     ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",
      "the TPU interpreter (the lowering tests run by default)"),
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step", "the serving scans"),
+    ("test_request_table.py", "test_random_workload_matches_model",
+     "a random workload (tests/test_table_kernels.py runs one against the model by default)"),
+    ("test_ranks_classes.py", "test_every_rank_matches_the_model_while_the_others_stay",
+     "every rank's trace"),
+    ("test_pallas_alloc.py", "test_need_sort_merge_then_fused_kernel", "the interpreter"),
+    ("test_release_decode.py", "test_serving_step_fused_release_equals_page_release",
+     "two serving scans"),
+    ("test_free_methods.py", "test_default_free_takes_auto", "every path"),
 ]
 
 
