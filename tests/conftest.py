@@ -153,6 +153,30 @@ HEAVY_TESTS = [
 ]
 
 
+# Cases beyond what CI's 20 minutes hold (slow and exhaustive: `-m exhaustive` runs them).
+# Each test function here keeps cases in the default or slow set, which CI runs.
+# (file, test, first exhaustive case by collection order, why)
+EXHAUSTIVE_TESTS = [
+    ("test_golden.py", "test_golden_trace", 30, "traces past the first 30 cases"),
+    ("test_random_traces.py", "test_classes_match_model_on_random_traces", 6, "more seeds"),
+    ("test_properties.py", "test_allocator_state_machine", 6, "more hypothesis machines"),
+    ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions", 4,
+     "page size x need_sort x sharing beyond four"),
+    ("test_no_wait.py", "test_host_mirror_is_exact_on_random_traces", 4, "more traces"),
+    ("test_triton_free.py", "test_free_states_equal_the_sort", 4, "more pools"),
+    ("test_triton_free.py", "test_every_slot_kind_equals_the_sort", 4, "more pools"),
+    ("test_request_table.py", "test_random_workload_matches_model", 4, "more workloads"),
+    ("test_capacity.py", "test_extend_near_int32_max_all_paths", 4, "more near-2**31 cases"),
+    ("test_newer_ops.py", "test_random_traces_against_model", 4, "more traces"),
+    ("test_extend_layouts.py", "test_layouts_exhaustive", 3, "more layouts and pools"),
+    ("test_free_methods.py", "test_free_states_are_identical_and_match_the_model", 4,
+     "more pools"),
+    ("test_table_kernels.py", "test_kernel_equals_jnp_path", 3, "more page sizes"),
+    ("test_swa.py", "test_long_traces_all_impls_match_sglang", 0,
+     "long traces (the default set's SGLang lock-step traces run in CI)"),
+]
+
+
 def _mark_slow(item, why: str) -> None:
   item.add_marker(pytest.mark.slow(reason=why))
 
@@ -160,8 +184,18 @@ def _mark_slow(item, why: str) -> None:
 def pytest_collection_modifyitems(config, items):
   del config
   first_case = set()   # (file, test) pairs whose default case is taken
+  case_index = {}      # (file, test) -> cases seen so far
   for item in items:
     name = getattr(item, "originalname", item.name.split("[")[0])
+    index = case_index.get((item.path.name, name), 0)
+    case_index[(item.path.name, name)] = index + 1
+    for file, test, first, why in EXHAUSTIVE_TESTS:
+      if item.path.name == file and test == name and index >= first:
+        item.add_marker(pytest.mark.exhaustive(reason=why))
+        _mark_slow(item, why)
+        break
+    if item.get_closest_marker("exhaustive"):
+      continue
     if any(item.path.name == f and n in ("*", name) for f, n, _ in HEAVY_TESTS):
       _mark_slow(item, "heavy")
       continue
@@ -183,6 +217,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
   config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
+  config.addinivalue_line("markers", "exhaustive: more cases than CI runs (-m exhaustive)")
 
 
 @pytest.fixture(scope="session")
