@@ -6,7 +6,7 @@ import pytest
 
 from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import demo
-from test_no_wait import _has_gpu
+from gpu import needs_gpu
 
 # Small enough for CI: 8 requests over 5 serving rows, so that rows are reused, prompts
 # are chunked (chunk 8 < prompts of up to 12 + 24 tokens) and admission defers chunks
@@ -127,7 +127,7 @@ def test_tpu_ragged_kernel_lowers_at_demo_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+@needs_gpu
 def test_pallas_demo_on_gpu_is_identical_and_compiles_once():
   # Triton's paged_attention for decode on the GPU; a second, warm run compiles nothing.
   res = demo.run(demo.DemoConfig(attention="pallas"), repeat=2)

@@ -22,6 +22,7 @@ import jax_kvalloc.sglang as kvs
 import jax.numpy as jnp
 from model import ModelAllocator
 from serving_driver import run_workload
+from gpu import needs_gpu
 
 
 ARRAY_TYPES = (type(jnp.zeros((1,))),)  # jax's ArrayImpl (its methods are patchable)
@@ -174,15 +175,9 @@ def test_debug_mode_waits_and_says_so():
     a.alloc(8)
 
 
-def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
-
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+@needs_gpu
 @pytest.mark.parametrize("need_sort,device_last", [(False, False), (True, False),
                                                    (False, True), (True, True)])
 def test_device_class_calls_do_not_wait_on_gpu(need_sort, device_last):

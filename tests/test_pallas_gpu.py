@@ -22,19 +22,14 @@ from test_pallas_alloc import _state, check_alloc_decode, check_alloc_extend
 from test_pallas_alloc import check_classes_follow_the_model
 from test_pallas_kernels import _check_decode, _check_extend
 from test_release_decode import check_release_decode
+from gpu import has_gpu, needs_gpu
 
-
-def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
 
 
 KERNEL = os.environ.get("JAX_KVALLOC_GPU_TEST_KERNEL", "pallas")
 INTERPRET = KERNEL == "pallas_interpret"
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (_has_gpu() or INTERPRET),
+              pytest.mark.skipif(not (has_gpu() or INTERPRET),
                                  reason="needs a CUDA GPU (jax sees none)")]
 
 

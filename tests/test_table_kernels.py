@@ -32,6 +32,7 @@ from pallas_kernels import lowering_check
 from pallas_kernels import triton_table
 import test_request_table as trt
 from model import ModelAllocator
+from gpu import needs_gpu
 
 KERNEL_NAME = "jax_kvalloc_table_step_triton"
 TRITON = lowering_check.TRITON_CUSTOM_CALL
@@ -464,15 +465,9 @@ def test_steps_lower_for_tpu():
 # The compiled kernel on a GPU (pytest -m gpu; skipped without one).
 # ---------------------------------------------------------------------------------------
 
-def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
-
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+@needs_gpu
 @pytest.mark.parametrize("ps", (1, 3, 16, 64))
 def test_compiled_kernel_equals_jnp_path_on_gpu(ps):
   refused = check_table_ops(ps, 40, 8, 6, 64, "gpu", kernel="pallas", ops=ALL_OPS)
@@ -483,6 +478,6 @@ def test_compiled_kernel_equals_jnp_path_on_gpu(ps):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+@needs_gpu
 def test_compiled_scan_of_steps_matches_model_on_gpu():
   check_scan_of_steps("pallas", 60, "scan-gpu")

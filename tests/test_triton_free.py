@@ -23,7 +23,7 @@ from jax_kvalloc.config import AllocatorConfig
 from pallas_kernels import lowering_check
 from pallas_kernels import triton_free
 from test_free_methods import _slot_inputs, _taken_state
-from test_pallas_gpu import _has_gpu
+from gpu import needs_gpu
 
 I32_MIN, I32_MAX = -2**31, 2**31 - 1
 TRITON = "__gpu$xla.gpu.triton"
@@ -254,7 +254,7 @@ def test_free_auto_lowers_for_h200(need_sort):
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (jax sees none)")
+@needs_gpu
 @pytest.mark.parametrize("ps,slots,m", [(64, 2**24, 8192), (64, 2**24, 262144),
                                         (1, 2**20, 8192), (16, 4100 * 16, 70000),
                                         (3, 3000, 1)])
