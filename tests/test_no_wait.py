@@ -60,6 +60,27 @@ def no_device_reads():
     mp.undo()
 
 
+def decode_all(a, m, slot_lists, put, outputs, speculative=False):
+  """One decode token for every request, the class `a` and the model `m` in lock step;
+  `put` turns last_loc into the class's input. Appends (class output, model output) to
+  `outputs` and each new slot to its list; `speculative` rolls both back instead
+  (backup_state / restore_state)."""
+  seq = np.array([len(r) + 1 for r in slot_lists])
+  last = np.array([r[-1] for r in slot_lists])
+  snap = a.backup_state() if speculative else None
+  msnap = m.backup_state() if speculative else None
+  out = a.alloc_decode(seq, seq, put(last))
+  want = m.alloc_decode(seq.tolist(), last.tolist())
+  assert (out is None) == (want is None)
+  if speculative:
+    a.restore_state(snap)
+    m.restore_state(msnap)
+  elif want is not None:
+    outputs.append((out, want))
+    for r, s in zip(slot_lists, want):
+      r.append(s)
+
+
 def _serving_sequence(a, m, need_sort, outputs, device_last=False):
   """A serving loop's class calls on `a` (device backend) with host inputs only (or,
   with device_last, last_loc and the free_segment / free_page_ids arguments as device
@@ -105,20 +126,7 @@ def _serving_sequence(a, m, need_sort, outputs, device_last=False):
         starts = np.concatenate([[0], np.cumsum(seq)])
         reqs += [list(want[starts[i]:starts[i + 1]]) for i in range(3)]
     elif reqs:  # decode every live request
-      seq = np.array([len(r) + 1 for r in reqs])
-      last = np.array([r[-1] for r in reqs])
-      snap = a.backup_state() if step % 4 == 1 else None  # speculative decoding
-      msnap = m.backup_state() if snap is not None else None
-      out = a.alloc_decode(seq, seq, put(last))
-      want = m.alloc_decode(seq.tolist(), last.tolist())
-      assert (out is None) == (want is None)
-      if snap is not None:
-        a.restore_state(snap)
-        m.restore_state(msnap)
-      elif want is not None:
-        outputs.append((out, want))
-        for r, s in zip(reqs, want):
-          r.append(s)
+      decode_all(a, m, reqs, put, outputs, speculative=step % 4 == 1)
     raw = a.alloc(2 * ps)
     want = m.alloc(2 * ps)
     if want is not None:

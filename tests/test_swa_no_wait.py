@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from swa_model import ModelSWA
-from test_no_wait import DeviceRead, no_device_reads
+from test_no_wait import DeviceRead, decode_all, no_device_reads
 
 PS = 4
 WINDOW = PS + 1
@@ -77,20 +77,7 @@ def _serve(a, m, outputs, guard, device_inputs, steps=24):
             outputs.append((out, want))
             into.append(_Req(want, 2 * ps) if tail else want)
       elif reqs:
-        seq = np.array([len(r.slots) + 1 for r in reqs])
-        last = np.array([r.slots[-1] for r in reqs])
-        snap = a.backup_state() if step % 3 == 1 else None
-        msnap = m.backup_state() if snap is not None else None
-        out = a.alloc_decode(seq, seq, put(last))
-        want = m.alloc_decode(seq.tolist(), last.tolist())
-        assert (out is None) == (want is None)
-        if snap is not None:
-          a.restore_state(snap)
-          m.restore_state(msnap)
-        elif want is not None:
-          outputs.append((out, want))
-          for r, s in zip(reqs, want):
-            r.slots.append(s)
+        decode_all(a, m, [r.slots for r in reqs], put, outputs, speculative=step % 3 == 1)
       if step % 2 == 1:  # the window: SWA KV of whole pages before len - WINDOW leaves
         on = group(step % 4 == 3)
         for r in reqs:
