@@ -4,11 +4,10 @@
 #
 #   bash benchmarks/sglang_bundle.sh [DEST] [PYVER]      # defaults: .sglang_py312 3.12
 #
-# DEST holds (1) the .py files of the sglang 0.5.23 wheel for PYVER, trimmed to the
-# packages that `import sglang.srt.mem_cache.allocator` / `.allocator.swa` load (traced on
-# CPU torch and on a CUDA-reporting torch; every .py of those packages is kept, not only
-# the traced modules), (2) the manylinux x86_64 wheels for PYVER of the pure-Python and
-# binary packages those imports need, unpacked (no tests, no __pycache__), and (3) VERSION:
+# DEST holds (1) the .py files of the sglang 0.5.23 wheel for PYVER listed in
+# benchmarks/sglang_bundle_files.txt (see FILES below), (2) the manylinux x86_64 wheels
+# for PYVER of the packages those imports need, unpacked and trimmed (see the trims
+# below; about 38 MB unpacked, 10 MB as .tgz), and (3) VERSION:
 # the wheels' names and sha256. torch, numpy, triton, typing_extensions, filelock, sympy
 # are left to the target image. Use it by APPENDING DEST to sys.path
 # (jax_kvalloc/tools/sglang_oracle.py's `use_bundle`), so the image's own packages win.
