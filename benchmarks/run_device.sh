@@ -23,6 +23,9 @@
 #                   (default .sglang_kernels/allocator.py, an ignored folder carried to
 #                   the device; a VERSION file beside it names the wheel and its sha256)
 #   SGLJAX          sglang-jax's checkout for bench-class (default: left out)
+#   SGLANG_BUNDLE   SGLang 0.5.23's allocator classes and their pure deps for swa and
+#                   swa-bench (benchmarks/sglang_bundle.sh; default .sglang_py312, an
+#                   ignored folder carried to the device; appended to sys.path)
 #   COMMIT          the tree's commit, where the device copy has no .git
 #   PYTHON          interpreter (default python3)
 #   ARGS_<STEP>     extra arguments for one step ('-' in its name as '_': ARGS_bench_class);
@@ -50,6 +53,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
 SGK=${SGLANG_KERNELS:-.sglang_kernels/allocator.py}
+SGB=${SGLANG_BUNDLE:-.sglang_py312}
 BENCH="bench --no-progress --bare --min-time 0.02 --reps 5"
 
 STEPS="gpu-tests     every -m gpu test (pytest)
@@ -67,7 +71,8 @@ profile       benchmarks/gpu_profile.py --serving: the serving step's GPU activi
 scan-copies   benchmarks/scan_copies.py: the compiled serving loops' copies per step
 simulate-host jax-kvalloc simulate --driver host (one jitted call per step)
 demo-toy      jax-kvalloc demo --attention toy
-swa           benchmarks/swa_gpu.py: SWA lock-step traces on GPU, then timings"
+swa           benchmarks/swa_gpu.py: SWA lock-step traces on GPU, then timings
+swa-bench     jax-kvalloc bench-swa: SWA extend/decode/window free, ours vs SGLang's class"
 
 step_gpu_tests()    { run gpu-tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests; }
 step_decode()       { run decode 150 $KV $BENCH --no-serving --ops decode --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/decode.json"; }
@@ -84,7 +89,8 @@ step_demo_toy()     { run demo-toy 90 $KV demo --attention toy --repeat 3; }
 step_ranks()        { run ranks 90 $PY -m jax_kvalloc.tools.bench_ranks --devices 1,2 --json "$DIR/ranks.json"; }
 step_profile()      { run profile 120 $PY benchmarks/gpu_profile.py --serving 64,1024 --iters 20 --json "$DIR/profile.json"; }
 step_scan_copies()  { run scan-copies 90 $PY benchmarks/scan_copies.py --out "$DIR/scan-copies" --bs 256 --page-size 64 --steps old,calls,step,step_ext --harnesses chain,scan,scan_donated; }
-step_swa()          { run swa 150 $PY benchmarks/swa_gpu.py "$DIR/swa.json"; }
+step_swa()          { run swa 150 env JAX_KVALLOC_SGLANG_BUNDLE="$SGB" $PY benchmarks/swa_gpu.py "$DIR/swa.json"; }
+step_swa_bench()    { run swa-bench 200 $KV bench-swa --device cuda --sglang-bundle "$SGB" --reps 100 --json "$DIR/swa-bench.json"; }
 
 DRY=0
 BUDGET=${BUDGET:-560}

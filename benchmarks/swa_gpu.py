@@ -5,7 +5,9 @@
 1. Correctness: lock-step random traces (tests/swa_trace.py) of the functional core
    (kernel="auto": the pools' Pallas/Triton paths) and of the class on the device
    backend against the SPEC 13 model, and against SGLang 0.5.23's released class on CUDA
-   when it imports (tests/swa_impls.py gives it a stand-in kvcache module).
+   when it imports (tests/swa_impls.py gives it a stand-in kvcache module; without sglang
+   installed, from the bundle folder $JAX_KVALLOC_SGLANG_BUNDLE or .sglang_py312, built by
+   benchmarks/sglang_bundle.sh and appended to sys.path).
 2. Timings (plain wall-clock medians of `reps` calls with a block at the end, not the
    `jax-kvalloc bench` harness): one jitted decode step of the functional core
    (alloc_decode of B rows + a window free of B pages, free_swa_segment-style), and the
@@ -28,6 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from jax_kvalloc import swa as core  # noqa: E402
+from jax_kvalloc.tools import sglang_oracle  # noqa: E402
 from swa_impls import ClassImpl, CoreImpl, SGLangImpl  # noqa: E402
 from swa_trace import run_trace  # noqa: E402
 
@@ -109,6 +112,12 @@ def timings(report, bs=256, ps=16):
 def main():
   out_path = sys.argv[1]
   report = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+  if sglang_oracle.import_error() is not None:
+    try:
+      report["sglang_bundle"] = sglang_oracle.use_bundle()
+    except FileNotFoundError as e:
+      report["sglang_bundle"] = str(e)
+  report["sglang_import_error"] = sglang_oracle.import_error()
   correctness(report)
   if "--no-timings" not in sys.argv:
     timings(report)

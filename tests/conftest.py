@@ -27,6 +27,8 @@ def _param(item, name, default=None):
 _FAST_MACHINES = {"token-ps1-n24-sort0-dbg0", "paged-ps4-n12-sort0-dbg0",
                   "paged-ps16-n8-sort1-dbg0", "paged-ps3-n12-sort1-dbg1"}
 SLOW_TESTS = [
+    ("test_bench_swa.py", "test_class_calls_compile_nothing_after_warmup", None, "compiles the class's SWA calls (5 s)"),
+    ("test_bench_swa.py", "test_bench_swa_record_and_table", None, "compiles every SWA op of two implementations"),
     ("test_parity.py", "test_cli_lock_step_parity", None, "~1300 lock-step steps in a subprocess"),
     ("test_parity.py", "test_cli_triton_interpreter_replays_golden", None, "Triton interpreter"),
     ("test_parity.py", "test_triton_kernels_against_torch_path", None, "Triton interpreter"),

@@ -3,8 +3,6 @@ to shape buckets), our class, and SGLang 0.5.23's released class (torch, CPU).""
 from __future__ import annotations
 
 import functools
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -191,41 +189,12 @@ class ClassImpl:
 
 # -- SGLang 0.5.23 ------------------------------------------------------------------------
 
-_STANDIN = "sglang.srt.mem_cache.base_swa_memory_pool"
-
-
-class _StandInSWAKVPool:
-  """What SGLang's SWA allocator asks of its kvcache (the real module needs
-  transformers): no per-request ring, no KV pools, the mapping registered."""
-  full_kv_pool = None
-  swa_kv_pool = None
-  swa_req_ring_size = None
-  full_to_swa_index_mapping = None
-
-  def register_mapping(self, mapping):
-    self.full_to_swa_index_mapping = mapping
-
-  def translate_loc_from_full_to_swa(self, idx):
-    return self.full_to_swa_index_mapping[idx]
-
-
 def sglang_swa_class():
   """SGLang 0.5.23's SWATokenToKVPoolAllocator and a kvcache stand-in class, or raises
-  ImportError. Installs the stand-in module for base_swa_memory_pool when the real one
-  does not import (it needs transformers)."""
-  try:
-    import sglang.srt.mem_cache.base_swa_memory_pool as real  # noqa: F401
-    base = real.BaseSWAKVPool
-    standin = type("StandIn", (base, _StandInSWAKVPool), {})
-  except Exception:  # pylint: disable=broad-except
-    mod = sys.modules.get(_STANDIN)
-    if mod is None or not hasattr(mod, "BaseSWAKVPool"):
-      mod = types.ModuleType(_STANDIN)
-      mod.BaseSWAKVPool = _StandInSWAKVPool
-      sys.modules[_STANDIN] = mod
-    standin = mod.BaseSWAKVPool
-  from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-  return SWATokenToKVPoolAllocator, standin
+  ImportError (jax_kvalloc.tools.sglang_oracle; the stand-in module for
+  base_swa_memory_pool when the real one needs transformers)."""
+  from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
+  return sglang_oracle.sglang_swa_class()
 
 
 class SGLangImpl:

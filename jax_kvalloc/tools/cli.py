@@ -5,6 +5,7 @@
   jax-kvalloc parity [options]     lock-step parity: jax_kvalloc, torch_ref, SGLang
   jax-kvalloc demo [options]       a toy decoder served through the request table
   jax-kvalloc bench-table [options] the serving loop through the request table, in one jit
+  jax-kvalloc bench-swa [options]  SWA extend / decode / window free beside SGLang's SWA class
   jax-kvalloc report [--check] [DOC...]  BENCHMARKS.md's / README's tables from results
 
 `jax-kvalloc COMMAND --help` lists each command's options.
@@ -17,7 +18,8 @@ from typing import List, Optional, Sequence
 
 from jax_kvalloc.config import KERNELS
 
-COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class", "report")
+COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class", "bench-swa",
+            "report")
 
 
 def int_list(text: str) -> List[int]:
@@ -165,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
       epilog="Without a command, runs `simulate`.")
   sub = parser.add_subparsers(dest="command",
-                              metavar="{simulate,bench,parity,demo,bench-table,bench-class,report}")
+                              metavar="{simulate,bench,parity,demo,bench-table,bench-class,bench-swa,report}")
   simulate_parser(sub)
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   bench.add_parser(sub)
@@ -175,6 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   bench_table.add_parser(sub)
   from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
   bench_class.add_parser(sub)
+  from jax_kvalloc.tools import bench_swa  # pylint: disable=g-import-not-at-top
+  bench_swa.add_parser(sub)
   from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
   report.add_parser(sub)
   if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
@@ -188,6 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return bench_table.run_cli(args)
   if args.command == "bench-class":
     return bench_class.main_args(args)
+  if args.command == "bench-swa":
+    return bench_swa.main_args(args)
   if args.command == "report":
     return report.run_report(args.docs, check=args.check)
   return run_simulate(args)

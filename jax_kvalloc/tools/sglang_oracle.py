@@ -14,9 +14,49 @@ wrong at page size 1 (SPEC 4.3's fix), so `unsupported_reason` declines that con
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+import os
+import pathlib
+import sys
+import types
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+BUNDLE_ENV = "JAX_KVALLOC_SGLANG_BUNDLE"
+DEFAULT_BUNDLE = pathlib.Path(__file__).resolve().parents[2] / ".sglang_py312"
+
+
+def use_bundle(path: Optional[str] = None) -> Optional[str]:
+  """Appends an SGLang bundle folder (benchmarks/sglang_bundle.sh) to sys.path, LAST, so
+  that installed packages (numpy, torch, typing_extensions ...) win over the bundle's.
+
+  path: the folder; default $JAX_KVALLOC_SGLANG_BUNDLE, else <repo>/.sglang_py312. Returns
+  the folder appended (or already there), or None when sglang is already importable
+  without it or no such folder exists (nothing changes then). Raises FileNotFoundError
+  when `path` is given and is not a folder."""
+  if path is None:
+    path = os.environ.get(BUNDLE_ENV) or None
+    given = path is not None
+    path = path or str(DEFAULT_BUNDLE)
+  else:
+    given = True
+  folder = pathlib.Path(path).resolve()
+  if not folder.is_dir():
+    if given:
+      raise FileNotFoundError(f"SGLang bundle folder {path!r} does not exist (build it "
+                              f"with benchmarks/sglang_bundle.sh)")
+    return None
+  if str(folder) in sys.path:
+    return str(folder)
+  if "sglang" not in sys.modules and _importable("sglang") and not given:
+    return None
+  sys.path.append(str(folder))
+  return str(folder)
+
+
+def _importable(name: str) -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec(name) is not None
 
 _STATE_ATTRS = ("free_pages", "release_pages", "staged_pages", "num_staged_pages",
                 "free_page_ids_group")
@@ -44,6 +84,42 @@ def unsupported_reason(size: int, page_size: int, need_sort: bool, kind: str
     return ("SGLang never builds the paged allocator at page size 1 and its decode page "
             "count is 0 there (SPEC 4.3 fix)")
   return None
+
+
+_STANDIN = "sglang.srt.mem_cache.base_swa_memory_pool"
+
+
+class StandInSWAKVPool:
+  """What SGLang 0.5.23's SWA allocator asks of its kvcache (the real module needs
+  transformers): no per-request ring, no KV pools, the mapping registered."""
+  full_kv_pool = None
+  swa_kv_pool = None
+  swa_req_ring_size = None
+  full_to_swa_index_mapping = None
+
+  def register_mapping(self, mapping):
+    self.full_to_swa_index_mapping = mapping
+
+  def translate_loc_from_full_to_swa(self, idx):
+    return self.full_to_swa_index_mapping[idx]
+
+
+def sglang_swa_class() -> Tuple[type, type]:
+  """(SGLang's SWATokenToKVPoolAllocator, a kvcache class to instantiate for it), or
+  raises ImportError. Installs a stand-in module for base_swa_memory_pool when the real
+  one does not import (it needs transformers)."""
+  try:
+    import sglang.srt.mem_cache.base_swa_memory_pool as real  # pylint: disable=g-import-not-at-top
+    standin = type("StandIn", (real.BaseSWAKVPool, StandInSWAKVPool), {})
+  except Exception:  # pylint: disable=broad-except
+    mod = sys.modules.get(_STANDIN)
+    if mod is None or not hasattr(mod, "BaseSWAKVPool"):
+      mod = types.ModuleType(_STANDIN)
+      mod.BaseSWAKVPool = StandInSWAKVPool
+      sys.modules[_STANDIN] = mod
+    standin = mod.BaseSWAKVPool
+  from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # pylint: disable=g-import-not-at-top
+  return SWATokenToKVPoolAllocator, standin
 
 
 class SGLangAllocator:
