@@ -59,7 +59,8 @@ def model(cfg: simulate.SimConfig, lay: simulate.Layout):
     swa_free += freed
     live = [r for r in range(r_) if phase[r] in (prefill, decode)]
     avail = free - sum(res[r] - cdiv(seq[r], ps) for r in live)
-    avail_swa = swa_free - sum(res_swa[r] - (cdiv(seq[r], ps) - swa_from[r]) for r in live)
+    avail_swa = swa_free - sum(max(res_swa[r] - (cdiv(seq[r], ps) - swa_from[r]), 0)
+                               for r in live)
     batch, budget = [], t_
     for r in sorted((r for r in live if phase[r] == prefill), key=lambda r: (adm_at[r], r)):
       if len(batch) == b_ or budget == 0:
@@ -85,6 +86,7 @@ def model(cfg: simulate.SimConfig, lay: simulate.Layout):
       batch.append((r, min(p, budget)))
       budget -= batch[-1][1]
       admitted += 1
+    reserved_for_step = list(res_swa)
     head += admitted
     decoding = [r for r in range(r_) if phase[r] == decode]
     if batch:
@@ -94,7 +96,8 @@ def model(cfg: simulate.SimConfig, lay: simulate.Layout):
       for r, n in batch:
         seq[r] += n
         if seq[r] == prompt[r]:
-          phase[r] = decode
+          phase[r] = decode  # from now on: the window and one token
+          res_swa[r] = min(cdiv(prompt[r] + out[r], ps), cdiv(w + 1, ps) + 1)
     elif decoding or pops:
       kind, tokens = steps.KIND_DECODE, len(decoding)
       pages = sum(cdiv(seq[r] + 1, ps) - cdiv(seq[r], ps) for r in decoding)
@@ -118,6 +121,8 @@ def model(cfg: simulate.SimConfig, lay: simulate.Layout):
     held = [r for r in range(r_) if phase[r] != empty]
     assert n_swa - swa_free == sum(cdiv(seq[r], ps) - swa_from[r] for r in held)
     assert n_full - free == sum(cdiv(seq[r], ps) for r in held)
+    # No request holds more SWA pages than it had reserved for the step.
+    assert all(cdiv(seq[r], ps) - swa_from[r] <= reserved_for_step[r] for r in held)
     # Each live request's SWA pages: from the page of its token seq - window on.
     assert all(swa_from[r] * ps <= max(seq[r] - w, 0) or seq[r] <= w for r in held)
     recs.append([kind, admitted, finished, tokens, pages, n_full - free, n_swa - swa_free,

@@ -31,9 +31,12 @@ extend_rows / decode_rows); each step frees, for every live request, the SWA pag
 wholly before `seq - W` (window_rows, after the step's free group and before its
 allocation); a finished request frees both pools (release_rows). Admission counts both
 pools: a request reserves its whole length in the full pool and, in the SWA pool, the
-most SWA pages it can ever hold, min(ceil(total / ps), ceil((W + min(prompt,
-max_prefill_tokens)) / ps) + 1) (the window plus one prefill chunk, one page of rounding
-at each end), so no allocation fails in either pool. Prefix sharing is off in SWA mode:
+most SWA pages it can hold from now on (`swa_need`): while it prefills, the window plus
+one prefill chunk, min(ceil(total / ps), ceil((W + min(prompt, max_prefill_tokens)) /
+ps) + 1) (SGLang's alloc_extend takes SWA slots for the whole chunk; the window frees
+them at the next step); once it decodes, the window plus one token, min(ceil(total / ps),
+ceil((W + 1) / ps) + 1). A reservation only shrinks, so no allocation fails in either
+pool. Prefix sharing is off in SWA mode:
 SPEC 13 leaves SGLang's SWA radix-cache hooks out of scope and the SWA request table has
 no borrowed prefixes, so requests whose prompts start with a shared prefix prefill it
 themselves (the workload is the same; the report's prefix hits are 0). Page size 1 is
@@ -242,14 +245,16 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
-def swa_need(prompt, output, window: int, tokens: int, ps: int):
-  """SWA pages a request may hold at most (numpy or jax arrays): after a step that
-  extends it from L to L + n tokens, having freed the pages wholly before L - window, it
-  holds ceil((L + n) / ps) - floor((L - window) / ps) <= ceil((window + n) / ps) + 1
-  pages, n <= min(prompt, tokens); never more than its whole length's pages."""
+def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=False):
+  """SWA pages a request may hold at most from now on (numpy or jax arrays): after a step
+  that extends it from L to L + n tokens, having freed the pages wholly before
+  L - window, it holds ceil((L + n) / ps) - floor((L - window) / ps)
+  <= ceil((window + n) / ps) + 1 pages, with n <= min(prompt, tokens) while it prefills
+  and n = 1 once it decodes (`decoding`, bool or bool array); never more than its whole
+  length's pages."""
   xp = np if isinstance(prompt, np.ndarray) else jax.numpy
-  return xp.minimum(cdiv(prompt + output, ps),
-                    cdiv(window + xp.minimum(prompt, tokens), ps) + 1)
+  n = xp.where(decoding, 1, xp.minimum(prompt, tokens))
+  return xp.minimum(cdiv(prompt + output, ps), cdiv(window + n, ps) + 1)
 
 
 def check_swa_args(cfg: SimConfig) -> None:

@@ -97,7 +97,7 @@ class Sched(NamedTuple):
   leak_injected: Array  # bool[] (starts True unless the test hook inject_leak is on)
   error: Array        # i32[] 0, or ERR_STUCK
   swa_from: Array     # i32[R] SWA mode: first page column whose SWA page is held
-  swa_reserved: Array  # i32[R] SWA mode: SWA pages it may ever hold
+  swa_reserved: Array  # i32[R] SWA mode: SWA pages it may hold from now on
   swa_free: Array     # i32[] SWA mode: the scheduler's count of free + released SWA pages
 
 
@@ -199,7 +199,7 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
     swa_from = jnp.maximum(c.swa_from, win_end)
     swa_free = swa_free + window_freed
     swa_held = jnp.where(phase != EMPTY, cdiv(c.seq, ps) - swa_from, 0)
-    avail_swa = swa_free - jnp.sum(jnp.where(live, c.swa_reserved - swa_held, 0))
+    avail_swa = swa_free - _swa_committed(c.swa_reserved, swa_held, live)
   # 3a. rows still prefilling, in admission order, while the batch has room.
   pre_rows = phase == PREFILL
   rank = _rank(c.admitted_at * r_ + rows, pre_rows)
@@ -230,9 +230,8 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   need_before = _excl_cumsum(need)
   fits = room & (need_before + need <= avail)
   if swa:
-    from jax_kvalloc.tools.simulate import swa_need  # pylint: disable=g-import-not-at-top
-    need_swa = jnp.where(valid, swa_need(wl.prompt[qc], wl.output[qc], lay.window, t_, ps),
-                         0)
+    need_swa = jnp.where(valid, sim.swa_need(wl.prompt[qc], wl.output[qc], lay.window, t_,
+                                             ps), 0)
     swa_before = _excl_cumsum(need_swa)
     fits_full = fits
     fits = fits & (swa_before + need_swa <= avail_swa)
@@ -345,6 +344,12 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   return _Planned(sched, plan_prefill, plan_decode, kind, rec)
 
 
+def _swa_committed(reserved: Array, held: Array, live: Array) -> Array:
+  """SWA pages the live rows may still take (a decoding row's reservation can be below
+  what it holds right after its prefill: the window frees the difference first)."""
+  return jnp.sum(jnp.where(live, jnp.maximum(reserved - held, 0), 0))
+
+
 def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
   ps, g_ = lay.acfg.page_size, lay.groups
   br, bn, in_batch = rec["batch"]
@@ -356,6 +361,10 @@ def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
   seq = _add(c.seq, dest, bn)
   completes = in_batch & (seq[br] == c.prompt[br])
   phase = _set(c.phase, jnp.where(completes, br, r_), DECODE)
+  swa_reserved = c.swa_reserved
+  if lay.swa is not None:  # a decoding row's SWA reservation: the window and one token
+    swa_reserved = jnp.where(phase == DECODE, sim.swa_need(
+        c.prompt, c.out, lay.window, lay.tokens, ps, decoding=True), c.swa_reserved)
   di = jnp.where(ins, br, r_)
   gi = jnp.where(ins, bg, g_)
   c = c._replace(
@@ -365,7 +374,8 @@ def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
       cache_tokens=_set(c.cache_tokens, gi, aligned),
       refcount=_set(c.refcount, gi, 1),
       last_used=_set(c.last_used, gi, c.admitted_at[jnp.minimum(di, r_ - 1)]),
-      free_pages=c.free_pages - pages, swa_free=c.swa_free - pages * (lay.swa is not None))
+      free_pages=c.free_pages - pages, swa_free=c.swa_free - pages * (lay.swa is not None),
+      swa_reserved=swa_reserved)
   return c, {"tokens": jnp.sum(jnp.where(in_batch, bn, 0)), "pages": pages,
              "finished": jnp.zeros((), jnp.int32)}
 
@@ -500,7 +510,7 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
   if swa:
     swa_held = jnp.where(live, cdiv(c.seq, ps) - c.swa_from, 0)
     vals.update(swa_used=lay.swa_pages - c.swa_free, swa_device_pages=status[3],
-                swa_committed=jnp.sum(jnp.where(active, c.swa_reserved - swa_held, 0)))
+                swa_committed=_swa_committed(c.swa_reserved, swa_held, active))
   rec = jnp.stack([jnp.asarray(vals[k], jnp.int32) for k in steps.record_columns(swa)])
   return Carry(state, table, c), rec, p.kind > 0
 
