@@ -226,7 +226,6 @@ def test_final_leak_check_covers_both_pools_and_the_mapping():
     (dict(swa_ratio=0.0), "--swa-ratio"),
     (dict(swa_ratio=-0.5), "--swa-ratio"),
     (dict(swa_ratio=0.02), "--swa-ratio"),   # a pool smaller than one request's window
-    (dict(driver="host"), "--driver device"),
     (dict(page_sizes=(1,)), "page size > 1"),
 ])
 def test_bad_swa_arguments_name_the_argument(change, match):

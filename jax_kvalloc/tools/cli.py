@@ -93,8 +93,8 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
     "on CPU)")
   a("--swa-window", type=int, default=d.swa_window,
     help="tokens of a sliding window: run on the SWA allocator (a full pool and an SWA "
-    "pool; each step frees the SWA pages that left the window; device driver, page sizes "
-    "> 1, no prefix sharing); 0 = off")
+    "pool; each step frees the SWA pages that left the window; page sizes > 1, no prefix "
+    "sharing); 0 = off")
   a("--swa-ratio", type=float, default=d.swa_ratio,
     help="with --swa-window: SWA pool slots = this * --pool-size, in whole pages")
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "

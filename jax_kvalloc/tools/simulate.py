@@ -24,7 +24,7 @@ checked against the count STATUS_LAG steps later, when the device has long finis
 checks every step inside its loop. The run ends with a leak check that the free list, the
 release list and the pages the prefix cache holds partition the pool exactly.
 
-With `--swa-window W` (SPEC 13; the device driver only) the pool is an SWA allocator: a
+With `--swa-window W` (SPEC 13; both drivers) the pool is an SWA allocator: a
 full pool of `pool_size` slots and an SWA pool of `swa_ratio * pool_size` slots (whole
 pages). Every token takes a full slot and an SWA slot (jax_kvalloc.swa_table's
 extend_rows / decode_rows); each step frees, for every live request, the SWA pages lying
@@ -258,7 +258,8 @@ def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=Fals
 
 
 def check_swa_args(cfg: SimConfig) -> None:
-  """ValueError naming the argument for a bad SWA setting (window 0: SWA off)."""
+  """ValueError naming the argument for a bad SWA setting (window 0: SWA off; the
+  ratio is then ignored)."""
   if not isinstance(cfg.swa_window, (int, np.integer)) or cfg.swa_window < 0:
     raise ValueError(f"--swa-window must be an int >= 0 (0: no SWA pool), "
                      f"got {cfg.swa_window!r}")
@@ -267,9 +268,6 @@ def check_swa_args(cfg: SimConfig) -> None:
   if not cfg.swa_ratio > 0:
     raise ValueError(f"--swa-ratio must be > 0 (SWA pool slots / --pool-size), "
                      f"got {cfg.swa_ratio!r}")
-  if cfg.driver != "device":
-    raise ValueError("--swa-window runs on the device driver only (--driver device); "
-                     "the host driver has no SWA scheduler")
   if not [p for p in cfg.page_sizes if p > 1]:
     raise ValueError(f"--swa-window needs a page size > 1 (SGLang's SWA alloc_extend "
                      f"asserts page_size > 1), got --page-size {list(cfg.page_sizes)}")
@@ -310,7 +308,16 @@ class _Simulation:
     self.cfg, self.wl, self.ps = cfg, wl, page_size
     self.lay = lay = make_layout(cfg, wl, page_size)
     self.acfg, self.num_pages = lay.acfg, lay.num_pages
-    self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel, driver="host")
+    self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel, driver="host",
+                              swa_window=lay.window, swa_num_pages=lay.swa_pages)
+    # SWA mode (lay.swa): no prefix cache (every request's group is -1), and per row the
+    # first column whose SWA page is held and the SWA pages it may hold from now on.
+    self.swa = lay.swa is not None
+    self.group_of = np.full_like(wl.group, -1) if self.swa else wl.group
+    self.swa_from = np.zeros(lay.rows, np.int64)
+    self.swa_reserved = np.zeros(lay.rows, np.int64)
+    self.swa_free = lay.swa_pages          # mirror of the SWA pool's free + released
+    self.refused = 0
     self.progress = progress
     r, g = self.R, self.G = lay.rows, lay.groups
     self.B, self.T, self.F = lay.batch, lay.tokens, lay.frees
@@ -346,6 +353,22 @@ class _Simulation:
     live = (self.phase == PREFILL) | (self.phase == DECODE)
     return int(np.sum(np.where(live, self.reserved - self.held(), 0)))
 
+  def swa_committed(self) -> int:
+    """SWA mode: SWA pages the running requests may still take."""
+    live = (self.phase == PREFILL) | (self.phase == DECODE)
+    held = cdiv(self.seq, self.ps) - self.swa_from
+    return int(np.sum(np.where(live, np.maximum(self.swa_reserved - held, 0), 0)))
+
+  def apply_window(self) -> int:
+    """SWA mode: every row's SWA pages wholly before seq - window leave (as the step's
+    window_rows does); returns how many."""
+    end = np.clip(np.maximum(self.seq - self.lay.window, 0) // self.ps, 0, self.lay.width)
+    end = np.where(self.phase != EMPTY, end, self.swa_from)
+    freed = int(np.sum(np.maximum(end - self.swa_from, 0)))
+    self.swa_from = np.maximum(self.swa_from, end)
+    self.swa_free += freed
+    return freed
+
   # -- planning -----------------------------------------------------------------------
   def _evict_for(self, need: int, avail: int, keep: int, frees: list, evicted: list) -> int:
     """Evicts unused cache entries (LRU, never `keep`) until need fits; returns avail."""
@@ -374,6 +397,7 @@ class _Simulation:
     batch, borrow = [], []
     budget = self.T
     avail = self.free_pages - self.committed()
+    avail_swa = self.swa_free - self.swa_committed() if self.swa else 0
     rows = np.flatnonzero(self.phase == PREFILL)
     for r in rows[np.argsort(self.admitted_at[rows], kind="stable")]:
       if len(batch) == self.B or budget == 0:
@@ -386,11 +410,20 @@ class _Simulation:
       if not empty.size:
         break
       q = waiting[0]
-      g = int(self.wl.group[q])
+      g = int(self.group_of[q])
       hit = g >= 0 and self.cache_tokens[g] > 0
       pre0 = int(self.cache_tokens[g]) if hit else 0
       total = int(self.wl.prompt[q] + self.wl.output[q])
       need = cdiv(total, self.ps) - pre0 // self.ps
+      if self.swa:  # no cache to evict: the first request that does not fit waits
+        need_swa = int(swa_need(np.asarray(self.wl.prompt[q]), np.asarray(self.wl.output[q]),
+                                self.lay.window, self.T, self.ps))
+        if need > avail or need_swa > avail_swa:
+          self.refused = int(need > avail) + 2 * int(need_swa > avail_swa)
+          break
+        avail_swa -= need_swa
+        r = int(empty[0])
+        self.swa_from[r], self.swa_reserved[r] = 0, need_swa
       last = need > avail
       if last:
         avail = self._evict_for(need, avail, g, frees, evicted)
@@ -420,6 +453,8 @@ class _Simulation:
       row, pages, forget = self.pending_free.popleft()
       frees.append((row, pages, forget))
       self.free_pages += pages
+      if self.swa:
+        self.swa_free += int(cdiv(self.seq[row], self.ps) - self.swa_from[row])
       self.phase[row] = EMPTY
       self.req[row] = -1
     return frees
@@ -447,8 +482,15 @@ class _Simulation:
     time the launch took (us)."""
     packed = steps.pack_plan(plan)
     n = self.B if prefill else self.R
-    fn = steps.prefill_step if prefill else steps.decode_step
     t0 = time.perf_counter()
+    if self.swa:
+      fn = steps.swa_prefill_step if prefill else steps.swa_decode_step
+      self.state, self.table, status = fn(
+          self.lay.swa, self.state, self.table, packed,
+          sizes=steps.plan_sizes(self.F, self.B, n), max_tokens=self.T,
+          window=self.lay.window)
+      return status, (time.perf_counter() - t0) * 1e6
+    fn = steps.prefill_step if prefill else steps.decode_step
     self.state, self.table, status = fn(
         self.acfg, self.state, self.table, packed,
         sizes=steps.plan_sizes(self.F, self.B, n), max_tokens=self.T,
@@ -459,8 +501,13 @@ class _Simulation:
     """Checks the queued statuses older than `lag` steps (0: all; waits for them)."""
     while len(self.pending_status) > lag:
       step, status = self.pending_status.popleft()
-      ok, pages, check = (int(v) for v in np.asarray(status))
+      ok, pages, check, *swa_pages = (int(v) for v in np.asarray(status))
       rec = self.records[step - 1]
+      if swa_pages:
+        rec[steps.COL["swa_device_pages"]] = swa_pages[0]
+        if swa_pages[0] != self.lay.swa_pages - rec[steps.COL["swa_used"]]:
+          raise leak_error(self.ps, step, swa_pages[0],
+                           self.lay.swa_pages - rec[steps.COL["swa_used"]], pool="SWA ")
       rec[steps.COL["ok"]], rec[steps.COL["device_pages"]] = ok, pages
       rec[steps.COL["checksum"]] = check
       if not ok:
@@ -482,7 +529,7 @@ class _Simulation:
     self.pending_status = collections.deque()
     if got != [[1, self.num_pages]] * 2:
       raise RuntimeError(f"warm-up changed the pool: {got}")
-    jax.block_until_ready(steps.free_list_runs_jit(self.state))
+    jax.block_until_ready(steps.free_list_runs_jit(self._pool()))
     self.res.compile_s = time.perf_counter() - t0
 
   # -- the loop -----------------------------------------------------------------------
@@ -503,6 +550,8 @@ class _Simulation:
         waiting.append(nxt)
         nxt += 1
       frees = self.pop_frees()
+      window_freed = self.apply_window() if self.swa else 0
+      self.refused = 0
       evicted: List[int] = []
       before = len(waiting)
       batch, borrow = self.plan_prefill(waiting, frees, evicted, clock) if waiting or (
@@ -534,33 +583,49 @@ class _Simulation:
       rec["committed"] = self.committed()
       rec["runs"] = -1
       if res.steps % cfg.runs_every == 0:
-        runs.append((res.steps, steps.free_list_runs_jit(self.state)))  # read at the end
-      self.records.append([rec.get(k, 0) for k in steps.RECORD])
+        runs.append((res.steps, steps.free_list_runs_jit(self._pool())))  # read at the end
+      if self.swa:
+        rec.update(swa_used=self.lay.swa_pages - self.swa_free, window_freed=window_freed,
+                   swa_committed=self.swa_committed(), refused=self.refused)
+      self.records.append([rec.get(k, 0) for k in steps.record_columns(self.swa)])
       self._check_statuses(STATUS_LAG)
     self._check_statuses(0)
     bar.close()
     res.wall_s = time.perf_counter() - t_start
     for step, value in runs:
       self.records[step - 1][steps.COL["runs"]] = int(value)
-    res.runs_final = int(steps.free_list_runs_jit(self.state))
+    res.runs_final = int(steps.free_list_runs_jit(self._pool()))
     res.sim_time = clock
-    finish_result(res, np.asarray(self.records, np.int64).reshape(-1, len(steps.RECORD)))
+    finish_result(res, np.asarray(self.records, np.int64).reshape(
+        -1, len(steps.record_columns(self.swa))))
     res.step_us_p50, res.step_us_p99 = _pct(res.step_us, 50), _pct(res.step_us, 99)
     kinds = np.asarray(res.step_kind)
     times = np.asarray(res.step_us)
     res.prefill_us_p50 = _pct(times[kinds == "prefill"], 50)
     res.decode_us_p50 = _pct(times[kinds == "decode"], 50)
-    final_leak_check(res, self.lay, self.state, self.table, self.cache_tokens)
+    if self.swa:
+      final_leak_check_swa(res, self.lay, self.state, self.table)
+    else:
+      final_leak_check(res, self.lay, self.state, self.table, self.cache_tokens)
     return res
+
+  def _pool(self):
+    """The (full) pool whose free list `runs` counts."""
+    return self.state.full if self.swa else self.state
 
   def _prefill(self, batch, frees, borrow) -> Dict[str, int]:
     rows, n = (np.array(c, np.int64) for c in zip(*batch))
     pre = self.seq[rows]
     pages = int(np.sum(steps.new_pages(pre, pre + n, self.ps)))
     self.seq[rows] = pre + n
+    self.swa_free -= pages if self.swa else 0
     ins = []
     for r in rows[self.seq[rows] == self.prompt[rows]]:
       self.phase[r] = DECODE
+      if self.swa:  # from now on: the window and one token
+        self.swa_reserved[r] = int(swa_need(np.asarray(self.prompt[r]),
+                                            np.asarray(self.out[r]), self.lay.window,
+                                            self.T, self.ps, decoding=True))
       ins.extend(self._maybe_insert(int(r)))
     self._num_rows = len(batch)
     plan = self._plan(frees, borrow, np.pad(rows, (0, self.B - rows.size)),
@@ -599,6 +664,7 @@ class _Simulation:
     self.res.step_us.append(us)
     self.res.step_kind.append("decode")
     self.free_pages -= pages
+    self.swa_free -= pages if self.swa else 0
     self.seq[rows] = seq
     self.gen[rows] += 1
     done = rows[self.gen[rows] >= self.out[rows]]

@@ -20,6 +20,11 @@ device driver (jax_kvalloc.tools.simulate_device) plans on the device and runs
 `apply_step` inside its loop. Both return a status: ok (every operation succeeded), the
 free + released pages after the step, and a checksum of the slots handed out (so the two
 drivers' allocations can be compared step by step without shipping them).
+
+SWA mode (simulate's --swa-window) runs `swa_free_and_window` (the free group in both
+pools, then every row's window frees) and `swa_allocate` on an SWAState and SWATable
+(jax_kvalloc.swa_table) instead; no borrows or hand-overs; its status adds the SWA pool's
+free + released pages and its records the columns SWA_RECORD.
 """
 from __future__ import annotations
 
@@ -235,6 +240,23 @@ def swa_allocate(config: SWAConfig, state: SWAState, table: SWATable, plan: Plan
   status = jnp.stack([(ok & ok_alloc).astype(jnp.int32), full.free_len + full.release_len,
                       checksum(slots, count), swa.free_len + swa.release_len])
   return state, table, status
+
+
+def _swa_step(config, state, table, packed, *, prefill, sizes, max_tokens, window):
+  plan = unpack_plan(packed, sizes)
+  state, table, ok = swa_free_and_window(config, state, table, plan, window=window)
+  return swa_allocate(config, state, table, plan, ok, prefill=prefill, max_tokens=max_tokens)
+
+
+_SWA_STATIC = ("config", "sizes", "max_tokens", "window")
+swa_prefill_step = jax.jit(functools.partial(_swa_step, prefill=True),
+                           static_argnames=_SWA_STATIC, donate_argnames=("state", "table"))
+swa_prefill_step.__doc__ = """SWA mode's step of a packed plan: swa_free_and_window, then
+swa_allocate(prefill=True)."""
+swa_decode_step = jax.jit(functools.partial(_swa_step, prefill=False),
+                          static_argnames=_SWA_STATIC, donate_argnames=("state", "table"))
+swa_decode_step.__doc__ = """SWA mode's step of a packed plan: swa_free_and_window, then
+swa_allocate(prefill=False)."""
 
 
 def free_list_runs(state: AllocatorState) -> Array:
