@@ -78,3 +78,17 @@ def test_branch_free_loop_makes_the_same_decisions(monkeypatch):
   # taken with no rows; an option for accelerators where a branch costs a host sync).
   monkeypatch.setenv("JAX_KVALLOC_SIM_BRANCHES", "masked")
   _check_same(dataclasses.replace(BASE, page_sizes=(16,), need_sort=True))
+
+
+@pytest.mark.parametrize("ps,need_sort", [(16, False), (64, True)])
+def test_drivers_make_the_same_decisions_with_an_swa_pool(ps, need_sort):
+  # --swa-window: both pools' counts, the window frees and which pool stopped an
+  # admission are record columns, compared step by step like the rest.
+  cfg = dataclasses.replace(BASE, page_sizes=(ps,), need_sort=need_sort, swa_window=40,
+                            swa_ratio=0.3, pool_size=1024 if ps == 16 else 2048)
+  res = _check_same(cfg)
+  c = steps.COL
+  assert res.records.shape[1] == len(steps.RECORD + steps.SWA_RECORD)
+  assert res.window_frees > 0 and res.refused_swa > 0 and res.prefix_hits == 0
+  assert np.all(res.records[:, c["swa_device_pages"]] ==
+                res.swa_num_pages - res.records[:, c["swa_used"]])

@@ -93,6 +93,12 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
   a("--kernel", choices=KERNELS, default=d.kernel,
     help="implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, jnp "
     "on CPU)")
+  a("--swa-window", type=int, default=d.swa_window,
+    help="tokens of a sliding window: run on the SWA allocator (a full pool and an SWA "
+    "pool; each step frees the SWA pages that left the window; page sizes > 1, no prefix "
+    "sharing); 0 = off")
+  a("--swa-ratio", type=float, default=d.swa_ratio,
+    help="with --swa-window: SWA pool slots = this * --pool-size, in whole pages")
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "
     "golden format) instead of the synthetic workload")
   a("--json", metavar="FILE", help="also write the results as JSON")
@@ -117,7 +123,7 @@ def run_simulate(args) -> int:
       max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
       max_prefill_reqs=args.max_prefill_reqs, max_frees=args.max_frees, seed=args.seed,
       kernel=args.kernel, driver=args.driver, steps_per_call=args.steps_per_call,
-      inject_leak=args.inject_leak)
+      inject_leak=args.inject_leak, swa_window=args.swa_window, swa_ratio=args.swa_ratio)
   if args.plot:
     report.pyplot()  # fail before the run, not after it
   progress = not args.no_progress
@@ -136,7 +142,9 @@ def run_simulate(args) -> int:
       f"{cfg.num_requests} requests, {cfg.arrival} arrivals at {cfg.rate}/step, pool "
       f"{cfg.pool_size} slots, prompt {cfg.prompt_len} (+ shared prefix {cfg.prefix_len}"
       f" with p={cfg.share_prob} over {cfg.num_prefixes} groups), output {cfg.output_len}"
-      f", need_sort={cfg.need_sort}, seed {cfg.seed}")
+      f", need_sort={cfg.need_sort}, seed {cfg.seed}") + (
+          f"; SWA window {cfg.swa_window} tokens, SWA pool {cfg.swa_ratio} x the full "
+          f"pool" if cfg.swa_window and not args.trace else "")
   v = result.versions
   print(f"jax-kvalloc simulate: {what}")
   print(f"device {result.device}; kernel={cfg.kernel}; jax {v['jax']}, python {v['python']}")

@@ -24,6 +24,25 @@ checked against the count STATUS_LAG steps later, when the device has long finis
 checks every step inside its loop. The run ends with a leak check that the free list, the
 release list and the pages the prefix cache holds partition the pool exactly.
 
+With `--swa-window W` (SPEC 13; both drivers) the pool is an SWA allocator: a
+full pool of `pool_size` slots and an SWA pool of `swa_ratio * pool_size` slots (whole
+pages). Every token takes a full slot and an SWA slot (jax_kvalloc.swa_table's
+extend_rows / decode_rows); each step frees, for every live request, the SWA pages lying
+wholly before `seq - W` (window_rows, after the step's free group and before its
+allocation); a finished request frees both pools (release_rows). Admission counts both
+pools: a request reserves its whole length in the full pool and, in the SWA pool, the
+most SWA pages it can hold from now on (`swa_need`): while it prefills, the window plus
+one prefill chunk, min(ceil(total / ps), ceil((W + min(prompt, max_prefill_tokens)) /
+ps) + 1) (SGLang's alloc_extend takes SWA slots for the whole chunk; the window frees
+them at the next step); once it decodes, the window plus one token, min(ceil(total / ps),
+ceil((W + 1) / ps) + 1). A reservation only shrinks, so no allocation fails in either
+pool. Prefix sharing is off in SWA mode:
+SPEC 13 leaves SGLang's SWA radix-cache hooks out of scope and the SWA request table has
+no borrowed prefixes, so requests whose prompts start with a shared prefix prefill it
+themselves (the workload is the same; the report's prefix hits are 0). Page size 1 is
+left out (SGLang's SWA alloc_extend and alloc_decode assert page_size > 1). The leak check
+then covers both pools and the mapping.
+
 Run once per page size on the same requests, it answers the seed write-up's question:
 what a larger page costs in slots allocated but unused inside pages (internal
 fragmentation) against what it saves in management (free-list entries, per-step time).
@@ -34,7 +53,7 @@ import collections
 import dataclasses
 import sys
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -42,9 +61,12 @@ import numpy as np
 from jax_kvalloc.tools import simulate_steps as steps
 from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
+from jax_kvalloc import swa as swa_core
+from jax_kvalloc import swa_table
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
+from jax_kvalloc.swa import SWAConfig
 from jax_kvalloc.tools.workload import Workload, make_workload, parse_dist
 
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
@@ -83,6 +105,8 @@ class SimConfig:
   driver: str = "device"     # "device": K steps per call, planned on the device; "host"
   steps_per_call: int = 256  # K (device driver)
   inject_leak: bool = False  # test hook: the first finished request's free is dropped
+  swa_window: int = 0        # SWA mode (module docstring): window in tokens; 0 = off
+  swa_ratio: float = 0.25    # SWA mode: SWA pool slots / pool_size (whole pages)
 
   def workload(self) -> Workload:
     return make_workload(num_requests=self.num_requests, arrival=self.arrival,
@@ -136,6 +160,24 @@ class PageSizeResult:
   records: Any = dataclasses.field(default=None, repr=False)  # i64[steps, RECORD]
   free_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
   release_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
+  # SWA mode only (absent from the JSON otherwise): both pools in pages.
+  swa_window: int = 0
+  swa_num_pages: int = 0
+  full_peak_pages: int = 0
+  full_mean_pages: float = 0.0
+  swa_peak_pages: int = 0
+  swa_mean_pages: float = 0.0
+  swa_peak_usage: float = 0.0
+  swa_mean_usage: float = 0.0
+  window_frees: int = 0          # SWA pages the window freed (finishes not counted)
+  refused_full: int = 0          # steps whose next admission the full pool stopped
+  refused_swa: int = 0           # ... the SWA pool stopped (both: counted in each)
+  swa_usage: List[float] = dataclasses.field(default_factory=list, repr=False)
+
+
+SWA_FIELDS = ("swa_window", "swa_num_pages", "full_peak_pages", "full_mean_pages",
+              "swa_peak_pages", "swa_mean_pages", "swa_peak_usage", "swa_mean_usage",
+              "window_frees", "refused_full", "refused_swa", "swa_usage")
 
 
 
@@ -154,6 +196,12 @@ class Layout:
   frees: int         # F rows per free group
   width: int         # page columns per table row
   prefix_width: int  # page columns a cached prefix can span
+  swa: Optional[SWAConfig] = None  # SWA mode: both pools (acfg is swa.full)
+  window: int = 0                  # SWA mode: the window in tokens
+
+  @property
+  def swa_pages(self) -> int:
+    return self.swa.swa.num_pages if self.swa is not None else 0
 
   @property
   def num_pages(self) -> int:
@@ -176,25 +224,73 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   # probability of one config has the same shapes (and compiles once).
   prefix_hi = parse_dist(cfg.prefix_len).hi if cfg.num_prefixes > 0 else 0
   longest = parse_dist(cfg.prompt_len).hi + prefix_hi + parse_dist(cfg.output_len).hi
-  return Layout(acfg=acfg, rows=bucket(cfg.max_running, 1), groups=max(cfg.num_prefixes, 1),
-                batch=bucket(cfg.max_prefill_reqs, 1),
-                tokens=bucket(cfg.max_prefill_tokens, 1), frees=max(cfg.max_frees, 1),
-                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
-                prefix_width=max(1, cdiv(prefix_hi, page_size)))
+  lay = Layout(acfg=acfg, rows=bucket(cfg.max_running, 1), groups=max(cfg.num_prefixes, 1),
+               batch=bucket(cfg.max_prefill_reqs, 1),
+               tokens=bucket(cfg.max_prefill_tokens, 1), frees=max(cfg.max_frees, 1),
+               width=max(1, cdiv(max(longest, wl.max_context), page_size)),
+               prefix_width=max(1, cdiv(prefix_hi, page_size)))
+  if cfg.swa_window <= 0:
+    return lay
+  check_swa_args(cfg)
+  swa_pages = int(round(cfg.swa_ratio * cfg.pool_size / page_size))
+  need = swa_need(wl.prompt, wl.output, cfg.swa_window, lay.tokens, page_size)
+  most = int(need.max()) if need.size else 0
+  if swa_pages < max(most, 1):
+    raise ValueError(
+        f"--swa-ratio {cfg.swa_ratio} gives an SWA pool of {swa_pages} pages at "
+        f"page_size={page_size}, but one request's window (--swa-window "
+        f"{cfg.swa_window} plus a prefill chunk) needs up to {most}; raise --swa-ratio")
+  scfg = SWAConfig(size=cfg.pool_size, size_swa=swa_pages * page_size,
+                   page_size=page_size, need_sort=cfg.need_sort, kernel=cfg.kernel)
+  return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
+
+
+def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=False):
+  """SWA pages a request may hold at most from now on (numpy or jax arrays): after a step
+  that extends it from L to L + n tokens, having freed the pages wholly before
+  L - window, it holds ceil((L + n) / ps) - floor((L - window) / ps)
+  <= ceil((window + n) / ps) + 1 pages, with n <= min(prompt, tokens) while it prefills
+  and n = 1 once it decodes (`decoding`, bool or bool array); never more than its whole
+  length's pages."""
+  xp = np if isinstance(prompt, np.ndarray) else jax.numpy
+  n = xp.where(decoding, 1, xp.minimum(prompt, tokens))
+  return xp.minimum(cdiv(prompt + output, ps), cdiv(window + n, ps) + 1)
+
+
+def check_swa_args(cfg: SimConfig) -> None:
+  """ValueError naming the argument for a bad SWA setting (window 0: SWA off; the
+  ratio is then ignored)."""
+  if not isinstance(cfg.swa_window, (int, np.integer)) or cfg.swa_window < 0:
+    raise ValueError(f"--swa-window must be an int >= 0 (0: no SWA pool), "
+                     f"got {cfg.swa_window!r}")
+  if cfg.swa_window == 0:
+    return
+  if not cfg.swa_ratio > 0:
+    raise ValueError(f"--swa-ratio must be > 0 (SWA pool slots / --pool-size), "
+                     f"got {cfg.swa_ratio!r}")
+  if not [p for p in cfg.page_sizes if p > 1]:
+    raise ValueError(f"--swa-window needs a page size > 1 (SGLang's SWA alloc_extend "
+                     f"asserts page_size > 1), got --page-size {list(cfg.page_sizes)}")
 
 
 def init_pool(lay: Layout):
-  """(state, table) of an empty pool and table."""
+  """(state, table) of an empty pool and table (SWA mode: SWAState and SWATable, one row
+  per request: no prefix cache)."""
+  if lay.swa is not None:
+    state = jax.jit(swa_core.init, static_argnums=0)(lay.swa)
+    table = swa_table.init_table(lay.swa, lay.rows, lay.width)
+    return state, table
   state = jax.jit(st.init, static_argnums=0)(lay.acfg)
   table = jax.jit(rt.init_table, static_argnums=(0, 1, 2))(
       lay.acfg, lay.rows + lay.groups, lay.width)
   return state, table
 
 
-def leak_error(ps: int, step: int, device_pages: int, expected: int) -> LeakCheckError:
+def leak_error(ps: int, step: int, device_pages: int, expected: int,
+               pool: str = "") -> LeakCheckError:
   return LeakCheckError(
       f"leak check failed at step {step} (page_size={ps}): the device has "
-      f"{device_pages} free + released pages, the scheduler's accounting expects "
+      f"{device_pages} free + released {pool}pages, the scheduler's accounting expects "
       f"{expected} (difference {device_pages - expected})")
 
 
@@ -212,7 +308,16 @@ class _Simulation:
     self.cfg, self.wl, self.ps = cfg, wl, page_size
     self.lay = lay = make_layout(cfg, wl, page_size)
     self.acfg, self.num_pages = lay.acfg, lay.num_pages
-    self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel, driver="host")
+    self.res = PageSizeResult(page_size, self.num_pages, cfg.kernel, driver="host",
+                              swa_window=lay.window, swa_num_pages=lay.swa_pages)
+    # SWA mode (lay.swa): no prefix cache (every request's group is -1), and per row the
+    # first column whose SWA page is held and the SWA pages it may hold from now on.
+    self.swa = lay.swa is not None
+    self.group_of = np.full_like(wl.group, -1) if self.swa else wl.group
+    self.swa_from = np.zeros(lay.rows, np.int64)
+    self.swa_reserved = np.zeros(lay.rows, np.int64)
+    self.swa_free = lay.swa_pages          # mirror of the SWA pool's free + released
+    self.refused = 0
     self.progress = progress
     r, g = self.R, self.G = lay.rows, lay.groups
     self.B, self.T, self.F = lay.batch, lay.tokens, lay.frees
@@ -248,6 +353,22 @@ class _Simulation:
     live = (self.phase == PREFILL) | (self.phase == DECODE)
     return int(np.sum(np.where(live, self.reserved - self.held(), 0)))
 
+  def swa_committed(self) -> int:
+    """SWA mode: SWA pages the running requests may still take."""
+    live = (self.phase == PREFILL) | (self.phase == DECODE)
+    held = cdiv(self.seq, self.ps) - self.swa_from
+    return int(np.sum(np.where(live, np.maximum(self.swa_reserved - held, 0), 0)))
+
+  def apply_window(self) -> int:
+    """SWA mode: every row's SWA pages wholly before seq - window leave (as the step's
+    window_rows does); returns how many."""
+    end = np.clip(np.maximum(self.seq - self.lay.window, 0) // self.ps, 0, self.lay.width)
+    end = np.where(self.phase != EMPTY, end, self.swa_from)
+    freed = int(np.sum(np.maximum(end - self.swa_from, 0)))
+    self.swa_from = np.maximum(self.swa_from, end)
+    self.swa_free += freed
+    return freed
+
   # -- planning -----------------------------------------------------------------------
   def _evict_for(self, need: int, avail: int, keep: int, frees: list, evicted: list) -> int:
     """Evicts unused cache entries (LRU, never `keep`) until need fits; returns avail."""
@@ -276,6 +397,7 @@ class _Simulation:
     batch, borrow = [], []
     budget = self.T
     avail = self.free_pages - self.committed()
+    avail_swa = self.swa_free - self.swa_committed() if self.swa else 0
     rows = np.flatnonzero(self.phase == PREFILL)
     for r in rows[np.argsort(self.admitted_at[rows], kind="stable")]:
       if len(batch) == self.B or budget == 0:
@@ -288,11 +410,20 @@ class _Simulation:
       if not empty.size:
         break
       q = waiting[0]
-      g = int(self.wl.group[q])
+      g = int(self.group_of[q])
       hit = g >= 0 and self.cache_tokens[g] > 0
       pre0 = int(self.cache_tokens[g]) if hit else 0
       total = int(self.wl.prompt[q] + self.wl.output[q])
       need = cdiv(total, self.ps) - pre0 // self.ps
+      if self.swa:  # no cache to evict: the first request that does not fit waits
+        need_swa = int(swa_need(np.asarray(self.wl.prompt[q]), np.asarray(self.wl.output[q]),
+                                self.lay.window, self.T, self.ps))
+        if need > avail or need_swa > avail_swa:
+          self.refused = int(need > avail) + 2 * int(need_swa > avail_swa)
+          break
+        avail_swa -= need_swa
+        r = int(empty[0])
+        self.swa_from[r], self.swa_reserved[r] = 0, need_swa
       last = need > avail
       if last:
         avail = self._evict_for(need, avail, g, frees, evicted)
@@ -322,6 +453,8 @@ class _Simulation:
       row, pages, forget = self.pending_free.popleft()
       frees.append((row, pages, forget))
       self.free_pages += pages
+      if self.swa:
+        self.swa_free += int(cdiv(self.seq[row], self.ps) - self.swa_from[row])
       self.phase[row] = EMPTY
       self.req[row] = -1
     return frees
@@ -349,8 +482,15 @@ class _Simulation:
     time the launch took (us)."""
     packed = steps.pack_plan(plan)
     n = self.B if prefill else self.R
-    fn = steps.prefill_step if prefill else steps.decode_step
     t0 = time.perf_counter()
+    if self.swa:
+      fn = steps.swa_prefill_step if prefill else steps.swa_decode_step
+      self.state, self.table, status = fn(
+          self.lay.swa, self.state, self.table, packed,
+          sizes=steps.plan_sizes(self.F, self.B, n), max_tokens=self.T,
+          window=self.lay.window)
+      return status, (time.perf_counter() - t0) * 1e6
+    fn = steps.prefill_step if prefill else steps.decode_step
     self.state, self.table, status = fn(
         self.acfg, self.state, self.table, packed,
         sizes=steps.plan_sizes(self.F, self.B, n), max_tokens=self.T,
@@ -361,8 +501,13 @@ class _Simulation:
     """Checks the queued statuses older than `lag` steps (0: all; waits for them)."""
     while len(self.pending_status) > lag:
       step, status = self.pending_status.popleft()
-      ok, pages, check = (int(v) for v in np.asarray(status))
+      ok, pages, check, *swa_pages = (int(v) for v in np.asarray(status))
       rec = self.records[step - 1]
+      if swa_pages:
+        rec[steps.COL["swa_device_pages"]] = swa_pages[0]
+        if swa_pages[0] != self.lay.swa_pages - rec[steps.COL["swa_used"]]:
+          raise leak_error(self.ps, step, swa_pages[0],
+                           self.lay.swa_pages - rec[steps.COL["swa_used"]], pool="SWA ")
       rec[steps.COL["ok"]], rec[steps.COL["device_pages"]] = ok, pages
       rec[steps.COL["checksum"]] = check
       if not ok:
@@ -384,7 +529,7 @@ class _Simulation:
     self.pending_status = collections.deque()
     if got != [[1, self.num_pages]] * 2:
       raise RuntimeError(f"warm-up changed the pool: {got}")
-    jax.block_until_ready(steps.free_list_runs_jit(self.state))
+    jax.block_until_ready(steps.free_list_runs_jit(self._pool()))
     self.res.compile_s = time.perf_counter() - t0
 
   # -- the loop -----------------------------------------------------------------------
@@ -405,6 +550,8 @@ class _Simulation:
         waiting.append(nxt)
         nxt += 1
       frees = self.pop_frees()
+      window_freed = self.apply_window() if self.swa else 0
+      self.refused = 0
       evicted: List[int] = []
       before = len(waiting)
       batch, borrow = self.plan_prefill(waiting, frees, evicted, clock) if waiting or (
@@ -436,33 +583,49 @@ class _Simulation:
       rec["committed"] = self.committed()
       rec["runs"] = -1
       if res.steps % cfg.runs_every == 0:
-        runs.append((res.steps, steps.free_list_runs_jit(self.state)))  # read at the end
-      self.records.append([rec.get(k, 0) for k in steps.RECORD])
+        runs.append((res.steps, steps.free_list_runs_jit(self._pool())))  # read at the end
+      if self.swa:
+        rec.update(swa_used=self.lay.swa_pages - self.swa_free, window_freed=window_freed,
+                   swa_committed=self.swa_committed(), refused=self.refused)
+      self.records.append([rec.get(k, 0) for k in steps.record_columns(self.swa)])
       self._check_statuses(STATUS_LAG)
     self._check_statuses(0)
     bar.close()
     res.wall_s = time.perf_counter() - t_start
     for step, value in runs:
       self.records[step - 1][steps.COL["runs"]] = int(value)
-    res.runs_final = int(steps.free_list_runs_jit(self.state))
+    res.runs_final = int(steps.free_list_runs_jit(self._pool()))
     res.sim_time = clock
-    finish_result(res, np.asarray(self.records, np.int64).reshape(-1, len(steps.RECORD)))
+    finish_result(res, np.asarray(self.records, np.int64).reshape(
+        -1, len(steps.record_columns(self.swa))))
     res.step_us_p50, res.step_us_p99 = _pct(res.step_us, 50), _pct(res.step_us, 99)
     kinds = np.asarray(res.step_kind)
     times = np.asarray(res.step_us)
     res.prefill_us_p50 = _pct(times[kinds == "prefill"], 50)
     res.decode_us_p50 = _pct(times[kinds == "decode"], 50)
-    final_leak_check(res, self.lay, self.state, self.table, self.cache_tokens)
+    if self.swa:
+      final_leak_check_swa(res, self.lay, self.state, self.table)
+    else:
+      final_leak_check(res, self.lay, self.state, self.table, self.cache_tokens)
     return res
+
+  def _pool(self):
+    """The (full) pool whose free list `runs` counts."""
+    return self.state.full if self.swa else self.state
 
   def _prefill(self, batch, frees, borrow) -> Dict[str, int]:
     rows, n = (np.array(c, np.int64) for c in zip(*batch))
     pre = self.seq[rows]
     pages = int(np.sum(steps.new_pages(pre, pre + n, self.ps)))
     self.seq[rows] = pre + n
+    self.swa_free -= pages if self.swa else 0
     ins = []
     for r in rows[self.seq[rows] == self.prompt[rows]]:
       self.phase[r] = DECODE
+      if self.swa:  # from now on: the window and one token
+        self.swa_reserved[r] = int(swa_need(np.asarray(self.prompt[r]),
+                                            np.asarray(self.out[r]), self.lay.window,
+                                            self.T, self.ps, decoding=True))
       ins.extend(self._maybe_insert(int(r)))
     self._num_rows = len(batch)
     plan = self._plan(frees, borrow, np.pad(rows, (0, self.B - rows.size)),
@@ -501,6 +664,7 @@ class _Simulation:
     self.res.step_us.append(us)
     self.res.step_kind.append("decode")
     self.free_pages -= pages
+    self.swa_free -= pages if self.swa else 0
     self.seq[rows] = seq
     self.gen[rows] += 1
     done = rows[self.gen[rows] >= self.out[rows]]
@@ -556,6 +720,19 @@ def finish_result(res: PageSizeResult, records: np.ndarray) -> None:
   runs = np.concatenate([runs[runs >= 0], [res.runs_final]])
   res.runs_mean = float(np.mean(runs))
   res.step_wall_us = res.wall_s * 1e6 / max(res.steps, 1)
+  if records.shape[1] > len(steps.RECORD):  # SWA mode
+    n_swa = max(res.swa_num_pages, 1)
+    swa_used = records[:, c["swa_used"]]
+    res.swa_usage = (swa_used / n_swa).tolist()
+    if used.size:
+      res.full_peak_pages, res.full_mean_pages = int(used.max()), float(used.mean())
+      res.swa_peak_pages, res.swa_mean_pages = int(swa_used.max()), float(swa_used.mean())
+      res.swa_peak_usage = res.swa_peak_pages / n_swa
+      res.swa_mean_usage = res.swa_mean_pages / n_swa
+    res.window_frees = int(np.sum(records[:, c["window_freed"]]))
+    refused = records[:, c["refused"]]
+    res.refused_full = int(np.sum((refused & 1) != 0))
+    res.refused_swa = int(np.sum((refused & 2) != 0))
 
 
 def final_leak_check(res: PageSizeResult, lay: Layout, state, table, cache_tokens) -> None:
@@ -598,6 +775,40 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table, cache_token
                     f"== {num_pages}")
 
 
+def final_leak_check_swa(res: PageSizeResult, lay: Layout, state, table) -> None:
+  """SWA mode: each pool's free + released pages are exactly its pages 1..n, no full slot
+  maps to an SWA slot any more, and every request row is empty."""
+  ps = lay.acfg.page_size
+  lens = np.asarray(table.lens)
+  if np.any(lens):
+    raise LeakCheckError(f"request rows still hold tokens at the end (page_size={ps}): "
+                         f"rows {np.flatnonzero(lens).tolist()}")
+  counts = []
+  for name, pool, n in (("full", state.full, lay.num_pages),
+                        ("SWA", state.swa, lay.swa_pages)):
+    free, release = st.live_free_pages(pool), st.live_release_pages(pool)
+    everything = np.concatenate([free, release]).astype(np.int64)
+    uniq = np.unique(everything)
+    expected = np.arange(1, n + 1)
+    if everything.size != n or not np.array_equal(uniq, expected):
+      res.leak_check = "FAILED"
+      raise LeakCheckError(
+          f"leak check failed (page_size={ps}, {name} pool): free + released "
+          f"{everything.size} != total {n} pages; {np.setdiff1d(expected, uniq).size} "
+          f"pages missing, {everything.size - uniq.size} held twice")
+    counts.append(everything.size)
+    if name == "full":
+      res.free_list_final, res.release_list_final = free.tolist(), release.tolist()
+  mapped = np.flatnonzero(swa_core.live_mapping(state)[:-1])
+  if mapped.size:
+    res.leak_check = "FAILED"
+    raise LeakCheckError(f"leak check failed (page_size={ps}): {mapped.size} full slots "
+                         f"still map to SWA slots, e.g. {mapped[:5].tolist()}")
+  res.free_pages_final, res.in_use_final = counts[0], 0
+  res.leak_check = (f"ok: full free {counts[0]} == {lay.num_pages}, SWA free "
+                    f"{counts[1]} == {lay.swa_pages}")
+
+
 @dataclasses.dataclass
 class SimResult:
   config: Dict[str, Any]
@@ -634,6 +845,15 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
     raise ValueError(f"driver must be one of {DRIVERS}, got {cfg.driver!r}")
   if cfg.steps_per_call < 1:
     raise ValueError(f"steps_per_call must be >= 1, got {cfg.steps_per_call}")
+  check_swa_args(cfg)
+  if cfg.swa_window > 0 and 1 in cfg.page_sizes:
+    print("jax-kvalloc simulate: --swa-window leaves page_size=1 out (SGLang's SWA "
+          "alloc_extend asserts page_size > 1)", file=sys.stderr)
+    cfg = dataclasses.replace(cfg, page_sizes=tuple(p for p in cfg.page_sizes if p > 1))
+  if cfg.swa_window > 0 and cfg.num_prefixes > 0 and cfg.share_prob > 0:
+    print("jax-kvalloc simulate: --swa-window turns prefix sharing off (the SWA request "
+          "table has no borrowed prefixes); shared prefixes are prefilled per request",
+          file=sys.stderr)
   wl = cfg.workload()
   if cfg.driver == "host":
     out = [_Simulation(cfg, wl, int(ps), progress).run() for ps in cfg.page_sizes]
@@ -646,6 +866,8 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
 def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
   """Replays the traces in `path` (jax_kvalloc.traces format), one result per page size."""
   from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
+  if cfg.swa_window:
+    raise ValueError("--swa-window does not apply to --trace (a trace replays its own ops)")
   results = simulate_trace.run_trace(path, kernel=cfg.kernel, runs_every=cfg.runs_every,
                                      progress=progress)
   conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
@@ -698,6 +920,21 @@ def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
     drop.add("steps per host round trip" if result.results and
              result.results[0].driver == "host" else "launch time per step p50 / p99 (us)")
     rows = [r for r in rows if r[0] not in drop]
+  if rs and rs[0].swa_window:
+    at = [n for n, _ in rows].index("pool reserved peak (in use + promised)")
+    rows[at:at] = [
+        row("SWA window (tokens), SWA pool (pages)",
+            lambda r: f"{r.swa_window}, {r.swa_num_pages}"),
+        row("full pool used pages peak / mean",
+            lambda r: f"{r.full_peak_pages} / {r.full_mean_pages:.0f}"),
+        row("SWA pool usage peak", lambda r: f"{100 * r.swa_peak_usage:.1f}%"),
+        row("SWA pool usage mean", lambda r: f"{100 * r.swa_mean_usage:.1f}%"),
+        row("SWA pool used pages peak / mean",
+            lambda r: f"{r.swa_peak_pages} / {r.swa_mean_pages:.0f}"),
+        row("SWA pages freed by the window", lambda r: f"{r.window_frees}"),
+        row("admission stopped by full / SWA pool (steps)",
+            lambda r: f"{r.refused_full} / {r.refused_swa}"),
+    ]
   if result.mode == "trace":
     rows = [r for r in rows if r[0] not in _SYNTHETIC_ONLY]
     rename = {"steps (prefill/decode)": "ops (extend+alloc/decode)",
@@ -710,12 +947,21 @@ def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
 
 def to_json(result: SimResult, *, series: bool = True) -> Dict[str, Any]:
   d = dataclasses.asdict(result)
+  swa = bool(d["config"].get("swa_window"))
+  if not swa:  # without an SWA pool, the JSON of before SWA mode existed
+    for k in ("swa_window", "swa_ratio"):
+      d["config"].pop(k, None)
   for r in d["results"]:
     recs = r.pop("records")
     if series and recs is not None:
-      r["records"] = {"columns": list(steps.RECORD), "rows": np.asarray(recs).tolist()}
+      r["records"] = {"columns": list(steps.record_columns(swa)),
+                      "rows": np.asarray(recs).tolist()}
+    if not swa:
+      for k in SWA_FIELDS:
+        r.pop(k)
     if not series:
-      for k in ("usage", "step_us", "step_kind", "free_list_final", "release_list_final"):
+      for k in ("usage", "step_us", "step_kind", "free_list_final", "release_list_final") + (
+          ("swa_usage",) if swa else ()):
         r.pop(k)
   return d
 
@@ -726,8 +972,11 @@ def plot(result: SimResult, path: str) -> None:
   plt = pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
   for r in result.results:
-    ax1.plot(np.arange(1, len(r.usage) + 1), 100 * np.asarray(r.usage), lw=1,
-             label=f"page_size={r.page_size}")
+    line, = ax1.plot(np.arange(1, len(r.usage) + 1), 100 * np.asarray(r.usage), lw=1,
+                     label=f"page_size={r.page_size}" + (" full" if r.swa_window else ""))
+    if r.swa_window:
+      ax1.plot(np.arange(1, len(r.swa_usage) + 1), 100 * np.asarray(r.swa_usage), lw=1,
+               ls="--", color=line.get_color(), label=f"page_size={r.page_size} SWA")
     t = np.sort(np.asarray(r.step_us))
     if t.size:
       ax2.plot(t, np.arange(1, t.size + 1) / t.size, lw=1, label=f"page_size={r.page_size}")

@@ -30,6 +30,13 @@ and both drivers make the same decisions step by step (tests/test_simulate_drive
 
 Each step also checks the scheduler's page count against the device's free + released
 pages; the host raises the host driver's errors from the records (simulate.LeakCheckError).
+
+SWA mode (`lay.swa`, simulate's --swa-window; see jax_kvalloc.tools.simulate): the pool
+is an SWAState and the table an SWATable of request rows only. Step 2 also frees, on the
+scheduler's side as on the device, every remaining row's SWA pages wholly before
+seq - window; step 3 admits a request only when both pools fit (the SWA pool:
+simulate.swa_need pages), with no prefix cache (the workload's groups are -1 on the
+device) and so no eviction; the records carry both pools' counts, checked every step.
 """
 from __future__ import annotations
 
@@ -89,6 +96,9 @@ class Sched(NamedTuple):
   done: Array         # i32[] requests finished
   leak_injected: Array  # bool[] (starts True unless the test hook inject_leak is on)
   error: Array        # i32[] 0, or ERR_STUCK
+  swa_from: Array     # i32[R] SWA mode: first page column whose SWA page is held
+  swa_reserved: Array  # i32[R] SWA mode: SWA pages it may hold from now on
+  swa_free: Array     # i32[] SWA mode: the scheduler's count of free + released SWA pages
 
 
 def init_sched(lay: sim.Layout, inject_leak: bool = False) -> Sched:
@@ -101,7 +111,8 @@ def init_sched(lay: sim.Layout, inject_leak: bool = False) -> Sched:
                cache_tokens=z(g), refcount=z(g), last_used=jnp.full((g,), -1, jnp.int32),
                fifo=z(r), fifo_forget=jnp.zeros((r,), bool), fifo_head=s(0), fifo_len=s(0),
                free_pages=s(lay.num_pages), clock=s(0), head=s(0), steps=s(0), done=s(0),
-               leak_injected=jnp.full((), not inject_leak), error=s(0))
+               leak_injected=jnp.full((), not inject_leak), error=s(0),
+               swa_from=z(r), swa_reserved=z(r), swa_free=s(lay.swa_pages))
 
 
 def _rank(key: Array, member: Array) -> Array:
@@ -178,6 +189,17 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   held = jnp.where(phase != EMPTY, held, 0)
   committed = jnp.sum(jnp.where(live, c.reserved - held, 0))
   avail = free_pages - committed
+  swa = lay.swa is not None
+  if swa:  # the finished rows' SWA pages, then every row's pages that left the window
+    swa_held = cdiv(c.seq, ps) - c.swa_from
+    swa_free = c.swa_free + jnp.sum(jnp.where(popped, swa_held[pop_rows], 0))
+    win_end = jnp.clip(jnp.maximum(c.seq - lay.window, 0) // ps, 0, lay.width)
+    win_end = jnp.where(phase != EMPTY, win_end, c.swa_from)
+    window_freed = jnp.sum(jnp.maximum(win_end - c.swa_from, 0))
+    swa_from = jnp.maximum(c.swa_from, win_end)
+    swa_free = swa_free + window_freed
+    swa_held = jnp.where(phase != EMPTY, cdiv(c.seq, ps) - swa_from, 0)
+    avail_swa = swa_free - _swa_committed(c.swa_reserved, swa_held, live)
   # 3a. rows still prefilling, in admission order, while the batch has room.
   pre_rows = phase == PREFILL
   rank = _rank(c.admitted_at * r_ + rows, pre_rows)
@@ -207,6 +229,12 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   room = valid & (n_cont + j < b_) & (spent_q < t_) & (j < n_empty)
   need_before = _excl_cumsum(need)
   fits = room & (need_before + need <= avail)
+  if swa:
+    need_swa = jnp.where(valid, sim.swa_need(wl.prompt[qc], wl.output[qc], lay.window, t_,
+                                             ps), 0)
+    swa_before = _excl_cumsum(need_swa)
+    fits_full = fits
+    fits = fits & (swa_before + need_swa <= avail_swa)
   k0 = jnp.min(jnp.where(fits, b_, j))
   # The first request that does not fit may evict unused cached prefixes.
   at = jnp.minimum(k0, b_ - 1)
@@ -225,6 +253,11 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   evict = evictable & enough & (got_before < deficit) & (lru < f_ - npop)
   gained = jnp.sum(jnp.where(evict, pages_g, 0))
   k = k0 + (try_evict & (gained >= deficit)).astype(jnp.int32)
+  if swa:  # no prefix cache: nothing to evict; which pool stopped the admission
+    k = k0
+    blocked = try_evict
+    refused = ((blocked & ~fits_full[at]).astype(jnp.int32)
+               + 2 * (blocked & (swa_before[at] + need_swa[at] > avail_swa)))
   n_evict = jnp.sum(evict).astype(jnp.int32)
   free_pages = free_pages + gained
   cache_tokens = jnp.where(evict, 0, c.cache_tokens)
@@ -304,7 +337,17 @@ def _plan(lay: sim.Layout, wl: DeviceWorkload, c: Sched) -> _Planned:
   rec = {"admitted": k, "evicted": n_evict, "evict_code": evict_code,
          "hits": n_borrow, "arrived": arrived, "ins": (br, bg, aligned, ins),
          "batch": (br, batch_n, in_batch)}
+  if swa:
+    sched = sched._replace(swa_from=put(swa_from, 0), swa_free=swa_free,
+                           swa_reserved=put(c.swa_reserved, need_swa))
+    rec.update(window_freed=window_freed, refused=refused)
   return _Planned(sched, plan_prefill, plan_decode, kind, rec)
+
+
+def _swa_committed(reserved: Array, held: Array, live: Array) -> Array:
+  """SWA pages the live rows may still take (a decoding row's reservation can be below
+  what it holds right after its prefill: the window frees the difference first)."""
+  return jnp.sum(jnp.where(live, jnp.maximum(reserved - held, 0), 0))
 
 
 def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
@@ -318,6 +361,10 @@ def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
   seq = _add(c.seq, dest, bn)
   completes = in_batch & (seq[br] == c.prompt[br])
   phase = _set(c.phase, jnp.where(completes, br, r_), DECODE)
+  swa_reserved = c.swa_reserved
+  if lay.swa is not None:  # a decoding row's SWA reservation: the window and one token
+    swa_reserved = jnp.where(phase == DECODE, sim.swa_need(
+        c.prompt, c.out, lay.window, lay.tokens, ps, decoding=True), c.swa_reserved)
   di = jnp.where(ins, br, r_)
   gi = jnp.where(ins, bg, g_)
   c = c._replace(
@@ -327,7 +374,8 @@ def _after_prefill(lay: sim.Layout, c: Sched, rec: dict) -> Tuple[Sched, dict]:
       cache_tokens=_set(c.cache_tokens, gi, aligned),
       refcount=_set(c.refcount, gi, 1),
       last_used=_set(c.last_used, gi, c.admitted_at[jnp.minimum(di, r_ - 1)]),
-      free_pages=c.free_pages - pages)
+      free_pages=c.free_pages - pages, swa_free=c.swa_free - pages * (lay.swa is not None),
+      swa_reserved=swa_reserved)
   return c, {"tokens": jnp.sum(jnp.where(in_batch, bn, 0)), "pages": pages,
              "finished": jnp.zeros((), jnp.int32)}
 
@@ -351,7 +399,8 @@ def _after_decode(lay: sim.Layout, c: Sched) -> Tuple[Sched, dict]:
                  fifo=_set(c.fifo, slot, rows),
                  fifo_forget=_set(c.fifo_forget, slot, forget),
                  fifo_len=c.fifo_len + n_fin, done=c.done + n_fin, leak_injected=leak,
-                 free_pages=c.free_pages - pages)
+                 free_pages=c.free_pages - pages,
+                 swa_free=c.swa_free - pages * (lay.swa is not None))
   return c, {"tokens": jnp.sum(decoding).astype(jnp.int32), "pages": pages,
              "finished": n_fin}
 
@@ -363,6 +412,7 @@ class Carry(NamedTuple):
 
 
 def _runs(state, sample: Array, branch: bool) -> Array:
+  state = getattr(state, "full", state)  # SWA mode: the full pool's free list
   if branch:
     return jax.lax.cond(sample, steps.free_list_runs, lambda s: jnp.full((), -1, jnp.int32),
                         state)
@@ -381,7 +431,11 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
     return steps.free_and_borrow(lay.acfg, state, table, plan,
                                  prefix_width=lay.prefix_width)
   x = (carry.state, carry.table)
-  if branch:  # skip the empty free group and borrows (most steps)
+  swa = lay.swa is not None
+  if swa:  # the window frees run every step (the scheduler counted them)
+    state, table, ok = steps.swa_free_and_window(lay.swa, carry.state, carry.table, plan,
+                                                 window=lay.window)
+  elif branch:  # skip the empty free group and borrows (most steps)
     state, table, ok = jax.lax.cond(
         (plan.num_free > 0) | (plan.num_borrow > 0), free_and_borrow,
         lambda x: (x[0], x[1], jnp.ones((), bool)), x)
@@ -402,20 +456,26 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
                                       jnp.maximum(c.clock + 1, nxt) - 1),
                       error=jnp.where(stuck, ERR_STUCK, c.error), steps=c.steps - 1)
 
-  if branch:
+  if branch or swa:
+    def alloc(pl, prefill):
+      if swa:
+        return steps.swa_allocate(lay.swa, state, table, pl, ok, prefill=prefill,
+                                  max_tokens=lay.tokens)
+      return steps.allocate(lay.acfg, state, table, pl, ok, prefill=prefill, **kw)
+
     def prefill(_):
-      out = steps.allocate(lay.acfg, state, table, plan, ok, prefill=True, **kw)
+      out = alloc(plan, True)
       c, post = _after_prefill(lay, p.sched, p.rec)
       return out, c, post
 
     def decode(_):
-      out = steps.allocate(lay.acfg, state, table, p.plan_decode, ok, prefill=False, **kw)
+      out = alloc(p.plan_decode, False)
       c, post = _after_decode(lay, p.sched)
       return out, c, post
 
     def idle(_):
       post = {"tokens": zero, "pages": zero, "finished": zero}
-      return (state, table, jnp.zeros((3,), jnp.int32)), idle_sched(), post
+      return (state, table, jnp.zeros((4 if swa else 3,), jnp.int32)), idle_sched(), post
 
     (state, table, status), c, post = jax.lax.switch(p.kind, (idle, prefill, decode), None)
   else:  # both allocations every step, the one not taken with no rows: no branch
@@ -447,7 +507,11 @@ def _iteration(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, runs_every:
       running=jnp.sum(live), committed=jnp.sum(jnp.where(active, c.reserved - held, 0)),
       runs=_runs(state, (p.kind > 0) & (c.steps % runs_every == 0), branch),
       ok=status[0], device_pages=status[1], checksum=status[2])
-  rec = jnp.stack([jnp.asarray(vals[k], jnp.int32) for k in steps.RECORD])
+  if swa:
+    swa_held = jnp.where(live, cdiv(c.seq, ps) - c.swa_from, 0)
+    vals.update(swa_used=lay.swa_pages - c.swa_free, swa_device_pages=status[3],
+                swa_committed=_swa_committed(c.swa_reserved, swa_held, active))
+  rec = jnp.stack([jnp.asarray(vals[k], jnp.int32) for k in steps.record_columns(swa)])
   return Carry(state, table, c), rec, p.kind > 0
 
 
@@ -468,7 +532,8 @@ def run_steps(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, steps_per_ca
   (carry.sched.error)).
   """
   n_req = wl.arrival.shape[0]
-  recs = jnp.zeros((steps_per_call, len(steps.RECORD)), jnp.int32)
+  recs = jnp.zeros((steps_per_call, len(steps.record_columns(lay.swa is not None))),
+                   jnp.int32)
 
   def cond(x):
     i, carry, _, _ = x
@@ -485,10 +550,11 @@ def run_steps(lay: sim.Layout, wl: DeviceWorkload, carry: Carry, *, steps_per_ca
   return carry, recs, n, _finished(lay, n_req, carry.sched)
 
 
-def _check_records(ps: int, num_pages: int, first_step: int, recs: np.ndarray) -> None:
+def _check_records(lay: sim.Layout, first_step: int, recs: np.ndarray) -> None:
   """The host driver's checks, from the records: every step ok, and the device's page
-  count equal to the scheduler's."""
+  count equal to the scheduler's (SWA mode: in both pools)."""
   c = steps.COL
+  ps, num_pages = lay.acfg.page_size, lay.num_pages
   for i, rec in enumerate(recs):
     step = first_step + i
     if not rec[c["ok"]]:
@@ -496,6 +562,11 @@ def _check_records(ps: int, num_pages: int, first_step: int, recs: np.ndarray) -
     expected = num_pages - int(rec[c["used"]])
     if int(rec[c["device_pages"]]) != expected:
       raise sim.leak_error(ps, step, int(rec[c["device_pages"]]), expected)
+    if lay.swa is not None:
+      expected = lay.swa_pages - int(rec[c["swa_used"]])
+      if int(rec[c["swa_device_pages"]]) != expected:
+        raise sim.leak_error(ps, step, int(rec[c["swa_device_pages"]]), expected,
+                             pool="SWA ")
 
 
 # XLA options for the loop's program. CPU: LLVM's optimization level 0 (the program is
@@ -522,8 +593,9 @@ def prepare(cfg: sim.SimConfig, wl: Workload, page_size: int) -> Prepared:
   """The device arrays and the compiled loop of one page size (thread-safe: the page
   sizes compile concurrently)."""
   lay = sim.make_layout(cfg, wl, page_size)
+  group = wl.group if lay.swa is None else np.full_like(wl.group, -1)  # no prefix cache
   dwl = DeviceWorkload(*(jnp.asarray(a, jnp.int32) for a in (
-      wl.arrival, wl.group, wl.prompt, wl.output,
+      wl.arrival, group, wl.prompt, wl.output,
       wl.prefix_len if wl.prefix_len.size else np.zeros(1))))
   backend = jax.default_backend()
   # "cond": lax.cond/switch skip the work a step does not need; "masked": no branch,
@@ -563,7 +635,8 @@ def run_page_size(cfg: sim.SimConfig, wl: Workload, prep: Prepared,
   page_size = lay.acfg.page_size
   res = sim.PageSizeResult(page_size, lay.num_pages, cfg.kernel, driver="device",
                            steps_per_call=cfg.steps_per_call, compile_s=prep.compile_s,
-                           compile_options=prep.options)
+                           compile_options=prep.options, swa_window=lay.window,
+                           swa_num_pages=lay.swa_pages)
   bar = sim.progress_bar(wl.num_requests, page_size, progress)
   bar.set_description(f"page_size={page_size}")
   t_start = time.perf_counter()
@@ -579,7 +652,7 @@ def run_page_size(cfg: sim.SimConfig, wl: Workload, prep: Prepared,
       call_us.extend([(now - t_prev) * 1e6 / max(got, 1)] * got)
       t_prev = now
       res.calls += 1
-      _check_records(page_size, lay.num_pages, step_no, block)
+      _check_records(lay, step_no, block)
       step_no += got
       chunks.append(block)
       bar.update(int(block[:, steps.COL["finished"]].sum()))
@@ -596,13 +669,18 @@ def run_page_size(cfg: sim.SimConfig, wl: Workload, prep: Prepared,
     waiting = int(np.sum(wl.arrival <= int(sched.clock))) - int(sched.head)
     raise RuntimeError(f"scheduler stuck at step {step_no - 1} (page_size={page_size}): "
                        f"{waiting} requests wait and none can be admitted")
-  records = np.concatenate(chunks) if chunks else np.zeros((0, len(steps.RECORD)), np.int64)
+  width = len(steps.record_columns(lay.swa is not None))
+  records = np.concatenate(chunks) if chunks else np.zeros((0, width), np.int64)
   res.requests_done = int(sched.done)
   res.sim_time = int(sched.clock)
-  res.runs_final = int(jax.jit(steps.free_list_runs)(carry.state))
+  res.runs_final = int(jax.jit(steps.free_list_runs)(getattr(carry.state, "full",
+                                                             carry.state)))
   sim.finish_result(res, records)
   res.step_us = call_us
   res.step_kind = ["prefill" if k == steps.KIND_PREFILL else "decode"
                    for k in records[:, steps.COL["kind"]]]
-  sim.final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
+  if lay.swa is not None:
+    sim.final_leak_check_swa(res, lay, carry.state, carry.table)
+  else:
+    sim.final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
   return res

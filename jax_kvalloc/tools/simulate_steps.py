@@ -20,6 +20,11 @@ device driver (jax_kvalloc.tools.simulate_device) plans on the device and runs
 `apply_step` inside its loop. Both return a status: ok (every operation succeeded), the
 free + released pages after the step, and a checksum of the slots handed out (so the two
 drivers' allocations can be compared step by step without shipping them).
+
+SWA mode (simulate's --swa-window) runs `swa_free_and_window` (the free group in both
+pools, then every row's window frees) and `swa_allocate` on an SWAState and SWATable
+(jax_kvalloc.swa_table) instead; no borrows or hand-overs; its status adds the SWA pool's
+free + released pages and its records the columns SWA_RECORD.
 """
 from __future__ import annotations
 
@@ -32,10 +37,13 @@ import numpy as np
 
 from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
+from jax_kvalloc import swa_table
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.request_table import RequestTable
 from jax_kvalloc.state import AllocatorState
+from jax_kvalloc.swa import SWAConfig, SWAState
+from jax_kvalloc.swa_table import SWATable
 
 Array = jax.Array
 
@@ -195,6 +203,62 @@ decode_step = jax.jit(functools.partial(_step, prefill=False), static_argnames=_
 decode_step.__doc__ = """apply_step(prefill=False) of a plan packed by `pack_plan`."""
 
 
+def swa_free_and_window(config: SWAConfig, state: SWAState, table: SWATable, plan: Plan,
+                        *, window: int) -> Tuple[SWAState, SWATable, Array]:
+  """SWA mode's part 1: the free group (`swa_table.release_rows`: both pools), then every
+  row's SWA pages that left the window (`swa_table.window_rows` of all rows; empty rows
+  free nothing). No borrows (SWA mode has no prefix cache). Returns (state, table, ok).
+  The test hook forget_row clears that row's length first, so its pages leak in both
+  pools."""
+  max_reqs = table.lens.shape[0]
+  forget = jnp.where(plan.forget_row >= 0, plan.forget_row, max_reqs)
+  table = table._replace(lens=table.lens.at[forget].set(0, mode="drop"))
+  state, table, ok = swa_table.release_rows(config, state, table, plan.free_rows,
+                                            num_rows=plan.num_free)
+  state, table, ok_w = swa_table.window_rows(config, state, table,
+                                             jnp.arange(max_reqs, dtype=jnp.int32), window)
+  return state, table, ok & ok_w
+
+
+def swa_allocate(config: SWAConfig, state: SWAState, table: SWATable, plan: Plan,
+                 ok: Array, *, prefill: bool, max_tokens: int
+                 ) -> Tuple[SWAState, SWATable, Array]:
+  """SWA mode's part 3: `swa_table.extend_rows` (prefill) or `decode_rows` in both pools.
+  Returns (state, table, i32[4] status: ok, the full pool's free + released pages, the
+  slots' checksum, the SWA pool's free + released pages)."""
+  if prefill:
+    state, table, slots, ok_alloc = swa_table.extend_rows(
+        config, state, table, plan.rows, plan.n, max_tokens=max_tokens,
+        num_rows=plan.num_rows)
+    real = jnp.arange(plan.n.shape[0]) < plan.num_rows
+    count = jnp.sum(jnp.where(real, plan.n, 0))
+  else:
+    state, table, slots, ok_alloc = swa_table.decode_rows(config, state, table, plan.rows,
+                                                          num_rows=plan.num_rows)
+    count = plan.num_rows
+  full, swa = state.full, state.swa
+  status = jnp.stack([(ok & ok_alloc).astype(jnp.int32), full.free_len + full.release_len,
+                      checksum(slots, count), swa.free_len + swa.release_len])
+  return state, table, status
+
+
+def _swa_step(config, state, table, packed, *, prefill, sizes, max_tokens, window):
+  plan = unpack_plan(packed, sizes)
+  state, table, ok = swa_free_and_window(config, state, table, plan, window=window)
+  return swa_allocate(config, state, table, plan, ok, prefill=prefill, max_tokens=max_tokens)
+
+
+_SWA_STATIC = ("config", "sizes", "max_tokens", "window")
+swa_prefill_step = jax.jit(functools.partial(_swa_step, prefill=True),
+                           static_argnames=_SWA_STATIC, donate_argnames=("state", "table"))
+swa_prefill_step.__doc__ = """SWA mode's step of a packed plan: swa_free_and_window, then
+swa_allocate(prefill=True)."""
+swa_decode_step = jax.jit(functools.partial(_swa_step, prefill=False),
+                          static_argnames=_SWA_STATIC, donate_argnames=("state", "table"))
+swa_decode_step.__doc__ = """SWA mode's step of a packed plan: swa_free_and_window, then
+swa_allocate(prefill=False)."""
+
+
 def free_list_runs(state: AllocatorState) -> Array:
   """Runs of consecutive page ids in the free list, in list order (i32[]); 0 if empty.
 
@@ -233,5 +297,16 @@ RECORD = ("kind",          # 1 prefill, 2 decode
           "ok",            # every operation of the step succeeded (device status)
           "device_pages",  # free + released pages on the device after the step
           "checksum")      # `checksum` of the slots allocated
-COL = {name: i for i, name in enumerate(RECORD)}
+# SWA mode (simulate's --swa-window) appends these columns.
+SWA_RECORD = ("swa_used",          # SWA pages in use after the step (the scheduler's count)
+              "swa_committed",     # SWA pages reserved by running requests, not held
+              "window_freed",      # SWA pages the step's window frees released
+              "swa_device_pages",  # free + released SWA pages on the device after the step
+              "refused")           # the next admission did not fit: 1 full pool, 2 SWA, 3 both
+COL = {name: i for i, name in enumerate(RECORD + SWA_RECORD)}
+
+
+def record_columns(swa: bool) -> Tuple[str, ...]:
+  """The record's columns (SWA mode appends SWA_RECORD)."""
+  return RECORD + SWA_RECORD if swa else RECORD
 KIND_PREFILL, KIND_DECODE = 1, 2
