@@ -68,6 +68,7 @@ simulate      jax-kvalloc simulate (the main job)
 demo          jax-kvalloc demo --attention pallas (Pallas' paged attention on GPU)
 ranks         tools.bench_ranks over 1 and 2 devices (needs 2 GPUs)
 profile       benchmarks/gpu_profile.py --serving: the serving step's GPU activities
+decode-variants benchmarks/gpu_profile.py --decode-variants: decode kernel time per warps / prefix sum
 scan-copies   benchmarks/scan_copies.py: the compiled serving loops' copies per step
 simulate-host jax-kvalloc simulate --driver host (one jitted call per step)
 demo-toy      jax-kvalloc demo --attention toy
@@ -88,6 +89,7 @@ step_demo()         { run demo 120 $KV demo --attention pallas --repeat 3; }
 step_demo_toy()     { run demo-toy 90 $KV demo --attention toy --repeat 3; }
 step_ranks()        { run ranks 90 $PY -m jax_kvalloc.tools.bench_ranks --devices 1,2 --json "$DIR/ranks.json"; }
 step_profile()      { run profile 120 $PY benchmarks/gpu_profile.py --serving 64,1024 --iters 20 --json "$DIR/profile.json"; }
+step_decode_variants() { run decode-variants 90 $PY benchmarks/gpu_profile.py --decode-variants 1,2,4,8,16 --json "$DIR/decode-variants.json"; }
 step_scan_copies()  { run scan-copies 90 $PY benchmarks/scan_copies.py --out "$DIR/scan-copies" --bs 256 --page-size 64 --steps old,calls,step,step_ext --harnesses chain,scan,scan_donated; }
 step_swa()          { run swa 150 env JAX_KVALLOC_SGLANG_BUNDLE="$SGB" $PY benchmarks/swa_gpu.py "$DIR/swa.json"; }
 step_swa_bench()    { run swa-bench 200 $KV bench-swa --device cuda --sglang-bundle "$SGB" --reps 100 --json "$DIR/swa-bench.json"; }
