@@ -42,9 +42,8 @@ def extend_tile_warps(rows_pad: int, out_len: int, fused: bool) -> Tuple[int, in
 
 def decode_warps(rows_pad: int) -> int:
   """Warps of a decode program (it holds min(rows_pad, row block) rows, and in the
-  fused kernel all rows once more when there are several programs). Two, not one, for
-  the smallest blocks: 1.02-1.15 us against 1.06-1.25 us for the fused decode kernel at 1-8
-  rows on the H200 (benchmarks/results/2026-12-01-h200-checks/decode-variants.json)."""
+  fused kernel all rows once more when there are several programs)."""
+  # Two warps, not one, for the smallest blocks: BENCHMARKS.md, "decode warps".
   if rows_pad <= 8:
     return 2
   return 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
