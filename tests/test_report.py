@@ -204,3 +204,23 @@ def test_manifest_of_a_run(tmp_path, monkeypatch):
   assert "decode.json" in m["files"] and m["reconstructed"] == []
   assert m["versions"]["python"] and m["versions"]["jax"] == jax.__version__
   assert m["versions"]["no_such_module_x"] is None
+
+
+def test_verdicts_compare_runs_row_by_row(tmp_path):
+  src = json.loads((RESULTS / "2026-12-01-h200-b" / "decode.json").read_text())
+  flipped = copy.deepcopy(src)
+  row = next(r for r in flipped["micro"] if r["bs"] == 16)
+  row["sglang"].update(bare_us=9.0, bare_q1_us=8.9, bare_q3_us=9.1)  # a clear win now
+  for name, data in (("a", src), ("b", flipped)):
+    (tmp_path / f"2026-12-01-h200-{name}").mkdir()
+    (tmp_path / f"2026-12-01-h200-{name}" / "decode.json").write_text(json.dumps(data))
+  paths = ["2026-12-01-h200-a/decode.json", "2026-12-01-h200-b/decode.json"]
+  body = report.generate_block("verdicts " + " ".join(paths), str(tmp_path))
+  lines = {ln.split("|")[2].strip(): ln for ln in body.splitlines()
+           if ln.startswith("| decode")}
+  assert sorted(map(int, lines)) == [1, 4, 16, 64]
+  assert lines["16"].rstrip(" |").endswith("NO") and "faster" in lines["16"]
+  assert all(lines[b].rstrip(" |").endswith("yes") for b in ("1", "4", "64"))
+  assert "3 of 4 verdicts agree." in body
+  with pytest.raises(report.ReportError, match="two or more"):
+    report.generate_block("verdicts " + paths[0], str(tmp_path))

@@ -113,6 +113,8 @@ def pyplot():
 #   bench-class FILE         `jax-kvalloc bench-class`'s table of that run
 #   headline SPEC...         the bare kernel comparison and the in-step allocator share;
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
+#   verdicts FILE...         the bare verdict of every (op, bs) the `bench` files share,
+#                            file by file, and whether they agree (a re-run's check)
 
 _BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
                     re.S)
@@ -201,8 +203,37 @@ def _headline_block(root: str, specs: Sequence[str]) -> str:
   return "\n\n".join(out) + "\n\n" + _cite(cited)
 
 
+def _verdicts_block(root: str, paths: Sequence[str]) -> str:
+  """One row per (op, bs) that every file measured bare: each file's verdict (pallas
+  bare against SGLang bare, report.verdict) and whether all agree."""
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  if len(paths) < 2:
+    raise ReportError(f"verdicts needs two or more bench files, got {list(paths)}")
+  per_file = []
+  for path in paths:
+    found = {}
+    for r in _load(root, path)["micro"]:
+      v = bench.bare_verdict(r)
+      if v is not None:
+        pb, sg = bench._bare_cells(r)  # pylint: disable=protected-access
+        found[(r["op"], r["bs"])] = (v, sg["bare_us"] / pb["bare_us"])
+    per_file.append(found)
+  keys = sorted(set.intersection(*(set(f) for f in per_file)))
+  if not keys:
+    raise ReportError(f"verdicts: the files {list(paths)} share no bare (op, bs) row")
+  rows = []
+  for key in keys:
+    cells = [f"{f[key][0]} ({fmt_ratio(f[key][1])})" for f in per_file]
+    same = len({f[key][0] for f in per_file}) == 1
+    rows.append([key[0], key[1], *cells, "yes" if same else "NO"])
+  agree = sum(r[-1] == "yes" for r in rows)
+  header = ["op", "bs", *(_run_name(p) for p in paths), "same verdict"]
+  return (table(header, rows, align="lr" + "r" * (len(paths) + 1)) +
+          f"\n\n{agree} of {len(rows)} verdicts agree.\n\n" + _cite(paths))
+
+
 _KINDS = {"bench": _bench_block, "bench-class": _bench_class_block,
-          "headline": _headline_block}
+          "headline": _headline_block, "verdicts": _verdicts_block}
 
 
 def generate_block(spec: str, root: str) -> str:
