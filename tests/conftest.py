@@ -29,7 +29,7 @@ _FAST_MACHINES = {"token-ps1-n24-sort0-dbg0", "paged-ps4-n12-sort0-dbg0",
 SLOW_TESTS = [
     ("test_bench_swa.py", "test_class_calls_compile_nothing_after_warmup", None, "compiles the class's SWA calls (5 s)"),
     ("test_bench_swa.py", "test_bench_swa_record_and_table", None, "compiles every SWA op of two implementations"),
-    ("test_parity.py", "test_cli_lock_step_parity", None, "~1300 lock-step steps in a subprocess"),
+    ("test_parity.py", "test_cli_lock_step_parity", None, "~650 lock-step steps in a subprocess"),
     ("test_parity.py", "test_cli_triton_interpreter_replays_golden", None, "Triton interpreter"),
     ("test_parity.py", "test_triton_kernels_against_torch_path", None, "Triton interpreter"),
     ("test_parity.py", "test_cli_reports_first_mismatch_and_saves_trace", None, "subprocess"),
@@ -160,26 +160,64 @@ HEAVY_TESTS = [
 
 
 # Cases beyond what CI's 20 minutes hold (slow and exhaustive: `-m exhaustive` runs them).
-# Each test function here keeps cases in the default or slow set, which CI runs.
-# (file, test, first exhaustive case by collection order, why)
+# Each test function here keeps cases in the default or slow set, which CI runs, or (a
+# whole test) names the tests that cover the same ground in CI.
+# (file, test, rule, why); rule: the first exhaustive case by collection order, or a
+# predicate on the item.
+_NAMED = lambda *parts: lambda it: any(p in it.name for p in parts)  # noqa: E731
 EXHAUSTIVE_TESTS = [
     ("test_golden.py", "test_golden_trace", 30, "traces past the first 30 cases"),
     ("test_random_traces.py", "test_classes_match_model_on_random_traces", 6, "more seeds"),
     ("test_properties.py", "test_allocator_state_machine", 6, "more hypothesis machines"),
-    ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions", 4,
-     "page size x need_sort x sharing beyond four"),
+    ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions",
+     lambda it: not _NAMED("[ps1-sort0-share", "[ps16-sort1-share")(it),
+     "page size x need_sort x sharing beyond page size 1 without need_sort and 16 with it"),
     ("test_no_wait.py", "test_host_mirror_is_exact_on_random_traces", 4, "more traces"),
     ("test_triton_free.py", "test_free_states_equal_the_sort", 4, "more pools"),
     ("test_triton_free.py", "test_every_slot_kind_equals_the_sort", 4, "more pools"),
     ("test_request_table.py", "test_random_workload_matches_model", 4, "more workloads"),
-    ("test_capacity.py", "test_extend_near_int32_max_all_paths", 4, "more near-2**31 cases"),
-    ("test_newer_ops.py", "test_random_traces_against_model", 4, "more traces"),
-    ("test_extend_layouts.py", "test_layouts_exhaustive", 3, "more layouts and pools"),
+    ("test_extend_layouts.py", "test_layouts_exhaustive", 0,
+     "every page size and layout (test_rows_layout_blocks_and_chunks and "
+     "test_tiles_layout_through_the_allocator run each layout in CI)"),
     ("test_free_methods.py", "test_free_states_are_identical_and_match_the_model", 4,
      "more pools"),
-    ("test_table_kernels.py", "test_kernel_equals_jnp_path", 3, "more page sizes"),
+    ("test_table_kernels.py", "test_kernel_equals_jnp_path", 2,
+     "more page sizes (4 and 1 run in CI)"),
     ("test_swa.py", "test_long_traces_all_impls_match_sglang", 0,
      "long traces (the default set's SGLang lock-step traces run in CI)"),
+    ("test_multiprocess.py", "test_two_processes_equal_one_every_op", _NAMED("[True]"),
+     "need_sort on (need_sort off and the serving ops with it run in CI)"),
+    ("test_newer_ops.py", "test_random_traces_against_sglang", _NAMED("-64]"),
+     "page size 64 (1 and 4 run in CI; 64 in test_golden and the parity CLI)"),
+    ("test_attention.py", "test_every_kernel_page_sizes_slow", _NAMED("[64-"),
+     "page size 64 (1 and 16 run in CI)"),
+    ("test_bench_harness.py", "test_serving_scan_keeps_every_step", _NAMED("[alloc]", "[free]"),
+     "the extra-call variants (the plain, page-release and fused scans run in CI)"),
+    ("test_random_traces.py", "*", lambda it: "without_jit" in it.name and "need_sort=True" in it.name,
+     "eager need_sort traces (the jitted ones and the eager need_sort-off ones run in CI)"),
+    ("test_swa.py", "test_core_matches_model", _NAMED("[4-True-80]"),
+     "page size 4 with need_sort (page size 1 runs in CI)"),
+    ("test_host_backend.py", "test_small_path_matches_general_path_and_device", _NAMED("-16]"),
+     "page size 16 (1 and 4 run in CI)"),
+    ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions", _NAMED("[ps1-sort1-share1]"),
+     "page size 1 with need_sort and sharing (page sizes 1, 16 and 64 run in CI)"),
+    ("test_demo.py", "test_rpa_reference_tokens_equal_contiguous", 0,
+     "the demo through ref_ragged_paged_attention (test_attention feeds it our inputs in CI)"),
+    ("test_demo.py", "test_pallas_decode_kernel_tokens_equal_contiguous", 0,
+     "the demo through the GPU decode kernel's interpreter (test_attention runs the kernel "
+     "on our inputs in CI, and the demo runs it on the H200)"),
+    ("test_stress.py", "test_fill_and_drain_to_exact_capacity_thousands_of_times",
+     _NAMED("[paged-16-32-True-False]", "[paged-4-64-True-True]"),
+     "more pools (a paged and a token pool run in CI)"),
+    ("test_capacity.py", "test_extend_near_int32_max_all_paths", 2, "more near-2**31 cases"),
+    ("test_extend_layouts.py", "test_near_int32_max", 1, "the other layout (rows runs)"),
+    ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions_with_an_swa_pool",
+     _NAMED("[64-True]"), "page size 64 with need_sort (16 without runs in CI)"),
+    ("test_simulate_swa.py", "test_swa_pool_counts_follow_the_model_more", _NAMED("[64-True-"),
+     "page size 64 with need_sort (the window shorter than a page runs in CI)"),
+    ("test_newer_ops.py", "test_random_traces_against_model",
+     lambda it: not _NAMED("[False-4]", "[False-1]", "[True-16]")(it),
+     "more traces (page sizes 1 and 4, and 16 with need_sort, run in CI)"),
 ]
 
 
@@ -195,8 +233,9 @@ def pytest_collection_modifyitems(config, items):
     name = getattr(item, "originalname", item.name.split("[")[0])
     index = case_index.get((item.path.name, name), 0)
     case_index[(item.path.name, name)] = index + 1
-    for file, test, first, why in EXHAUSTIVE_TESTS:
-      if item.path.name == file and test == name and index >= first:
+    for file, test, rule, why in EXHAUSTIVE_TESTS:
+      if item.path.name == file and test in ("*", name) and (
+          rule(item) if callable(rule) else index >= rule):
         item.add_marker(pytest.mark.exhaustive(reason=why))
         _mark_slow(item, why)
         break
