@@ -257,6 +257,22 @@ def pytest_collection_modifyitems(config, items):
         _mark_slow(item, "more cases of a test whose first case runs by default")
       else:
         first_case.add(key)
+  _order_costliest_first(items)
+
+
+# With `--dist loadfile` (pyproject's addopts) each worker runs whole files in collection
+# order as they come free: the costliest files (CPU seconds in CI, roughly) go first so
+# that the workers finish together rather than one waiting on a late large file.
+COSTLIEST_FIRST = ["test_newer_ops.py", "test_table_kernels.py", "test_parity.py",
+                   "test_swa.py", "test_cli.py", "test_multiprocess.py",
+                   "test_extend_layouts.py", "test_pallas_alloc.py", "test_release_decode.py",
+                   "test_attention.py", "test_bench_harness.py", "test_capacity.py",
+                   "test_simulate_drivers.py", "test_request_table.py", "test_warmup.py"]
+
+
+def _order_costliest_first(items) -> None:
+  rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+  items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: order within
 
 
 def pytest_configure(config):
