@@ -6,14 +6,23 @@ adds the full-to-SWA mapping (`full_to_swa_index_mapping`, a jax array on the de
 backend, numpy on the host backend, updated by jax_kvalloc.swa's pure functions) and
 SGLang's method names.
 
-Waits (device backend). Allocations never wait: the SWA side's last_loc is translated on
-the device and handed to the SWA pool as a device array. The segment frees
-(free_swa_segment, free_segment, free_full_segment; device-array free_index too) never
-wait either: the SWA pages are gathered and the mapping cleared on the device, and the SWA
-pool's free_page_ids takes them as a device array (one page per full page of the
-segment). free_swa (and free) at page size > 1 read the freed pages' mapping entries
-back once, as SGLang's own free_swa synchronizes there: the SWA pool's free counts the
-sorted unique pages on the host. Page size 1: the token pools' frees read device arrays.
+Device backend, page size > 1, outside debug mode: each steady call (alloc_extend,
+alloc_extend_swa_tail, alloc_decode, free, free_swa, free_swa_segment, free_segment) is
+one jitted program of the functional core (jax_kvalloc.swa) over both pools' states and
+the mapping, donated unless a snapshot holds a part of it, with inputs padded to shape
+buckets (jax_kvalloc.sglang.swa_device); free_full / free_full_segment are the full
+pool's one program. The host mirrors of both pools' list lengths decide before the
+launch whether the call fits and whether need_sort merges first (a merge is its own
+call). Refusals, free groups, page size 1 and debug mode take the pools' own calls.
+
+Waits (device backend). Allocations never wait (a device last_loc is taken as it is).
+The segment frees (free_swa_segment, free_segment, free_full_segment; device-array
+free_index too) never wait either: each pool's mirror counts one page per full page of
+the segment, so each of them must have its SWA peer (as SGLang expects; debug mode checks
+it, reading the values). free_swa (and free) at page size > 1 read back once, as SGLang's
+own free_swa synchronizes there: the pools' list lengths after the program (the SWA
+pool's count of sorted unique pages needs the mapping's values). Page size 1: the token
+pools' frees read device arrays.
 
 One deliberate difference (SPEC 13): `alloc_decode` allocates in neither pool unless
 both fit (SGLang keeps what the fitting pool took). Debug mode (`debug=True`) also
@@ -299,10 +308,11 @@ class SWATokenToKVPoolAllocator:
                         num_slots=self.full_attn_allocator.config.num_slots)
 
   # -- the device fast path: one program of the core per call (jax_kvalloc.sglang.swa_device)
-  def _fast(self) -> bool:
+  def _fast(self, free: bool = False) -> bool:
     """Device backend, page size > 1, outside debug mode (which checks on the host
-    first) and outside free groups (which queue)."""
-    return not self._host and not self._debug and self.page_size > 1 and self._group is None
+    first); a free also outside free groups (which queue)."""
+    return (not self._host and not self._debug and self.page_size > 1
+            and not (free and self._group is not None))
 
   def _pool_pair(self):
     return self.full_attn_allocator._pools[0], self.swa_attn_allocator._pools[0]  # pylint: disable=protected-access
@@ -632,7 +642,7 @@ class SWATokenToKVPoolAllocator:
     idx = self._free_args(free_index)
     if idx is None:
       return
-    if self._fast():
+    if self._fast(free=True):
       rows = swa_device.bucket_free(idx.shape[0])
       self._take_lengths(self._launch("free", (rows,), buckets.pad(idx, rows)))
       return
@@ -655,7 +665,7 @@ class SWATokenToKVPoolAllocator:
     if ps == 1:
       self._free_swa_pages(idx, "free_swa")
       return
-    if self._fast():
+    if self._fast(free=True):
       rows = swa_device.bucket_free(idx.shape[0])
       self._take_lengths(self._launch("free_swa", (rows,), buckets.pad(idx, rows)))
       return
@@ -709,7 +719,7 @@ class SWATokenToKVPoolAllocator:
     idx = self._segment_arg(free_index, start_pos)
     if idx is None:
       return
-    if self._fast():
+    if self._fast(free=True):
       self._segment_fast("free_swa_segment", idx, start_pos)
       return
     self._free_swa_pages(idx, "free_swa_segment")
@@ -764,7 +774,7 @@ class SWATokenToKVPoolAllocator:
     idx = self._segment_arg(free_index, start_pos)
     if idx is None:
       return
-    if self._fast():
+    if self._fast(free=True):
       self._segment_fast("free_segment", idx, start_pos)
       return
     self._free_swa_pages(idx, "free_segment")
