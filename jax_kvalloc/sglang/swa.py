@@ -348,11 +348,11 @@ class SWATokenToKVPoolAllocator:
   def _padded(self, x, rows: int, fill: int):
     """Host ints or a device i32[n] padded to rows (device: the pool's pad program)."""
     if isinstance(x, jax.Array):
-      return swa_device.padded(self._pool_pair()[0].backend.ops, x, rows, fill)
+      return self._pool_pair()[0].backend.ops.padded(x, rows, fill)
     return buckets.pad(np.asarray(x), rows, fill)
 
   def _exact(self, out, n: int):
-    return swa_device.exact(self._pool_pair()[0].backend.ops, out, n)
+    return self._pool_pair()[0].backend.ops.exact(out, n)
 
   # -- state ---------------------------------------------------------------------------------
   def clear(self, dp_rank: Optional[int] = None) -> None:

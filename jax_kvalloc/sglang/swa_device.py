@@ -12,13 +12,13 @@ paged class does: at bucket sizes a call is exactly one launch.
 Allocations run with need_sort off inside the program: the class runs each pool's merge
 first, as its own call, when the host mirror says that SPEC's trigger fires.
 
-`launches` counts the programs this module starts (tests pin one per call).
+tests/test_swa_dispatch.py counts the launches of a call (one at bucket sizes).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ from jax_kvalloc import swa as core
 from jax_kvalloc.sglang.backends.device import _compiler_options
 
 Array = jax.Array
-launches = 0  # programs started here: `run`, `padded`, `exact` (tests read it)
 
 
 def _lengths(state: core.SWAState) -> Array:
@@ -91,8 +90,6 @@ def program(config: core.SWAConfig, op: str, shape: Tuple[Any, ...],
 def run(config: core.SWAConfig, op: str, shape: Tuple[Any, ...], donate: bool,
         *args: Any) -> Any:
   """One launch of `program(config, op, shape, donate)(*args)`."""
-  global launches
-  launches += 1
   return program(config, op, shape, donate)(*args)
 
 
@@ -134,21 +131,3 @@ def bucket_tokens(n: int) -> int:
 def bucket_free(n: int) -> int:
   return buckets.bucket(n, buckets.MIN_FREE)
 
-
-def cache_sizes() -> Dict[str, int]:
-  """Programs compiled so far (for tests): lru entries of `program`."""
-  return {"programs": program.cache_info().currsize}
-
-
-def padded(ops: Any, x: Array, rows: int, fill: int) -> Array:
-  """`ops.padded` (the pool's cached pad program; no launch at the bucket's length)."""
-  global launches
-  launches += x.shape[0] != rows
-  return ops.padded(x, rows, fill)
-
-
-def exact(ops: Any, out: Array, n: int) -> Array:
-  """`ops.exact` (the pool's cached slice program; no launch at the bucket's length)."""
-  global launches
-  launches += out.shape[0] != n
-  return ops.exact(out, n)
