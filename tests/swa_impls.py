@@ -211,6 +211,11 @@ class SGLangImpl:
   def _t(self, x):
     return self.torch.tensor(list(x), dtype=self.torch.int64, device=self.device)
 
+  def _cpu(self, x):
+    """The *_cpu arguments: host tensors whatever the device (SGLang 0.5.23's SWA
+    get_num_new_pages asserts seq_lens.device == cpu on CUDA)."""
+    return self.torch.tensor(list(x), dtype=self.torch.int64)
+
   def _res(self, out):
     return None if out is None else [int(v) for v in out]
 
@@ -218,17 +223,17 @@ class SGLangImpl:
     return self._res(self.a.alloc(n))
 
   def alloc_extend(self, pre, seq, last):
-    p, s = self._t(pre), self._t(seq)
-    return self._res(self.a.alloc_extend(p, p, s, s, self._t(last), int(sum(seq) - sum(pre))))
+    return self._res(self.a.alloc_extend(self._t(pre), self._cpu(pre), self._t(seq),
+                                         self._cpu(seq), self._t(last),
+                                         int(sum(seq) - sum(pre))))
 
   def alloc_extend_swa_tail(self, pre, seq, last, tail):
-    p, s = self._t([pre]), self._t([seq])
-    return self._res(self.a.alloc_extend_swa_tail(p, p, s, s, self._t([last]), seq - pre,
-                                                  tail))
+    return self._res(self.a.alloc_extend_swa_tail(
+        self._t([pre]), self._cpu([pre]), self._t([seq]), self._cpu([seq]),
+        self._t([last]), seq - pre, tail))
 
   def alloc_decode(self, seq, last):
-    s = self._t(seq)
-    return self._res(self.a.alloc_decode(s, s, self._t(last)))
+    return self._res(self.a.alloc_decode(self._t(seq), self._cpu(seq), self._t(last)))
 
   def free(self, idx):
     self.a.free(self._t(idx))

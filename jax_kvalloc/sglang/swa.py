@@ -6,14 +6,23 @@ adds the full-to-SWA mapping (`full_to_swa_index_mapping`, a jax array on the de
 backend, numpy on the host backend, updated by jax_kvalloc.swa's pure functions) and
 SGLang's method names.
 
-Waits (device backend). Allocations never wait: the SWA side's last_loc is translated on
-the device and handed to the SWA pool as a device array. The segment frees
-(free_swa_segment, free_segment, free_full_segment; device-array free_index too) never
-wait either: the SWA pages are gathered and the mapping cleared on the device, and the SWA
-pool's free_page_ids takes them as a device array (one page per full page of the
-segment). free_swa (and free) at page size > 1 read the freed pages' mapping entries
-back once, as SGLang's own free_swa synchronizes there: the SWA pool's free counts the
-sorted unique pages on the host. Page size 1: the token pools' frees read device arrays.
+Device backend, page size > 1, outside debug mode: each steady call (alloc_extend,
+alloc_extend_swa_tail, alloc_decode, free, free_swa, free_swa_segment, free_segment) is
+one jitted program of the functional core (jax_kvalloc.swa) over both pools' states and
+the mapping, donated unless a snapshot holds a part of it, with inputs padded to shape
+buckets (jax_kvalloc.sglang.swa_device); free_full / free_full_segment are the full
+pool's one program. The host mirrors of both pools' list lengths decide before the
+launch whether the call fits and whether need_sort merges first (a merge is its own
+call). Refusals, free groups, page size 1 and debug mode take the pools' own calls.
+
+Waits (device backend). Allocations never wait (a device last_loc is taken as it is).
+The segment frees (free_swa_segment, free_segment, free_full_segment; device-array
+free_index too) never wait either: each pool's mirror counts one page per full page of
+the segment, so each of them must have its SWA peer (as SGLang expects; debug mode checks
+it, reading the values). free_swa (and free) at page size > 1 read back once, as SGLang's
+own free_swa synchronizes there: the pools' list lengths after the program (the SWA
+pool's count of sorted unique pages needs the mapping's values). Page size 1: the token
+pools' frees read device arrays.
 
 One deliberate difference (SPEC 13): `alloc_decode` allocates in neither pool unless
 both fit (SGLang keeps what the fitting pool took). Debug mode (`debug=True`) also
@@ -34,6 +43,8 @@ from jax_kvalloc.sglang.base import check_dp_ranks
 from jax_kvalloc.sglang.base import concat
 from jax_kvalloc.sglang.paged import PagedTokenToKVPoolAllocator
 from jax_kvalloc.sglang.token import TokenToKVPoolAllocator
+from jax_kvalloc.sglang import swa_device
+from jax_kvalloc import buckets
 from jax_kvalloc import swa as core
 from jax_kvalloc import validate
 from jax_kvalloc.config import _env_debug
@@ -296,6 +307,53 @@ class SWATokenToKVPoolAllocator:
     validate.free_index(idx, page_size=self.page_size,
                         num_slots=self.full_attn_allocator.config.num_slots)
 
+  # -- the device fast path: one program of the core per call (jax_kvalloc.sglang.swa_device)
+  def _fast(self, free: bool = False) -> bool:
+    """Device backend, page size > 1, outside debug mode (which checks on the host
+    first); a free also outside free groups (which queue)."""
+    return (not self._host and not self._debug and self.page_size > 1
+            and not (free and self._group is not None))
+
+  def _pool_pair(self):
+    return self.full_attn_allocator._pools[0], self.swa_attn_allocator._pools[0]  # pylint: disable=protected-access
+
+  def _launch(self, op: str, shape, *args):
+    """One launch of the core's `op` over (full state, SWA state, mapping), donated
+    unless a snapshot holds a part of it; takes the new state, returns the output."""
+    fp, sp = self._pool_pair()
+    donate = not (fp.free_shared or fp.release_shared or sp.free_shared
+                  or sp.release_shared or self._mapping_shared)
+    state = core.SWAState(fp.state, sp.state, self._mapping)
+    new, out = swa_device.run(self._config, op, shape, donate, state, *args)
+    fp.state, sp.state, self._mapping = new.full, new.swa, new.mapping
+    fp.free_shared = fp.release_shared = sp.free_shared = sp.release_shared = False
+    self._mapping_shared = False
+    return out
+
+  @staticmethod
+  def _freed(pool, count: int) -> None:
+    """The host mirror after `count` pages reached the list (cut to the room left)."""
+    count = min(count, pool.config.num_pages - pool.free_len - pool.release_len)
+    if pool.config.need_sort:
+      pool.release_len += count
+    else:
+      pool.free_len += count
+
+  def _take_lengths(self, lengths) -> None:
+    """The mirror from a program's i32[4] lengths (a read: a wait)."""
+    fp, sp = self._pool_pair()
+    fp.free_len, fp.release_len, sp.free_len, sp.release_len = (
+        int(v) for v in np.asarray(lengths))
+
+  def _padded(self, x, rows: int, fill: int):
+    """Host ints or a device i32[n] padded to rows (device: the pool's pad program)."""
+    if isinstance(x, jax.Array):
+      return self._pool_pair()[0].backend.ops.padded(x, rows, fill)
+    return buckets.pad(np.asarray(x), rows, fill)
+
+  def _exact(self, out, n: int):
+    return self._pool_pair()[0].backend.ops.exact(out, n)
+
   # -- state ---------------------------------------------------------------------------------
   def clear(self, dp_rank: Optional[int] = None) -> None:
     """Both pools as new, the mapping all 0 but its last -1, no free group."""
@@ -412,6 +470,8 @@ class SWATokenToKVPoolAllocator:
       validate.num_new_pages(num_new_pages, p)
     if not self.new_pages_available(p, p):
       return None
+    if self._fast() and pre.shape[0]:
+      return self._extend_fast(pre, seq, last_loc, extend_num_tokens, p)
     swa_last = self._swa_last(last_loc, pre % self.page_size == 0)
     full = self.full_attn_allocator.alloc_extend(pre, pre, seq, seq, last_loc,
                                                  extend_num_tokens, num_new_pages=p)
@@ -421,6 +481,27 @@ class SWATokenToKVPoolAllocator:
     if int(extend_num_tokens):
       self._pair(full, swa)
     return full
+
+  def _extend_fast(self, pre, seq, last_loc, extend_num_tokens, p: int):
+    """alloc_extend as one program, the batch known to fit (`p` new pages each)."""
+    ps, bs = self.page_size, pre.shape[0]
+    dev_last = validate.device_last_loc(last_loc, bs)
+    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
+            else validate.aligned_last_loc(pre, ps, 1))
+    tokens = validate.extend_args(pre, seq, last, extend_num_tokens, page_size=ps,
+                                  num_slots=self.full_attn_allocator.config.num_slots
+                                  ).total_tokens
+    fp, sp = self._pool_pair()
+    trigger = tokens // ps + bs + 1  # SPEC 4.2's need_sort trigger, in each pool
+    fp.merge_if(trigger > fp.free_len)
+    sp.merge_if(trigger > sp.free_len)
+    rows = swa_device.bucket_rows(bs)
+    packed = swa_device.pack_extend(pre, seq, None if dev_last is not None else last, rows)
+    extra = () if dev_last is None else (self._padded(dev_last, rows, -1),)
+    out = self._launch("extend", (rows, swa_device.bucket_tokens(tokens)), packed, *extra)
+    fp.free_len -= p
+    sp.free_len -= p
+    return self._exact(out, tokens)
 
   @_ranked
   def alloc_extend_swa_tail(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
@@ -441,8 +522,11 @@ class SWATokenToKVPoolAllocator:
     tail = validate.count(swa_tail_len, "swa_tail_len")
     if tail > ext:
       raise ValueError(f"swa_tail_len={tail} must be <= extend_num_tokens={ext}")
-    if not self.new_pages_available(_new_pages(pre, seq, ps), -(-tail // ps)):
+    pf = _new_pages(pre, seq, ps)
+    if not self.new_pages_available(pf, -(-tail // ps)):
       return None
+    if self._fast():
+      return self._tail_fast(pre, seq, last_loc, ext, tail, pf)
     full = self.full_attn_allocator.alloc_extend(pre, pre, seq, seq, last_loc, ext)
     assert full is not None
     if tail == 0:  # the head is all of it: mapping 0 (SPEC 13; 0 already in valid use)
@@ -459,6 +543,26 @@ class SWATokenToKVPoolAllocator:
     else:
       self._map(_TAIL, full, swa)
     return full
+
+  def _tail_fast(self, pre, seq, last_loc, ext: int, tail: int, pf: int):
+    """alloc_extend_swa_tail as one program, known to fit."""
+    ps = self.page_size
+    dev_last = validate.device_last_loc(last_loc, 1)
+    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
+            else validate.aligned_last_loc(pre, ps, 1))
+    validate.extend_args(pre, seq, last, ext, page_size=ps,
+                         num_slots=self.full_attn_allocator.config.num_slots)
+    fp, sp = self._pool_pair()
+    fp.merge_if(ext // ps + 2 > fp.free_len)  # each pool's SPEC 4.2 trigger
+    if tail:
+      sp.merge_if(tail // ps + 2 > sp.free_len)
+    packed = np.array([pre[0], seq[0], -1 if dev_last is not None else last[0], tail],
+                      np.int32)
+    extra = () if dev_last is None else (dev_last,)
+    out = self._launch("tail", (swa_device.bucket_tokens(ext),), packed, *extra)
+    fp.free_len -= pf
+    sp.free_len -= -(-tail // ps)
+    return self._exact(out, ext)
 
   @_ranked
   def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
@@ -488,6 +592,8 @@ class SWATokenToKVPoolAllocator:
           self.swa_attn_allocator else last_loc
       assert short.alloc_decode(seq, seq, last) is None
       return None
+    if fit_f and self._fast() and seq.shape[0]:
+      return self._decode_fast(seq, last_loc, need)
     swa_last = self._swa_last(last_loc, (seq - 1) % ps == 0)
     full = self.full_attn_allocator.alloc_decode(seq, seq, last_loc)
     swa = self.swa_attn_allocator.alloc_decode(seq, seq, swa_last)
@@ -497,6 +603,25 @@ class SWATokenToKVPoolAllocator:
     if seq.shape[0]:
       self._pair(full, swa)
     return full
+
+  def _decode_fast(self, seq, last_loc, need: int):
+    """alloc_decode as one program, both pools known to fit (`need` new pages each)."""
+    ps, bs = self.page_size, seq.shape[0]
+    dev_last = validate.device_last_loc(last_loc, bs)
+    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
+            else validate.aligned_last_loc(seq, ps, 2))
+    validate.decode_args(seq, last, page_size=ps,
+                         num_slots=self.full_attn_allocator.config.num_slots)
+    fp, sp = self._pool_pair()
+    fp.merge_if(bs > fp.free_len)  # SPEC 4.3's trigger, in each pool
+    sp.merge_if(bs > sp.free_len)
+    rows = swa_device.bucket_rows(bs)
+    packed = swa_device.pack_decode(seq, None if dev_last is not None else last, rows)
+    extra = () if dev_last is None else (self._padded(dev_last, rows, -1),)
+    out = self._launch("decode", (rows,), packed, *extra)
+    fp.free_len -= need
+    sp.free_len -= need
+    return self._exact(out, bs)
 
   # -- freeing -------------------------------------------------------------------------------
   def _debug_peers(self, idx: np.ndarray, mapped: bool, op: str) -> None:
@@ -517,6 +642,10 @@ class SWATokenToKVPoolAllocator:
     idx = self._free_args(free_index)
     if idx is None:
       return
+    if self._fast(free=True):
+      rows = swa_device.bucket_free(idx.shape[0])
+      self._take_lengths(self._launch("free", (rows,), buckets.pad(idx, rows)))
+      return
     self.free_swa(idx)
     self.full_attn_allocator.free(idx)
 
@@ -535,6 +664,10 @@ class SWATokenToKVPoolAllocator:
     ps = self.page_size
     if ps == 1:
       self._free_swa_pages(idx, "free_swa")
+      return
+    if self._fast(free=True):
+      rows = swa_device.bucket_free(idx.shape[0])
+      self._take_lengths(self._launch("free_swa", (rows,), buckets.pad(idx, rows)))
       return
     self._debug_peers(idx, True, "free_swa")
     wide = ((idx // ps) * ps)[:, None] + np.arange(ps)[None, :]
@@ -584,8 +717,26 @@ class SWATokenToKVPoolAllocator:
     the token class does for every device array.
     """
     idx = self._segment_arg(free_index, start_pos)
-    if idx is not None:
-      self._free_swa_pages(idx, "free_swa_segment")
+    if idx is None:
+      return
+    if self._fast(free=True):
+      self._segment_fast("free_swa_segment", idx, start_pos)
+      return
+    self._free_swa_pages(idx, "free_swa_segment")
+
+  def _segment_fast(self, op: str, idx, start_pos: int) -> None:
+    """free_swa_segment / free_segment as one program; each pool's mirror counts one
+    page per full page of the segment, as the pools' free_page_ids do."""
+    n = idx.shape[0]
+    if op == "free_segment" and not isinstance(idx, jax.Array):
+      validate.segment(idx, page_size=self.page_size)  # the full pool's checks, first
+    rows = swa_device.bucket_free(n)
+    self._launch(op, (rows,), self._padded(idx, rows, 0), np.int32(start_pos), np.int32(n))
+    fp, sp = self._pool_pair()
+    pages = -(-n // self.page_size)
+    self._freed(sp, pages)
+    if op == "free_segment":
+      self._freed(fp, pages)
 
   def _free_swa_pages(self, idx, op: str) -> None:
     """Frees the SWA pages of checked segment slots (host int64 or device i32)."""
@@ -622,6 +773,9 @@ class SWATokenToKVPoolAllocator:
     never waits (a device free_index is taken as it is; see free_swa_segment)."""
     idx = self._segment_arg(free_index, start_pos)
     if idx is None:
+      return
+    if self._fast(free=True):
+      self._segment_fast("free_segment", idx, start_pos)
       return
     self._free_swa_pages(idx, "free_segment")
     self.full_attn_allocator.free_segment(idx, start_pos=start_pos)
