@@ -107,6 +107,12 @@ SLOW_TESTS = [
 
 # Tests of the default set whose cost is their own, not their breadth: slow as a whole.
 HEAVY_TESTS = [
+    ("test_simulate_swa.py", "test_swa_pool_counts_follow_the_model", "compiles the SWA loop"),
+    ("test_simulate_swa.py", "test_leak_check_fires_on_a_dropped_swa_free",
+     "compiles the SWA loop"),
+    ("test_simulate_swa.py", "test_final_leak_check_covers_both_pools_and_the_mapping",
+     "compiles the SWA loop"),
+    ("test_swa_dispatch.py", "test_one_launch_per_steady_call", "compiles every SWA program"),
     ("test_readme.py", "*", "every README example (about 50 s of compiles)"),
     ("test_swa_no_wait.py", "test_swa_device_class_serving_does_not_wait", "long serving sequence"),
     ("test_swa_no_wait.py", "test_swa_debug_mode_checks_device_segments", "debug compiles"),
