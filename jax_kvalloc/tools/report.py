@@ -111,6 +111,7 @@ def pyplot():
 # block ends by citing them. Prose outside the blocks is written by hand.
 #   bench FILE...            `jax-kvalloc bench --from-json FILE...`'s tables
 #   bench-class FILE         `jax-kvalloc bench-class`'s table of that run
+#   bench-swa FILE           `jax-kvalloc bench-swa`'s table of that run
 #   headline SPEC...         the bare kernel comparison and the in-step allocator share;
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
 #   verdicts FILE...         the bare verdict of every (op, bs) the `bench` files share,
@@ -151,6 +152,12 @@ def _bench_class_block(root: str, paths: Sequence[str]) -> str:
   from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
   (path,) = paths
   return "```\n" + bench_class.table(_load(root, path)) + "\n```\n" + _cite(paths)
+
+
+def _bench_swa_block(root: str, paths: Sequence[str]) -> str:
+  from jax_kvalloc.tools import bench_swa  # pylint: disable=g-import-not-at-top
+  (path,) = paths
+  return "```\n" + bench_swa.table(_load(root, path)).rstrip("\n") + "\n```\n" + _cite(paths)
 
 
 def _run_name(path: str) -> str:
@@ -233,7 +240,8 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
 
 
 _KINDS = {"bench": _bench_block, "bench-class": _bench_class_block,
-          "headline": _headline_block, "verdicts": _verdicts_block}
+          "bench-swa": _bench_swa_block, "headline": _headline_block,
+          "verdicts": _verdicts_block}
 
 
 def generate_block(spec: str, root: str) -> str:
