@@ -107,6 +107,10 @@ SLOW_TESTS = [
 
 # Tests of the default set whose cost is their own, not their breadth: slow as a whole.
 HEAVY_TESTS = [
+    ("test_cli.py", "test_leak_check_fires_on_a_dropped_free",
+     "a simulate run (test_simulate_swa's leak checks and the device-free one run in CI)"),
+    ("test_attention.py", "test_tpu_decode_kernel_reads_dense_form",
+     "the TPU interpreter (its lowering test runs by default)"),
     ("test_simulate_swa.py", "test_swa_pool_counts_follow_the_model", "compiles the SWA loop"),
     ("test_simulate_swa.py", "test_leak_check_fires_on_a_dropped_swa_free",
      "compiles the SWA loop"),

@@ -121,7 +121,9 @@ def test_pallas_stand_in_writes_the_outputs():
 
 
 def test_interleaved_timing_returns_one_result_per_variant():
-  call = lambda c, x: (c + x, c)
+  # A call with real work (a 2**20-element cumsum of a chained value), so that the
+  # n-iteration run is slower than the 1-iteration one well beyond a loaded machine's noise.
+  call = lambda c, x: (c + jax.numpy.cumsum(jax.numpy.full((1 << 20,), x))[-1] % 3, c)
   zero, one = jax.numpy.zeros((), np.int32), jax.numpy.ones((), np.int32)
   res = timing.chain_time_interleaved(
       [dict(call=call, carry=zero, inputs=one, consumers=2),
