@@ -396,6 +396,16 @@ def aligned_last_loc(lens: np.ndarray, page_size: int, offset: int) -> np.ndarra
   return np.where(lens >= offset, (lens - offset) % page_size, -1)
 
 
+def host_last_loc(last_loc: Any, dev_last: Any, lens: np.ndarray, page_size: int,
+                  offset: int) -> np.ndarray:
+  """The host last_loc the argument checks see: `last_loc`'s ints, or, where it is a
+  device array taken as it is (`dev_last`, from device_last_loc), aligned_last_loc's
+  stand-in."""
+  if dev_last is None:
+    return host_ints(last_loc, "last_loc")
+  return aligned_last_loc(lens, page_size, offset)
+
+
 def state_lengths(state: Any, num_pages: int) -> "tuple[int, int]":
   """`set_state`: the lengths and heads of a state must describe lists of this pool
   (0 <= free_len, release_len; free_len + release_len <= num_pages; heads in

@@ -150,8 +150,8 @@ def test_gpu_graph_option_only_with_a_gpu(monkeypatch):
     return real(backend)
   monkeypatch.delenv("JAX_KVALLOC_GPU_GRAPHS", raising=False)
   if not any(d.platform == "gpu" for d in real()):
-    assert device_ops._compiler_options() == {}  # pylint: disable=protected-access
+    assert device_ops.compiler_options() == {}
   monkeypatch.setattr(jax, "devices", devices)
-  assert device_ops._compiler_options() == {"xla_gpu_graph_min_graph_size": 1}  # pylint: disable=protected-access
+  assert device_ops.compiler_options() == {"xla_gpu_graph_min_graph_size": 1}
   monkeypatch.setenv("JAX_KVALLOC_GPU_GRAPHS", "0")
-  assert device_ops._compiler_options() == {}  # pylint: disable=protected-access
+  assert device_ops.compiler_options() == {}

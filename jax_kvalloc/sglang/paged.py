@@ -82,8 +82,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       pre = validate.host_ints(pre_arg, "prefix_lens")  # what is wrong
       seq = validate.host_ints(seq_arg, "seq_lens")
       dev_last = self._device_last_loc(backend, last_loc, pre.shape[0])
-      last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
-              else validate.aligned_last_loc(pre, self.page_size, 1))
+      last = validate.host_last_loc(last_loc, dev_last, pre, self.page_size, 1)
       checked = validate.extend_args(pre, seq, last, extend_num_tokens,
                                      page_size=self.page_size,
                                      num_slots=self.config.num_slots)
@@ -126,8 +125,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     if plan is None:  # the checks that name what is wrong
       seq = validate.host_ints(seq_arg, "seq_lens")
       dev_last = self._device_last_loc(backend, last_loc, seq.shape[0])
-      last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
-              else validate.aligned_last_loc(seq, self.page_size, 2))
+      last = validate.host_last_loc(last_loc, dev_last, seq, self.page_size, 2)
       validate.decode_args(seq, last, page_size=self.page_size,
                            num_slots=self.config.num_slots)
       if seq.shape[0] == 0:

@@ -486,8 +486,7 @@ class SWATokenToKVPoolAllocator:
     """alloc_extend as one program, the batch known to fit (`p` new pages each)."""
     ps, bs = self.page_size, pre.shape[0]
     dev_last = validate.device_last_loc(last_loc, bs)
-    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
-            else validate.aligned_last_loc(pre, ps, 1))
+    last = validate.host_last_loc(last_loc, dev_last, pre, ps, 1)
     tokens = validate.extend_args(pre, seq, last, extend_num_tokens, page_size=ps,
                                   num_slots=self.full_attn_allocator.config.num_slots
                                   ).total_tokens
@@ -548,8 +547,7 @@ class SWATokenToKVPoolAllocator:
     """alloc_extend_swa_tail as one program, known to fit."""
     ps = self.page_size
     dev_last = validate.device_last_loc(last_loc, 1)
-    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
-            else validate.aligned_last_loc(pre, ps, 1))
+    last = validate.host_last_loc(last_loc, dev_last, pre, ps, 1)
     validate.extend_args(pre, seq, last, ext, page_size=ps,
                          num_slots=self.full_attn_allocator.config.num_slots)
     fp, sp = self._pool_pair()
@@ -608,8 +606,7 @@ class SWATokenToKVPoolAllocator:
     """alloc_decode as one program, both pools known to fit (`need` new pages each)."""
     ps, bs = self.page_size, seq.shape[0]
     dev_last = validate.device_last_loc(last_loc, bs)
-    last = (validate.host_ints(last_loc, "last_loc") if dev_last is None
-            else validate.aligned_last_loc(seq, ps, 2))
+    last = validate.host_last_loc(last_loc, dev_last, seq, ps, 2)
     validate.decode_args(seq, last, page_size=ps,
                          num_slots=self.full_attn_allocator.config.num_slots)
     fp, sp = self._pool_pair()

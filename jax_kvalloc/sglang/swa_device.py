@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_kvalloc import buckets
 from jax_kvalloc import swa as core
-from jax_kvalloc.sglang.backends.device import _compiler_options
+from jax_kvalloc.sglang.backends.device import compiler_options
 
 Array = jax.Array
 
@@ -84,7 +84,7 @@ def program(config: core.SWAConfig, op: str, shape: Tuple[Any, ...],
             donate: bool) -> Callable[..., Any]:
   """The jitted program of `op` at these bucket sizes (cached across instances)."""
   return jax.jit(_build(config, op, shape), donate_argnums=(0,) if donate else (),
-                 compiler_options=_compiler_options())
+                 compiler_options=compiler_options())
 
 
 def run(config: core.SWAConfig, op: str, shape: Tuple[Any, ...], donate: bool,

@@ -75,7 +75,7 @@ def _written(config: AllocatorConfig, state: AllocatorState) -> Tuple[Array, Arr
   return st.freed_list(config.need_sort, state)[:3]
 
 
-def _compiler_options() -> Dict[str, Any]:
+def compiler_options() -> Dict[str, Any]:
   """XLA options for the fast-path programs: on a GPU host, a CUDA graph for every
   program, however few its kernels (`xla_gpu_graph_min_graph_size=1`; XLA's default
   needs 5): these programs are 1-10 small kernels, and launching each one separately
@@ -104,7 +104,7 @@ class DeviceOps:
     # The host runs any merge as its own call first, so allocations need no merge branch.
     self._alloc_cfg = dataclasses.replace(config, need_sort=False)
     self._fns: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
-    self._options = _compiler_options()
+    self._options = compiler_options()
 
   # -- program cache -------------------------------------------------------------------
   def _fn(self, key: Tuple[Any, ...]) -> Callable[..., Any]:
