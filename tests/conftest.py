@@ -98,10 +98,6 @@ SLOW_TESTS = [
     ("test_multiprocess.py", "test_bench_processes_runs", None, "starts JAX processes"),
     ("test_attention.py", "test_every_kernel_page_sizes_slow", None,
      "page sizes 1, 16, 64 through every kernel (ref eager, TPU/GPU interpreters)"),
-    ("test_demo.py", "test_pallas_decode_kernel_tokens_equal_contiguous", None,
-     "the demo with Pallas' GPU paged_attention in its interpreter"),
-    ("test_demo.py", "test_rpa_reference_tokens_equal_contiguous", None,
-     "the demo through ref_ragged_paged_attention: one compile per step"),
 ]
 
 
@@ -140,7 +136,7 @@ HEAVY_TESTS = [
     ("test_cli.py", "test_simulate_exact_page_accounting_without_sharing", "a simulate run"),
     ("test_cli.py", "test_trace_replay", "a simulate run and its replay"),
     ("test_simulate_swa.py", "test_swa_pool_counts_follow_the_model_more",
-     "two more SWA simulate compiles (the first case's model test runs by default)"),
+     "two more SWA simulate compiles"),
     ("test_simulate_swa.py", "test_window_zero_is_the_run_without_an_swa_pool",
      "a simulate compile without an SWA pool"),
     ("test_capacity.py", "test_mosaic_contract_near_int32_max_under_tpu_interpreter",
