@@ -73,7 +73,9 @@ scan-copies   benchmarks/scan_copies.py: the compiled serving loops' copies per 
 simulate-host jax-kvalloc simulate --driver host (one jitted call per step)
 demo-toy      jax-kvalloc demo --attention toy
 swa           benchmarks/swa_gpu.py: SWA lock-step traces on GPU, then timings
-swa-bench     jax-kvalloc bench-swa: SWA extend/decode/window free, ours vs SGLang's class"
+swa-bench     jax-kvalloc bench-swa: SWA extend/decode/window free, ours vs SGLang's class
+mosaic-gpu    benchmarks/mosaic_gpu.py: Mosaic GPU, Triton, XLA side by side (decode, table steps), checked first
+mosaic-gpu-tests  the Mosaic GPU kernels' -m gpu tests (tests/test_mosaic_gpu.py)"
 
 step_gpu_tests()    { run gpu-tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests; }
 step_decode()       { run decode 150 $KV $BENCH --no-serving --ops decode --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/decode.json"; }
@@ -92,6 +94,8 @@ step_profile()      { run profile 120 $PY benchmarks/gpu_profile.py --serving 64
 step_decode_variants() { run decode-variants 90 $PY benchmarks/gpu_profile.py --decode-variants 1,2,4,8,16 --json "$DIR/decode-variants.json"; }
 step_scan_copies()  { run scan-copies 90 $PY benchmarks/scan_copies.py --out "$DIR/scan-copies" --bs 256 --page-size 64 --steps old,calls,step,step_ext --harnesses chain,scan,scan_donated; }
 step_swa()          { run swa 150 env JAX_KVALLOC_SGLANG_BUNDLE="$SGB" $PY benchmarks/swa_gpu.py "$DIR/swa.json"; }
+step_mosaic_gpu()   { run mosaic-gpu 420 $PY benchmarks/mosaic_gpu.py --budget-s 330 --json "$DIR/mosaic-gpu.json"; }
+step_mosaic_gpu_tests() { run mosaic-gpu-tests 200 $PY -m pytest -q -m gpu -x -p no:cacheprovider -rs tests/test_mosaic_gpu.py; }
 step_swa_bench()    { run swa-bench 200 $KV bench-swa --device cuda --sglang-bundle "$SGB" --reps 100 --json "$DIR/swa-bench.json"; }
 
 DRY=0

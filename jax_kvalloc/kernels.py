@@ -154,16 +154,15 @@ def family(name: str) -> Tuple[str, bool]:
 
 def gpu_choice(op: str) -> str:
   """The family "auto" runs `op` with on a GPU: the first usable one of
-  GPU_PREFERENCE[op]. A choice that skips a preferred family is logged once."""
+  GPU_PREFERENCE[op] (jnp when none is). A preferred family that is not usable is said
+  once per process (`_say_fallback`), the use of Pallas' Triton backend once too."""
   prefs = GPU_PREFERENCE.get(op, ("triton", "jnp"))
-  for name in prefs:
-    if usable(name):
-      if name != prefs[0]:
-        _say_fallback(op, prefs[0], name)
-      elif name == "triton":
-        _note_triton()
-      return name
-  return "jnp"
+  choice = next((name for name in prefs if usable(name)), "jnp")
+  for name in prefs[:prefs.index(choice)] if choice in prefs else prefs:
+    _say_fallback(name)
+  if choice == "triton":
+    _note_triton()
+  return choice
 
 
 def usable(name: str) -> bool:
@@ -234,12 +233,18 @@ def _mosaic_gpu_problem() -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _say_fallback(op: str, preferred: str, chosen: str) -> None:
-  why = {"triton": _triton_problem, "mosaic_gpu": _mosaic_gpu_problem}.get(preferred)
-  reason = why() if why else None
-  logger.warning("jax_kvalloc: %s is not usable here (%s); kernel='auto' runs %s on this "
-                 "GPU with %s", _FAMILY_TEXT.get(preferred, preferred), reason, op,
-                 _FAMILY_TEXT.get(chosen, chosen))
+def _say_fallback(family_name: str) -> None:
+  """One log line (once per process and family): why the family is not usable and what
+  "auto" runs each operation with instead."""
+  why = {"triton": _triton_problem, "mosaic_gpu": _mosaic_gpu_problem}[family_name]()
+  runs = {}
+  for op, prefs in GPU_PREFERENCE.items():
+    if family_name in prefs:
+      chosen = next((n for n in prefs if n != family_name and usable(n)), "jnp")
+      runs.setdefault(_FAMILY_TEXT.get(chosen, chosen), []).append(op)
+  logger.warning("jax_kvalloc: %s is not usable here (%s); kernel='auto' on a GPU runs %s",
+                 _FAMILY_TEXT.get(family_name, family_name), why,
+                 "; ".join(f"{', '.join(ops)} with {text}" for text, ops in runs.items()))
 
 
 @functools.lru_cache(maxsize=None)

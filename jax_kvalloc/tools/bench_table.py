@@ -204,6 +204,7 @@ def run_case(case: TableCase, *, unroll: int, min_time: float, reps: int,
                             unroll=unroll, min_time=min_time, reps=reps)
     out[f"{variant}_us"] = res["s"] * 1e6
     out[f"{variant}_spread"] = res["spread"]
+    out[f"{variant}_q1_us"], out[f"{variant}_q3_us"] = res["q1_s"] * 1e6, res["q3_s"] * 1e6
   for variant in ("calls", "step"):
     if f"{variant}_us" not in out:
       continue
