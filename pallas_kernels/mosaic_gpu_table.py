@@ -27,8 +27,9 @@ them; barriers order the steps:
   decode     counts (pages needed, full rows), then per row the slot (ring[head + k] * ps
              for a row starting a page, else last_loc + 1), the new page appended, lens.
 
-The ring, the table's pages (flattened), lens and owned_from are in-place operands
-(`jax.new_ref`): under donation or a loop carry the kernel writes them where they are.
+The ring, the free list's head and length, the table's pages (flattened), lens and
+owned_from are in-place operands (`jax.new_ref`): under donation or a loop carry the
+kernel writes them where they are.
 The extend slots are a second launch (`_slots_kernel`): C programs of 4 warps per extend
 row, each warp writing blocks of SLOT_BLOCK consecutive slots of its row (from the row's
 plan line), then its share of the zero tail.
@@ -354,9 +355,9 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
     head, flen = jnp.where(new_head >= n, new_head - n, new_head), flen - taken
 
   def finish(s):
-    def put():
-      r["head_o"][0] = head
-      r["flen_o"][0] = flen
+    def put():  # head and flen are in place: every read of them came before
+      r["head"][0] = head
+      r["flen"][0] = flen
       for i, ok in enumerate(oks):
         r["ok_o"][i] = ok.astype(jnp.int32)
     mg.when(s == 0, put)
@@ -522,11 +523,12 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
               dec_rows=sizes["decode"], max_tokens=max_tokens if extend is not None else 0,
               warpgroups=nt)
   one = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
-  ring_ref, pages_ref, lens_ref, owned_ref = mg.as_i32_refs(free_ring, pages.reshape(-1),
-                                                           lens, owned_from)
+  # In place, the free list's head and length too: an output that is not aliased to its
+  # input cannot take a loop carry's buffer, and XLA would copy it into the carry.
+  ring_ref, head_ref, flen_ref, pages_ref, lens_ref, owned_ref = mg.as_i32_refs(
+      free_ring, one(free_head), one(free_len), pages.reshape(-1), lens, owned_from)
   names = ["ring", "head", "flen", "rlen", "pages", "lens", "owned"]
-  args = [ring_ref, one(free_head), one(free_len), one(release_len), pages_ref, lens_ref,
-          owned_ref]
+  args = [ring_ref, head_ref, flen_ref, one(release_len), pages_ref, lens_ref, owned_ref]
   for key, phase, fields in (("rel", release, ("rows", "num")),
                              ("ext", extend, ("rows", "n", "num")),
                              ("dec", decode, ("rows", "num"))):
@@ -536,7 +538,7 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
     names += [f"{key}_{f}" for f in fields]
     args += [x if f != "num" else one(x) for f, x in zip(fields, checked)]
   i32 = lambda k: jax.ShapeDtypeStruct((max(k, 1),), jnp.int32)
-  outs = {"head_o": i32(1), "flen_o": i32(1), "ok_o": i32(3), "scr": i32(3 * max_reqs)}
+  outs = {"ok_o": i32(3), "scr": i32(3 * max_reqs)}
   if extend is not None:
     outs["plan"] = i32((p.ext_rows + 1) * _LINE)
   if decode is not None:
@@ -549,8 +551,8 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
                    interpret=interpret)
   res = dict(zip(outs, kernel(*args)))
   ok = res["ok_o"] > 0
-  result = dict(ring=ring_ref[...], head=res["head_o"].reshape(()),
-                length=res["flen_o"].reshape(()),
+  result = dict(ring=ring_ref[...], head=head_ref[...].reshape(()),
+                length=flen_ref[...].reshape(()),
                 pages=pages_ref[...].reshape(max_reqs, width), lens=lens_ref[...],
                 owned_from=owned_ref[...])
   if release is not None:
