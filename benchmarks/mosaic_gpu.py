@@ -167,49 +167,6 @@ def table_case(step: str, bs: int, seed: int, args) -> Dict[str, Any]:
   return row
 
 
-def tables(rows: List[Dict[str, Any]]) -> str:
-  """Per operation and size: each family's median (q1-q3) in us, and the verdicts of
-  Mosaic GPU against Triton and XLA (report.verdict: interquartile ranges apart)."""
-  def cell(c, prefix=""):
-    if not c or f"{prefix}us" not in c:
-      return (c or {}).get("error", "-")[:40]
-    return (f"{report.fmt_us(c[prefix + 'us'])} ({report.fmt_us(c[prefix + 'q1_us'])}-"
-            f"{report.fmt_us(c[prefix + 'q3_us'])})")
-
-  def vs(a, b, prefix=""):
-    return report.verdict(report.iqr(a, prefix), report.iqr(b, prefix))
-
-  out = []
-  dec = [r for r in rows if r["op"] == "decode"]
-  if dec:
-    header = ["bs", "mosaic_gpu (us)", "triton (us)", "jnp (us)", "mosaic_gpu bare",
-              "triton bare", "mosaic_gpu vs triton (bare)", "mosaic_gpu vs jnp"]
-    body = [[r["bs"], cell(r["mosaic_gpu"]), cell(r["triton"]), cell(r["jnp"]),
-             cell(r["mosaic_gpu"], "bare_"), cell(r["triton"], "bare_"),
-             vs(r["mosaic_gpu"], r["triton"], "bare_"), vs(r["mosaic_gpu"], r["jnp"])]
-            for r in dec]
-    out.append("alloc_decode, page size 64: the whole jitted call, linked (median, "
-               "q1-q3, us per call); bare = the kernel's own GPU time (CUPTI)\n"
-               + report.table(header, body))
-  for step in ("decode", "extend"):
-    tab = [r for r in rows if r["op"] == f"table_{step}"]
-    if not tab:
-      continue
-    header = ["bs", "stand-ins (us)", "mosaic_gpu share", "triton share", "jnp share",
-              "mosaic_gpu kernels", "triton kernels", "mosaic_gpu vs triton",
-              "mosaic_gpu vs jnp"]
-    body = [[r["bs"], report.fmt_us(r["none"].get("us")), cell(r["mosaic_gpu"], "share_"),
-             cell(r["triton"], "share_"), cell(r["jnp"], "share_"),
-             report.fmt_us(r["mosaic_gpu"].get("kernels_us")),
-             report.fmt_us(r["triton"].get("kernels_us")),
-             vs(r["mosaic_gpu"], r["triton"], "share_"),
-             vs(r["mosaic_gpu"], r["jnp"], "share_")] for r in tab]
-    out.append(f"request table, {step} step (step_rows), page size 64: share = step - "
-               "stand-ins (median, q1-q3 of the step, us per step); kernels = the "
-               "jax_kvalloc kernels' GPU time per step (CUPTI)\n" + report.table(header, body))
-  return "\n\n".join(out)
-
-
 def main(argv=None) -> int:
   from jax_kvalloc.tools.cli import int_list  # pylint: disable=g-import-not-at-top
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -244,6 +201,8 @@ def main(argv=None) -> int:
     if time.perf_counter() - t0 > args.budget_s:
       rows.append({"op": op, "bs": bs, "skipped": "budget"})
       print("budget spent: skipped", op, bs, flush=True)
+      report.write_json(args.json, {**meta, "rows": rows,
+                                    "elapsed_s": time.perf_counter() - t0})
       continue
     t1 = time.perf_counter()
     row = decode_case(bs, seed, args) if step is None else table_case(step, bs, seed, args)
@@ -252,7 +211,7 @@ def main(argv=None) -> int:
     print(row, flush=True)
     report.write_json(args.json, {**meta, "rows": rows,
                                   "elapsed_s": time.perf_counter() - t0})
-  print("\n" + tables([r for r in rows if "skipped" not in r]), flush=True)
+  print("\n" + report.mosaic_gpu_tables(rows), flush=True)
   print(f"{time.perf_counter() - t0:.0f} s", flush=True)
   bad = [r for r in rows for f in ("mosaic_gpu", "triton", "jnp")
          if "MISMATCH" in r.get(f, {}).get("error", "")]

@@ -100,14 +100,16 @@ REGISTRY = {
 }
 
 # "auto" on a GPU: per operation, the families in order of preference; the first usable
-# one runs it (jnp, always usable, last). The order is what the committed H200
-# measurements show (BENCHMARKS.md, "Mosaic GPU"): Mosaic GPU goes first only where it
-# is at least as fast as Triton there.
+# one runs it (jnp, always usable, last). The order is what the committed H200 run shows
+# (BENCHMARKS.md, "Mosaic GPU"; benchmarks/results/2026-12-01-h200-mosaic-gpu): Mosaic
+# GPU would go before Triton only where it is at least as fast, which it is nowhere
+# there; it follows Triton only where it beat XLA: the table's step (decode step at
+# bs 64 and 256 faster, 1024 a tie), not alloc_decode (bs 1: slower than XLA's call).
 GPU_PREFERENCE = {
     "alloc": ("jnp",),
     "alloc_extend": ("triton", "jnp"),
-    "alloc_decode": ("triton", "mosaic_gpu", "jnp"),
-    "release_decode": ("triton", "mosaic_gpu", "jnp"),
+    "alloc_decode": ("triton", "jnp"),
+    "release_decode": ("triton", "jnp"),
     "free": ("triton", "jnp"),
     "table": ("triton", "mosaic_gpu", "jnp"),
 }

@@ -17,7 +17,8 @@ Layout (mosaic_gpu_common says what Mosaic GPU can and cannot do):
 - Phase B (streams): each warp adds the counts of the warps before it, then per row the
   page ring[head + k] (wrapped once, clamped into the ring: read for every row, used for
   the needing ones), slot = page * ps, else last_loc + 1; 0 for padding rows and for
-  every row when not ok. Program 0's warp 0 writes the new head, length and ok.
+  every row when not ok; CHUNK_ROWS rows' loads before their stores. Program 0's warp 0
+  writes the new head, length and ok.
 
 Ownership (SPEC 14): the pages taken are ring[head .. head + total); with the held record
 in the state, phase B's needing rows store held[page] = 1 (a scalar store per page taken,
@@ -41,6 +42,10 @@ MAX_ROWS = 2**16        # rows per call (as alloc_decode_triton)
 MAX_PROGRAMS = 128      # programs of a large batch (the H200 has 132 SMs)
 SMALL_ROWS = 128        # below one vector chunk: one program
 CHUNK = 2048            # rows per vector load of the counting pass (at most)
+# Rows a warp loads before it stores any of their slots: a store may alias the next
+# row's loads, so the compiler keeps them in order; loads first keeps them in flight
+# together.
+CHUNK_ROWS = 16
 _NEEDS, _BAD = 0, mg.WARPS          # shared memory: per-warp counts, then
 _BEFORE, _TOTAL, _BAD_ALL = 2 * mg.WARPS, 2 * mg.WARPS + 1, 2 * mg.WARPS + 2  # program's
 
@@ -145,15 +150,18 @@ def _kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: i32[n], i32[1] x
     head, flen = head_ref[0], flen_ref[0]
     ok = (bad == 0) & (total <= flen)
     k = before
-    for i in range(q):
-      r = start_row + w * q + i
-      real, _, needs, _ = row(r)
-      last = last_ref[jnp.minimum(r, b - 1)]
-      page = ring_ref[mg.wrap(head + k, n)]
-      slot = jnp.where(needs > 0, page * ps, last + 1)
-      slot = jnp.where(ok & real, slot, 0)
-      mg.store(out_ref, r, slot, True if p.grid * p.rows_per_program <= b else r < b)
-      k = k + needs
+    for i0 in range(0, q, CHUNK_ROWS):
+      slots = []
+      for i in range(i0, min(i0 + CHUNK_ROWS, q)):  # the chunk's loads, then its stores
+        r = start_row + w * q + i
+        real, _, needs, _ = row(r)
+        last = last_ref[jnp.minimum(r, b - 1)]
+        page = ring_ref[mg.wrap(head + k, n)]
+        slot = jnp.where(needs > 0, page * ps, last + 1)
+        slots.append((r, jnp.where(ok & real, slot, 0)))
+        k = k + needs
+      for r, slot in slots:
+        mg.store(out_ref, r, slot, True if p.grid * p.rows_per_program <= b else r < b)
 
     def finish():
       taken = jnp.where(ok, total, 0)

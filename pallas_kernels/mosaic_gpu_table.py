@@ -59,6 +59,7 @@ MAX_EXTEND_ROWS = 256
 MAX_EXTEND_TOKENS = 2**16
 MAX_WARPGROUPS = 8
 SLOT_BLOCK = 32             # extend slots a warp writes per block (unrolled)
+CHUNK = 8                   # rows (or pages) a warp loads before it stores any of them
 
 # Shared-memory counts, one region of 4 T per kind.
 (_REL_BAD, _REL_PAGES, _EXT_BAD, _EXT_CAP, _EXT_TOK, _EXT_PAGES, _DEC_BAD, _DEC_FULL,
@@ -132,6 +133,13 @@ class _Rows:
     for i in range(self.q):
       yield self.at(self.stream * self.q + i)
 
+  def chunks(self):
+    """The stream's rows in chunks of CHUNK: within one, every load is issued before any
+    store (a store may alias the next row's loads, so the compiler keeps them in order;
+    loads first keeps a chunk's loads in flight together)."""
+    for i in range(0, self.q, CHUNK):
+      yield [self.at(self.stream * self.q + j) for j in range(i, min(i + CHUNK, self.q))]
+
   def at(self, b):
     """(b, row clipped into the table, real: b < count, inside: the row given is)."""
     raw = self.rows_ref[jnp.minimum(b, self.num - 1)]
@@ -181,14 +189,16 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
 
   # --- marks, and the release rows' valid pages --------------------------------------
   def marks(s):
-    for name in phases:
-      for b, row, real, inside in rows(name, s):
-        mg.store(scr, base[name] + row, b, real & inside)
-    if "rel" in phases:
+    if "rel" in phases:  # loads only: before the marks' stores
       total = jnp.zeros((), jnp.int32)
       for b, row, real, _ in rows("rel", s):
         start, end = _owned_span(p, lens, owned, row)
         total = total + jnp.where(real, _count_valid(p, pages, row, start, end), 0)
+    for name in phases:
+      for chunk in rows(name, s).chunks():
+        for b, row, real, inside in chunk:
+          mg.store(scr, base[name] + row, b, real & inside)
+    if "rel" in phases:
       _store_counts(cnt, s, ns, {_REL_PAGES: total})
 
   step(marks)
@@ -270,25 +280,27 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
     def extend(s):
       go, ok, ts, tok_total, ps_before, page_total = ext_verdict(s)
       plan = r["plan"]
-      for b, row, real, _ in rows("ext", s):
-        pre, n_tok = ext_row(b, row, real & go, go)
-        live = real & go
-        pre, seq = jnp.where(live, pre, 0), jnp.where(live, pre + n_tok, 0)
-        ext, new_pages = _extend_counts(p, pre, seq)
-        fnp = cdiv(pre, ps)
-        last = _last_loc(p, pages, row, pre)
-        a = pre - ts
-        consts = (ts, jnp.where(ok, ts + ext, ts), a, fnp * ps - a, last + 1 - ts,
-                  ps_before - fnp)
-        for v, value in enumerate(consts):
-          mg.store(plan, b * _LINE + v, value, b < p.ext_rows)
-        # The row's new pages, appended: page k of the batch is ring[head + k].
-        def append(g, carry, row=row, fnp=fnp, k0=ps_before):
-          pages[row * w + fnp + g] = ring[mg.wrap(head + k0 + g, n)]
-          return carry
-        jax.lax.fori_loop(0, jnp.where(ok & live, new_pages, 0), append, 0)
-        mg.store(lens, row, seq, ok & live)
-        ts, ps_before = ts + ext, ps_before + new_pages
+      for chunk in rows("ext", s).chunks():
+        lines = []
+        for b, row, real, _ in chunk:  # loads
+          pre, n_tok = ext_row(b, row, real & go, go)
+          live = real & go
+          pre, seq = jnp.where(live, pre, 0), jnp.where(live, pre + n_tok, 0)
+          ext, new_pages = _extend_counts(p, pre, seq)
+          fnp = cdiv(pre, ps)
+          a = pre - ts
+          last = _last_loc(p, pages, row, pre)
+          consts = (ts, jnp.where(ok, ts + ext, ts), a, fnp * ps - a, last + 1 - ts,
+                    ps_before - fnp)
+          lines.append((b, row, live, seq, fnp, ps_before, new_pages, consts))
+          ts, ps_before = ts + ext, ps_before + new_pages
+        for b, row, live, seq, fnp, k0, new_pages, consts in lines:  # stores
+          for v, value in enumerate(consts):
+            mg.store(plan, b * _LINE + v, value, b < p.ext_rows)
+          # The row's new pages, appended: page k of the batch is ring[head + k].
+          _copy_run(n, ring, mg.wrap, head + k0, pages, row * w + fnp,
+                    jnp.where(ok & live, new_pages, 0))
+          mg.store(lens, row, seq, ok & live)
 
       def tail():
         g = p.ext_rows * _LINE
@@ -333,19 +345,22 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
 
     def decode(s):
       go, ok, k, _ = dec_verdict(s)
-      for b, row, real, _ in rows("dec", s):
-        pre, seq = dec_row(row, real)
-        live = real & go
-        needs = jnp.where(live & _needs_page(seq, ps), 1, 0)
-        last = _last_loc(p, pages, row, pre)
-        page = ring[mg.wrap(head + k, n)]
-        slot = jnp.where(needs > 0, page * ps, last + 1)
-        slot = jnp.where(ok & live, slot, 0)
-        mg.store(r["dec_out"], b, slot, b < p.dec_rows)
-        col = jnp.minimum(floordiv(pre, ps), w - 1)
-        mg.store(pages, row * w + col, page, ok & live & (needs > 0))
-        mg.store(lens, row, seq, ok & live)
-        k = k + needs
+      for chunk in rows("dec", s).chunks():
+        out = []
+        for b, row, real, _ in chunk:  # loads
+          pre, seq = dec_row(row, real)
+          live = real & go
+          needs = jnp.where(live & _needs_page(seq, ps), 1, 0)
+          last = _last_loc(p, pages, row, pre)
+          page = ring[mg.wrap(head + k, n)]
+          slot = jnp.where(needs > 0, page * ps, last + 1)
+          out.append((b, row, pre, seq, live, needs, page, jnp.where(ok & live, slot, 0)))
+          k = k + needs
+        for b, row, pre, seq, live, needs, page, slot in out:  # stores
+          mg.store(r["dec_out"], b, slot, b < p.dec_rows)
+          col = jnp.minimum(floordiv(pre, ps), w - 1)
+          mg.store(pages, row * w + col, page, ok & live & (needs > 0))
+          mg.store(lens, row, seq, ok & live)
 
     step(decode)
     go_dec, ok_dec, _, total = dec_verdict(0)
@@ -384,32 +399,62 @@ def _owned_span(p: _Params, lens, owned, row):
   return start, jnp.maximum(end, start)
 
 
+def _blocks(start, end, fn, carry):
+  """carry = fn(j, inside, carry) for j in [start, end), CHUNK at a time: a loop over
+  blocks whose CHUNK columns are unrolled (inside: j < end; j past it is clamped by the
+  caller's index)."""
+  def block(i, carry):
+    for u in range(CHUNK):
+      j = start + i * CHUNK + u
+      carry = fn(j, j < end, carry)
+    return carry
+  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, carry)
+
+
 def _count_valid(p: _Params, pages, row, start, end):
   """Owned pages of a row that name a page of the pool (1..n)."""
-  def body(j, acc):
-    page = pages[row * p.width + j]
-    return acc + jnp.where((page >= 1) & (page <= p.num_pages), 1, 0)
-  return jax.lax.fori_loop(start, end, body, jnp.zeros((), jnp.int32))
+  def fn(j, inside, acc):
+    page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
+    return acc + jnp.where(inside & (page >= 1) & (page <= p.num_pages), 1, 0)
+  return _blocks(start, end, fn, jnp.zeros((), jnp.int32))
 
 
 def _give_back(p: _Params, pages, ring, row, start, end, head, rank, count):
   """The row's valid owned pages, in column order, to ring[head + rank ...] while rank <
-  count. Returns the rank after them."""
+  count. Returns the rank after them. Per block: the pages' loads, then the stores."""
   n = p.num_pages
 
-  def body(j, rank):
-    page = pages[row * p.width + j]
-    valid = (page >= 1) & (page <= n)
-    mg.store(ring, mg.wrap(head + rank, n), page, valid & (rank < count))
-    return rank + jnp.where(valid, 1, 0)
-  return jax.lax.fori_loop(start, end, body, rank)
+  def block(i, rank):
+    got = []
+    for u in range(CHUNK):  # loads
+      j = start + i * CHUNK + u
+      page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
+      valid = (j < end) & (page >= 1) & (page <= n)
+      got.append((page, valid, rank))
+      rank = rank + jnp.where(valid, 1, 0)
+    for page, valid, at in got:  # stores
+      mg.store(ring, mg.wrap(head + at, n), page, valid & (at < count))
+    return rank
+  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, rank)
+
+
+def _copy_run(n: int, src, wrap, src_start, dst, dst_start, count) -> None:
+  """dst[dst_start + g] = src[wrap(src_start + g, n)] for g < count; per block of CHUNK
+  the loads, then the stores."""
+  def block(i, carry):
+    got = [(i * CHUNK + u, src[wrap(src_start + i * CHUNK + u, n)]) for u in range(CHUNK)]
+    for g, value in got:
+      mg.store(dst, dst_start + g, value, g < count)
+    return carry
+  jax.lax.fori_loop(0, cdiv(count, CHUNK), block, 0)
 
 
 def _clear_row(p: _Params, pages, lens, owned, row) -> None:
-  def body(j, carry):
-    pages[row * p.width + j] = 0
+  def fn(j, inside, carry):
+    del inside  # columns past the row's last are clamped to it: cleared again
+    pages[row * p.width + jnp.minimum(j, p.width - 1)] = jnp.zeros((), jnp.int32)
     return carry
-  jax.lax.fori_loop(0, p.width, body, 0)
+  _blocks(jnp.zeros((), jnp.int32), jnp.full((), p.width, jnp.int32), fn, 0)
   lens[row] = 0
   owned[row] = 0
 
@@ -454,11 +499,13 @@ def _slots_kernel(ring_ref, plan_ref, out_ref, *, p: _SlotParams):
 
     def row_block(i, carry):
       t0 = ts + (u + i * nu) * sb
-      for j in range(sb):
+      slots = []
+      for j in range(sb):  # the block's loads, then its stores
         t = t0 + j
         pos = t + a
         page = ring_ref[mg.wrap(head + bp + floordiv(pos, ps), n)]
-        slot = jnp.where(t < e, t + c, page * ps + mod(pos, ps))
+        slots.append((t, jnp.where(t < e, t + c, page * ps + mod(pos, ps))))
+      for t, slot in slots:
         mg.store(out_ref, jnp.minimum(t, p.max_tokens - 1), slot, t < te)
       return carry
 
