@@ -133,7 +133,10 @@ def attention_fn(layout: str, impl: str, addr: StepAddress) -> llama.Attention:
         kp, vp = kc.reshape(h, r * w, ps, dh), vc.reshape(h, r * w, ps, dh)
         tables = addr.rows[:, None] * w + jnp.arange(w, dtype=jnp.int32)[None, :]
       return cache, _pallas_decode(q, kp, vp, tables, addr.kv_len)
-    o = llama.attend(q, gather(kc, addr), gather(vc, addr), addr.q_pos, addr.kv_len)
+    # The barrier materializes the gathered keys, so that the attention's dots see the
+    # same operands, laid out alike, whichever layout they came from.
+    keys, values = jax.lax.optimization_barrier((gather(kc, addr), gather(vc, addr)))
+    o = llama.attend(q, keys, values, addr.q_pos, addr.kv_len)
     return cache, o
 
   return attention
