@@ -55,6 +55,16 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def _shared_pages(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+  """Tokens (at most limit) that a and b start with in common."""
+  n = 0
+  for x, y in zip(a[:limit], b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
 def _pad(values: Sequence[int], size: int) -> np.ndarray:
   """int32[size]: values, then zeros."""
   return np.array(list(values) + [0] * (size - len(values)), np.int32)
@@ -120,6 +130,14 @@ class EngineConfig:
 
   def alloc_config(self) -> kv.AllocatorConfig:
     return kv.AllocatorConfig(size=self.num_pages * self.page_size, page_size=self.page_size)
+
+
+class RequestError(ValueError):
+  """A request this engine cannot serve; `index` is its position in the input."""
+
+  def __init__(self, index: int, reason: str):
+    super().__init__(f"request {index}: {reason}")
+    self.index, self.reason = index, reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,22 +424,22 @@ class Engine:
     return Carry(None, None, caches, None)
 
   def check(self, requests: Sequence[Request]) -> None:
-    """ValueError naming the request when one cannot be served by this engine."""
+    """RequestError naming the request when one cannot be served by this engine."""
     e = self.ecfg
     limit = min(e.max_len, self.cfg.context_length, e.num_pages * e.page_size)
     for i, r in enumerate(requests):
       if not r.prompt:
-        raise ValueError(f"request {i}: empty prompt")
+        raise RequestError(i, "empty prompt")
       if r.max_new_tokens < 1:
-        raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        raise RequestError(i, f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
       bad = [t for t in r.prompt if not 0 <= int(t) < self.cfg.vocab_size]
       if bad:
-        raise ValueError(f"request {i}: token id {bad[0]} outside the vocabulary "
-                         f"(0..{self.cfg.vocab_size - 1})")
+        raise RequestError(i, f"token id {bad[0]} outside the vocabulary "
+                              f"(0..{self.cfg.vocab_size - 1})")
       need = len(r.prompt) + r.max_new_tokens - 1
       if need > limit:
-        raise ValueError(
-            f"request {i}: {len(r.prompt)} prompt tokens + {r.max_new_tokens} new tokens "
+        raise RequestError(i,
+            f"{len(r.prompt)} prompt tokens + {r.max_new_tokens} new tokens "
             f"need {need} KV tokens, more than this engine holds per request ({limit}: "
             f"context {self.cfg.context_length}, row {e.max_len}, pool "
             f"{e.num_pages * e.page_size})")
@@ -500,7 +518,12 @@ class Engine:
       # A new row borrows its cached prefix in the next step's housekeeping.
       while waiting and free_rows:
         index, req = waiting[0]
-        chain = cache.match(req.prompt, (len(req.prompt) - 1) // ps) if cache is not None else []
+        limit = (len(req.prompt) - 1) // ps
+        chain = cache.match(req.prompt, limit) if cache is not None else []
+        if cache is not None and any(
+            min(_shared_pages(req.prompt, r.req.prompt, limit * ps) // ps, limit) > len(chain)
+            for r in running if r.prefilling):
+          break  # a running row is computing more of this prompt's pages: wait for them
         if cache is not None:
           cache.acquire(chain)
         run = _Running(index=index, req=req, row=free_rows[0], done=len(chain) * ps,

@@ -17,8 +17,7 @@ Attention implementations (`impl`):
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, List, NamedTuple, Tuple
+from typing import Any, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp

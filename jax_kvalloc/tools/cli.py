@@ -3,7 +3,7 @@
   jax-kvalloc simulate [options]   a serving workload through the allocator (default)
   jax-kvalloc bench [options]      microbenchmarks and the serving-loop benchmark
   jax-kvalloc parity [options]     lock-step parity: jax_kvalloc, torch_ref, SGLang
-  jax-kvalloc demo [options]       a toy decoder served through the request table
+  jax-kvalloc serve [options]      a real model (SmolLM2-135M) served through the request table
   jax-kvalloc bench-table [options] the serving loop through the request table, in one jit
   jax-kvalloc bench-swa [options]  SWA extend / decode / window free beside SGLang's SWA class
   jax-kvalloc report [--check] [DOC...]  BENCHMARKS.md's / README's tables from results
@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 
 from jax_kvalloc.config import KERNELS
 
-COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class", "bench-swa",
+COMMANDS = ("simulate", "bench", "parity", "serve", "bench-table", "bench-class", "bench-swa",
             "report")
 
 
@@ -175,12 +175,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
       epilog="Without a command, runs `simulate`.")
   sub = parser.add_subparsers(dest="command",
-                              metavar="{simulate,bench,parity,demo,bench-table,bench-class,bench-swa,report}")
+                              metavar="{simulate,bench,parity,serve,bench-table,bench-class,bench-swa,report}")
   simulate_parser(sub)
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   bench.add_parser(sub)
-  from jax_kvalloc.tools import demo  # pylint: disable=g-import-not-at-top
-  demo.add_parser(sub)
+  from jax_kvalloc.serve import cli as serve_cli  # pylint: disable=g-import-not-at-top
+  serve_cli.add_parser(sub)
   from jax_kvalloc.tools import bench_table  # pylint: disable=g-import-not-at-top
   bench_table.add_parser(sub)
   from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
@@ -194,8 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "bench":
     return bench.run_cli(args)
-  if args.command == "demo":
-    return demo.run_cli(args)
+  if args.command == "serve":
+    return serve_cli.run_cli(args)
   if args.command == "bench-table":
     return bench_table.run_cli(args)
   if args.command == "bench-class":
