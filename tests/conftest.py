@@ -152,6 +152,12 @@ HEAVY_TESTS = [
     ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",
      "the TPU interpreter (the lowering tests run by default)"),
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step", "the serving scans"),
+    ("test_serve_model.py", "*", "SmolLM2-135M and transformers' reference (model extras)"),
+    ("test_serve_engine.py", "test_unrolled_layers_equal_scanned_ones", "a third compile"),
+    ("test_serve_engine.py", "test_pallas_decode_in_the_interpreter_equals_gather",
+     "Pallas' interpreter"),
+    ("test_serve_engine.py", "test_paged_without_prefix_cache_equals_contiguous_bit_for_bit",
+     "a third compile (the default set compares the prefix-cached run bit for bit)"),
     ("test_request_table.py", "test_random_workload_matches_model",
      "a random workload (tests/test_table_kernels.py runs one against the model by default)"),
     ("test_ranks_classes.py", "test_every_rank_matches_the_model_while_the_others_stay",
@@ -271,7 +277,7 @@ def pytest_collection_modifyitems(config, items):
 # With `--dist loadfile` (pyproject's addopts) each worker runs whole files in collection
 # order as they come free: the costliest files (CPU seconds in CI, roughly) go first so
 # that the workers finish together rather than one waiting on a late large file.
-COSTLIEST_FIRST = ["test_newer_ops.py", "test_table_kernels.py", "test_parity.py",
+COSTLIEST_FIRST = ["test_serve_model.py", "test_newer_ops.py", "test_table_kernels.py", "test_parity.py",
                    "test_swa.py", "test_cli.py", "test_multiprocess.py",
                    "test_extend_layouts.py", "test_pallas_alloc.py", "test_release_decode.py",
                    "test_attention.py", "test_bench_harness.py", "test_capacity.py",

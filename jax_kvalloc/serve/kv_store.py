@@ -88,12 +88,14 @@ def _gather_contiguous(x: Array, addr: StepAddress) -> Array:
 
 
 def pallas_blocks(width: int, page_size: int) -> Tuple[int, int, int]:
-  """(table width, pages per compute block, k_splits) for Pallas' GPU paged_attention:
-  Triton wants power-of-two blocks of >= 16 keys, so the width is the next power of two
-  of `width` and a compute block holds >= 16 tokens where it can."""
+  """(table width, pages per compute block, k_splits) for Pallas' GPU paged_attention.
+
+  Triton wants power-of-two blocks of >= 16 keys: the width is the next power of two of
+  `width`, a compute block holds 64 tokens (or the whole table), and each of the k_splits
+  programs of a row and KV head loops over up to 4 blocks."""
   w = 1 << (max(width, 1) - 1).bit_length()
-  block = min(w, 1 << (max(1, -(-16 // page_size)) - 1).bit_length())
-  return w, block, w // block
+  block = min(w, 1 << (max(1, -(-64 // page_size)) - 1).bit_length())
+  return w, block, max(1, w // (4 * block))
 
 
 def pallas_decode(q: Array, kp: Array, vp: Array, tables: Array, kv_len: Array, *,
