@@ -155,6 +155,24 @@ def run(cfg: loader.LlamaConfig, *, batches: Sequence[int], layouts: Sequence[st
               paged_over_contiguous_decode=ratios)
 
 
+def table(doc: Dict[str, Any]) -> str:
+  """The result's Markdown table: one line per (batch, layout)."""
+  head = ("| running requests | KV | decode tok/s | decode step | prefill tok/s | TTFT median "
+          "(max) | table share | late compiles |\n|---|---|---|---|---|---|---|---|")
+  rows = []
+  for c in doc["cases"]:
+    share = c.get("table", {}).get("share")
+    rows.append(
+        f"| {c['batch']} | {c['layout']} | {c['decode_tokens_per_s']:.0f} | "
+        f"{c['decode_step_median_s'] * 1e3:.2f} ms | {c['prefill_tokens_per_s']:.0f} | "
+        f"{c['ttft_median_s'] * 1e3:.0f} ({c['ttft_max_s'] * 1e3:.0f}) ms | "
+        + (f"{100 * share:.1f}%" if share is not None else "-")
+        + f" | {c['late_compiles_cold'] + c['compiles_warm_run']} |")
+  ratios = ", ".join(f"{b}: {r:.3f}" for b, r in doc["paged_over_contiguous_decode"].items())
+  return (head + "\n" + "\n".join(rows) + f"\n\n{doc['model']}, {doc['dtype']}, on "
+          f"{doc['device']}; paged / contiguous decode tokens/s by batch: {ratios or '-'}\n")
+
+
 def _write(out_dir: str, doc: Dict[str, Any], command: str) -> None:
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "serve.json"), "w") as f:
@@ -206,6 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   command = "python -m jax_kvalloc.serve.bench " + " ".join(
       sys.argv[1:] if argv is None else argv)
   _write(args.out, doc, command)
+  print(table(doc))
   for batch, ratio in doc["paged_over_contiguous_decode"].items():
     print(f"batch {batch}: paged decode = {ratio:.3f} x contiguous")
   print(f"wrote {args.out} ({doc['total_s']:.0f} s)")
