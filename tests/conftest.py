@@ -154,6 +154,7 @@ HEAVY_TESTS = [
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step", "the serving scans"),
     ("test_serve_model.py", "*", "SmolLM2-135M and transformers' reference (model extras)"),
     ("test_serve_engine.py", "test_unrolled_layers_equal_scanned_ones", "a third compile"),
+    ("test_serve_engine.py", "test_bench_writes_a_result_folder", "four engines compile"),
     ("test_serve_engine.py", "test_pallas_decode_in_the_interpreter_equals_gather",
      "Pallas' interpreter"),
     ("test_serve_engine.py", "test_paged_without_prefix_cache_equals_contiguous_bit_for_bit",

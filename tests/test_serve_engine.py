@@ -192,3 +192,18 @@ def test_gpu_pallas_decode_equals_gather_and_compiles_once():
   ref, _ = _run(dataclasses.replace(ECFG, layers="unroll"))
   assert res.new_ids == ref.new_ids
   assert res.stats["late_compiles"] == 0
+
+
+def test_bench_writes_a_result_folder(tmp_path):
+  from jax_kvalloc.serve import bench  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "2026-01-01-cpu-serve"
+  assert bench.main(["--tiny", "--out", str(out), "--batches", "3", "--prompt-len", "12",
+                     "--new-tokens", "6", "--decode-steps", "2", "--prefill-rows", "2"]) == 0
+  doc = __import__("json").loads((out / "serve.json").read_text())
+  paged, contiguous = doc["cases"]
+  assert (paged["layout"], contiguous["layout"]) == ("paged", "contiguous")
+  assert paged["same_tokens"] and paged["late_compiles_cold"] == 0
+  assert paged["compiles_warm_run"] == 0 and paged["table"]["share"] > 0
+  assert paged["decode_tokens_per_s"] > 0 and contiguous["prefill_tokens_per_s"] > 0
+  assert "| 3 | paged |" in bench.table(doc)
+  assert (out / "manifest.json").exists()
