@@ -157,8 +157,6 @@ HEAVY_TESTS = [
     ("test_serve_engine.py", "test_bench_writes_a_result_folder", "four engines compile"),
     ("test_serve_engine.py", "test_pallas_decode_in_the_interpreter_equals_gather",
      "Pallas' interpreter"),
-    ("test_serve_engine.py", "test_paged_without_prefix_cache_equals_contiguous_bit_for_bit",
-     "a third compile (the default set compares the prefix-cached run bit for bit)"),
     ("test_request_table.py", "test_random_workload_matches_model",
      "a random workload (tests/test_table_kernels.py runs one against the model by default)"),
     ("test_ranks_classes.py", "test_every_rank_matches_the_model_while_the_others_stay",
@@ -208,6 +206,9 @@ EXHAUSTIVE_TESTS = [
      "page size 16 (1 and 4 run in CI)"),
     ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions", _NAMED("[ps1-sort1-share1]"),
      "page size 1 with need_sort and sharing (page sizes 1, 16 and 64 run in CI)"),
+    ("test_serve_engine.py", "test_paged_without_prefix_cache_equals_contiguous_bit_for_bit", 0,
+     "the paged run without its prefix cache (the default set compares the prefix-cached "
+     "run with the contiguous one bit for bit)"),
     ("test_stress.py", "test_fill_and_drain_to_exact_capacity_thousands_of_times",
      _NAMED("[paged-16-32-True-False]", "[paged-4-64-True-True]"),
      "more pools (a paged and a token pool run in CI)"),

@@ -179,9 +179,12 @@ def test_pallas_decode_lowers_for_h200_at_smollm2_shapes():
 
 
 def test_pallas_decode_in_the_interpreter_equals_gather():
+  # Paged, and contiguous rows viewed as consecutive pages (the benchmark's baseline).
   res, _ = _paged()
   pallas, _ = _run(dataclasses.replace(ECFG, impl="pallas"))
   assert pallas.new_ids == res.new_ids
+  contiguous, _ = _run(dataclasses.replace(ECFG, impl="pallas", layout="contiguous"))
+  assert contiguous.new_ids == res.new_ids
 
 
 @pytest.mark.gpu
