@@ -39,7 +39,8 @@ def test_max_new_tokens_zero_is_refused(capsys):
     ('{"ids": [1, "x"]}\n', ["line 1"]),
     ('["text"]\n', ["line 1"]),
     ('{"prompt": "hi"}\n', ["line 1"]),
-])
+], ids=["empty", "blank-lines", "not-json", "empty-ids", "non-int-id", "not-an-object",
+        "no-text-or-ids"])
 def test_bad_prompts_files_are_refused_and_nothing_is_written(capsys, tmp_path, content, words):
   f = tmp_path / "p.jsonl"
   f.write_text(content)

