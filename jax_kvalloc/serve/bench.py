@@ -19,7 +19,8 @@ twice: the first run compiles, the second (warm) is measured:
   late compiles       backend compiles after the first step of each kind (both runs)
 
 Writes <out>/serve.json and <out>/manifest.json (benchmarks/manifest.py's format) and,
-with $OUT set (the device tool), <out>.tgz into $OUT.
+with $OUT set (the device tool), <out>.tgz into $OUT; or, with --json FILE, that file
+alone (inside benchmarks/run_device.sh, which writes the folder and manifest).
 
   python -m jax_kvalloc.serve.bench --out benchmarks/results/$(date -u +%F)-h200-serve
 """
@@ -193,7 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   gpu = jax.default_backend() != "cpu"
-  p.add_argument("--out", required=True, help="the result folder to write")
+  where = p.add_mutually_exclusive_group(required=True)
+  where.add_argument("--out", help="the result folder to write (serve.json, manifest.json; "
+                     "with $OUT set, also <folder>.tgz in $OUT)")
+  where.add_argument("--json", help="write only this JSON file (for a harness that writes "
+                     "the folder and its manifest itself, e.g. benchmarks/run_device.sh)")
   p.add_argument("--batches", default="64,256", help="running requests, comma-separated")
   p.add_argument("--layouts", default="paged,contiguous", help="paged and/or contiguous")
   p.add_argument("--prompt-len", type=int, default=512)
@@ -223,11 +228,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   doc["total_s"] = time.perf_counter() - t0
   command = "python -m jax_kvalloc.serve.bench " + " ".join(
       sys.argv[1:] if argv is None else argv)
-  _write(args.out, doc, command)
+  if args.out:
+    _write(args.out, doc, command)
+  else:
+    with open(args.json, "w") as f:
+      json.dump(doc, f, indent=1)
+      f.write("\n")
   print(table(doc))
   for batch, ratio in doc["paged_over_contiguous_decode"].items():
     print(f"batch {batch}: paged decode = {ratio:.3f} x contiguous")
-  print(f"wrote {args.out} ({doc['total_s']:.0f} s)")
+  print(f"wrote {args.out or args.json} ({doc['total_s']:.0f} s)")
   return 0
 
 
