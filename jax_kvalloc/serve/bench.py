@@ -7,8 +7,9 @@ kernel), B requests of a `--prompt-len`-token prompt (default 512) each generate
 `--new-tokens` (default 128, eos ignored), all arriving at once. The engine runs them
 twice: the first run compiles, the second (warm) is measured:
 
-  decode tokens/s     tokens emitted by the warm decode round trips / their time (each
-                      round trip is `--decode-steps` device steps of every row)
+  decode tokens/s     tokens emitted by the warm decode round trips in which all B
+                      requests decode / their time (each round trip is `--decode-steps`
+                      device steps of every row)
   decode step         a round trip's median time / its steps (one token per row)
   prefill tokens/s    prompt tokens / the warm prefill steps' time
   TTFT                each request's first token after the warm run's start (queueing
@@ -73,7 +74,7 @@ def table_replay(engine: eng.Engine) -> Dict[str, float]:
     t0 = time.perf_counter()
     carry, out = fn(None, carry, entry["x"])
     jax.block_until_ready(out)
-    if entry["kind"] == "decode":
+    if entry["kind"] == "decode" and entry.get("rows") == e.max_reqs:
       replay.append(time.perf_counter() - t0)
       full.append(entry["s"])
   return dict(replay_decode_s=_median(replay), full_decode_s=_median(full),
@@ -100,7 +101,9 @@ def run_case(cfg: loader.LlamaConfig, params, *, batch: int, layout: str, prompt
   warm = engine.run(reqs)
   warm_compiles = eng.compile_count() - before
   log = engine.log
-  dec = [x for x in log if x["kind"] == "decode"]
+  # Decode figures from the round trips in which every request was decoding (while the
+  # first rows decode, later ones may still be prefilling).
+  dec = [x for x in log if x["kind"] == "decode" and x.get("rows") == batch]
   pre = [x for x in log if x["kind"] == "prefill"]
   trip = _median([x["s"] for x in dec])
   steps = [-(-x["tokens"] // batch) for x in dec]   # device steps of a round trip
@@ -112,6 +115,7 @@ def run_case(cfg: loader.LlamaConfig, params, *, batch: int, layout: str, prompt
       decode_tokens_per_s=sum(x["tokens"] for x in dec) / sum(x["s"] for x in dec),
       decode_trip_median_s=trip, decode_step_median_s=trip / max(1, _median(steps)),
       decode_trips=len(dec),
+      decode_trips_all=sum(x["kind"] == "decode" for x in log),
       prefill_tokens_per_s=sum(x["tokens"] for x in pre) / sum(x["s"] for x in pre),
       prefill_step_median_s=_median([x["s"] for x in pre]), prefill_steps=len(pre),
       ttft_median_s=_median(warm.stats["ttft_s"]), ttft_max_s=max(warm.stats["ttft_s"]),

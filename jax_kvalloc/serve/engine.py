@@ -604,6 +604,7 @@ class Engine:
           r.gen += got
           r.tops += [float(v) for v in tops[:len(got), b]]
         self.log[-1]["tokens"] = emitted
+        self.log[-1]["rows"] = len(decoding)
         prefer_decode = False
       # Finished requests: their whole pages go to the cache, their rows are released
       # in the next step (and free after it).
