@@ -158,13 +158,13 @@ def test_two_processes_equal_one_every_op(tmp_path, need_sort):
 
 def test_bench_processes_runs(tmp_path):
   """The measurement's tool, tiny (the slow set)."""
-  from jax_kvalloc.tools import bench_processes  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "processes.json"
-  assert bench_processes.main(["--layouts", "1x2,2x1", "--steps", "4", "--chain", "2",
-                               "--reps", "1", "--pages-per-rank", "64", "--decode-rows", "4",
-                               "--ranks-per-device", "2", "--deadline", str(DEADLINE_S),
-                               "--json", str(out)]) == 0
+  assert cli.main(["bench", "processes", "--quick", "--reps", "1", "--deadline",
+                   str(DEADLINE_S), "--json", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
-  assert [(r["processes"], r["ranks"]) for r in rows] == [(1, 4), (2, 4)]
-  assert all(r["collectives"] == {} for r in rows)
-  assert all(len(r["call"]) == r["processes"] and r["call"][0]["n"] == 4 for r in rows)
+  assert [r["layout"] for r in rows] == ["1x2", "2x1"]
+  for r in rows:
+    call = r["cells"]["call"]
+    assert call["collectives"] == {} and len(call["per_process"]) == int(r["layout"][0])
+    assert call["per_process"][0]["n"] == 4 and r["cells"]["chained"]["us"] > 0

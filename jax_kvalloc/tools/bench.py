@@ -123,9 +123,9 @@ class Suite:
 def cell(t: Dict[str, float], prefix: str = "") -> Dict[str, float]:
   """A timing result (seconds: "s", "min_s", "q1_s", "q3_s", ...) as a cell's us figures,
   keys prefixed with `prefix` ("bare_": bare_us, bare_q1_us, ...)."""
-  out = {f"{prefix}{k[:-2] if k != 's' else ''}us": v * 1e6 for k, v in t.items()
+  out = {prefix + ("us" if k == "s" else k[:-1] + "us"): v * 1e6 for k, v in t.items()
          if k == "s" or (k.endswith("_s") and k != "compile_s")}
-  out.update({f"{prefix}{k}": t[k] for k in ("spread", "compile_s", "iters") if k in t})
+  out.update({prefix + k: t[k] for k in ("spread", "compile_s", "iters") if k in t})
   return out
 
 
@@ -332,10 +332,11 @@ def machine_tag() -> str:
 VERSION_MODULES = ("jax", "jaxlib", "torch", "triton", "numpy")
 
 
-def versions(modules: Sequence[str] = VERSION_MODULES) -> Dict[str, Optional[str]]:
-  """{"python", and each module's __version__, None where it does not import}."""
+def versions(modules: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]]:
+  """{"python", and each module's (VERSION_MODULES') __version__, None where it does not
+  import}."""
   out: Dict[str, Optional[str]] = {"python": platform.python_version()}
-  for mod in modules:
+  for mod in modules or VERSION_MODULES:
     try:
       out[mod] = importlib.import_module(mod).__version__
     except Exception:  # pylint: disable=broad-except  (absent or broken: say so)

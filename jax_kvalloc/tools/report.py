@@ -320,9 +320,9 @@ def run_report(paths: Sequence[str], *, check: bool = False, write: bool = False
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   p.description = (
-      "Prints every block between `<!-- report: KIND ARG... -->` and `<!-- end report "
-      "-->` of the given Markdown files again from the result files the marker names "
-      "(benchmarks/results/<run>/...), and the tables of the given result files (.json). "
+      "Prints every block between `<!-- report: KIND ARG... -->` and `<!-- end report\n"
+      "-->` of the given Markdown files again from the result files the marker names\n"
+      "(benchmarks/results/<run>/...), and the tables of the given result files (.json).\n"
       "--write rewrites the Markdown files; --check fails on a difference.")
   p.add_argument("paths", nargs="*", default=["BENCHMARKS.md", "README.md"],
                  type=cli.existing_file, metavar="FILE",
