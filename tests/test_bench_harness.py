@@ -142,7 +142,7 @@ def test_floor_stand_in_outputs_are_not_broadcasts():
 def test_pallas_stand_in_lowers_for_h200():
   """The Pallas stand-in of the +1 consumer check lowers through Triton for an abstract
   H200 (the real compiler's Python side), not only in the interpreter."""
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
   outs = (jax.ShapeDtypeStruct((1500,), np.int32), jax.ShapeDtypeStruct((), np.bool_),
           jax.ShapeDtypeStruct((), np.int32))
   call = timing.stand_in_pallas(outs)
@@ -180,7 +180,7 @@ def test_bare_chain_launches_every_kernel_on_h200():
   `unroll` fused decode calls holds `unroll` Triton launches, each taking the previous
   one's head (a custom call runs whole, so XLA cannot drop one whose head is used)."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
 
   def call(c, x):
     ring, head, flen = c

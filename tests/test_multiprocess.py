@@ -45,7 +45,7 @@ def test_put_and_get_ranks_round_trip_on_a_permuted_mesh():
   mesh = Mesh(np.array([devs[2], devs[0], devs[3], devs[1]]), ("dp",))
   assert multiprocess.process_ranks(mesh, "dp", 8) == tuple(range(8))
   assert multiprocess.process_ranks(mesh, "dp", 8, process_index=1) == ()
-  assert multiprocess.rank_processes(mesh, "dp", 8) == ((0,),) * 8
+  assert rank_trace.rank_processes(mesh, "dp", 8) == ((0,),) * 8
   rows = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
   tree = {"a": rows, "b": rows[:, 0] > 9}
   x = multiprocess.put_ranks(tree, mesh, "dp", 8)
@@ -55,7 +55,7 @@ def test_put_and_get_ranks_round_trip_on_a_permuted_mesh():
   back = multiprocess.get_ranks(x)
   np.testing.assert_array_equal(back["a"], rows)
   np.testing.assert_array_equal(back["b"], rows[:, 0] > 9)
-  assert multiprocess.held_ranks(x["a"]) == tuple(range(8))
+  assert rank_trace.held_ranks(x["a"]) == tuple(range(8))
 
 
 def test_get_ranks_of_ranks_replicated_over_a_second_axis():

@@ -474,7 +474,8 @@ def legacy(record: Dict[str, Any]) -> Dict[str, Any]:
   env["triton"] = env.get("triton") or "-"
   out = {"env": env, "micro": [], "serving": [],
          "notes": [f"{k} column skipped: {v}" for k, v in record["skipped"].items()],
-         "config": {"ops": s.get("ops", []), "unroll": s["unroll"], "runs": s["reps"],
+         "config": {"suite": record["suite"], "ops": s.get("ops", []), "unroll": s["unroll"],
+                    "runs": s["reps"],
                     "page_size": s.get("page_size")}}
   paths = []
   for r in rows:
@@ -605,7 +606,7 @@ def micro_tables(result: Dict[str, Any]) -> str:
     tmethod = next((r["torch"]["method"] for r in rows
                     if r.get("torch") and "method" in r["torch"]), None)
     note = ("; free: the XLA path (kernel='jnp'; the Pallas free kernel is timed by "
-            "benchmarks/free_methods_gpu.py)" if op == "free" and paths == ["jnp"] else "")
+            "benchmarks/free_methods_gpu.py)" if op == "free" and "suite" not in cfg else "")
     out.append(f"{op} (page_size {rows[0]['page_size']}; us per call, median{note}"
                + (f"; torch_ref: {tmethod}" if tmethod else "") + (SGLANG_NOTE if sgl else "")
                + (f"; {LINKED_NOTE}" if sgl or (torch_on and op != "free") else "")
