@@ -53,7 +53,6 @@ import dataclasses
 import datetime
 import hashlib
 import importlib
-import json
 import os
 import platform
 import re
@@ -62,10 +61,13 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import report
+from jax_kvalloc.tools import timing
 
-SUITES = {
+SUITES = {  # name -> "module:attribute" of its Suite
     "kernels": "jax_kvalloc.tools.bench_kernels:SUITE",
     "serving": "jax_kvalloc.tools.bench_serving:SERVING",
     "table": "jax_kvalloc.tools.bench_table:SUITE",
@@ -75,6 +77,7 @@ SUITES = {
     "processes": "jax_kvalloc.tools.bench_ranks:PROCESSES",
     "simulate": "jax_kvalloc.tools.bench_serving:SIMULATE",
 }
+QUICK = {"reps": 3, "min_time": 0.005, "unroll": 4}
 
 
 class Skip(Exception):
@@ -121,8 +124,8 @@ class Suite:
 
 
 def cell(t: Dict[str, float], prefix: str = "") -> Dict[str, float]:
-  """A timing result (seconds: "s", "min_s", "q1_s", "q3_s", ...) as a cell's us figures,
-  keys prefixed with `prefix` ("bare_": bare_us, bare_q1_us, ...)."""
+  """A timing result (seconds: "s", "min_s", "q1_s", ...) as a cell's us figures, keys
+  prefixed with `prefix` ("bare_": bare_us, bare_q1_us, ...)."""
   out = {prefix + ("us" if k == "s" else k[:-1] + "us"): v * 1e6 for k, v in t.items()
          if k == "s" or (k.endswith("_s") and k != "compile_s")}
   out.update({prefix + k: t[k] for k in ("spread", "compile_s", "iters") if k in t})
@@ -130,9 +133,8 @@ def cell(t: Dict[str, float], prefix: str = "") -> Dict[str, float]:
 
 
 def chained(call, carry, inputs, *, output=None, **kw) -> Timed:
-  """Device time per call of `call(carry, inputs) -> (carry, outputs)` (timing.chain_time;
-  kw: consumers, linked)."""
-  from jax_kvalloc.tools import timing  # pylint: disable=g-import-not-at-top
+  """Device time per call of `call(carry, inputs) -> (carry, outputs)` chained in one jit
+  (timing.chain_time; kw: consumers, linked)."""
   return Timed(lambda o: cell(timing.chain_time(call, carry, inputs, unroll=o.unroll,
                                                 min_time=o.min_time, reps=o.reps, **kw)),
                output)
@@ -141,28 +143,25 @@ def chained(call, carry, inputs, *, output=None, **kw) -> Timed:
 def host(fn, sync=lambda: None, *, n=None, output=None) -> Timed:
   """Host time per call of `fn()`, calls back to back, `sync()` after each run of n
   calls (n grown until a run takes --min-time unless given)."""
-  from jax_kvalloc.tools import timing  # pylint: disable=g-import-not-at-top
   return Timed(lambda o: cell(timing.host_time(fn, sync=sync, min_time=o.min_time,
                                                reps=o.reps, n=n)), output)
 
 
 def per_call(fn, *, before=None, sync=None, output=None) -> Timed:
   """Host time of each call of `fn()` alone (timing.per_call)."""
-  from jax_kvalloc.tools import timing  # pylint: disable=g-import-not-at-top
   return Timed(lambda o: cell(timing.per_call(fn, before=before, sync=sync, reps=o.reps)),
                output)
 
 
 def graph(fn, *, output=None) -> Timed:
   """Device time per call of `fn` from replays of a torch CUDA graph of `unroll` calls."""
-  from jax_kvalloc.tools import timing  # pylint: disable=g-import-not-at-top
   return Timed(lambda o: cell(timing.torch_graph_time(fn, unroll=o.unroll,
                                                       min_time=o.min_time, reps=o.reps)),
                output)
 
 
 def skipped(why: str) -> Timed:
-  """A setup for a column that cannot run here: raises Skip(why)."""
+  """The setup of a column that cannot run here: raises Skip(why)."""
   raise Skip(why)
 
 
@@ -182,9 +181,8 @@ def impl_list(choices: Sequence[str]) -> Callable[[str], List[str]]:
   def parse(text: str) -> List[str]:
     specs = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text.replace(" ", ""))
     if not specs or any(parse_impl(s)[0] not in choices for s in specs):
-      raise argparse.ArgumentTypeError(
-          f"expected a comma list of {','.join(choices)} (each optionally with "
-          f"[key=value,...]), got {text!r}")
+      raise argparse.ArgumentTypeError(f"expected a comma list of {','.join(choices)} "
+                                       f"(each optionally [key=value,...]), got {text!r}")
     return specs
   return parse
 
@@ -198,61 +196,56 @@ def label(row: Dict[str, Any]) -> str:
 
 
 def same(a: Any, b: Any) -> bool:
-  """Whether two outputs (arrays, or tuples of them, any framework) hold the same ints."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  """Whether two outputs (arrays or tuples of them, any framework) hold the same ints."""
   from jax_kvalloc.tools.traces import as_int_list  # pylint: disable=g-import-not-at-top
   if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-  return np.array_equal(np.asarray(as_int_list(a)), np.asarray(as_int_list(b)))
+  return np.array_equal(as_int_list(a), as_int_list(b))
 
 
 # ---------------------------------------------------------------------------------------
-# Running a suite.
+# Running a suite; its table.
 # ---------------------------------------------------------------------------------------
 
 def run_suite(suite: Suite, opts: argparse.Namespace,
-        save: Callable[[Dict[str, Any]], None] = lambda r: None) -> Dict[str, Any]:
+              save: Callable[[Dict[str, Any]], None] = lambda r: None) -> Dict[str, Any]:
   """Runs every case of `suite` whose impl is in opts.impls; returns the record, handed
   to `save` after each case (a run cut short keeps what it measured)."""
   t0 = time.perf_counter()
-  record: Dict[str, Any] = {
-      "suite": suite.name, "env": environment(),
-      "settings": {k: v for k, v in vars(opts).items() if k not in ("run", "command")},
-      "rows": [], "skipped": {}, "notes": []}
+  record: Dict[str, Any] = {"suite": suite.name, "env": environment(), "rows": [],
+                            "settings": {k: v for k, v in vars(opts).items() if k != "run"},
+                            "skipped": {}}
   rows: Dict[Tuple, Dict[str, Any]] = {}
-  first: Dict[Tuple, Tuple[str, Any]] = {}
+  first: Dict[Tuple, Tuple[str, Any]] = {}  # the row's first output, the reference
   for case in suite.cases(opts):
     if case.impl not in opts.impls or case.impl in record["skipped"]:
       continue
     key = tuple(case.row.items())
-    row = rows.get(key)
-    if row is None:
-      row = rows[key] = dict(case.row, cells={})
-      record["rows"].append(row)
-    if opts.budget_s and time.perf_counter() - t0 > opts.budget_s:
-      row["cells"][case.impl] = {"error": "skipped: --budget-s spent"}
-      continue
+    if key not in rows:
+      rows[key] = dict(case.row, cells={})
+      record["rows"].append(rows[key])
     try:
+      if opts.budget_s and time.perf_counter() - t0 > opts.budget_s:
+        raise TimeoutError("skipped: --budget-s spent")
       timed = case.setup()
       got = timed.measure(opts)
       out = timed.output() if timed.output else None
-      if out is not None:
-        if key not in first:
-          first[key] = (case.impl, out)
-        elif not same(out, first[key][1]):
+      if out is not None and first.setdefault(key, (case.impl, out))[0] != case.impl:
+        if not same(out, first[key][1]):
           got["check"] = f"MISMATCH: {case.impl} differs from {first[key][0]}"
     except Skip as e:
       record["skipped"][case.impl] = str(e)
       continue
     except Exception as e:  # pylint: disable=broad-except
       got = error(e)
-    row["cells"][case.impl] = got
-    print(f"  {label(row)} {case.impl}: " + (got.get("error") or got.get("check") or
+    rows[key]["cells"][case.impl] = got
+    print(f"  {label(rows[key])} {case.impl}: " + (got.get("error") or got.get("check") or
           f"{report.fmt_us(got.get('us'))} us"), file=sys.stderr, flush=True)
     record["elapsed_s"] = time.perf_counter() - t0
     save(record)
-  record["env"].update(_loaded_versions())
-  record["elapsed_s"] = time.perf_counter() - t0
+  record["env"].update({m: getattr(sys.modules.get(m), "__version__", None)
+                        for m in ("torch", "triton", "sglang")})  # where the run used them
+  record["env"]["torch"] = record["env"]["torch"] or "not used"
   return record
 
 
@@ -262,36 +255,26 @@ def mismatches(record: Dict[str, Any]) -> List[str]:
 
 
 def table(record: Dict[str, Any], suite: Optional[Suite] = None) -> str:
-  """The record as a markdown table: a row per row, `median [q1, q3]` us per column,
-  then a verdict column per `compare` pair, then the skipped columns and mismatches."""
+  """The record as a markdown table: a row per row, `median [q1, q3]` us per column, a
+  verdict column per `compare` pair; then the skipped columns, errors and mismatches."""
   impls = list(suite.impls if suite else ())
   impls += [i for r in record["rows"] for i in r["cells"] if i not in impls]
   impls = [i for i in impls if any(i in r["cells"] for r in record["rows"])]
   pairs = [(a, b) for a, b in (suite.compare if suite else ()) if a in impls and b in impls]
-
-  def show(c):
-    if c is None:
-      return "-"
-    if "error" in c:
-      return "error"
-    if "q1_us" not in c:
-      return report.fmt_us(c.get("us"))
-    return (f"{report.fmt_us(c['us'])} [{report.fmt_us(c['q1_us'])}, "
-            f"{report.fmt_us(c['q3_us'])}]")
-  body = []
-  for r in record["rows"]:
-    cells = r["cells"]
-    body.append([label(r)] + [show(cells.get(i)) for i in impls] + [
-        report.verdict(report.iqr(cells.get(a)), report.iqr(cells.get(b)))
-        if a in cells and b in cells and "error" not in cells[a] and "error" not in
-        cells[b] else "-" for a, b in pairs])
+  f = report.fmt_us
+  show = lambda c: ("-" if c is None else "error" if "error" in c else f(c.get("us"))
+                    if "q1_us" not in c else f"{f(c['us'])} [{f(c['q1_us'])}, {f(c['q3_us'])}]")
+  ok = lambda c: c is not None and "error" not in c
+  body = [[label(r)] + [show(r["cells"].get(i)) for i in impls] + [
+      report.verdict(report.iqr(r["cells"][a]), report.iqr(r["cells"][b]))
+      if ok(r["cells"].get(a)) and ok(r["cells"].get(b)) else "-" for a, b in pairs]
+          for r in record["rows"]]
   lines = [report.table(["row"] + [f"{i} us" for i in impls] +
                         [f"{a} vs {b}" for a, b in pairs], body)]
   lines += [f"skipped {name}: {why}" for name, why in record["skipped"].items()]
   lines += [f"error in {label(r)} {i}: {c['error']}" for r in record["rows"]
-            for i, c in r["cells"].items() if "error" in c and record.get("suite")]
-  lines += mismatches(record)
-  return "\n".join(lines)
+            for i, c in r["cells"].items() if "error" in c and "suite" in record]
+  return "\n".join(lines + mismatches(record))
 
 
 def render(record: Dict[str, Any]) -> str:
@@ -344,27 +327,19 @@ def versions(modules: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]
   return out
 
 
-def _loaded_versions() -> Dict[str, str]:
-  """torch's, triton's and sglang's versions where the run imported them, else what."""
-  v = {m: getattr(sys.modules[m], "__version__", "?") if m in sys.modules else None
-       for m in ("torch", "triton", "sglang")}
-  v["torch"] = v["torch"] or "not used"
-  return v
+def commit() -> Optional[str]:
+  return os.environ.get("COMMIT") or _out(["git", "rev-parse", "--short", "HEAD"])
 
 
 def environment() -> Dict[str, Any]:
   """The record's "env": date, device, versions, machine, command, commit."""
   import jax  # pylint: disable=g-import-not-at-top
-  d = jax.devices()[0]
   from jax_kvalloc import __version__  # pylint: disable=g-import-not-at-top
+  d = jax.devices()[0]
   return {"date": datetime.date.today().isoformat(), "platform": d.platform,
           "device": str(getattr(d, "device_kind", d)), **versions(("jax", "jaxlib", "numpy")),
           "jax_kvalloc": __version__, "machine": platform.machine(), "cpus": os.cpu_count(),
           "command": "jax-kvalloc " + " ".join(sys.argv[1:]), "commit": commit()}
-
-
-def commit() -> Optional[str]:
-  return os.environ.get("COMMIT") or _out(["git", "rev-parse", "--short", "HEAD"])
 
 
 def manifest(directory: str, command: str, steps_tsv: Optional[str] = None,
@@ -372,12 +347,10 @@ def manifest(directory: str, command: str, steps_tsv: Optional[str] = None,
   """A result folder's manifest.json: command, commit, date, machine, GPUs, driver, CPU,
   versions, the SGLang kernels file's sha256 and wheel, the runner's steps (name, exit,
   seconds, command), the folder's files; a field that cannot be read is null."""
-  g = gpus()
-  names = []
+  g, cpus, sglang, steps = gpus(), [], None, []
   if os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo") as f:
-      names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-  sglang = None
+      cpus = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
   if kernels and os.path.exists(kernels):
     with open(kernels, "rb") as f:
       sglang = {"wheel": None, "file": kernels, "sha256": hashlib.sha256(f.read()).hexdigest()}
@@ -385,7 +358,6 @@ def manifest(directory: str, command: str, steps_tsv: Optional[str] = None,
     if os.path.exists(wheel):
       with open(wheel) as f:
         sglang["wheel"] = f.read().strip()
-  steps = []
   if steps_tsv and os.path.exists(steps_tsv):
     with open(steps_tsv) as f:
       for line in f:
@@ -396,7 +368,7 @@ def manifest(directory: str, command: str, steps_tsv: Optional[str] = None,
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "machine": machine_tag(), "gpus": len(g), "gpu": g[0]["name"] if g else None,
           "driver": g[0]["driver"] if g else None,
-          "cpu": f"{names[0]} x {len(names)}" if names else None, "versions": versions(),
+          "cpu": f"{cpus[0]} x {len(cpus)}" if cpus else None, "versions": versions(),
           "sglang": sglang, "steps": steps,
           "files": sorted(f for f in os.listdir(directory) if f != "manifest.json"),
           "reconstructed": []}
@@ -418,12 +390,7 @@ def _type(d: Dim) -> Dict[str, Any]:
     return {"action": "store_true"}
   if isinstance(d.default, (list, tuple)):
     return {"type": cli.int_list}
-  if isinstance(d.default, (int, float)):
-    return {"type": cli.positive(type(d.default), 0)}
-  return {"type": str}
-
-
-COMMON = (("reps", 5, 3), ("min_time", None, 0.005), ("unroll", None, 4))
+  return {"type": cli.positive(type(d.default), 0)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -432,36 +399,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   sub = p.add_subparsers(dest="suite", metavar="SUITE", title="suites", required=True)
   for name in SUITES:
     suite = load_suite(name)
+    defaults = dict(suite.defaults)
     s = sub.add_parser(name, help=suite.help, formatter_class=cli.Formatter,
                        description=sys.modules[suite.cases.__module__].__doc__)
     for d in suite.dims:  # quick-able options default to None: resolve() fills them
       extra = (f" (default: {cli.show(d.default)}; --quick: {cli.show(d.quick)})"
-               if d.quick is not None and not isinstance(d.default, bool) else "")
+               if d.quick is not None else "")
       s.add_argument(d.flag, default=None if extra else d.default, help=d.help + extra,
                      **_type(d))
-    defaults = dict(suite.defaults)
     s.add_argument("--impls", type=impl_list(suite.impls),
                    default=list(suite.default_impls or suite.impls),
                    help=f"columns to run, of {','.join(suite.impls)}")
-    s.add_argument("--reps", type=cli.positive(), default=None,
-                   help=f"repetitions per figure, for its median and quartiles (default: "
-                   f"{defaults.get('reps', 5)}; --quick: 3)")
-    s.add_argument("--min-time", type=cli.positive(float, 0.0), default=None,
-                   help="seconds per timed run (default: " + (
-                       f"{defaults['min_time']}" if "min_time" in defaults else
-                       "0.05 on GPU/TPU, 0.02 on CPU") + "; --quick: 0.005)")
-    s.add_argument("--unroll", type=cli.positive(), default=None,
-                   help="chained calls per loop iteration (default: " + (
-                       f"{defaults['unroll']}" if "unroll" in defaults else
-                       "32 on GPU/TPU, 8 on CPU") + "; --quick: 4)")
-    s.add_argument("--quick", action="store_true",
-                   help="a tiny, noisy smoke run: the --quick values of the options not "
-                   "given")
-    s.add_argument("--budget-s", type=cli.positive(float, 0.0), default=None,
+    device = {"min_time": "0.05 on GPU/TPU, 0.02 on CPU", "unroll": "32 on GPU/TPU, 8 on CPU"}
+    for name_, kind, what in (("reps", int, "repetitions per figure (its median, quartiles)"),
+                              ("min_time", float, "seconds per timed run"),
+                              ("unroll", int, "chained calls per loop iteration")):
+      s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, kind(name_ != "min_time")), help=(
+          f"{what} (default: {defaults.get(name_, device.get(name_, 5))}; --quick: "
+          f"{QUICK[name_]})"))
+    s.add_argument("--quick", action="store_true", help="a tiny, noisy smoke run: the "
+                   "--quick values of the options not given")
+    s.add_argument("--budget-s", type=cli.positive(float, 0.0),
                    help="start no case after this many seconds (the rest say so)")
-    s.add_argument("--json", metavar="FILE",
-                   help="write the record here (after every case, so a run cut short "
-                   "keeps what it measured)")
+    s.add_argument("--json", metavar="FILE", help="write the record here (after every "
+                   "case, so a run cut short keeps what it measured)")
     s.set_defaults(dims=suite.dims, suite_defaults=defaults)
 
 
@@ -471,16 +432,14 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
   import jax  # pylint: disable=g-import-not-at-top
   accel = jax.default_backend() != "cpu"
   device = {"reps": 5, "min_time": 0.05 if accel else 0.02, "unroll": 32 if accel else 8}
-  quick = {name: q for name, _, q in COMMON}
   for d in opts.dims:
     name = d.flag[2:].replace("-", "_")
     if getattr(opts, name) is None:
       value = d.quick if opts.quick and d.quick is not None else d.default
       setattr(opts, name, d.type(value) if d.type and isinstance(value, str) else value)
-  for name in quick:
+  for name, quick in QUICK.items():
     if getattr(opts, name) is None:
-      setattr(opts, name, quick[name] if opts.quick else
-              opts.suite_defaults.get(name, device[name]))
+      setattr(opts, name, quick if opts.quick else opts.suite_defaults.get(name, device[name]))
   del opts.dims, opts.suite_defaults
   return opts
 
@@ -488,12 +447,9 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
   # JAX must not take most of the GPU before torch gets any.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  suite = load_suite(args.suite)
   opts = resolve(args)
   save = (lambda rec: report.write_json(opts.json, rec)) if opts.json else (lambda r: None)
-  record = run_suite(suite, opts, save)
+  record = run_suite(load_suite(args.suite), opts, save)
   save(record)
-  print(render(record))
-  if opts.json:
-    print(f"wrote {opts.json}")
+  print(render(record) + (f"\nwrote {opts.json}" if opts.json else ""))
   return 1 if mismatches(record) else 0
