@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
@@ -189,7 +190,8 @@ def one_custom_call(call, carry, inputs) -> bool:
   """Whether the compiled call is one custom call and nothing else that launches (the
   condition under which a bare, unlinked chain loses no work)."""
   ops = bt.launches(jax.jit(call).lower(carry, inputs).compile().as_text())
-  return ops.get("custom-call") == 1 and sum(ops.values()) == 1
+  kernels = ("fusion", "custom-call", "gather", "scatter", "sort", "reduce")
+  return ops.get("custom-call") == 1 and sum(ops.get(k, 0) for k in kernels) == 1
 
 
 def bare_kernel_time(call, carry, inputs, name_prefix: str = OUR_KERNELS
@@ -266,30 +268,18 @@ def torch_timed(case: Case) -> bench.Timed:
   eager free, which syncs); on CPU its eager class calls."""
   torch = _torch()
   import torch_ref  # pylint: disable=g-import-not-at-top
-  from torch_ref import triton_kernels  # pylint: disable=g-import-not-at-top
   cuda = torch.cuda.is_available()
-  dev = torch.device("cuda" if cuda else "cpu")
-  ps = case.page_size
-  t64 = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)
+  dev, ps = torch.device("cuda" if cuda else "cpu"), case.page_size
+  t64 = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.int64), device=dev)
   c64 = lambda a: torch.as_tensor(np.asarray(a, np.int64))
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
                                                 False, kernel="triton" if cuda else "torch")
-  alloc.free_pages = t64(case.free_ring)
-  sync = torch.cuda.synchronize if cuda else (lambda: None)
+  alloc.free_pages = t64(case.free_ring)[case.used_pages:]
+  pre, seq, last, snap = t64(case.pre), t64(case.seq), t64(case.last), alloc.backup_state()
   if case.op == "free":
-    alloc.free_pages = alloc.free_pages[case.used_pages:]
-    snap, idx = alloc.backup_state(), t64(case.free_index)
-
-    def call():
-      alloc.restore_state(snap)
-      alloc.free(idx)
-    call()
-    out = alloc.free_pages.cpu().numpy()
-    return _with(bench.host(call, sync, output=lambda: out),
-                 "eager free(), host time per call" + (" (torch.unique syncs)" if cuda else ""))
-  seq, last, snap = t64(case.seq), t64(case.last), alloc.backup_state()
-  pre = None if case.pre is None else t64(case.pre)
-  if case.op == "decode":
+    idx = t64(case.free_index)
+    eager = lambda: alloc.free(idx) or alloc.free_pages
+  elif case.op == "decode":
     eager = lambda: alloc.alloc_decode(seq, c64(case.seq), last)
   else:
     eager = lambda: alloc.alloc_extend(pre, c64(case.pre), seq, c64(case.seq), last,
@@ -298,22 +288,27 @@ def torch_timed(case: Case) -> bench.Timed:
   alloc.restore_state(snap)
   if out is None:
     raise RuntimeError(f"torch_ref {case.op} bs={case.bs}: the allocation did not fit")
-  out = out.cpu().numpy()
-  if cuda:
-    ring = t64(case.free_ring)
-    if case.op == "decode":
-      kernel = lambda: triton_kernels.decode_indices(seq, last, ring, page_size=ps)
-    else:
-      kernel = lambda: triton_kernels.extend_indices(pre, seq, last, ring, page_size=ps,
-                                                     extend_num_tokens=case.tokens)
-    inputs = (seq, last) if pre is None else (pre, seq, last)
-    return _with(bench.graph(bt.torch_linked(kernel, inputs), output=lambda: out),
-                 "CUDA graph replay of its Triton kernel, linked")
+  out = out.cpu().numpy().copy()
 
   def call():
     alloc.restore_state(snap)
     return eager()
-  return _with(bench.host(call, output=lambda: out), "eager class call (torch on CPU)")
+  if case.op == "free" or not cuda:
+    return _with(bench.host(call, torch.cuda.synchronize if cuda else lambda: None,
+                            output=lambda: out),
+                 ("eager free(), host time per call" + " (torch.unique syncs)" * cuda)
+                 if case.op == "free" else "eager class call (torch on CPU)")
+  from torch_ref import triton_kernels  # pylint: disable=g-import-not-at-top
+  ring = t64(case.free_ring)
+  if case.op == "decode":
+    kernel = lambda: triton_kernels.decode_indices(seq, last, ring, page_size=ps)
+  else:
+    kernel = lambda: triton_kernels.extend_indices(pre, seq, last, ring, page_size=ps,
+                                                   extend_num_tokens=case.tokens)
+  return _with(bench.graph(bt.torch_linked(kernel, tuple(x for x in (pre, seq, last)
+                                                         if x is not None)),
+                           output=lambda: out),
+               "CUDA graph replay of its Triton kernel, linked")
 
 
 def _with(timed: bench.Timed, method: str) -> bench.Timed:
@@ -349,6 +344,8 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
     raise bench.Skip("SGLang has no free kernel")
   import triton  # pylint: disable=g-import-not-at-top
   module = load_sglang_kernels(path)
+  wheel = os.path.join(os.path.dirname(path), "VERSION")
+  version = open(wheel).read().strip() if os.path.exists(wheel) else None
   t64 = lambda a: torch.as_tensor(np.asarray(a, np.int64), device="cuda")
   free, seq, last = t64(case.free_ring), t64(case.seq), t64(case.last)
   bs, upper = case.bs, triton.next_power_of_2(case.bs)
@@ -367,19 +364,21 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
     return out
   result = call().cpu().numpy()
 
-  def measure(o):
-    graph = bt.torch_graph(call, BARE_UNROLL)
+  def bare():
+    g = bt.torch_graph(call, BARE_UNROLL)
 
     def replays():
       for _ in range(BARE_CALLS // BARE_UNROLL):
-        graph.replay()
+        g.replay()
       torch.cuda.synchronize()
-    tb = bt.kernel_time(bt.cuda_activities(replays), f"alloc_{case.op}_kernel",
-                        min_count=BARE_CALLS // 2)
-    del graph
+    return bt.kernel_time(bt.cuda_activities(replays), f"alloc_{case.op}_kernel",
+                          min_count=BARE_CALLS // 2)
+
+  def measure(o):
+    tb = bare()
     return dict(bench.graph(bt.torch_linked(call, inputs)).measure(o),
                 **bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
-                bare_spread=tb["spread"])
+                bare_spread=tb["spread"], sglang_version=version)
   return bench.Timed(measure, lambda: result)
 
 
