@@ -147,10 +147,10 @@ def host(fn, sync=lambda: None, *, n=None, output=None) -> Timed:
                                                reps=o.reps, n=n)), output)
 
 
-def per_call(fn, *, before=None, sync=None, output=None) -> Timed:
+def per_call(fn, *, before=None, sync=None, wait=lambda out: None, output=None) -> Timed:
   """Host time of each call of `fn()` alone (timing.per_call)."""
-  return Timed(lambda o: cell(timing.per_call(fn, before=before, sync=sync, reps=o.reps)),
-               output)
+  return Timed(lambda o: cell(timing.per_call(fn, before=before, sync=sync, wait=wait,
+                                              reps=o.reps)), output)
 
 
 def graph(fn, *, output=None) -> Timed:
@@ -390,7 +390,9 @@ def _type(d: Dim) -> Dict[str, Any]:
     return {"action": "store_true"}
   if isinstance(d.default, (list, tuple)):
     return {"type": cli.int_list}
-  return {"type": cli.positive(type(d.default), 0)}
+  if isinstance(d.default, (int, float)):
+    return {"type": cli.positive(type(d.default), 0)}
+  return {"type": str}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -414,7 +416,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name_, kind, what in (("reps", int, "repetitions per figure (its median, quartiles)"),
                               ("min_time", float, "seconds per timed run"),
                               ("unroll", int, "chained calls per loop iteration")):
-      s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, kind(name_ != "min_time")), help=(
+      minimum = kind(name_ != "min_time")  # reps, unroll >= 1; min_time >= 0
+      s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, minimum), help=(
           f"{what} (default: {defaults.get(name_, device.get(name_, 5))}; --quick: "
           f"{QUICK[name_]})"))
     s.add_argument("--quick", action="store_true", help="a tiny, noisy smoke run: the "

@@ -142,8 +142,7 @@ def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
     before = lambda: impl.a.restore_state(snap)
 
   def measure(opts):
-    t = timing.per_call(call, before=before, sync=None, reps=opts.reps)
-    out = bench.cell(t)
+    out = bench.cell(timing.per_call(call, before=before, wait=impl.wait, reps=opts.reps))
     if before is not None:  # the loop's mean then includes `before`
       del out["sync_us"]
     return out
@@ -156,7 +155,7 @@ def floor_timed(o) -> bench.Timed:
   from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
   x = jax.device_put(np.zeros(8, np.int32), resolve_device(o.device))
   fn = jax.jit(lambda v: v + 1)
-  return bench.per_call(lambda: fn(x))
+  return bench.per_call(lambda: fn(x), wait=jax.block_until_ready)
 
 
 def stalls_timed(mode: str, o) -> bench.Timed:

@@ -7,29 +7,25 @@ run takes `min_time`) and reports the slope per call, median over repetitions. W
 every call's work in the program, whatever XLA does (on CPU and GPU it expands
 optimization barriers before fusion, so a barrier alone does not keep calls apart):
 
-- The link: after each call every output array is reduced (max) into one scalar
-  `dep = sum(min(max(output), 0))`: 0 at run time (outputs are slots, counts and flags,
-  all >= 0) but unknown to XLA. dep is added to the next call's inputs and to the sink
-  the loop returns, so every output is consumed, the next call depends on it (nothing
-  can be hoisted), and a reduction separates consecutive calls (no two share a kernel).
-  The link's cost is part of every figure; torch pays the same link in eager kernels
-  (`torch_linked`), so linked figures are never compared across sides: `kernel_time`
-  (each kernel's own GPU time, CUPTI) is.
+- The link: after each call every output array is reduced into one scalar `dep =
+  sum(min(max(output), 0))`: 0 at run time (outputs are slots, counts and flags, all
+  >= 0) but unknown to XLA, added to the next call's inputs and to the loop's sink. So
+  every output is consumed, the next call depends on it (nothing can be hoisted), and a
+  reduction separates consecutive calls (no two share a kernel). The link's cost is part
+  of every figure; torch pays its link in eager kernels (`torch_linked`), so linked
+  figures are never compared across sides: each kernel's own GPU time is (`kernel_time`).
 - The carry, inputs and outputs pass `jax.lax.optimization_barrier` between calls (what
   keeps them apart on TPU, where barriers survive).
-- The fold (consumers >= 2, the default): every output of every call is also XOR-folded
-  into a per-output sink, so that XLA writes each output to memory, as a caller needs;
-  with the link as its only consumer XLA may fuse an output into the reduction.
-- `consumers=3` adds one more consumer (every output summed): a figure that moves by
-  more than the consumer's own cost (timed on `stand_in` / `stand_in_pallas`, which
-  write the same outputs the same way, interleaved by `chain_time_interleaved`) was not
-  counting all of its work.
+- The fold (consumers >= 2, the default): every output is also XOR-folded into a
+  per-output sink, so that XLA writes it to memory, as a caller needs.
+- `consumers=3` adds one more consumer (every output summed): a figure that moves by more
+  than that consumer's own cost (timed on `stand_in` / `stand_in_pallas`, interleaved by
+  `chain_time_interleaved`) was not counting all of its work.
 
-`chain_loop(..., linked=False)` drops the link ("bare"): valid only for a call that is
-one custom call, which XLA runs whole; `kernel_time` then reads its kernels' GPU time
-from `cuda_activities`. Host time: `host_time` (back-to-back calls, one wait at the
-end), `per_call` (each call timed alone, optionally after an untimed `before` and with a
-wait). torch: `torch_graph_time` replays a CUDA graph and reports `chain_time`'s slope.
+`chain_loop(..., linked=False)` ("bare") is valid only for a call that is one custom
+call, which XLA runs whole; `kernel_time` reads its GPU time from `cuda_activities`.
+Host time: `host_time` (calls back to back), `per_call` (each call alone). torch:
+`torch_graph_time`, replays of a CUDA graph, with `chain_time`'s statistic.
 """
 from __future__ import annotations
 
@@ -295,17 +291,18 @@ def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: floa
 
 
 def per_call(call: Callable[[], Any], *, before: Optional[Callable[[], Any]] = None,
-             sync: Optional[Callable[[Any], None]] = None, reps: int,
+             sync: Optional[Callable[[Any], None]] = None,
+             wait: Callable[[Any], None] = lambda out: None, reps: int,
              warm: int = 3) -> Dict[str, float]:
-  """Host seconds of each call of `call()` alone, `sync(its result)` included when given
-  (else the result is awaited only once, after the last call), after the untimed
-  `before()`: median, quartiles and min over `reps` calls after `warm` untimed ones;
-  "sync_s": the mean per call of the whole loop with its final wait."""
-  wait = sync or (lambda out: jax.block_until_ready(out))
+  """Host seconds of each call of `call()` alone, after the untimed `before()` and with
+  `sync(its result)` timed in when given: median, quartiles and min over `reps` calls
+  after `warm` untimed ones; "sync_s": the mean per call of the whole loop, with one
+  `wait(last result)` at its end (the throughput bound of asynchronous calls)."""
+  sync_or_wait = sync or wait
   for _ in range(warm):
     if before:
       before()
-    wait(call())
+    sync_or_wait(call())
   times, out = [], None
   t_all = time.perf_counter()
   for _ in range(reps):
@@ -375,19 +372,6 @@ def kernel_time(activities: list, name_prefix: str, *, min_count: int) -> Dict[s
   q1, q3 = quartiles(durs)
   return {"s": med, "min_s": min(durs), "spread": (max(durs) - min(durs)) / med,
           "q1_s": q1, "q3_s": q3, "count": len(durs)}
-
-
-def activity_summary(activities: list, calls: int) -> Dict[str, Any]:
-  """Per call: GPU activities by (category, name) with their mean us, the busy time and
-  the span from the first activity's start to the last one's end."""
-  by: Dict[Tuple[str, str], List[float]] = {}
-  for _, dur, cat, name in activities:
-    by.setdefault((cat, name[:80]), []).append(dur)
-  span = activities[-1][0] + activities[-1][1] - activities[0][0] if activities else 0.0
-  return {"span_us": span / calls, "busy_us": sum(a[1] for a in activities) / calls,
-          "per_call": [{"cat": c, "name": n, "count": len(d) / calls,
-                        "mean_us": statistics.fmean(d)}
-                       for (c, n), d in sorted(by.items(), key=lambda kv: -len(kv[1]))]}
 
 
 def torch_graph(fn: Callable[[], Any], unroll: int):
