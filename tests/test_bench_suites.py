@@ -236,7 +236,7 @@ def test_swa(tmp_path):
 def test_swa_missing_bundle_skips_sglang(monkeypatch):
   sglang_oracle = pytest.importorskip("jax_kvalloc.tools.sglang_oracle")  # needs torch
   monkeypatch.setattr(sglang_oracle, "import_error", lambda: "sglang is not importable")
-  with pytest.raises(FileNotFoundError, match="does not exist"):
+  with pytest.raises(bench.Skip, match="does not exist"):
     bench_classes.SWAImpl("sglang", _swa_opts(sglang_bundle="/nonexistent/b"))
 
 

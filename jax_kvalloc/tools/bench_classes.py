@@ -263,7 +263,10 @@ class SWAImpl:
       return
     from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
     if sglang_oracle.import_error() is not None:
-      sglang_oracle.use_bundle(o.sglang_bundle)
+      try:
+        sglang_oracle.use_bundle(o.sglang_bundle)
+      except FileNotFoundError as e:
+        raise bench.Skip(str(e))
     if sglang_oracle.import_error():
       raise bench.Skip(sglang_oracle.import_error())
     torch, dev = _torch_device()

@@ -134,8 +134,6 @@ def jax_call(case: Case, impl: str):
   base, kw = bench.parse_impl(impl)
   state0 = _state(case, case.used_pages)
   if base == "fused":
-    if case.op == "free":
-      raise bench.Skip("fused: one-launch kernels of decode and extend only")
     import pallas_kernels  # pylint: disable=g-import-not-at-top
     kernel = (functools.partial(pallas_kernels.alloc_decode_triton, **kw)
               if case.op == "decode" else functools.partial(
@@ -340,8 +338,6 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
                      "of the sglang wheel)")
   if not torch.cuda.is_available():
     raise bench.Skip("SGLang's Triton kernels need torch with CUDA")
-  if case.op == "free":
-    raise bench.Skip("SGLang has no free kernel")
   import triton  # pylint: disable=g-import-not-at-top
   module = load_sglang_kernels(path)
   wheel = os.path.join(os.path.dirname(path), "VERSION")
@@ -413,8 +409,8 @@ def cases(o):
       row = {"op": op, "bs": bs, "tokens": tokens}
       for impl in o.impls:
         base, _ = bench.parse_impl(impl)
-        if base == "eager" and op != "free":
-          continue
+        if (base == "eager") != (op == "free") and base in ("eager", "fused", "sglang"):
+          continue  # eager: free only; fused kernels and SGLang's: decode, extend only
         if base in ("pallas", "triton", "mosaic", "fused") and not accel:
           yield bench.Case(row, impl, lambda: bench.skipped(
               "no GPU/TPU: the Pallas kernels need one"))

@@ -146,8 +146,8 @@ def step_call(case: TableCase, variant: str):
 
 
 def chained_timed(case: TableCase, variant: str) -> bench.Timed:
-  """The chained step, then (GPU) its kernels' GPU time per step over 160 steps from
-  CUPTI, which also says whether any step refused ("ok"); on CPU a 200-step loop does."""
+  """The chained step; whether 200 steps of it run without a refusal ("ok"); on a GPU the
+  kernels' own GPU time per step over 20 loop iterations, from CUPTI."""
   call, carry, zero = step_call(case, variant), initial_carry(case), jnp.zeros((), jnp.int32)
   timed = bench.chained(call, carry, zero)
 
@@ -155,18 +155,19 @@ def chained_timed(case: TableCase, variant: str) -> bench.Timed:
     out = timed.measure(o)
     run = timing.chain_loop(call, o.unroll)
     sink = timing.sink_init(call, carry, zero)
+    out["ok"] = bool(run(carry, zero, sink, np.int32(max(1, 200 // o.unroll)))[0][-1])
     if jax.default_backend() != "gpu":
-      out["ok"] = bool(run(carry, zero, sink, np.int32(max(1, 200 // o.unroll)))[0][-1])
       return out
-    box = {}
-    acts = timing.cuda_activities(lambda: box.setdefault("r", jax.block_until_ready(
-        run(carry, zero, sink, np.int32(20)))))
+    try:
+      acts = timing.cuda_activities(lambda: jax.block_until_ready(
+          run(carry, zero, sink, np.int32(20))))
+    except ImportError as e:  # no torch: no CUPTI
+      return dict(out, profile_error=bench.error(e)["error"])
     steps = 20 * o.unroll
     kernels = [(d, name) for _, d, cat, name in acts if cat == "kernel"]
-    out.update(kernels_us=sum(d for d, n in kernels if "jax_kvalloc" in n) / steps,
-               all_kernels_us=sum(d for d, _ in kernels) / steps,
-               activities_per_step=len(acts) / steps, ok=bool(box["r"][0][-1]))
-    return out
+    return dict(out, kernels_us=sum(d for d, n in kernels if "jax_kvalloc" in n) / steps,
+                all_kernels_us=sum(d for d, _ in kernels) / steps,
+                activities_per_step=len(acts) / steps)
   return bench.Timed(measure)
 
 
