@@ -98,6 +98,7 @@ def test_bench_options_fail_in_one_line(capsys):
     assert e.value.code == 2 and want in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # compiles three chain loops
 def test_kernels_decode(capsys):
   """One tiny decode case on the jnp path: its figure and its floor; a column that
   cannot run says why."""
