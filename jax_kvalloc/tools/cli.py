@@ -1,8 +1,9 @@
 """The `jax-kvalloc` command: one subcommand per tool, user errors in one line.
 
 A command is one line of COMMANDS: (name, module, help). The module defines
-`add_arguments(parser)` and `run(args) -> int` (the exit status); only the named
-command's module is imported. Its options take the types below (`int_list`,
+`add_arguments(parser)` and `run(args) -> int` (the exit status), or `add_parser(sub)`
+(whose `sub.add_parser(name, ...)` returns the command's parser) and `run_cli(args)`;
+only the named command's module is imported. Its options take the types below (`int_list`,
 `name_list`, `positive`, `existing_file`, ...), so that a bad value fails inside argparse,
 and a check that needs the run's context raises `UsageError(option, what is allowed)`.
 Either way the command prints one line, `jax-kvalloc CMD: error: --option: ...`, and exits
@@ -126,7 +127,8 @@ def existing_dir(text: str) -> str:
 
 
 class _Sub:
-  """What an older `add_parser(sub)` (demo) expects of `sub`: the parser already made."""
+  """The `sub` of a module's `add_parser(sub)`: hands it the command's parser (with this
+  module's Formatter, whatever formatter_class it asks for)."""
 
   def __init__(self, parser: argparse.ArgumentParser):
     self.parser = parser
