@@ -42,7 +42,7 @@ BARE="--bare --min-time 0.02 --sglang-kernels $SGK"
 
 # name | seconds | command (the step's record: $DIR/<name>.json)
 STEPS="gpu-tests|240|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests
-decode|200|$B kernels --ops decode --impls pallas,torch_ref,sglang $BARE --json \$DIR/decode.json
+decode|240|$B kernels --ops decode --impls pallas,torch_ref,sglang $BARE --json \$DIR/decode.json
 extend|150|$B kernels --ops extend --impls pallas,torch_ref,sglang $BARE --json \$DIR/extend.json
 free|150|$B kernels --ops free --impls jnp,pallas,eager,torch_ref --min-time 0.02 --json \$DIR/free.json
 free-methods|150|$B kernels --ops free --impls jnp[free=sort],jnp[free=bitmap],jnp[free=triton] --extend-cases 128x8192,512x32768,1024x65536,4096x262144 --min-time 0.02 --json \$DIR/free-methods.json

@@ -549,10 +549,10 @@ SGLANG_NOTE = ("; SGLang: its Triton kernel, CUDA graph replay, linked like ours
 
 
 def micro_tables(result: Dict[str, Any]) -> str:
-  fmt_us, fmt_ratio = report.fmt_us, report.fmt_ratio
+  f, fr = report.fmt_us, report.fmt_ratio
   cfg = result["config"]
   torch_on = "torch" in cfg["paths"]
-  per_path_floor = any("floor_us" in c for r in result["micro"] for c in r["jax"].values())
+  per_path = any("floor_us" in c for r in result["micro"] for c in r["jax"].values())
   out = []
   for op in cfg["ops"]:
     rows = [r for r in result["micro"] if r["op"] == op]
@@ -562,42 +562,29 @@ def micro_tables(result: Dict[str, Any]) -> str:
     sgl = any(r.get("sglang") for r in rows)
     extra = any("us_extra_consumer" in c for r in rows for c in r["jax"].values())
     bare = any("bare_us" in c for r in rows for c in r["jax"].values())
-    header = (["bs", "tokens"] + [f"{p} (us)" for p in paths]
-              + ([f"{p} floor (us)" for p in paths] if per_path_floor
-                 else ["harness floor (us)"])
-              + ["jnp eager host (us)"] * (op == "free") + ["torch_ref (us)"] * torch_on
-              + ["pallas bare (us)"] * bare + ["SGLang (us)", "SGLang bare (us)"] * sgl
-              + ["torch_ref / jnp host"] * (torch_on and op == "free")
-              + ["SGLang bare / pallas bare", "pallas bare vs SGLang bare"] * (sgl and bare)
-              + [f"{p} +1 consumer (net)" for p in paths if extra] + ["check"])
-    body = []
-    for r in rows:
-      j = {p: _us(r["jax"].get(p)) for p in paths}
-      cells = [r["bs"], r["tokens"]] + [fmt_us(j[p]) if j[p] is not None else "error"
-                                        for p in paths]
-      if per_path_floor:
-        cells += [fmt_us((r["jax"].get(p) or {}).get(
-            "floor_us", r.get("floor_us") if p == "jnp" else None)) for p in paths]
-      else:
-        cells.append(fmt_us(r.get("floor_us")))
-      if op == "free":
-        cells.append(fmt_us(_us(r.get("jax_host"))))
-      t, g = _us(r.get("torch")), _us(r.get("sglang"))
-      if torch_on:
-        cells.append(fmt_us(t) if t is not None else "error")
-      pb, sg = bare_cells(r)
-      if bare:
-        cells.append(fmt_us(pb.get("bare_us")))
-      if sgl:
-        cells += [fmt_us(g) if g is not None else "error", fmt_us(sg.get("bare_us"))]
-      if torch_on and op == "free":
-        cells.append(fmt_ratio(_ratio(t, _us(r.get("jax_host")))))
-      if sgl and bare:
-        cells += [fmt_ratio(_ratio(sg.get("bare_us"), pb.get("bare_us"))),
-                  bare_verdict(r) or "-"]
-      if extra:
-        cells += [consumer_cell(r["jax"].get(p) or {}) for p in paths]
-      body.append(cells + [r["check"]])
+    err = lambda x: f(x) if x is not None else "error"
+    jx = lambda r, p: r["jax"].get(p) or {}
+    floor = lambda r, p: jx(r, p).get("floor_us", r.get("floor_us") if p == "jnp" else None)
+    # (header, cell of a row, shown): the columns in order
+    cols = [(f"{p} (us)", lambda r, p=p: err(_us(jx(r, p)) if jx(r, p) else None), True)
+            for p in paths]
+    cols += ([(f"{p} floor (us)", lambda r, p=p: f(floor(r, p)), True) for p in paths]
+             if per_path else [("harness floor (us)", lambda r: f(r.get("floor_us")), True)])
+    cols += [("jnp eager host (us)", lambda r: f(_us(r.get("jax_host"))), op == "free"),
+             ("torch_ref (us)", lambda r: err(_us(r.get("torch"))), torch_on),
+             ("pallas bare (us)", lambda r: f(bare_cells(r)[0].get("bare_us")), bare),
+             ("SGLang (us)", lambda r: err(_us(r.get("sglang"))), sgl),
+             ("SGLang bare (us)", lambda r: f(bare_cells(r)[1].get("bare_us")), sgl),
+             ("torch_ref / jnp host", lambda r: fr(_ratio(_us(r.get("torch")),
+                                                          _us(r.get("jax_host")))),
+              torch_on and op == "free"),
+             ("SGLang bare / pallas bare", lambda r: fr(_ratio(
+                 bare_cells(r)[1].get("bare_us"), bare_cells(r)[0].get("bare_us"))),
+              sgl and bare),
+             ("pallas bare vs SGLang bare", lambda r: bare_verdict(r) or "-", sgl and bare)]
+    cols += [(f"{p} +1 consumer (net)", lambda r, p=p: consumer_cell(jx(r, p)), extra)
+             for p in paths] + [("check", lambda r: r["check"], True)]
+    cols = [(h, c) for h, c, shown in cols if shown]
     tmethod = next((r["torch"]["method"] for r in rows
                     if r.get("torch") and "method" in r["torch"]), None)
     note = ("; free: the XLA path (kernel='jnp'; the Pallas free kernel is timed by "
@@ -606,7 +593,8 @@ def micro_tables(result: Dict[str, Any]) -> str:
                + (f"; torch_ref: {tmethod}" if tmethod else "") + (SGLANG_NOTE if sgl else "")
                + (f"; {LINKED_NOTE}" if sgl or (torch_on and op != "free") else "")
                + ("; ratio > 1: jax_kvalloc faster)" if sgl or op == "free" else ")"))
-    out.append(report.table(header, body))
+    out.append(report.table(["bs", "tokens"] + [h for h, _ in cols],
+                            [[r["bs"], r["tokens"]] + [c(r) for _, c in cols] for r in rows]))
     out += [f"  {op} bs={r['bs']} {k}: {v['error']}" for r in rows
             for k, v in list(r["jax"].items()) + [("torch_ref", r.get("torch") or {}),
                                                    ("sglang", r.get("sglang") or {})]
