@@ -78,7 +78,7 @@ def test_pallas_decode_kernel_lowers_for_h200_at_demo_shapes():
   # abstract H200 (Python-side lowering: block shapes, powers of two).
   import functools  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
   try:
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -104,7 +104,7 @@ def test_tpu_ragged_kernel_lowers_at_demo_shapes():
   # abstract TPU with the dense attention inputs' shapes, prefill and decode batches.
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax_kvalloc import request_table as rt  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
   try:
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError as e:
