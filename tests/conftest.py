@@ -27,8 +27,6 @@ def _param(item, name, default=None):
 _FAST_MACHINES = {"token-ps1-n24-sort0-dbg0", "paged-ps4-n12-sort0-dbg0",
                   "paged-ps16-n8-sort1-dbg0", "paged-ps3-n12-sort1-dbg1"}
 SLOW_TESTS = [
-    ("test_bench_swa.py", "test_class_calls_compile_nothing_after_warmup", None, "compiles the class's SWA calls (5 s)"),
-    ("test_bench_swa.py", "test_bench_swa_record_and_table", None, "compiles every SWA op of two implementations"),
     ("test_parity.py", "test_cli_lock_step_parity", None, "~480 lock-step steps in a subprocess"),
     ("test_parity.py", "test_cli_triton_interpreter_replays_golden", None, "Triton interpreter"),
     ("test_parity.py", "test_triton_kernels_against_torch_path", None, "Triton interpreter"),
@@ -45,7 +43,6 @@ SLOW_TESTS = [
     ("test_random_traces.py", "*", lambda it: "without_jit" in it.name, "eager op by op"),
     ("test_spec.py", "*", lambda it: "without_jit" in it.name, "eager op by op"),
     ("test_debug.py", "test_valid_serving_traces_are_silent", None, "long random traces"),
-    ("test_cli.py", "test_bench_quick", None, "a whole bench run"),
     ("test_newer_ops.py", "test_alloc_extend_num_new_pages", None, "every path, debug too"),
     ("test_newer_ops.py", "test_debug_mode_refuses_bad_page_id_frees", None, "debug compiles"),
     ("test_newer_ops.py", "*", lambda it: "_segment_frees_replay_on_" in it.name,
@@ -145,8 +142,6 @@ HEAVY_TESTS = [
     ("test_ranks.py", "test_bench_ranks_runs_on_host_devices", "a bench run"),
     ("test_ranks_classes.py", "test_debug_mode_and_warmup_per_rank", "debug and warm-up"),
     ("test_release_decode.py", "test_empty_release_and_num_none", "every path"),
-    ("test_bench_table.py", "test_loop_keeps_every_page", "the bench loop"),
-    ("test_bench_class.py", "test_bench_class_smoke", "a bench-class run"),
     ("test_extend_layouts.py", "test_near_int32_max", "near-2**31 pools in the interpreter"),
     ("test_free_methods.py", "test_methods_agree_under_vmap", "vmapped compiles"),
     ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",

