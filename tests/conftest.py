@@ -115,7 +115,6 @@ HEAVY_TESTS = [
     ("test_swa_no_wait.py", "test_swa_debug_mode_checks_device_segments", "debug compiles"),
     ("test_cli.py", "test_simulate_json_plot_and_table", "three simulate runs"),
     ("test_cli.py", "test_leak_check_fires_when_the_device_free_loses_pages", "a simulate run"),
-    ("test_demo.py", "test_paged_tokens_equal_contiguous", "the whole demo"),
     ("test_traces.py", "test_jax_kvalloc_replays_generated_traces", "generated traces"),
     ("test_warmup.py", "test_no_compile_after_warmup", "compiles every bucket"),
     ("test_triton_free.py", "test_auto_picks_the_kernels_only_on_the_triton_path",
@@ -125,7 +124,6 @@ HEAVY_TESTS = [
     ("test_capacity.py", "test_auto_uses_the_pools_device_not_the_default_backend",
      "compiles every path"),
     ("test_debug.py", "test_works_under_vmap", "vmapped debug compiles"),
-    ("test_demo.py", "test_cli_demo_prints_identical", "the demo through the CLI"),
     ("test_attention.py", "test_ragged_reference_reads_every_form", "every form, eager"),
     ("test_pallas_alloc.py", "test_classes_with_pallas_interpret_follow_the_model",
      "classes in Pallas' interpreter"),
@@ -149,6 +147,11 @@ HEAVY_TESTS = [
     ("test_pallas_lowering.py", "test_mosaic_kernel_under_tpu_interpreter",
      "the TPU interpreter (the lowering tests run by default)"),
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step", "the serving scans"),
+    ("test_serve_model.py", "*", "SmolLM2-135M and transformers' reference (model extras)"),
+    ("test_serve_engine.py", "test_unrolled_layers_equal_scanned_ones", "a third compile"),
+    ("test_serve_engine.py", "test_bench_writes_a_result_folder", "four engines compile"),
+    ("test_serve_engine.py", "test_pallas_decode_in_the_interpreter_equals_gather",
+     "Pallas' interpreter"),
     ("test_request_table.py", "test_random_workload_matches_model",
      "a random workload (tests/test_table_kernels.py runs one against the model by default)"),
     ("test_ranks_classes.py", "test_every_rank_matches_the_model_while_the_others_stay",
@@ -198,11 +201,9 @@ EXHAUSTIVE_TESTS = [
      "page size 16 (1 and 4 run in CI)"),
     ("test_simulate_drivers.py", "test_drivers_make_the_same_decisions", _NAMED("[ps1-sort1-share1]"),
      "page size 1 with need_sort and sharing (page sizes 1, 16 and 64 run in CI)"),
-    ("test_demo.py", "test_rpa_reference_tokens_equal_contiguous", 0,
-     "the demo through ref_ragged_paged_attention (test_attention feeds it our inputs in CI)"),
-    ("test_demo.py", "test_pallas_decode_kernel_tokens_equal_contiguous", 0,
-     "the demo through the GPU decode kernel's interpreter (test_attention runs the kernel "
-     "on our inputs in CI, and the demo runs it on the H200)"),
+    ("test_serve_engine.py", "test_paged_without_prefix_cache_equals_contiguous_bit_for_bit", 0,
+     "the paged run without its prefix cache (the default set compares the prefix-cached "
+     "run with the contiguous one bit for bit)"),
     ("test_stress.py", "test_fill_and_drain_to_exact_capacity_thousands_of_times",
      _NAMED("[paged-16-32-True-False]", "[paged-4-64-True-True]"),
      "more pools (a paged and a token pool run in CI)"),
@@ -273,7 +274,7 @@ def pytest_collection_modifyitems(config, items):
 # With `--dist loadfile` (pyproject's addopts) each worker runs whole files in collection
 # order as they come free: the costliest files (CPU seconds in CI, roughly) go first so
 # that the workers finish together rather than one waiting on a late large file.
-COSTLIEST_FIRST = ["test_newer_ops.py", "test_table_kernels.py", "test_parity.py",
+COSTLIEST_FIRST = ["test_serve_model.py", "test_newer_ops.py", "test_table_kernels.py", "test_parity.py",
                    "test_swa.py", "test_cli.py", "test_multiprocess.py",
                    "test_extend_layouts.py", "test_pallas_alloc.py", "test_release_decode.py",
                    "test_attention.py", "test_bench_harness.py", "test_capacity.py",

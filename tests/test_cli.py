@@ -156,8 +156,6 @@ def test_trace_replay(tmp_path, capsys, golden_path):
 def _parsers():
   """Every command's parser and, under bench, every suite's."""
   for name, _, _ in cli.COMMANDS:
-    if name == "demo":  # leaves with `serve`
-      continue
     parser = cli.build([name])
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # pylint: disable=protected-access
     p = sub.choices[name]

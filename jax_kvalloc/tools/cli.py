@@ -28,8 +28,8 @@ COMMANDS = (
      "replay allocator traces through jax_kvalloc, torch_ref and SGLang in lock step"),
     ("report", "jax_kvalloc.tools.report",
      "BENCHMARKS.md's and the README's generated tables from the result folders"),
-    ("demo", "jax_kvalloc.tools.demo",
-     "a toy decoder served through the request table (paged == contiguous)"),
+    ("serve", "jax_kvalloc.serve.cli",
+     "generate with a real model (SmolLM2-135M GGUF) through the request table"),
 )
 
 
