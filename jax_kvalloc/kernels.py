@@ -54,7 +54,7 @@ quiet_triton), and the first "auto" that picks it logs one note.
 "auto" (and the older names) resolve by the platform of the pool (`by_device`): a
 concrete state's arrays say where they live; under tracing, the platform the program
 will be lowered for when that is known at trace time: the device of an abstract mesh in
-scope (`jax.sharding.use_abstract_mesh`, as pallas_kernels.lowering_check exports for an
+scope (`jax.sharding.use_abstract_mesh`, as tests/lowering_check.py exports for an
 abstract H200 or TPU), else the platform of the only backend this process has (a
 CPU-only host). Only where several backends could run it (a GPU host has a CPU backend
 too) does the choice fall to `lax.platform_dependent` over those platforms, decided when
@@ -202,13 +202,26 @@ def _triton_problem() -> Optional[str]:
 
 
 def _lower_triton_probe() -> Optional[str]:
+  """Exports our one-launch decode kernel for an abstract H200 (jax.export: the Python
+  side of Pallas' Triton lowering, on any machine); None, or why it failed."""
   try:
-    from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+    from jax import export  # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    from jax.sharding import AbstractMesh  # pylint: disable=g-import-not-at-top
+    try:  # jax >= 0.11 exports it from jax.sharding
+      from jax.sharding import AbstractDevice  # type: ignore[attr-defined]  # pylint: disable=g-import-not-at-top
+    except ImportError:  # jax 0.10
+      from jax._src.mesh import AbstractDevice  # type: ignore[no-redef]  # pylint: disable=g-import-not-at-top
     from pallas_kernels import triton_decode  # pylint: disable=g-import-not-at-top
     spec = jax.ShapeDtypeStruct
     probe = functools.partial(triton_decode.alloc_decode_triton, page_size=4)
-    lowering_check.export_for("h200", probe, spec((8,), jnp.int32),
-                              *[spec((), jnp.int32)] * 3, *[spec((4,), jnp.int32)] * 2)
+    target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+      export.export(jax.jit(probe), platforms=["cuda"],
+                    disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+                        spec((8,), jnp.int32), *[spec((), jnp.int32)] * 3,
+                        *[spec((4,), jnp.int32)] * 2)
   except Exception as e:  # pylint: disable=broad-except  (any failure means: not usable)
     first = str(e).splitlines()[0][:200] if str(e) else ""
     return f"a kernel does not lower ({type(e).__name__}: {first})"

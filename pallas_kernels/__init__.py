@@ -21,7 +21,7 @@ mosaic_gpu_common says what it can express): `alloc_decode_mosaic_gpu` and
 `table_step_mosaic_gpu`, each the same contract as its Triton twin.
 jax_kvalloc.kernels chooses among them.
 
-`lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
+tests/lowering_check.py lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
 from __future__ import annotations
 

@@ -25,11 +25,11 @@ import jax_kvalloc.sglang as kvs
 import pallas_kernels
 from jax_kvalloc import kernels
 from jax_kvalloc import request_table as rt
-from pallas_kernels import lowering_check
 from pallas_kernels import mosaic_gpu_common
 from pallas_kernels import mosaic_gpu_decode
 from pallas_kernels import mosaic_gpu_table
 from gpu import has_gpu
+import lowering_check
 from model import ModelAllocator
 from test_pallas_alloc import check_alloc_decode, check_classes_follow_the_model
 import test_table_kernels as ttk
