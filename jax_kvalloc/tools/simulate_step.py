@@ -1,0 +1,630 @@
+"""The simulator's policy: one scheduler iteration, written once, as array code (`step`).
+
+`jax-kvalloc simulate` runs it under one of two drivers (jax_kvalloc.tools.simulate):
+`--driver device` runs `run_steps`, many iterations per jitted call in a loop on the
+device; `--driver host` launches the jitted `host_step`, one iteration per call, from a
+Python loop, as a host scheduler with a device-resident table would. The drivers make the
+same decisions because they run the same function.
+
+An iteration, on the scheduler's state (`Sched`: per request row and per prefix group):
+  1. arrivals join the queue (request ids [head, arrived), in arrival order);
+  2. up to `frees` finished rows leave the free-group queue (a ring, in finishing order);
+  3. a prefill batch: rows still prefilling (in admission order) take their next chunk,
+     then queued requests are admitted in order while the batch has room (`batch` rows,
+     `tokens` tokens), a row was empty at the start of the iteration and the request's
+     whole lifetime fits in the pages not promised to running requests. The first request
+     that does not fit may evict unused cached prefixes (least recently used first, as
+     many as the free group has room for); if that admits it, it is the last admission.
+     A request whose group's prefix is cached borrows its pages;
+  4. the step: a prefill when the batch is not empty, else a decode of every decoding row
+     (or only the free group), else nothing: the clock moves to the next arrival (an
+     idle iteration, no record);
+  5. a row that completed its prompt hands its group's prefix (whole pages) to the cache
+     when none is cached; a row that generated its last token joins the free queue.
+
+The table work of an iteration (`_table_step`): the free group (`release_rows` of the
+finished rows and the evicted cache rows), the borrows, the extend or decode, and the
+hand-overs, through the request table (SPEC 11; `step_rows` for the three pool phases).
+Admission counts pages with the allocator's arithmetic, so no allocation may fail; every
+record carries the device's status (ok, free + released pages, a checksum of the slots)
+for the driver to compare with the scheduler's count.
+
+SWA mode (`Layout.swa`, simulate's --swa-window): the pool is an SWAState and the table an
+SWATable of request rows only (SPEC 13). Step 2 also frees every row's SWA pages wholly
+before seq - window (`window_rows`); admission also counts the SWA pool (`swa_need`); no
+prefix cache (the workload's groups are -1 then), so no borrows and no eviction.
+
+`Layout.branch` (static) picks how the table phases that an iteration does not need are
+skipped: inside `lax.cond` (on the CPU, where a branch is cheap and a phase over a large
+table is not) or by running them with no rows (on accelerators, where a branch costs a
+round trip to the host). The decisions are the same either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import request_table as rt
+from jax_kvalloc import state as st
+from jax_kvalloc import swa as swa_core
+from jax_kvalloc import swa_table
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.index_jnp import cdiv
+from jax_kvalloc.swa import SWAConfig, SWAState
+
+Array = jax.Array
+i32 = jnp.int32
+EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
+KIND_PREFILL, KIND_DECODE = 1, 2
+ERR_STUCK = 1
+
+# One row per step (an iteration that ran a prefill or a decode), from either driver.
+RECORD = ("kind",          # 1 prefill, 2 decode
+          "admitted",      # requests admitted (the next ones in arrival order)
+          "finished",      # requests that generated their last token
+          "evicted",       # prefix-cache entries evicted
+          "evict_code",    # sum of (g + 1) * 2**j over the j-th evicted group g
+          "hits",          # admitted requests that borrow a cached prefix
+          "tokens",        # tokens allocated
+          "pages",         # pages allocated
+          "used",          # pages in use after the step (the scheduler's count)
+          "waste",         # unused slots inside the live requests' own pages
+          "running",       # requests holding a row
+          "committed",     # pages promised to running requests, not yet taken
+          "runs",          # free-list runs after every runs_every-th iteration; else -1
+          "ok",            # every table operation of the step succeeded (device status)
+          "device_pages",  # free + released pages on the device after the step
+          "checksum")      # `checksum` of the slots allocated
+SWA_RECORD = ("swa_used",          # SWA pages in use after the step (the scheduler's count)
+              "swa_committed",     # SWA pages reserved by running requests, not held
+              "window_freed",      # SWA pages the step's window frees released
+              "swa_device_pages",  # free + released SWA pages on the device after the step
+              "refused")           # the next admission did not fit: 1 full pool, 2 SWA, 3 both
+COL = {name: i for i, name in enumerate(RECORD + SWA_RECORD)}
+
+
+def record_columns(swa: bool) -> Tuple[str, ...]:
+  """The record's columns (SWA mode appends SWA_RECORD)."""
+  return RECORD + SWA_RECORD if swa else RECORD
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static sizes of one page size's run (jax_kvalloc.tools.simulate.make_layout)."""
+  acfg: AllocatorConfig
+  rows: int          # R request rows
+  groups: int        # G prefix-cache rows, one per group, after the request rows
+  batch: int         # B requests per prefill
+  tokens: int        # T prefill token budget (the extend's slot array)
+  frees: int         # F rows per free group
+  width: int         # page columns per table row
+  prefix_width: int  # page columns a cached prefix can span
+  swa: Optional[SWAConfig] = None  # SWA mode: both pools (acfg is swa.full)
+  window: int = 0                  # SWA mode: the window in tokens
+  branch: bool = True              # skip unneeded table phases in lax.cond (module doc)
+  inject_leak: bool = False        # test hook: the first finished request's free is lost
+
+  @property
+  def swa_pages(self) -> int:
+    return self.swa.swa.num_pages if self.swa is not None else 0
+
+  @property
+  def num_pages(self) -> int:
+    return self.acfg.num_pages
+
+
+class Workload(NamedTuple):
+  """The requests on the device (i32), and the step cap."""
+  arrival: Array     # i32[N] non-decreasing
+  group: Array       # i32[N] prefix group or -1
+  prompt: Array      # i32[N] prompt tokens, shared prefix included
+  output: Array      # i32[N]
+  prefix_len: Array  # i32[max(G, 1)]
+  max_steps: Array   # i32[] no step runs once this many have
+
+
+class Sched(NamedTuple):
+  """The scheduler's state."""
+  phase: Array        # i32[R] EMPTY / PREFILL / DECODE / FREEING
+  seq: Array          # i32[R] tokens held
+  prompt: Array       # i32[R]
+  out: Array          # i32[R]
+  gen: Array          # i32[R] tokens generated
+  own: Array          # i32[R] first token the row owns (page aligned)
+  group: Array        # i32[R]
+  hit: Array          # bool[R] holds a reference on its group's cache entry
+  reserved: Array     # i32[R] pages of its own it may ever hold
+  admitted_at: Array  # i32[R]
+  swa_from: Array     # i32[R] SWA mode: first page column whose SWA page is held
+  swa_reserved: Array  # i32[R] SWA mode: SWA pages it may hold from now on
+  cache_tokens: Array  # i32[G]
+  refcount: Array     # i32[G]
+  last_used: Array    # i32[G]
+  fifo: Array         # i32[R] ring of finished rows waiting for a free group
+  fifo_head: Array    # i32[]
+  fifo_len: Array     # i32[]
+  free_pages: Array   # i32[] the scheduler's count of free + released pages
+  swa_free: Array     # i32[] SWA mode: the same for the SWA pool
+  clock: Array        # i32[]
+  head: Array         # i32[] next request to admit
+  steps: Array        # i32[] steps so far
+  done: Array         # i32[] requests finished
+  error: Array        # i32[] 0, or ERR_STUCK
+  forget: Array       # i32[] test hook: row whose release loses its pages; -1 none, -2 done
+
+
+class Carry(NamedTuple):
+  state: object   # AllocatorState, or SWAState in SWA mode
+  table: object   # RequestTable (request rows, then one row per prefix group) or SWATable
+  sched: Sched
+
+
+class Plan(NamedTuple):
+  """An iteration's table work. Entries at index >= the matching count are padding."""
+  free_rows: Array     # i32[F] the free group's rows, in order
+  num_free: Array
+  forget: Array        # i32[] the row whose pages the test hook drops (-1: none)
+  borrow_rows: Array   # i32[B] admitted rows that start from a cached prefix
+  borrow_src: Array    # i32[B] the cache rows they borrow from
+  borrow_pages: Array  # i32[B] whole pages borrowed
+  num_borrow: Array
+  ext_rows: Array      # i32[B] rows to extend, in batch order
+  ext_n: Array         # i32[B] tokens each
+  num_ext: Array
+  dec_rows: Array      # i32[R] rows to decode
+  num_dec: Array
+  ins_rows: Array      # i32[R] rows whose prefix pages go to the cache after the step
+  ins_dst: Array       # i32[R] the cache rows
+  ins_pages: Array     # i32[R] pages handed over
+  num_ins: Array
+  window: Array        # i32[] SWA mode: rows whose window frees run (0 or R)
+
+
+def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=False):
+  """SWA pages a request may hold at most from now on (numpy or jax arrays): after a step
+  that extends it from L to L + n tokens, having freed the pages wholly before
+  L - window, it holds ceil((L + n) / ps) - floor((L - window) / ps)
+  <= ceil((window + n) / ps) + 1 pages, with n <= min(prompt, tokens) while it prefills
+  and n = 1 once it decodes (`decoding`, bool or bool array); never more than its whole
+  length's pages."""
+  xp = np if isinstance(prompt, np.ndarray) else jnp
+  n = xp.where(decoding, 1, xp.minimum(prompt, tokens))
+  return xp.minimum(cdiv(prompt + output, ps), cdiv(window + n, ps) + 1)
+
+
+def init_carry(lay: Layout) -> Carry:
+  """An empty pool and table, and an idle scheduler (traceable; jit it with lay static)."""
+  r, g = lay.rows, lay.groups
+  if lay.swa is not None:
+    state = swa_core.init(lay.swa)
+    table = swa_table.init_table(lay.swa, r, lay.width)
+  else:
+    state = st.init(lay.acfg)
+    table = rt.init_table(lay.acfg, r + g, lay.width)
+  z = lambda n, v=0: jnp.full((n,), v, i32)
+  s = lambda v: jnp.full((), v, i32)
+  sched = Sched(
+      phase=z(r), seq=z(r), prompt=z(r), out=z(r), gen=z(r), own=z(r), group=z(r, -1),
+      hit=jnp.zeros((r,), bool), reserved=z(r), admitted_at=z(r), swa_from=z(r),
+      swa_reserved=z(r), cache_tokens=z(g), refcount=z(g), last_used=z(g, -1), fifo=z(r),
+      fifo_head=s(0), fifo_len=s(0), free_pages=s(lay.num_pages),
+      swa_free=s(lay.swa_pages), clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0),
+      forget=s(-1))
+  return Carry(state, table, sched)
+
+
+# Small-vector helpers: O(n^2) compares and reductions instead of sorts, cumsums and
+# scatters (n is at most max_running): XLA fuses them into few kernels.
+def _excl_cumsum(x: Array) -> Array:
+  i = jnp.arange(x.shape[0])
+  return jnp.sum(jnp.where(i[None, :] < i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
+
+
+def _rank(key: Array, member: Array) -> Array:
+  """Position of each entry among the members in ascending `key` order (keys distinct)."""
+  return jnp.sum((key[None, :] < key[:, None]) & member[None, :], axis=1).astype(i32)
+
+
+def _place(pos: Array, values: Array, n: int, fill: int = 0) -> Array:
+  """out[pos[i]] = values[i] for pos[i] in [0, n) (distinct), fill elsewhere: i32[n]."""
+  m = pos[None, :] == jnp.arange(n, dtype=pos.dtype)[:, None]
+  v = jnp.broadcast_to(jnp.asarray(values, i32), pos.shape)
+  return jnp.where(jnp.any(m, axis=1), jnp.sum(jnp.where(m, v[None, :], 0), axis=1), fill)
+
+
+def _count_at(idx: Array, n: int, weight=1) -> Array:
+  """i32[n]: sum of weight over the entries with idx == i (idx outside [0, n): none)."""
+  w = jnp.broadcast_to(jnp.asarray(weight, i32), idx.shape)
+  m = idx[None, :] == jnp.arange(n, dtype=idx.dtype)[:, None]
+  return jnp.sum(jnp.where(m, w[None, :], 0), axis=1)
+
+
+def _compact(values: Array, keep: Array, n: int) -> Array:
+  """values[keep], in order, in the first entries of i32[n]."""
+  pos = _excl_cumsum(keep.astype(i32))
+  return _place(jnp.where(keep & (pos < n), pos, n), values, n)
+
+
+def stopped(wl: Workload, c: Sched) -> Array:
+  """bool[]: every request done and freed, the scheduler stuck, or the step cap reached."""
+  n_req = wl.arrival.shape[0]
+  return (((c.done >= n_req) & (c.fifo_len == 0)) | (c.error != 0)
+          | (c.steps >= wl.max_steps))
+
+
+def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
+  """One scheduler iteration (the module docstring's five parts) and its table work.
+
+  Returns (carry, i32[len(record_columns)] record); the record's kind is 0 when no step
+  ran (an idle iteration, or the run is over: `stopped`), and then nothing changed but
+  the clock (or the error flag).
+  """
+  c = carry.sched
+  ps, r_, g_, b_, t_, f_ = (lay.acfg.page_size, lay.rows, lay.groups, lay.batch,
+                            lay.tokens, lay.frees)
+  swa = lay.swa is not None
+  n_req = wl.arrival.shape[0]
+  rows = jnp.arange(r_, dtype=i32)
+  go = ~stopped(wl, c)
+  # 1-2. Arrivals; the free group's finished rows.
+  arrived = jnp.sum(wl.arrival <= c.clock).astype(i32)
+  npop = jnp.where(go, jnp.minimum(c.fifo_len, f_), 0)
+  popped = jnp.arange(f_) < npop
+  pop_rows = jnp.where(popped, c.fifo[(c.fifo_head + jnp.arange(f_)) % r_], r_)
+  gone = _count_at(pop_rows, r_) > 0
+  held = cdiv(c.seq, ps) - c.own // ps
+  free_pages = c.free_pages + jnp.sum(jnp.where(gone, held, 0))
+  empty = c.phase == EMPTY  # rows freed now take requests from the next iteration on
+  phase = jnp.where(gone, EMPTY, c.phase)
+  live = (phase == PREFILL) | (phase == DECODE)
+  avail = free_pages - jnp.sum(jnp.where(live, c.reserved - held, 0))
+  swa_free, swa_from = c.swa_free, c.swa_from
+  if swa:  # the finished rows' SWA pages, then every row's pages that left the window
+    swa_free += jnp.sum(jnp.where(gone, cdiv(c.seq, ps) - swa_from, 0))
+    win_end = jnp.clip(jnp.maximum(c.seq - lay.window, 0) // ps, 0, lay.width)
+    win_end = jnp.where((phase != EMPTY) & go, jnp.maximum(win_end, swa_from), swa_from)
+    window_freed = jnp.sum(win_end - swa_from)
+    swa_from = win_end
+    swa_free += window_freed
+    swa_held = cdiv(c.seq, ps) - swa_from
+    avail_swa = swa_free - jnp.sum(jnp.where(live, jnp.maximum(c.swa_reserved - swa_held,
+                                                               0), 0))
+  # 3a. Rows still prefilling, in admission order, while the batch has room.
+  pre_rows = (phase == PREFILL) & go
+  rank = _rank(c.admitted_at * r_ + rows, pre_rows)
+  rem = c.prompt - c.seq
+  before = jnp.sum(jnp.where(pre_rows[None, :] & (rank[None, :] < rank[:, None]),
+                             rem[None, :], 0), axis=1)
+  cont = pre_rows & (rank < b_) & (before < t_)
+  cont_chunk = jnp.where(cont, jnp.minimum(rem, t_ - before), 0)
+  n_cont = jnp.sum(cont).astype(i32)
+  # 3b. Queued requests, in arrival order (j-th candidate: request head + j).
+  j = jnp.arange(b_, dtype=i32)
+  q = jnp.minimum(c.head + j, n_req - 1)
+  valid = (c.head + j < arrived) & go
+  g, p_q, o_q = wl.group[q], wl.prompt[q], wl.output[q]
+  gc = jnp.maximum(g, 0)
+  hit = valid & (g >= 0) & (c.cache_tokens[gc] > 0)
+  pre0 = jnp.where(hit, c.cache_tokens[gc], 0)
+  need = jnp.where(valid, cdiv(p_q + o_q, ps) - pre0 // ps, 0)
+  spent_q = jnp.sum(cont_chunk) + _excl_cumsum(jnp.where(valid, p_q - pre0, 0))
+  room = valid & (n_cont + j < b_) & (spent_q < t_) & (j < jnp.sum(empty))
+  need_before = _excl_cumsum(need)
+  fits = room & (need_before + need <= avail)
+  if swa:
+    need_swa = jnp.where(valid, swa_need(p_q, o_q, lay.window, t_, ps), 0)
+    fits_swa = _excl_cumsum(need_swa) + need_swa <= avail_swa
+    fits_full, fits = fits, fits & fits_swa
+  k0 = jnp.min(jnp.where(fits, b_, j))
+  at = jnp.minimum(k0, b_ - 1)
+  blocked = (k0 < b_) & room[at] & ~fits[at]
+  if swa:  # no prefix cache, nothing to evict: which pool stopped the admission
+    k, n_evict, evict_code = k0, jnp.zeros((), i32), jnp.zeros((), i32)
+    cache_tokens, evict_rows = c.cache_tokens, jnp.full((g_,), f_, i32)
+    refused = ((blocked & ~fits_full[at]).astype(i32) + 2 * (blocked & ~fits_swa[at]))
+  else:  # the blocked request may evict unused cached prefixes, LRU first
+    groups = jnp.arange(g_, dtype=i32)
+    in_use = c.refcount + _count_at(jnp.where(hit & (j < k0), g, g_), g_)
+    evictable = (c.cache_tokens > 0) & (in_use == 0) & (groups != g[at]) & blocked
+    lru = _rank(c.last_used * g_ + groups, evictable)
+    pages_g = jnp.where(evictable, c.cache_tokens // ps, 0)
+    deficit = need[at] - (avail - need_before[at])
+    got_before = jnp.sum(jnp.where(evictable[None, :] & (lru[None, :] < lru[:, None]),
+                                   pages_g[None, :], 0), axis=1)
+    evict = (evictable & (jnp.sum(pages_g) >= deficit) & (got_before < deficit)
+             & (lru < f_ - npop))
+    gained = jnp.sum(jnp.where(evict, pages_g, 0))
+    k = k0 + (blocked & (gained >= deficit)).astype(i32)
+    n_evict = jnp.sum(evict).astype(i32)
+    evict_code = jnp.sum(jnp.where(evict, (groups + 1) << lru, 0))
+    free_pages += gained
+    cache_tokens = jnp.where(evict, 0, c.cache_tokens)
+    evict_rows = jnp.where(evict, npop + lru, f_)  # their place in the free group
+  # Admission: candidate j < k takes the j-th row that was empty.
+  erank = _excl_cumsum(empty.astype(i32))
+  adm = empty & (erank < k) & go
+  aj = jnp.where(adm, erank, 0)
+  pick = lambda new, old: jnp.where(adm, new[aj], old)
+  seq = pick(pre0, c.seq)
+  prompt, out, group = pick(p_q, c.prompt), pick(o_q, c.out), pick(g, c.group)
+  hit_r, reserved = pick(hit, c.hit), pick(need, c.reserved)
+  own, gen = pick(pre0, c.own), jnp.where(adm, 0, c.gen)
+  admitted_at = jnp.where(adm, c.clock, c.admitted_at)
+  phase = jnp.where(adm, PREFILL, phase)
+  adm_hit = adm & hit_r
+  refcount = c.refcount + _count_at(jnp.where(adm_hit, group, g_), g_)
+  last_used = jnp.where(_count_at(jnp.where(adm_hit, group, g_), g_) > 0, c.clock,
+                        c.last_used)
+  # 4. The step's kind; each row's new tokens.
+  n_batch = n_cont + k
+  decoding = (phase == DECODE) & go
+  n_dec = jnp.sum(decoding).astype(i32)
+  nfree = npop + n_evict
+  is_pre = n_batch > 0
+  is_dec = ~is_pre & ((n_dec > 0) | (nfree > 0))
+  kind = jnp.where(is_pre, KIND_PREFILL, jnp.where(is_dec, KIND_DECODE, 0))
+  spent_a = jnp.minimum(spent_q, t_)
+  chunk = jnp.where(cont, cont_chunk,
+                    jnp.where(adm, jnp.minimum(p_q - pre0, t_ - spent_a)[aj], 0))
+  bpos = jnp.where(cont, rank, jnp.where(adm, n_cont + aj, b_))
+  dec = decoding & ~is_pre
+  grow = jnp.where(is_pre, chunk, dec.astype(i32))
+  pages_r = cdiv(seq + grow, ps) - cdiv(seq, ps)
+  pages = jnp.sum(pages_r)
+  seq = seq + grow
+  gen = gen + dec
+  # 5. Hand-overs to the cache; finished rows join the free queue.
+  completes = is_pre & (bpos < b_) & (seq == prompt)
+  gi = jnp.maximum(group, 0)
+  aligned = wl.prefix_len[gi] // ps * ps
+  eligible = (completes & (group >= 0) & ~hit_r & (cache_tokens[gi] == 0) & (own == 0)
+              & (aligned > 0))
+  earlier = jnp.any(eligible[None, :] & (group[None, :] == group[:, None])
+                    & (bpos[None, :] < bpos[:, None]), axis=1)
+  ins = eligible & ~earlier
+  ins_g = jnp.where(ins, group, g_)
+  cache_tokens = jnp.where(_count_at(ins_g, g_) > 0, _count_at(ins_g, g_, aligned),
+                           cache_tokens)
+  refcount = jnp.where(_count_at(ins_g, g_) > 0, 1, refcount)
+  last_used = jnp.where(_count_at(ins_g, g_) > 0, _count_at(ins_g, g_, admitted_at),
+                        last_used)
+  own = jnp.where(ins, aligned, own)
+  reserved = jnp.where(ins, reserved - aligned // ps, reserved)
+  hit_r = hit_r | ins
+  phase = jnp.where(completes, DECODE, phase)
+  fin = dec & (gen >= out)
+  phase = jnp.where(fin, FREEING, phase)
+  refcount -= _count_at(jnp.where(fin & hit_r, group, g_), g_)
+  n_fin = jnp.sum(fin).astype(i32)
+  fifo_head, fifo_len = (c.fifo_head + npop) % r_, c.fifo_len - npop
+  slot = jnp.where(fin, (fifo_head + fifo_len + _excl_cumsum(fin.astype(i32))) % r_, r_)
+  fifo = jnp.where(_count_at(slot, r_) > 0, _count_at(slot, r_, rows), c.fifo)
+  forget, forget_now = c.forget, jnp.full((), -1, i32)
+  if lay.inject_leak:
+    forget_now = jnp.where(jnp.any(pop_rows == forget), forget, -1)
+    forget = jnp.where(forget_now >= 0, -2, forget)
+    forget = jnp.where((forget == -1) & (n_fin > 0), jnp.min(jnp.where(fin, rows, r_)),
+                       forget)
+  swa_reserved = c.swa_reserved
+  if swa:
+    swa_from = jnp.where(adm, 0, swa_from)
+    swa_reserved = jnp.where(adm, need_swa[aj], swa_reserved)
+    # A decoding row's reservation: the window and one token.
+    swa_reserved = jnp.where(completes, swa_need(prompt, out, lay.window, t_, ps,
+                                                 decoding=True), swa_reserved)
+    swa_free -= pages
+  # The idle iteration: the clock jumps to the next arrival, or the scheduler is stuck.
+  idle = go & (kind == 0)
+  stuck = idle & ((c.head < arrived) | (arrived >= n_req))
+  nxt = wl.arrival[jnp.minimum(arrived, n_req - 1)]
+  clock = jnp.where(kind > 0, c.clock + 1,
+                    jnp.where(idle & ~stuck, jnp.maximum(c.clock + 1, nxt), c.clock))
+  sched = Sched(
+      phase=phase, seq=seq, prompt=prompt, out=out, gen=gen, own=own, group=group,
+      hit=hit_r, reserved=reserved, admitted_at=admitted_at, swa_from=swa_from,
+      swa_reserved=swa_reserved, cache_tokens=cache_tokens, refcount=refcount,
+      last_used=last_used, fifo=fifo, fifo_head=fifo_head, fifo_len=fifo_len + n_fin,
+      free_pages=free_pages - pages, swa_free=swa_free, clock=clock, head=c.head + k,
+      steps=c.steps + (kind > 0), done=c.done + n_fin,
+      error=jnp.where(stuck, ERR_STUCK, c.error), forget=forget)
+
+  # The table work, in the free group's order: finished rows, then evicted cache rows.
+  free_rows = jnp.where(popped, pop_rows, 0)
+  free_rows = jnp.where(_count_at(evict_rows, f_) > 0,
+                        _count_at(evict_rows, f_, r_ + jnp.arange(g_, dtype=i32)),
+                        free_rows)
+  bh = adm_hit
+  plan = Plan(
+      free_rows=free_rows, num_free=nfree, forget=forget_now,
+      borrow_rows=_compact(rows, bh, b_), borrow_src=_compact(r_ + group, bh, b_),
+      borrow_pages=_compact(own // ps, bh, b_), num_borrow=jnp.sum(bh).astype(i32),
+      ext_rows=_place(bpos, rows, b_), ext_n=_place(bpos, chunk, b_),
+      num_ext=jnp.where(is_pre, n_batch, 0),
+      dec_rows=_compact(rows, dec, r_), num_dec=jnp.where(is_dec, n_dec, 0),
+      ins_rows=_compact(rows, ins, r_), ins_dst=_compact(r_ + group, ins, r_),
+      ins_pages=_compact(aligned // ps, ins, r_), num_ins=jnp.sum(ins).astype(i32),
+      window=jnp.where(go & (window_freed > 0), r_, 0) if swa else jnp.zeros((), i32))
+  state, table, status = _table_step(lay, carry.state, carry.table, plan)
+
+  live = phase != EMPTY
+  held = cdiv(seq, ps) - own // ps
+  active = (phase == PREFILL) | (phase == DECODE)
+  vals = dict(
+      kind=kind, admitted=k, finished=n_fin, evicted=n_evict, evict_code=evict_code,
+      hits=jnp.sum(adm_hit), tokens=jnp.sum(grow), pages=pages,
+      used=lay.num_pages - sched.free_pages,
+      waste=jnp.sum(jnp.where(live, held * ps - (seq - own), 0)), running=jnp.sum(live),
+      committed=jnp.sum(jnp.where(active, reserved - held, 0)), runs=-1, ok=status[0],
+      device_pages=status[1], checksum=status[2])
+  if swa:
+    swa_held = jnp.where(live, cdiv(seq, ps) - swa_from, 0)
+    vals.update(swa_used=lay.swa_pages - swa_free, window_freed=window_freed,
+                swa_committed=jnp.sum(jnp.where(active, jnp.maximum(
+                    swa_reserved - swa_held, 0), 0)),
+                swa_device_pages=status[3], refused=refused)
+  rec = jnp.stack([jnp.asarray(vals[name], i32) for name in record_columns(swa)])
+  return Carry(state, table, sched), rec
+
+
+def checksum(slots: Array, count: Array) -> Array:
+  """i32[]: sum of (i + 1) * slots[i] over the first `count` slots, wrapping."""
+  i = jnp.arange(slots.shape[0], dtype=jnp.uint32)
+  s = jnp.where(i < count.astype(jnp.uint32), slots.astype(jnp.uint32), 0)
+  return jnp.sum((i + 1) * s, dtype=jnp.uint32).astype(i32)
+
+
+def _when(branch: bool, pred: Array, fn, *args):
+  """fn(*args), which does nothing when pred is False (its counts are 0): inside a
+  lax.cond that skips it then when `branch`, else always. fn returns the (state, table)
+  it got, changed, then results; the skipped branch returns ok=True and zeros."""
+  if not branch:
+    return fn(*args)
+
+  def skip(*a):
+    extra = jax.eval_shape(fn, *a)[len(a):]
+    return tuple(a) + tuple(jnp.full(x.shape, x.dtype == bool, x.dtype) for x in extra)
+  return jax.lax.cond(pred, fn, skip, *args)
+
+
+def _pools(state):
+  return (state.full, state.swa) if isinstance(state, SWAState) else (state,)
+
+
+def _hide_release(state, hide, keep=None):
+  """The state with its release list(s) empty when `hide` (an allocation of no rows must
+  not run need_sort's merge that an empty free list would trigger), or, with `keep`,
+  the release lengths of `keep` put back."""
+  if hide is False:
+    return state
+  src = _pools(keep) if keep is not None else None
+  new = [p._replace(release_len=jnp.where(hide, 0 if src is None else src[i].release_len,
+                                          p.release_len))
+         for i, p in enumerate(_pools(state))]
+  return state._replace(full=new[0], swa=new[1]) if isinstance(state, SWAState) else new[0]
+
+
+def _table_step(lay: Layout, state, table, p: Plan):
+  """The plan's table operations: (state, table, i32[3] status: ok, free + released
+  pages, the slots' checksum; SWA mode adds the SWA pool's free + released pages)."""
+  swa = lay.swa is not None
+  tbl, cfg = (swa_table, lay.swa) if swa else (rt, lay.acfg)
+  ps, nrows = lay.acfg.page_size, table.lens.shape[0]
+  if lay.inject_leak:  # the forgotten row's pages are no longer the row's to free
+    f = jnp.where(p.forget >= 0, p.forget, nrows)
+    if swa:
+      table = table._replace(lens=table.lens.at[f].set(0, mode="drop"))
+    else:
+      end = cdiv(table.lens[jnp.minimum(f, nrows - 1)], ps)
+      table = table._replace(owned_from=table.owned_from.at[f].set(end, mode="drop"))
+  ok = jnp.ones((), bool)
+  if not swa:  # borrows fill rows that were empty before this step's free group
+    def borrow(s, t):
+      t, ok_b = rt.borrow_pages(cfg, t, p.borrow_rows, t.pages[p.borrow_src,
+                                                              :lay.prefix_width],
+                                p.borrow_pages, num_rows=p.num_borrow)
+      return s, t, ok_b
+    state, table, ok = _when(lay.branch, p.num_borrow > 0, borrow, state, table)
+
+  def extend(s, t):
+    hide = (p.num_ext == 0) if cfg.need_sort else False
+    s2, t, slots, ok_e = tbl.extend_rows(cfg, _hide_release(s, hide), t, p.ext_rows,
+                                         p.ext_n, max_tokens=lay.tokens,
+                                         num_rows=p.num_ext)
+    return _hide_release(s2, hide, keep=s), t, slots, ok_e
+
+  def decode(s, t):
+    return tbl.decode_rows(cfg, s, t, p.dec_rows, num_rows=p.num_dec)
+
+  if not swa and not lay.branch and not cfg.need_sort:  # the three phases, fused
+    state, table, o = rt.step_rows(
+        cfg, state, table, release=p.free_rows, num_release=p.num_free,
+        extend=p.ext_rows, n=p.ext_n, num_extend=p.num_ext, max_tokens=lay.tokens,
+        decode=p.dec_rows, num_decode=p.num_dec)
+    ok = ok & o.release_ok & o.extend_ok & o.decode_ok
+    slots_e, slots_d = o.extend_slots, o.decode_slots
+  else:
+    def release(s, t):
+      return tbl.release_rows(cfg, s, t, p.free_rows, num_rows=p.num_free)
+    state, table, ok_r = _when(lay.branch, p.num_free > 0, release, state, table)
+    ok = ok & ok_r
+    if swa:
+      def window(s, t):
+        return swa_table.window_rows(cfg, s, t, jnp.arange(nrows, dtype=i32), lay.window,
+                                     num_rows=p.window)
+      state, table, ok_w = _when(lay.branch, p.window > 0, window, state, table)
+      ok = ok & ok_w
+    state, table, slots_e, ok_e = _when(lay.branch, p.num_ext > 0, extend, state, table)
+    state, table, slots_d, ok_d = _when(lay.branch, p.num_dec > 0, decode, state, table)
+    ok = ok & ok_e & ok_d
+  if not swa:
+    def hand_over(s, t):
+      return (s,) + _hand_over(cfg, t, p, lay.prefix_width)
+    state, table, ok_h = _when(lay.branch, p.num_ins > 0, hand_over, state, table)
+    ok = ok & ok_h
+  count_e = jnp.sum(jnp.where(jnp.arange(lay.batch) < p.num_ext, p.ext_n, 0))
+  status = [ok.astype(i32)] + [st.available_size(c, s) // ps for c, s in zip(
+      (cfg.full, cfg.swa) if swa else (cfg,), _pools(state))]
+  status.insert(2, checksum(slots_e, count_e) + checksum(slots_d, p.num_dec))
+  return state, table, jnp.stack(status)
+
+
+def _hand_over(cfg: AllocatorConfig, table, p: Plan, prefix_width: int):
+  """Cache row ins_dst[i] (empty) takes the first ins_pages[i] pages of row ins_rows[i],
+  which keeps them as a borrowed prefix. Returns (table, ok)."""
+  ids = table.pages[p.ins_rows, :prefix_width]
+  table, ok = rt.borrow_pages(cfg, table, p.ins_dst, ids, p.ins_pages, num_rows=p.num_ins)
+  nrows = table.lens.shape[0]
+  real = jnp.arange(p.ins_rows.shape[0]) < p.num_ins
+  owned = table.owned_from.at[jnp.where(real, p.ins_dst, nrows)].set(0, mode="drop")
+  owned = owned.at[jnp.where(real & ok, p.ins_rows, nrows)].set(p.ins_pages, mode="drop")
+  return table._replace(owned_from=owned), ok
+
+
+def free_list_runs(state) -> Array:
+  """Runs of consecutive page ids in the (full) pool's free list, in list order (i32[]);
+  0 if empty. [5, 6, 7, 2, 3] has 2 runs. Traceable."""
+  state = state.full if isinstance(state, SWAState) else state
+  n = state.free_ring.shape[0]
+  w = st.ring_window(state.free_ring, state.free_head, state.free_len, n)
+  i = jnp.arange(n)
+  brk = (i >= 1) & (i < state.free_len) & (w != jnp.roll(w, 1) + 1)
+  return jnp.where(state.free_len > 0, 1 + jnp.sum(brk), 0).astype(i32)
+
+
+def _with_runs(rec: Array, state) -> Array:
+  """The record with the free-list census in its runs column, when a step ran."""
+  at = COL["runs"]
+  return rec.at[at].set(jnp.where(rec[COL["kind"]] > 0, free_list_runs(state), -1))
+
+
+@functools.partial(jax.jit, static_argnames=("lay", "blocks", "runs_every"),
+                   donate_argnames=("carry",))
+def run_steps(lay: Layout, wl: Workload, carry: Carry, *, blocks: int, runs_every: int
+              ) -> Tuple[Carry, Array, Array]:
+  """The device driver's call: blocks * runs_every iterations (`step`), the free-list
+  census after every runs_every-th. Returns (carry, i32[blocks * runs_every, C] records
+  (kind 0: no step ran), bool[] `stopped`)."""
+  def block(carry, _):
+    carry, recs = jax.lax.scan(lambda x, _: step(lay, wl, x), carry, None,
+                               length=runs_every)
+    return carry, recs.at[-1].set(_with_runs(recs[-1], carry.state))
+
+  carry, recs = jax.lax.scan(block, carry, None, length=blocks)
+  return carry, recs.reshape(blocks * runs_every, -1), stopped(wl, carry.sched)
+
+
+@functools.partial(jax.jit, static_argnames=("lay",), donate_argnames=("carry",))
+def host_step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array, Array]:
+  """The host driver's call: one iteration (`step`). Returns (carry, i32[C] record,
+  bool[] `stopped`); the runs column is -1 (`census` gives it)."""
+  carry, rec = step(lay, wl, carry)
+  return carry, rec, stopped(wl, carry.sched)
+
+
+census = jax.jit(free_list_runs)
+census.__doc__ = "free_list_runs, jitted (the host driver's free-list census)."
