@@ -78,15 +78,21 @@ def test_policy_under_pressure(ps, need_sort, share):
     assert res.prefix_hits == 0 and res.evictions == 0
 
 
-@pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
-def test_branch_free_step_makes_the_same_decisions(monkeypatch, swa):
-  # The accelerators' form: every table phase every step (the fused step_rows), the ones
-  # not needed with no rows; need_sort's merge must stay where the branches put it.
-  cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=True)
-  if swa:
+@pytest.mark.parametrize("form", ["need_sort", "fused", "triton", "swa"])
+def test_branch_free_step_makes_the_same_decisions(monkeypatch, form):
+  # The accelerators' form: every table phase every step, the ones not needed with no
+  # rows: need_sort's merge must stay where the branches put it; without need_sort the
+  # three pool phases go through one step_rows (on a GPU pool, the Triton table kernel:
+  # here in its interpreter, on a smaller workload).
+  cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=form in ("need_sort", "swa"))
+  if form == "swa":
     cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3)
+  if form == "triton":
+    cfg = dataclasses.replace(cfg, num_requests=12, output_len="uniform:1:20")
   branched = _run(cfg)
   monkeypatch.setattr(simulate, "branches", lambda: False)
+  if form == "triton":
+    cfg = dataclasses.replace(cfg, kernel="triton_interpret")
   _check_same(_run(cfg), branched)
 
 

@@ -137,17 +137,19 @@ class Sched(NamedTuple):
   gen: Array          # i32[R] tokens generated
   own: Array          # i32[R] first token the row owns (page aligned)
   group: Array        # i32[R]
-  hit: Array          # bool[R] holds a reference on its group's cache entry
+  hit: Array          # i32[R] 1: holds a reference on its group's cache entry
   reserved: Array     # i32[R] pages of its own it may ever hold
   admitted_at: Array  # i32[R]
+  finished_at: Array  # i32[R] FREEING rows: the step they finished (ties: row order)
   swa_from: Array     # i32[R] SWA mode: first page column whose SWA page is held
   swa_reserved: Array  # i32[R] SWA mode: SWA pages it may hold from now on
+  empty: Array        # i32[R] a stack of the empty rows; the first n_empty are
+  n_empty: Array      # i32[]
+  prefilling: Array   # i32[B] rows still prefilling, in admission order (at most B)
+  n_prefilling: Array  # i32[]
   cache_tokens: Array  # i32[G]
   refcount: Array     # i32[G]
   last_used: Array    # i32[G]
-  fifo: Array         # i32[R] ring of finished rows waiting for a free group
-  fifo_head: Array    # i32[]
-  fifo_len: Array     # i32[]
   free_pages: Array   # i32[] the scheduler's count of free + released pages
   swa_free: Array     # i32[] SWA mode: the same for the SWA pool
   clock: Array        # i32[]
@@ -210,50 +212,39 @@ def init_carry(lay: Layout) -> Carry:
   s = lambda v: jnp.full((), v, i32)
   sched = Sched(
       phase=z(r), seq=z(r), prompt=z(r), out=z(r), gen=z(r), own=z(r), group=z(r, -1),
-      hit=jnp.zeros((r,), bool), reserved=z(r), admitted_at=z(r), swa_from=z(r),
-      swa_reserved=z(r), cache_tokens=z(g), refcount=z(g), last_used=z(g, -1), fifo=z(r),
-      fifo_head=s(0), fifo_len=s(0), free_pages=s(lay.num_pages),
-      swa_free=s(lay.swa_pages), clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0),
-      forget=s(-1))
+      hit=z(r), reserved=z(r), admitted_at=z(r), finished_at=z(r), swa_from=z(r),
+      swa_reserved=z(r), empty=jnp.arange(r - 1, -1, -1, dtype=i32), n_empty=s(r),
+      prefilling=z(lay.batch), n_prefilling=s(0), cache_tokens=z(g), refcount=z(g),
+      last_used=z(g, -1), free_pages=s(lay.num_pages), swa_free=s(lay.swa_pages),
+      clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0), forget=s(-1))
   return Carry(state, table, sched)
 
 
-# Small-vector helpers: O(n^2) compares and reductions instead of sorts, cumsums and
-# scatters (n is at most max_running): XLA fuses them into few kernels.
+# Small-vector helpers: O(n * m) compares and reductions instead of sorts, cumsums and
+# scatters (n, m are at most max_running): XLA fuses them into few kernels.
 def _excl_cumsum(x: Array) -> Array:
   i = jnp.arange(x.shape[0])
   return jnp.sum(jnp.where(i[None, :] < i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
 
 
-def _rank(key: Array, member: Array) -> Array:
-  """Position of each entry among the members in ascending `key` order (keys distinct)."""
-  return jnp.sum((key[None, :] < key[:, None]) & member[None, :], axis=1).astype(i32)
-
-
-def _place(pos: Array, values: Array, n: int, fill: int = 0) -> Array:
-  """out[pos[i]] = values[i] for pos[i] in [0, n) (distinct), fill elsewhere: i32[n]."""
-  m = pos[None, :] == jnp.arange(n, dtype=pos.dtype)[:, None]
-  v = jnp.broadcast_to(jnp.asarray(values, i32), pos.shape)
-  return jnp.where(jnp.any(m, axis=1), jnp.sum(jnp.where(m, v[None, :], 0), axis=1), fill)
-
-
-def _count_at(idx: Array, n: int, weight=1) -> Array:
-  """i32[n]: sum of weight over the entries with idx == i (idx outside [0, n): none)."""
-  w = jnp.broadcast_to(jnp.asarray(weight, i32), idx.shape)
+def _at(idx: Array, n: int, values=1) -> Array:
+  """i32[n]: out[i] = sum of values over the entries with idx == i (0 where none; idx
+  outside [0, n) matches nothing)."""
+  v = jnp.broadcast_to(jnp.asarray(values, i32), idx.shape)
   m = idx[None, :] == jnp.arange(n, dtype=idx.dtype)[:, None]
-  return jnp.sum(jnp.where(m, w[None, :], 0), axis=1)
+  return jnp.sum(jnp.where(m, v[None, :], 0), axis=1)
 
 
-def _compact(values: Array, keep: Array, n: int) -> Array:
-  """values[keep], in order, in the first entries of i32[n]."""
+def _compact(values: Array, keep: Array) -> Array:
+  """values[keep], in order, at the front (0 after)."""
   pos = _excl_cumsum(keep.astype(i32))
-  return _place(jnp.where(keep & (pos < n), pos, n), values, n)
+  return _at(jnp.where(keep, pos, values.shape[0]), values.shape[0], values)
 
 
 def stopped(wl: Workload, c: Sched) -> Array:
   """bool[]: every request done and freed, the scheduler stuck, or the step cap reached."""
   n_req = wl.arrival.shape[0]
-  return (((c.done >= n_req) & (c.fifo_len == 0)) | (c.error != 0)
+  return (((c.done >= n_req) & ~jnp.any(c.phase == FREEING)) | (c.error != 0)
           | (c.steps >= wl.max_steps))
 
 
@@ -271,15 +262,16 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   n_req = wl.arrival.shape[0]
   rows = jnp.arange(r_, dtype=i32)
   go = ~stopped(wl, c)
-  # 1-2. Arrivals; the free group's finished rows.
+  # 1-2. Arrivals; the free group: the rows that finished first (at most F).
   arrived = jnp.sum(wl.arrival <= c.clock).astype(i32)
-  npop = jnp.where(go, jnp.minimum(c.fifo_len, f_), 0)
-  popped = jnp.arange(f_) < npop
-  pop_rows = jnp.where(popped, c.fifo[(c.fifo_head + jnp.arange(f_)) % r_], r_)
-  gone = _count_at(pop_rows, r_) > 0
+  freeing = c.phase == FREEING
+  key = c.finished_at * r_ + rows
+  order = jnp.sum((key[None, :] < key[:, None]) & freeing[None, :], axis=1)
+  gone = freeing & (order < f_) & go
+  npop = jnp.sum(gone).astype(i32)
+  pop_rows = _at(jnp.where(gone, order, f_), f_, rows)
   held = cdiv(c.seq, ps) - c.own // ps
   free_pages = c.free_pages + jnp.sum(jnp.where(gone, held, 0))
-  empty = c.phase == EMPTY  # rows freed now take requests from the next iteration on
   phase = jnp.where(gone, EMPTY, c.phase)
   live = (phase == PREFILL) | (phase == DECODE)
   avail = free_pages - jnp.sum(jnp.where(live, c.reserved - held, 0))
@@ -291,47 +283,45 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
     window_freed = jnp.sum(win_end - swa_from)
     swa_from = win_end
     swa_free += window_freed
-    swa_held = cdiv(c.seq, ps) - swa_from
-    avail_swa = swa_free - jnp.sum(jnp.where(live, jnp.maximum(c.swa_reserved - swa_held,
-                                                               0), 0))
-  # 3a. Rows still prefilling, in admission order, while the batch has room.
-  pre_rows = (phase == PREFILL) & go
-  rank = _rank(c.admitted_at * r_ + rows, pre_rows)
-  rem = c.prompt - c.seq
-  before = jnp.sum(jnp.where(pre_rows[None, :] & (rank[None, :] < rank[:, None]),
-                             rem[None, :], 0), axis=1)
-  cont = pre_rows & (rank < b_) & (before < t_)
-  cont_chunk = jnp.where(cont, jnp.minimum(rem, t_ - before), 0)
+    avail_swa = swa_free - jnp.sum(jnp.where(live, jnp.maximum(
+        c.swa_reserved - (cdiv(c.seq, ps) - swa_from), 0), 0))
+  # 3a. Rows still prefilling, in admission order, while the budget lasts.
+  p = jnp.arange(b_, dtype=i32)
+  pf = jnp.clip(c.prefilling, 0, r_ - 1)
+  rem = jnp.where(p < c.n_prefilling, c.prompt[pf] - c.seq[pf], 0)
+  before = _excl_cumsum(rem)
+  cont = (p < c.n_prefilling) & (before < t_) & go
   n_cont = jnp.sum(cont).astype(i32)
-  # 3b. Queued requests, in arrival order (j-th candidate: request head + j).
-  j = jnp.arange(b_, dtype=i32)
-  q = jnp.minimum(c.head + j, n_req - 1)
-  valid = (c.head + j < arrived) & go
+  # 3b. Queued requests, in arrival order (candidate j: request head + j).
+  q = jnp.minimum(c.head + p, n_req - 1)
+  valid = (c.head + p < arrived) & go
   g, p_q, o_q = wl.group[q], wl.prompt[q], wl.output[q]
   gc = jnp.maximum(g, 0)
   hit = valid & (g >= 0) & (c.cache_tokens[gc] > 0)
   pre0 = jnp.where(hit, c.cache_tokens[gc], 0)
   need = jnp.where(valid, cdiv(p_q + o_q, ps) - pre0 // ps, 0)
-  spent_q = jnp.sum(cont_chunk) + _excl_cumsum(jnp.where(valid, p_q - pre0, 0))
-  room = valid & (n_cont + j < b_) & (spent_q < t_) & (j < jnp.sum(empty))
+  spent_q = jnp.sum(jnp.where(cont, jnp.minimum(rem, t_ - before), 0)) + _excl_cumsum(
+      jnp.where(valid, p_q - pre0, 0))
+  room = valid & (n_cont + p < b_) & (spent_q < t_) & (p < c.n_empty)
   need_before = _excl_cumsum(need)
   fits = room & (need_before + need <= avail)
   if swa:
     need_swa = jnp.where(valid, swa_need(p_q, o_q, lay.window, t_, ps), 0)
     fits_swa = _excl_cumsum(need_swa) + need_swa <= avail_swa
     fits_full, fits = fits, fits & fits_swa
-  k0 = jnp.min(jnp.where(fits, b_, j))
+  k0 = jnp.min(jnp.where(fits, b_, p))
   at = jnp.minimum(k0, b_ - 1)
   blocked = (k0 < b_) & room[at] & ~fits[at]
   if swa:  # no prefix cache, nothing to evict: which pool stopped the admission
     k, n_evict, evict_code = k0, jnp.zeros((), i32), jnp.zeros((), i32)
-    cache_tokens, evict_rows = c.cache_tokens, jnp.full((g_,), f_, i32)
+    cache_tokens, evicted = c.cache_tokens, jnp.zeros((f_,), i32)
     refused = ((blocked & ~fits_full[at]).astype(i32) + 2 * (blocked & ~fits_swa[at]))
   else:  # the blocked request may evict unused cached prefixes, LRU first
     groups = jnp.arange(g_, dtype=i32)
-    in_use = c.refcount + _count_at(jnp.where(hit & (j < k0), g, g_), g_)
+    in_use = c.refcount + _at(jnp.where(hit & (p < k0), g, g_), g_)
     evictable = (c.cache_tokens > 0) & (in_use == 0) & (groups != g[at]) & blocked
-    lru = _rank(c.last_used * g_ + groups, evictable)
+    lru_key = c.last_used * g_ + groups
+    lru = jnp.sum((lru_key[None, :] < lru_key[:, None]) & evictable[None, :], axis=1)
     pages_g = jnp.where(evictable, c.cache_tokens // ps, 0)
     deficit = need[at] - (avail - need_before[at])
     got_before = jnp.sum(jnp.where(evictable[None, :] & (lru[None, :] < lru[:, None]),
@@ -344,79 +334,100 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
     evict_code = jnp.sum(jnp.where(evict, (groups + 1) << lru, 0))
     free_pages += gained
     cache_tokens = jnp.where(evict, 0, c.cache_tokens)
-    evict_rows = jnp.where(evict, npop + lru, f_)  # their place in the free group
-  # Admission: candidate j < k takes the j-th row that was empty.
-  erank = _excl_cumsum(empty.astype(i32))
-  adm = empty & (erank < k) & go
-  aj = jnp.where(adm, erank, 0)
-  pick = lambda new, old: jnp.where(adm, new[aj], old)
-  seq = pick(pre0, c.seq)
-  prompt, out, group = pick(p_q, c.prompt), pick(o_q, c.out), pick(g, c.group)
-  hit_r, reserved = pick(hit, c.hit), pick(need, c.reserved)
-  own, gen = pick(pre0, c.own), jnp.where(adm, 0, c.gen)
-  admitted_at = jnp.where(adm, c.clock, c.admitted_at)
-  phase = jnp.where(adm, PREFILL, phase)
-  adm_hit = adm & hit_r
-  refcount = c.refcount + _count_at(jnp.where(adm_hit, group, g_), g_)
-  last_used = jnp.where(_count_at(jnp.where(adm_hit, group, g_), g_) > 0, c.clock,
-                        c.last_used)
-  # 4. The step's kind; each row's new tokens.
+    evicted = _at(jnp.where(evict, npop + lru, f_), f_, r_ + groups)  # after the finished
+  adm = p < k
+  adm_rows = c.empty[jnp.clip(c.n_empty - 1 - p, 0, r_ - 1)]  # off the top of the stack
+
+  # The batch: position i holds the i-th prefilling row, then the admitted requests.
+  # (Admissions happen only when every prefilling row got its chunk, so the batch is
+  # the first n_cont + k positions.)
+  j = jnp.clip(p - c.n_prefilling, 0, b_ - 1)
+  old = p < c.n_prefilling
+  new = ~old & (p - c.n_prefilling < k)
+  brow = jnp.where(old, pf, adm_rows[j])
   n_batch = n_cont + k
+  seq0 = jnp.where(new, pre0[j], c.seq[brow])
+  prompt_b = jnp.where(new, p_q[j], c.prompt[brow])
+  group_b = jnp.where(new, g[j], c.group[brow])
+  hit_b = jnp.where(new, hit[j], c.hit[brow] > 0)
+  spent_a = jnp.minimum(spent_q, t_)
+  chunk = jnp.where(p < n_batch, jnp.where(
+      old, jnp.minimum(rem, t_ - before), jnp.minimum(p_q - pre0, t_ - spent_a)[j]), 0)
+  # 4. The step's kind.
   decoding = (phase == DECODE) & go
   n_dec = jnp.sum(decoding).astype(i32)
   nfree = npop + n_evict
   is_pre = n_batch > 0
   is_dec = ~is_pre & ((n_dec > 0) | (nfree > 0))
   kind = jnp.where(is_pre, KIND_PREFILL, jnp.where(is_dec, KIND_DECODE, 0))
-  spent_a = jnp.minimum(spent_q, t_)
-  chunk = jnp.where(cont, cont_chunk,
-                    jnp.where(adm, jnp.minimum(p_q - pre0, t_ - spent_a)[aj], 0))
-  bpos = jnp.where(cont, rank, jnp.where(adm, n_cont + aj, b_))
   dec = decoding & ~is_pre
-  grow = jnp.where(is_pre, chunk, dec.astype(i32))
-  pages_r = cdiv(seq + grow, ps) - cdiv(seq, ps)
-  pages = jnp.sum(pages_r)
-  seq = seq + grow
-  gen = gen + dec
-  # 5. Hand-overs to the cache; finished rows join the free queue.
-  completes = is_pre & (bpos < b_) & (seq == prompt)
-  gi = jnp.maximum(group, 0)
-  aligned = wl.prefix_len[gi] // ps * ps
-  eligible = (completes & (group >= 0) & ~hit_r & (cache_tokens[gi] == 0) & (own == 0)
-              & (aligned > 0))
-  earlier = jnp.any(eligible[None, :] & (group[None, :] == group[:, None])
-                    & (bpos[None, :] < bpos[:, None]), axis=1)
+  # 5. Hand-overs: a row that completed its prompt, first of its group in the batch.
+  completes = is_pre & (p < n_batch) & (seq0 + chunk == prompt_b)
+  gb = jnp.maximum(group_b, 0)
+  aligned = wl.prefix_len[gb] // ps * ps
+  own_b = jnp.where(new, pre0[j], c.own[brow])
+  eligible = (completes & (group_b >= 0) & ~hit_b & (cache_tokens[gb] == 0)
+              & (own_b == 0) & (aligned > 0))
+  earlier = jnp.any(eligible[None, :] & (group_b[None, :] == group_b[:, None])
+                    & (p[None, :] < p[:, None]), axis=1)
   ins = eligible & ~earlier
-  ins_g = jnp.where(ins, group, g_)
-  cache_tokens = jnp.where(_count_at(ins_g, g_) > 0, _count_at(ins_g, g_, aligned),
-                           cache_tokens)
-  refcount = jnp.where(_count_at(ins_g, g_) > 0, 1, refcount)
-  last_used = jnp.where(_count_at(ins_g, g_) > 0, _count_at(ins_g, g_, admitted_at),
-                        last_used)
-  own = jnp.where(ins, aligned, own)
-  reserved = jnp.where(ins, reserved - aligned // ps, reserved)
-  hit_r = hit_r | ins
-  phase = jnp.where(completes, DECODE, phase)
+  # Back to rows: row r's batch entry, where it has one (one reduction for every field).
+  listed = (p < c.n_prefilling + k)
+  m = (brow[None, :] == rows[:, None]) & listed[None, :]
+  fields = dict(new=new, ins=ins, chunk=chunk, seq0=seq0, need=need[j], own=own_b,
+                aligned=aligned, hit=hit_b, completes=completes, out=o_q[j],
+                group=group_b, prompt=prompt_b)
+  if swa:
+    fields["need_swa"] = need_swa[j]
+  got = jnp.sum(jnp.where(m[:, :, None], jnp.stack(
+      [jnp.asarray(v, i32) for v in fields.values()], axis=1)[None], 0), axis=1)
+  row = dict(zip(fields, got.T))
+  adm_r, ins_r = row["new"] > 0, row["ins"] > 0
+  grow = jnp.where(is_pre, row["chunk"], dec.astype(i32))
+  seq = jnp.where(adm_r, row["seq0"], c.seq)
+  pages = jnp.sum(cdiv(seq + grow, ps) - cdiv(seq, ps))
+  seq = seq + grow
+  reserved = jnp.where(adm_r, row["need"], c.reserved)
+  own = jnp.where(ins_r, row["aligned"], jnp.where(adm_r, row["own"], c.own))
+  reserved = jnp.where(ins_r, reserved - own // ps, reserved)
+  hit_r = jnp.where(adm_r, row["hit"], c.hit) | ins_r
+  gen = jnp.where(adm_r, 0, c.gen) + dec
+  phase = jnp.where(adm_r, PREFILL, phase)
+  phase = jnp.where(row["completes"] > 0, DECODE, phase)
+  out = jnp.where(adm_r, row["out"], c.out)
+  prompt = jnp.where(adm_r, row["prompt"], c.prompt)
   fin = dec & (gen >= out)
   phase = jnp.where(fin, FREEING, phase)
-  refcount -= _count_at(jnp.where(fin & hit_r, group, g_), g_)
   n_fin = jnp.sum(fin).astype(i32)
-  fifo_head, fifo_len = (c.fifo_head + npop) % r_, c.fifo_len - npop
-  slot = jnp.where(fin, (fifo_head + fifo_len + _excl_cumsum(fin.astype(i32))) % r_, r_)
-  fifo = jnp.where(_count_at(slot, r_) > 0, _count_at(slot, r_, rows), c.fifo)
+  group = jnp.where(adm_r, row["group"], c.group)
+  admitted_at = jnp.where(adm_r, c.clock, c.admitted_at)
+  # The groups: admitted hits take a reference; hand-overs fill the cache.
+  adm_hit_g = _at(jnp.where(adm & hit, g, g_), g_)
+  ins_g = _at(jnp.where(ins, group_b, g_), g_)
+  cache_tokens = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, aligned),
+                           cache_tokens)
+  refcount = jnp.where(ins_g > 0, 1, c.refcount + adm_hit_g)
+  refcount -= _at(jnp.where(fin & (hit_r > 0), group, g_), g_)
+  last_used = jnp.where(adm_hit_g > 0, c.clock, c.last_used)
+  last_used = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, jnp.where(
+      new, c.clock, c.admitted_at[brow])), last_used)
+  keep = listed & ~completes
+  n_empty = c.n_empty - k
+  empty = c.empty.at[jnp.where(jnp.arange(f_) < npop, n_empty + jnp.arange(f_), r_)].set(
+      pop_rows, mode="drop")
   forget, forget_now = c.forget, jnp.full((), -1, i32)
   if lay.inject_leak:
-    forget_now = jnp.where(jnp.any(pop_rows == forget), forget, -1)
+    forget_now = jnp.where(jnp.any(gone & (rows == forget)), forget, -1)
     forget = jnp.where(forget_now >= 0, -2, forget)
     forget = jnp.where((forget == -1) & (n_fin > 0), jnp.min(jnp.where(fin, rows, r_)),
                        forget)
   swa_reserved = c.swa_reserved
   if swa:
-    swa_from = jnp.where(adm, 0, swa_from)
-    swa_reserved = jnp.where(adm, need_swa[aj], swa_reserved)
+    swa_from = jnp.where(adm_r, 0, swa_from)
+    swa_reserved = jnp.where(adm_r, row["need_swa"], swa_reserved)
     # A decoding row's reservation: the window and one token.
-    swa_reserved = jnp.where(completes, swa_need(prompt, out, lay.window, t_, ps,
-                                                 decoding=True), swa_reserved)
+    swa_reserved = jnp.where(row["completes"] > 0, swa_need(
+        prompt, out, lay.window, t_, ps, decoding=True), swa_reserved)
     swa_free -= pages
   # The idle iteration: the clock jumps to the next arrival, or the scheduler is stuck.
   idle = go & (kind == 0)
@@ -426,46 +437,49 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
                     jnp.where(idle & ~stuck, jnp.maximum(c.clock + 1, nxt), c.clock))
   sched = Sched(
       phase=phase, seq=seq, prompt=prompt, out=out, gen=gen, own=own, group=group,
-      hit=hit_r, reserved=reserved, admitted_at=admitted_at, swa_from=swa_from,
-      swa_reserved=swa_reserved, cache_tokens=cache_tokens, refcount=refcount,
-      last_used=last_used, fifo=fifo, fifo_head=fifo_head, fifo_len=fifo_len + n_fin,
+      hit=hit_r.astype(i32), reserved=reserved, admitted_at=admitted_at,
+      finished_at=jnp.where(fin, c.steps, c.finished_at), swa_from=swa_from,
+      swa_reserved=swa_reserved, empty=empty, n_empty=n_empty + npop,
+      prefilling=_compact(brow, keep), n_prefilling=jnp.sum(keep).astype(i32),
+      cache_tokens=cache_tokens, refcount=refcount, last_used=last_used,
       free_pages=free_pages - pages, swa_free=swa_free, clock=clock, head=c.head + k,
       steps=c.steps + (kind > 0), done=c.done + n_fin,
       error=jnp.where(stuck, ERR_STUCK, c.error), forget=forget)
 
-  # The table work, in the free group's order: finished rows, then evicted cache rows.
-  free_rows = jnp.where(popped, pop_rows, 0)
-  free_rows = jnp.where(_count_at(evict_rows, f_) > 0,
-                        _count_at(evict_rows, f_, r_ + jnp.arange(g_, dtype=i32)),
-                        free_rows)
-  bh = adm_hit
+  # The table work: the free group (finished rows, then evicted cache rows), the borrows
+  # (every admitted row; 0 pages without a cache hit), the extend or decode, hand-overs.
+  ins_pos = _excl_cumsum(ins.astype(i32))
+  ins_at = jnp.where(ins, ins_pos, b_)
   plan = Plan(
-      free_rows=free_rows, num_free=nfree, forget=forget_now,
-      borrow_rows=_compact(rows, bh, b_), borrow_src=_compact(r_ + group, bh, b_),
-      borrow_pages=_compact(own // ps, bh, b_), num_borrow=jnp.sum(bh).astype(i32),
-      ext_rows=_place(bpos, rows, b_), ext_n=_place(bpos, chunk, b_),
+      free_rows=jnp.where(jnp.arange(f_) < npop, pop_rows, evicted), num_free=nfree,
+      forget=forget_now, borrow_rows=adm_rows, borrow_src=r_ + gc,
+      borrow_pages=jnp.where(hit, pre0 // ps, 0), num_borrow=k,
+      ext_rows=jnp.where(p < n_batch, brow, 0), ext_n=chunk,
       num_ext=jnp.where(is_pre, n_batch, 0),
-      dec_rows=_compact(rows, dec, r_), num_dec=jnp.where(is_dec, n_dec, 0),
-      ins_rows=_compact(rows, ins, r_), ins_dst=_compact(r_ + group, ins, r_),
-      ins_pages=_compact(aligned // ps, ins, r_), num_ins=jnp.sum(ins).astype(i32),
+      dec_rows=_compact(rows, dec), num_dec=jnp.where(is_dec, n_dec, 0),
+      ins_rows=_at(ins_at, b_, brow), ins_dst=_at(ins_at, b_, r_ + group_b),
+      ins_pages=_at(ins_at, b_, aligned // ps), num_ins=jnp.sum(ins).astype(i32),
       window=jnp.where(go & (window_freed > 0), r_, 0) if swa else jnp.zeros((), i32))
-  state, table, status = _table_step(lay, carry.state, carry.table, plan)
+  with jax.named_scope("table"):
+    state, table, status = _table_step(lay, carry.state, carry.table, plan)
 
   live = phase != EMPTY
   held = cdiv(seq, ps) - own // ps
   active = (phase == PREFILL) | (phase == DECODE)
-  vals = dict(
-      kind=kind, admitted=k, finished=n_fin, evicted=n_evict, evict_code=evict_code,
-      hits=jnp.sum(adm_hit), tokens=jnp.sum(grow), pages=pages,
-      used=lay.num_pages - sched.free_pages,
-      waste=jnp.sum(jnp.where(live, held * ps - (seq - own), 0)), running=jnp.sum(live),
-      committed=jnp.sum(jnp.where(active, reserved - held, 0)), runs=-1, ok=status[0],
-      device_pages=status[1], checksum=status[2])
+  per_row_sums = dict(waste=jnp.where(live, held * ps - (seq - own), 0), running=live,
+                      committed=jnp.where(active, reserved - held, 0), tokens=grow)
   if swa:
     swa_held = jnp.where(live, cdiv(seq, ps) - swa_from, 0)
+    per_row_sums["swa_committed"] = jnp.where(active, jnp.maximum(
+        swa_reserved - swa_held, 0), 0)
+  sums = jnp.sum(jnp.stack([jnp.asarray(v, i32) for v in per_row_sums.values()]), axis=1)
+  vals = dict(zip(per_row_sums, sums))
+  vals.update(
+      kind=kind, admitted=k, finished=n_fin, evicted=n_evict, evict_code=evict_code,
+      hits=jnp.sum(adm & hit), pages=pages, used=lay.num_pages - sched.free_pages,
+      runs=-1, ok=status[0], device_pages=status[1], checksum=status[2])
+  if swa:
     vals.update(swa_used=lay.swa_pages - swa_free, window_freed=window_freed,
-                swa_committed=jnp.sum(jnp.where(active, jnp.maximum(
-                    swa_reserved - swa_held, 0), 0)),
                 swa_device_pages=status[3], refused=refused)
   rec = jnp.stack([jnp.asarray(vals[name], i32) for name in record_columns(swa)])
   return Carry(state, table, sched), rec
@@ -482,6 +496,7 @@ def _when(branch: bool, pred: Array, fn, *args):
   """fn(*args), which does nothing when pred is False (its counts are 0): inside a
   lax.cond that skips it then when `branch`, else always. fn returns the (state, table)
   it got, changed, then results; the skipped branch returns ok=True and zeros."""
+  fn = jax.named_scope(fn.__name__)(fn)
   if not branch:
     return fn(*args)
 
@@ -521,51 +536,54 @@ def _table_step(lay: Layout, state, table, p: Plan):
     else:
       end = cdiv(table.lens[jnp.minimum(f, nrows - 1)], ps)
       table = table._replace(owned_from=table.owned_from.at[f].set(end, mode="drop"))
-  ok = jnp.ones((), bool)
-  if not swa:  # borrows fill rows that were empty before this step's free group
-    def borrow(s, t):
-      t, ok_b = rt.borrow_pages(cfg, t, p.borrow_rows, t.pages[p.borrow_src,
+  fused = not swa and not lay.branch and not cfg.need_sort
+
+  def changes(s, t):
+    """The borrows (into rows that were empty before this step's free group), the free
+    group, the window frees, the extend (and, fused, the decode) and the hand-overs."""
+    ok = jnp.ones((), bool)
+    if not swa:
+      with jax.named_scope("borrow"):
+        t, ok = rt.borrow_pages(cfg, t, p.borrow_rows, t.pages[p.borrow_src,
                                                               :lay.prefix_width],
                                 p.borrow_pages, num_rows=p.num_borrow)
-      return s, t, ok_b
-    state, table, ok = _when(lay.branch, p.num_borrow > 0, borrow, state, table)
+    if fused:  # the three pool phases in one step_rows
+      s, t, o = jax.named_scope("step_rows")(rt.step_rows)(
+          cfg, s, t, release=p.free_rows, num_release=p.num_free, extend=p.ext_rows,
+          n=p.ext_n, num_extend=p.num_ext, max_tokens=lay.tokens, decode=p.dec_rows,
+          num_decode=p.num_dec)
+      ok = ok & o.release_ok & o.extend_ok & o.decode_ok
+      slots = (o.extend_slots, o.decode_slots)
+    else:
+      with jax.named_scope("release"):
+        s, t, ok_r = tbl.release_rows(cfg, s, t, p.free_rows, num_rows=p.num_free)
+      ok = ok & ok_r
+      if swa:
+        with jax.named_scope("window"):
+          s, t, ok_w = swa_table.window_rows(cfg, s, t, jnp.arange(nrows, dtype=i32),
+                                             lay.window, num_rows=p.window)
+        ok = ok & ok_w
+      hide = (p.num_ext == 0) if cfg.need_sort else False  # no merge without rows
+      with jax.named_scope("extend"):
+        s2, t, slots_e, ok_e = tbl.extend_rows(cfg, _hide_release(s, hide), t,
+                                               p.ext_rows, p.ext_n, max_tokens=lay.tokens,
+                                               num_rows=p.num_ext)
+      s, ok, slots = _hide_release(s2, hide, keep=s), ok & ok_e, (slots_e,)
+    if not swa:
+      with jax.named_scope("hand_over"):
+        t, ok_h = _hand_over(cfg, t, p, lay.prefix_width)
+      ok = ok & ok_h
+    return (s, t, ok) + slots
 
-  def extend(s, t):
-    hide = (p.num_ext == 0) if cfg.need_sort else False
-    s2, t, slots, ok_e = tbl.extend_rows(cfg, _hide_release(s, hide), t, p.ext_rows,
-                                         p.ext_n, max_tokens=lay.tokens,
-                                         num_rows=p.num_ext)
-    return _hide_release(s2, hide, keep=s), t, slots, ok_e
-
-  def decode(s, t):
-    return tbl.decode_rows(cfg, s, t, p.dec_rows, num_rows=p.num_dec)
-
-  if not swa and not lay.branch and not cfg.need_sort:  # the three phases, fused
-    state, table, o = rt.step_rows(
-        cfg, state, table, release=p.free_rows, num_release=p.num_free,
-        extend=p.ext_rows, n=p.ext_n, num_extend=p.num_ext, max_tokens=lay.tokens,
-        decode=p.dec_rows, num_decode=p.num_dec)
-    ok = ok & o.release_ok & o.extend_ok & o.decode_ok
-    slots_e, slots_d = o.extend_slots, o.decode_slots
-  else:
-    def release(s, t):
-      return tbl.release_rows(cfg, s, t, p.free_rows, num_rows=p.num_free)
-    state, table, ok_r = _when(lay.branch, p.num_free > 0, release, state, table)
-    ok = ok & ok_r
-    if swa:
-      def window(s, t):
-        return swa_table.window_rows(cfg, s, t, jnp.arange(nrows, dtype=i32), lay.window,
-                                     num_rows=p.window)
-      state, table, ok_w = _when(lay.branch, p.window > 0, window, state, table)
-      ok = ok & ok_w
-    state, table, slots_e, ok_e = _when(lay.branch, p.num_ext > 0, extend, state, table)
-    state, table, slots_d, ok_d = _when(lay.branch, p.num_dec > 0, decode, state, table)
-    ok = ok & ok_e & ok_d
-  if not swa:
-    def hand_over(s, t):
-      return (s,) + _hand_over(cfg, t, p, lay.prefix_width)
-    state, table, ok_h = _when(lay.branch, p.num_ins > 0, hand_over, state, table)
-    ok = ok & ok_h
+  if fused:  # accelerators: no branch
+    state, table, ok, slots_e, slots_d = changes(state, table)
+  else:  # skipped on the steps that only decode; the decode, masked, after it
+    state, table, ok, slots_e = _when(lay.branch, (p.num_free > 0) | (p.num_ext > 0)
+                                      | (p.window > 0), changes, state, table)
+    with jax.named_scope("decode"):
+      state, table, slots_d, ok_d = tbl.decode_rows(cfg, state, table, p.dec_rows,
+                                                    num_rows=p.num_dec)
+    ok = ok & ok_d
   count_e = jnp.sum(jnp.where(jnp.arange(lay.batch) < p.num_ext, p.ext_n, 0))
   status = [ok.astype(i32)] + [st.available_size(c, s) // ps for c, s in zip(
       (cfg.full, cfg.swa) if swa else (cfg,), _pools(state))]
@@ -596,6 +614,7 @@ def free_list_runs(state) -> Array:
   return jnp.where(state.free_len > 0, 1 + jnp.sum(brk), 0).astype(i32)
 
 
+@jax.named_scope("census")
 def _with_runs(rec: Array, state) -> Array:
   """The record with the free-list census in its runs column, when a step ran."""
   at = COL["runs"]
