@@ -120,8 +120,9 @@ def _device_ops(trace_dir: str) -> list:
     if e.get("ph") != "X":
       continue
     name = e["name"]
-    if gpu:
-      if e["pid"] not in gpu:
+    if gpu:  # the streams' activities (not the derived "XLA Ops" / "Steps" lines)
+      if e["pid"] not in gpu or not threads.get((e["pid"], e.get("tid")), "").startswith(
+          "Stream"):
         continue
     elif not threads.get((e["pid"], e.get("tid")), "").startswith("tf_XLA"):
       continue
@@ -216,24 +217,27 @@ def main(argv=None) -> int:
   roots = [("after", here)] + ([("before", os.path.abspath(args.before))]
                                if args.before else [])
   rows = []
-  for label, root in roots:
-    for ps in (int(x) for x in args.page_sizes.split(",")):
+  os.makedirs(args.out, exist_ok=True)
+  page_sizes = [int(x) for x in args.page_sizes.split(",")]
+  for ps in page_sizes:
+    for label, root in roots:
       env = dict(os.environ, PYTHONPATH=root)
       proc = subprocess.run(
           [sys.executable, os.path.abspath(__file__), "--out", args.out, "--worker",
            str(ps), "--num-requests", str(args.num_requests), "--steps-per-call",
            str(args.steps_per_call)], env=env, capture_output=True, text=True, cwd=root)
       if proc.returncode:
-        rows.append({"label": label, "page_size": ps, "error": proc.stderr[-2000:]})
-        print(f"{label} page size {ps} failed:\n{proc.stderr[-2000:]}", flush=True)
-        continue
-      row = dict(json.loads(proc.stdout.strip().splitlines()[-1]), label=label, root=root)
-      rows.append(row)
-      print(_table([row], args.top), flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "profile.json"), "w") as f:
-    json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    f.write("\n")
+        rows.append({"label": label, "page_size": ps, "error": proc.stderr[-3000:]})
+        print(f"{label} page size {ps} failed:\n{proc.stderr[-3000:]}", flush=True)
+      else:
+        row = dict(json.loads(proc.stdout.strip().splitlines()[-1]), label=label,
+                   root=root)
+        rows.append(row)
+        print(_table([row], args.top), flush=True)
+      with open(os.path.join(args.out, "profile.json"), "w") as f:  # after every run
+        json.dump({"command": " ".join(sys.argv), "xla_flags": os.environ.get(
+            "XLA_FLAGS", ""), "rows": rows}, f, indent=1)
+        f.write("\n")
   return 0
 
 
