@@ -6,7 +6,8 @@ For this checkout's jax_kvalloc (and, with --before, the one in ROOT: another ch
 such as main's), and each page size, a subprocess with that checkout on PYTHONPATH
 compiles `jax-kvalloc simulate`'s device driver on the default workload (fewer requests:
 --num-requests), runs it once to warm up, once timed and once under jax.profiler.trace,
-then reads the trace: the device's operations (on a GPU, the kernels, copies and memsets
+then reads the trace (on a GPU, of a second compile without CUDA graphs, whose kernels
+the trace cannot see): the device's operations (on a GPU, the kernels, copies and memsets
 on its streams; on the CPU, XLA's thunks) and their durations. It reports per step: the
 wall time, the operations and the device's busy time, both by kind (the operation's name
 without its number) and by the step's named scope (jax_kvalloc.tools.simulate_step
@@ -133,42 +134,64 @@ def _device_ops(trace_dir: str) -> list:
   return out
 
 
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+
+
 def worker(page_size: int, num_requests: int, steps_per_call: int) -> dict:
-  """Runs in the subprocess: compile, warm up, time, profile one page size."""
+  """Runs in the subprocess: compile, warm up, time, profile one page size. The timed run
+  uses the driver's own compile options (on a GPU: CUDA graphs); the traced run a second
+  compile without command buffers, since the trace does not see the kernels inside a
+  graph (its wall time per step is reported too)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import simulate as sim  # pylint: disable=g-import-not-at-top
   cfg = sim.SimConfig(page_sizes=(page_size,), num_requests=num_requests,
                       steps_per_call=steps_per_call)
   wl = cfg.workload()
-  t0 = time.perf_counter()
+  gpu = jax.default_backend() == "gpu"
   if hasattr(sim, "prepare"):  # one policy (simulate_step)
     from jax_kvalloc.tools import simulate_step as sstep  # pylint: disable=g-import-not-at-top
-    prep = sim.prepare(cfg, wl, page_size)
-    hlo = prep.fn.as_text()
+
+    def prepare(graphs: bool):
+      sim.clear_compiled()
+      sim.COMPILE_OPTIONS["gpu"] = dict(sim.COMPILE_OPTIONS.get("gpu", {}),
+                                        **({} if graphs else NO_GRAPHS))
+      return sim.prepare(cfg, wl, page_size)
+    hlo_of = lambda p: p.fn.as_text()
     fresh = lambda p: p._replace(carry=jax.jit(sstep.init_carry, static_argnums=0)(p.lay))
     run = lambda p: sim.run_page_size(cfg, wl, p, False)
   else:  # main before issue 34: simulate_device
     from jax_kvalloc.tools import simulate_device as sd  # pylint: disable=g-import-not-at-top
-    prep = sd.prepare(cfg, wl, page_size)
-    hlo = prep.compiled.as_text()
+
+    def prepare(graphs: bool):
+      sd.GPU_OPTIONS = dict(sd.GPU_OPTIONS, **({} if graphs else NO_GRAPHS))
+      return sd.prepare(cfg, wl, page_size)
+    hlo_of = lambda p: p.compiled.as_text()
     fresh = lambda p: p._replace(carry=sd.Carry(*sim.init_pool(p.lay), sd.init_sched(p.lay)))
     run = lambda p: sd.run_page_size(cfg, wl, p, False)
+  t0 = time.perf_counter()
+  prep = prepare(True)
   compile_s = time.perf_counter() - t0
+  hlo = hlo_of(prep)
   run(prep)
   timed = run(fresh(prep))
+  if gpu:
+    prep = prepare(False)
+    run(prep)
+    prep = fresh(prep)
+  plain = run(prep)
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       res = run(fresh(prep))
     ops = _device_ops(tmp)
   names, body = hlo_scopes(hlo)
+  names.update(hlo_scopes(hlo_of(prep))[0])
   steps = max(res.steps, 1)
   kinds, scopes = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(
       lambda: [0, 0.0])
   for name, us in ops:
     kind = re.sub(r"[._]\d+$", "", name)
     scope = names.get(name) or names.get(re.sub(r"_(\d+)$", r".\1", name)) or (
-        "copies" if kind.lower().startswith("memcpy") or kind.lower().startswith("memset")
-        else "?")
+        "copies" if kind.lower().startswith(("memcpy", "memset")) else "?")
     for table, key in ((kinds, kind), (scopes, scope)):
       table[key][0] += 1
       table[key][1] += us
@@ -178,6 +201,7 @@ def worker(page_size: int, num_requests: int, steps_per_call: int) -> dict:
           "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
           "steps": res.steps, "calls": res.calls, "compile_s": compile_s,
           "wall_us_per_step": timed.step_wall_us,
+          "graphless_wall_us_per_step": plain.step_wall_us if gpu else None,
           "profiled_wall_us_per_step": res.step_wall_us,
           "ops_per_step": len(ops) / steps,
           "busy_us_per_step": sum(us for _, us in ops) / steps,

@@ -34,10 +34,11 @@ SWATable of request rows only (SPEC 13). Step 2 also frees every row's SWA pages
 before seq - window (`window_rows`); admission also counts the SWA pool (`swa_need`); no
 prefix cache (the workload's groups are -1 then), so no borrows and no eviction.
 
-`Layout.branch` (static) picks how the table phases that an iteration does not need are
-skipped: inside `lax.cond` (on the CPU, where a branch is cheap and a phase over a large
-table is not) or by running them with no rows (on accelerators, where a branch costs a
-round trip to the host). The decisions are the same either way.
+`Layout.branch` (static) picks how the table phases that a decode-only step does not need
+are skipped: inside one `lax.cond` (on the CPU, where a branch is cheap and a phase over a
+large table is not) or by running them with no rows (on accelerators, where a branch
+costs a round trip to the host, and the three pool phases are one `step_rows`). The
+decisions are the same either way.
 """
 from __future__ import annotations
 
@@ -194,9 +195,9 @@ def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=Fals
   <= ceil((window + n) / ps) + 1 pages, with n <= min(prompt, tokens) while it prefills
   and n = 1 once it decodes (`decoding`, bool or bool array); never more than its whole
   length's pages."""
-  xp = np if isinstance(prompt, np.ndarray) else jnp
+  xp, up = (np, cdiv) if isinstance(prompt, np.ndarray) else (jnp, _up)
   n = xp.where(decoding, 1, xp.minimum(prompt, tokens))
-  return xp.minimum(cdiv(prompt + output, ps), cdiv(window + n, ps) + 1)
+  return xp.minimum(up(prompt + output, ps), up(window + n, ps) + 1)
 
 
 def init_carry(lay: Layout) -> Carry:
@@ -222,6 +223,21 @@ def init_carry(lay: Layout) -> Carry:
 
 # Small-vector helpers: O(n * m) compares and reductions instead of sorts, cumsums and
 # scatters (n, m are at most max_running): XLA fuses them into few kernels.
+def _get(x: Array, i: Array) -> Array:
+  """x[i] for indices inside x (clamped; no negative-index handling)."""
+  return jnp.take(x, i, mode="clip")
+
+
+def _div(a: Array, n: int) -> Array:
+  """a // n for a >= 0 (one division, where // on signed ints is several operations)."""
+  return jax.lax.div(a, jnp.asarray(n, a.dtype))
+
+
+def _up(a: Array, n: int) -> Array:
+  """ceil(a / n) for a >= 0."""
+  return _div(a + (n - 1), n)
+
+
 def _excl_cumsum(x: Array) -> Array:
   i = jnp.arange(x.shape[0])
   return jnp.sum(jnp.where(i[None, :] < i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
@@ -270,36 +286,36 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   gone = freeing & (order < f_) & go
   npop = jnp.sum(gone).astype(i32)
   pop_rows = _at(jnp.where(gone, order, f_), f_, rows)
-  held = cdiv(c.seq, ps) - c.own // ps
+  held = _up(c.seq, ps) - _div(c.own, ps)
   free_pages = c.free_pages + jnp.sum(jnp.where(gone, held, 0))
   phase = jnp.where(gone, EMPTY, c.phase)
   live = (phase == PREFILL) | (phase == DECODE)
   avail = free_pages - jnp.sum(jnp.where(live, c.reserved - held, 0))
   swa_free, swa_from = c.swa_free, c.swa_from
   if swa:  # the finished rows' SWA pages, then every row's pages that left the window
-    swa_free += jnp.sum(jnp.where(gone, cdiv(c.seq, ps) - swa_from, 0))
-    win_end = jnp.clip(jnp.maximum(c.seq - lay.window, 0) // ps, 0, lay.width)
+    swa_free += jnp.sum(jnp.where(gone, _up(c.seq, ps) - swa_from, 0))
+    win_end = jnp.clip(_div(jnp.maximum(c.seq - lay.window, 0), ps), 0, lay.width)
     win_end = jnp.where((phase != EMPTY) & go, jnp.maximum(win_end, swa_from), swa_from)
     window_freed = jnp.sum(win_end - swa_from)
     swa_from = win_end
     swa_free += window_freed
     avail_swa = swa_free - jnp.sum(jnp.where(live, jnp.maximum(
-        c.swa_reserved - (cdiv(c.seq, ps) - swa_from), 0), 0))
+        c.swa_reserved - (_up(c.seq, ps) - swa_from), 0), 0))
   # 3a. Rows still prefilling, in admission order, while the budget lasts.
   p = jnp.arange(b_, dtype=i32)
   pf = jnp.clip(c.prefilling, 0, r_ - 1)
-  rem = jnp.where(p < c.n_prefilling, c.prompt[pf] - c.seq[pf], 0)
+  rem = jnp.where(p < c.n_prefilling, _get(c.prompt, pf) - _get(c.seq, pf), 0)
   before = _excl_cumsum(rem)
   cont = (p < c.n_prefilling) & (before < t_) & go
   n_cont = jnp.sum(cont).astype(i32)
   # 3b. Queued requests, in arrival order (candidate j: request head + j).
   q = jnp.minimum(c.head + p, n_req - 1)
   valid = (c.head + p < arrived) & go
-  g, p_q, o_q = wl.group[q], wl.prompt[q], wl.output[q]
+  g, p_q, o_q = _get(wl.group, q), _get(wl.prompt, q), _get(wl.output, q)
   gc = jnp.maximum(g, 0)
-  hit = valid & (g >= 0) & (c.cache_tokens[gc] > 0)
-  pre0 = jnp.where(hit, c.cache_tokens[gc], 0)
-  need = jnp.where(valid, cdiv(p_q + o_q, ps) - pre0 // ps, 0)
+  hit = valid & (g >= 0) & (_get(c.cache_tokens, gc) > 0)
+  pre0 = jnp.where(hit, _get(c.cache_tokens, gc), 0)
+  need = jnp.where(valid, _up(p_q + o_q, ps) - _div(pre0, ps), 0)
   spent_q = jnp.sum(jnp.where(cont, jnp.minimum(rem, t_ - before), 0)) + _excl_cumsum(
       jnp.where(valid, p_q - pre0, 0))
   room = valid & (n_cont + p < b_) & (spent_q < t_) & (p < c.n_empty)
@@ -311,19 +327,20 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
     fits_full, fits = fits, fits & fits_swa
   k0 = jnp.min(jnp.where(fits, b_, p))
   at = jnp.minimum(k0, b_ - 1)
-  blocked = (k0 < b_) & room[at] & ~fits[at]
+  blocked = (k0 < b_) & _get(room, at) & ~_get(fits, at)
   if swa:  # no prefix cache, nothing to evict: which pool stopped the admission
     k, n_evict, evict_code = k0, jnp.zeros((), i32), jnp.zeros((), i32)
     cache_tokens, evicted = c.cache_tokens, jnp.zeros((f_,), i32)
-    refused = ((blocked & ~fits_full[at]).astype(i32) + 2 * (blocked & ~fits_swa[at]))
+    refused = ((blocked & ~_get(fits_full, at)).astype(i32)
+               + 2 * (blocked & ~_get(fits_swa, at)))
   else:  # the blocked request may evict unused cached prefixes, LRU first
     groups = jnp.arange(g_, dtype=i32)
     in_use = c.refcount + _at(jnp.where(hit & (p < k0), g, g_), g_)
-    evictable = (c.cache_tokens > 0) & (in_use == 0) & (groups != g[at]) & blocked
+    evictable = (c.cache_tokens > 0) & (in_use == 0) & (groups != _get(g, at)) & blocked
     lru_key = c.last_used * g_ + groups
     lru = jnp.sum((lru_key[None, :] < lru_key[:, None]) & evictable[None, :], axis=1)
-    pages_g = jnp.where(evictable, c.cache_tokens // ps, 0)
-    deficit = need[at] - (avail - need_before[at])
+    pages_g = jnp.where(evictable, _div(c.cache_tokens, ps), 0)
+    deficit = _get(need, at) - (avail - _get(need_before, at))
     got_before = jnp.sum(jnp.where(evictable[None, :] & (lru[None, :] < lru[:, None]),
                                    pages_g[None, :], 0), axis=1)
     evict = (evictable & (jnp.sum(pages_g) >= deficit) & (got_before < deficit)
@@ -336,7 +353,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
     cache_tokens = jnp.where(evict, 0, c.cache_tokens)
     evicted = _at(jnp.where(evict, npop + lru, f_), f_, r_ + groups)  # after the finished
   adm = p < k
-  adm_rows = c.empty[jnp.clip(c.n_empty - 1 - p, 0, r_ - 1)]  # off the top of the stack
+  adm_rows = _get(c.empty, c.n_empty - 1 - p)  # off the top of the stack
 
   # The batch: position i holds the i-th prefilling row, then the admitted requests.
   # (Admissions happen only when every prefilling row got its chunk, so the batch is
@@ -344,12 +361,12 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   j = jnp.clip(p - c.n_prefilling, 0, b_ - 1)
   old = p < c.n_prefilling
   new = ~old & (p - c.n_prefilling < k)
-  brow = jnp.where(old, pf, adm_rows[j])
+  brow = jnp.where(old, pf, _get(adm_rows, j))
   n_batch = n_cont + k
-  seq0 = jnp.where(new, pre0[j], c.seq[brow])
-  prompt_b = jnp.where(new, p_q[j], c.prompt[brow])
-  group_b = jnp.where(new, g[j], c.group[brow])
-  hit_b = jnp.where(new, hit[j], c.hit[brow] > 0)
+  seq0 = jnp.where(new, _get(pre0, j), _get(c.seq, brow))
+  prompt_b = jnp.where(new, _get(p_q, j), _get(c.prompt, brow))
+  group_b = jnp.where(new, _get(g, j), _get(c.group, brow))
+  hit_b = jnp.where(new, _get(hit, j), _get(c.hit, brow) > 0)
   spent_a = jnp.minimum(spent_q, t_)
   chunk = jnp.where(p < n_batch, jnp.where(
       old, jnp.minimum(rem, t_ - before), jnp.minimum(p_q - pre0, t_ - spent_a)[j]), 0)
@@ -364,9 +381,9 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   # 5. Hand-overs: a row that completed its prompt, first of its group in the batch.
   completes = is_pre & (p < n_batch) & (seq0 + chunk == prompt_b)
   gb = jnp.maximum(group_b, 0)
-  aligned = wl.prefix_len[gb] // ps * ps
-  own_b = jnp.where(new, pre0[j], c.own[brow])
-  eligible = (completes & (group_b >= 0) & ~hit_b & (cache_tokens[gb] == 0)
+  aligned = _div(_get(wl.prefix_len, gb), ps) * ps
+  own_b = jnp.where(new, _get(pre0, j), _get(c.own, brow))
+  eligible = (completes & (group_b >= 0) & ~hit_b & (_get(cache_tokens, gb) == 0)
               & (own_b == 0) & (aligned > 0))
   earlier = jnp.any(eligible[None, :] & (group_b[None, :] == group_b[:, None])
                     & (p[None, :] < p[:, None]), axis=1)
@@ -374,22 +391,22 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   # Back to rows: row r's batch entry, where it has one (one reduction for every field).
   listed = (p < c.n_prefilling + k)
   m = (brow[None, :] == rows[:, None]) & listed[None, :]
-  fields = dict(new=new, ins=ins, chunk=chunk, seq0=seq0, need=need[j], own=own_b,
-                aligned=aligned, hit=hit_b, completes=completes, out=o_q[j],
+  fields = dict(new=new, ins=ins, chunk=chunk, seq0=seq0, need=_get(need, j), own=own_b,
+                aligned=aligned, hit=hit_b, completes=completes, out=_get(o_q, j),
                 group=group_b, prompt=prompt_b)
   if swa:
-    fields["need_swa"] = need_swa[j]
+    fields["need_swa"] = _get(need_swa, j)
   got = jnp.sum(jnp.where(m[:, :, None], jnp.stack(
       [jnp.asarray(v, i32) for v in fields.values()], axis=1)[None], 0), axis=1)
   row = dict(zip(fields, got.T))
   adm_r, ins_r = row["new"] > 0, row["ins"] > 0
   grow = jnp.where(is_pre, row["chunk"], dec.astype(i32))
   seq = jnp.where(adm_r, row["seq0"], c.seq)
-  pages = jnp.sum(cdiv(seq + grow, ps) - cdiv(seq, ps))
+  pages = jnp.sum(_up(seq + grow, ps) - _up(seq, ps))
   seq = seq + grow
   reserved = jnp.where(adm_r, row["need"], c.reserved)
   own = jnp.where(ins_r, row["aligned"], jnp.where(adm_r, row["own"], c.own))
-  reserved = jnp.where(ins_r, reserved - own // ps, reserved)
+  reserved = jnp.where(ins_r, reserved - _div(own, ps), reserved)
   hit_r = jnp.where(adm_r, row["hit"], c.hit) | ins_r
   gen = jnp.where(adm_r, 0, c.gen) + dec
   phase = jnp.where(adm_r, PREFILL, phase)
@@ -410,7 +427,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   refcount -= _at(jnp.where(fin & (hit_r > 0), group, g_), g_)
   last_used = jnp.where(adm_hit_g > 0, c.clock, c.last_used)
   last_used = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, jnp.where(
-      new, c.clock, c.admitted_at[brow])), last_used)
+      new, c.clock, _get(c.admitted_at, brow))), last_used)
   keep = listed & ~completes
   n_empty = c.n_empty - k
   empty = c.empty.at[jnp.where(jnp.arange(f_) < npop, n_empty + jnp.arange(f_), r_)].set(
@@ -432,7 +449,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   # The idle iteration: the clock jumps to the next arrival, or the scheduler is stuck.
   idle = go & (kind == 0)
   stuck = idle & ((c.head < arrived) | (arrived >= n_req))
-  nxt = wl.arrival[jnp.minimum(arrived, n_req - 1)]
+  nxt = _get(wl.arrival, jnp.minimum(arrived, n_req - 1))
   clock = jnp.where(kind > 0, c.clock + 1,
                     jnp.where(idle & ~stuck, jnp.maximum(c.clock + 1, nxt), c.clock))
   sched = Sched(
@@ -453,23 +470,23 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   plan = Plan(
       free_rows=jnp.where(jnp.arange(f_) < npop, pop_rows, evicted), num_free=nfree,
       forget=forget_now, borrow_rows=adm_rows, borrow_src=r_ + gc,
-      borrow_pages=jnp.where(hit, pre0 // ps, 0), num_borrow=k,
+      borrow_pages=jnp.where(hit, _div(pre0, ps), 0), num_borrow=k,
       ext_rows=jnp.where(p < n_batch, brow, 0), ext_n=chunk,
       num_ext=jnp.where(is_pre, n_batch, 0),
       dec_rows=_compact(rows, dec), num_dec=jnp.where(is_dec, n_dec, 0),
       ins_rows=_at(ins_at, b_, brow), ins_dst=_at(ins_at, b_, r_ + group_b),
-      ins_pages=_at(ins_at, b_, aligned // ps), num_ins=jnp.sum(ins).astype(i32),
+      ins_pages=_at(ins_at, b_, _div(aligned, ps)), num_ins=jnp.sum(ins).astype(i32),
       window=jnp.where(go & (window_freed > 0), r_, 0) if swa else jnp.zeros((), i32))
   with jax.named_scope("table"):
     state, table, status = _table_step(lay, carry.state, carry.table, plan)
 
   live = phase != EMPTY
-  held = cdiv(seq, ps) - own // ps
+  held = _up(seq, ps) - _div(own, ps)
   active = (phase == PREFILL) | (phase == DECODE)
   per_row_sums = dict(waste=jnp.where(live, held * ps - (seq - own), 0), running=live,
                       committed=jnp.where(active, reserved - held, 0), tokens=grow)
   if swa:
-    swa_held = jnp.where(live, cdiv(seq, ps) - swa_from, 0)
+    swa_held = jnp.where(live, _up(seq, ps) - swa_from, 0)
     per_row_sums["swa_committed"] = jnp.where(active, jnp.maximum(
         swa_reserved - swa_held, 0), 0)
   sums = jnp.sum(jnp.stack([jnp.asarray(v, i32) for v in per_row_sums.values()]), axis=1)
@@ -490,20 +507,6 @@ def checksum(slots: Array, count: Array) -> Array:
   i = jnp.arange(slots.shape[0], dtype=jnp.uint32)
   s = jnp.where(i < count.astype(jnp.uint32), slots.astype(jnp.uint32), 0)
   return jnp.sum((i + 1) * s, dtype=jnp.uint32).astype(i32)
-
-
-def _when(branch: bool, pred: Array, fn, *args):
-  """fn(*args), which does nothing when pred is False (its counts are 0): inside a
-  lax.cond that skips it then when `branch`, else always. fn returns the (state, table)
-  it got, changed, then results; the skipped branch returns ok=True and zeros."""
-  fn = jax.named_scope(fn.__name__)(fn)
-  if not branch:
-    return fn(*args)
-
-  def skip(*a):
-    extra = jax.eval_shape(fn, *a)[len(a):]
-    return tuple(a) + tuple(jnp.full(x.shape, x.dtype == bool, x.dtype) for x in extra)
-  return jax.lax.cond(pred, fn, skip, *args)
 
 
 def _pools(state):
@@ -577,9 +580,14 @@ def _table_step(lay: Layout, state, table, p: Plan):
 
   if fused:  # accelerators: no branch
     state, table, ok, slots_e, slots_d = changes(state, table)
-  else:  # skipped on the steps that only decode; the decode, masked, after it
-    state, table, ok, slots_e = _when(lay.branch, (p.num_free > 0) | (p.num_ext > 0)
-                                      | (p.window > 0), changes, state, table)
+  else:  # skipped on the steps that only decode (CPU); the decode, masked, after it
+    changes = jax.named_scope("changes")(changes)
+    if lay.branch:
+      skip = lambda s, t: (s, t, jnp.ones((), bool), jnp.zeros((lay.tokens,), i32))
+      state, table, ok, slots_e = jax.lax.cond(
+          (p.num_free > 0) | (p.num_ext > 0) | (p.window > 0), changes, skip, state, table)
+    else:
+      state, table, ok, slots_e = changes(state, table)
     with jax.named_scope("decode"):
       state, table, slots_d, ok_d = tbl.decode_rows(cfg, state, table, p.dec_rows,
                                                     num_rows=p.num_dec)
