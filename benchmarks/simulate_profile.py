@@ -137,6 +137,44 @@ def _device_ops(trace_dir: str) -> list:
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
 
 
+def compile_split(cfg, wl, page_size: int) -> dict:
+  """The loop's first lowering (tracing included) and XLA compile, each as wall and
+  process CPU seconds, and the compiled module's HLO instructions (the first compile in
+  the process: nothing cached)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import simulate as sim  # pylint: disable=g-import-not-at-top
+  backend = jax.default_backend()
+  lay = sim.make_layout(cfg, wl, page_size)
+  if hasattr(sim, "prepare"):
+    from jax_kvalloc.tools import simulate_step as sstep  # pylint: disable=g-import-not-at-top
+    dwl = sim.device_workload(cfg, wl)
+    carry = jax.jit(sstep.init_carry, static_argnums=0)(lay)
+    blocks = -(-cfg.steps_per_call // cfg.runs_every)
+    lower = lambda: sstep.run_steps.lower(lay, dwl, carry, blocks=blocks,
+                                          runs_every=cfg.runs_every)
+    options = sim.COMPILE_OPTIONS.get(backend, {})
+  else:
+    from jax_kvalloc.tools import simulate_device as sd  # pylint: disable=g-import-not-at-top
+    dwl = sd.DeviceWorkload(*(jnp.asarray(a, jnp.int32) for a in (
+        wl.arrival, wl.group, wl.prompt, wl.output, wl.prefix_len)))
+    carry = sd.Carry(*sim.init_pool(lay), sd.init_sched(lay))
+    lower = lambda: sd.run_steps.lower(lay, dwl, carry, steps_per_call=cfg.steps_per_call,
+                                       runs_every=cfg.runs_every, branch=True)
+    options = sd.CPU_OPTIONS if backend == "cpu" else sd.GPU_OPTIONS
+  c0, w0 = time.process_time(), time.perf_counter()
+  lowered = lower()
+  c1, w1 = time.process_time(), time.perf_counter()
+  try:
+    compiled = lowered.compile(options)
+  except Exception:  # pylint: disable=broad-except
+    compiled = lowered.compile()
+  c2, w2 = time.process_time(), time.perf_counter()
+  return {"lower_s": w1 - w0, "lower_cpu_s": c1 - c0, "xla_compile_s": w2 - w1,
+          "xla_compile_cpu_s": c2 - c1,
+          "hlo_instructions": compiled.as_text().count(" = ")}
+
+
 def worker(page_size: int, num_requests: int, steps_per_call: int) -> dict:
   """Runs in the subprocess: compile, warm up, time, profile one page size. The timed run
   uses the driver's own compile options (on a GPU: CUDA graphs); the traced run a second
@@ -168,6 +206,7 @@ def worker(page_size: int, num_requests: int, steps_per_call: int) -> dict:
     hlo_of = lambda p: p.compiled.as_text()
     fresh = lambda p: p._replace(carry=sd.Carry(*sim.init_pool(p.lay), sd.init_sched(p.lay)))
     run = lambda p: sd.run_page_size(cfg, wl, p, False)
+  split = compile_split(cfg, wl, page_size)
   t0 = time.perf_counter()
   prep = prepare(True)
   compile_s = time.perf_counter() - t0
@@ -199,7 +238,7 @@ def worker(page_size: int, num_requests: int, steps_per_call: int) -> dict:
                          key=lambda r: -r[2])
   return {"page_size": page_size, "backend": jax.default_backend(),
           "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-          "steps": res.steps, "calls": res.calls, "compile_s": compile_s,
+          "steps": res.steps, "calls": res.calls, "compile_s": compile_s, **split,
           "wall_us_per_step": timed.step_wall_us,
           "graphless_wall_us_per_step": plain.step_wall_us if gpu else None,
           "profiled_wall_us_per_step": res.step_wall_us,
@@ -213,7 +252,9 @@ def _table(rows: list, top: int) -> str:
   out = []
   for r in rows:
     out.append(f"\n{r['label']}, page size {r['page_size']} ({r['device']}, jax {r['jax']}):"
-               f" {r['steps']} steps, wall {r['wall_us_per_step']:.1f} us/step, "
+               f" lowering {r['lower_cpu_s']:.1f} s CPU, XLA compile "
+               f"{r['xla_compile_cpu_s']:.1f} s CPU ({r['hlo_instructions']} HLO "
+               f"instructions); {r['steps']} steps, wall {r['wall_us_per_step']:.1f} us/step, "
                f"{r['ops_per_step']:.1f} device ops/step busy {r['busy_us_per_step']:.1f} "
                f"us/step; loop body {r['body_ops_total']} kernel-like ops "
                f"{r['body_ops']}")

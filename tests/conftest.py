@@ -112,6 +112,8 @@ HEAVY_TESTS = [
     ("test_swa_no_wait.py", "test_swa_device_class_serving_does_not_wait", "long serving sequence"),
     ("test_swa_no_wait.py", "test_swa_debug_mode_checks_device_segments", "debug compiles"),
     ("test_cli.py", "test_simulate_json_plot_and_table", "three simulate runs"),
+    ("test_cli.py", "test_simulate_persistent_cache_reports_hits",
+     "a simulate compile, then its load from the persistent cache"),
     ("test_cli.py", "test_leak_check_fires_when_the_device_free_loses_pages", "a simulate run"),
     ("test_demo.py", "test_paged_tokens_equal_contiguous", "the whole demo"),
     ("test_traces.py", "test_jax_kvalloc_replays_generated_traces", "generated traces"),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import sys
@@ -103,59 +104,71 @@ class SimConfig:
                          seed=self.seed)
 
 
-# (field, option, lowest value allowed) of the integer settings.
-_INT_MIN = (("num_requests", "--num-requests", 1), ("pool_size", "--pool-size", 1),
-            ("num_prefixes", "--num-prefixes", 0), ("max_running", "--max-running", 1),
-            ("max_prefill_tokens", "--max-prefill-tokens", 1),
-            ("max_prefill_reqs", "--max-prefill-reqs", 1), ("max_frees", "--max-frees", 1),
-            ("steps_per_call", "--steps-per-call", 1), ("swa_window", "--swa-window", 0),
-            ("runs_every", "runs_every", 1), ("max_steps", "max_steps", 1))
 INT32_MAX = 2**31 - 1
+_FORMS = "const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX] or exp:MEAN[:MAX]"
+
+
+def _is_dist(spec) -> bool:
+  try:
+    parse_dist(spec)
+  except ValueError:
+    return False
+  return True
+
+
+def _ints(lo: int):
+  return (lambda v: not isinstance(v, bool) and isinstance(v, (int, np.integer))
+          and lo <= v <= INT32_MAX), f"an integer in [{lo}, {INT32_MAX}]"
+
+
+# Each setting's rule: (test, what is allowed); the option is the field's name as
+# `--field-name` (the CLI's argparse types and check_config use the same rules).
+RULES = {
+    **{f: _ints(1) for f in ("num_requests", "pool_size", "max_running",
+                             "max_prefill_tokens", "max_prefill_reqs", "max_frees",
+                             "steps_per_call", "runs_every", "max_steps")},
+    **{f: _ints(0) for f in ("num_prefixes", "seed", "swa_window")},
+    **{f: (_is_dist, f"a length distribution: {_FORMS}")
+       for f in ("prompt_len", "output_len", "prefix_len")},
+    "rate": (lambda v: v > 0, "a number > 0"),
+    "share_prob": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "swa_ratio": (lambda v: v > 0, "a number > 0 (SWA pool slots / --pool-size)"),
+    "arrival": (lambda v: v in ARRIVALS, f"one of {', '.join(ARRIVALS)}"),
+    "driver": (lambda v: v in DRIVERS, f"one of {', '.join(DRIVERS)}"),
+    "kernel": (lambda v: v in KERNELS, f"one of {', '.join(KERNELS)}"),
+}
+
+
+def option(field: str) -> str:
+  return "--" + field.replace("_", "-")
 
 
 def check_config(cfg: SimConfig) -> None:
-  """SimConfigError naming the option for a setting out of range, a length distribution
-  that does not parse, or a run whose memory would exceed this machine's."""
-  for field, opt, lo in _INT_MIN:
+  """SimConfigError naming the option for a setting out of range, or a run whose memory
+  would exceed this machine's."""
+  for field, (test, allowed) in RULES.items():
     v = getattr(cfg, field)
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= INT32_MAX:
-      raise SimConfigError(f"{opt} must be an integer in [{lo}, {INT32_MAX}], got {v!r}")
-  for field, opt in (("prompt_len", "--prompt-len"), ("output_len", "--output-len"),
-                     ("prefix_len", "--prefix-len")):
-    try:
-      parse_dist(getattr(cfg, field))
-    except ValueError as e:
-      raise SimConfigError(f"{opt}: {e}") from None
-  bad = [p for p in cfg.page_sizes if not isinstance(p, (int, np.integer)) or p < 1
-         or p > cfg.pool_size]
-  if not cfg.page_sizes or bad:
+    if not (field == "swa_ratio" and not cfg.swa_window) and not test(v):
+      raise SimConfigError(f"{option(field)} must be {allowed}, got {v!r}")
+  if not cfg.page_sizes or not all(_ints(1)[0](p) and p <= cfg.pool_size
+                                   for p in cfg.page_sizes):
     raise SimConfigError(f"--page-size must be integers in [1, --pool-size "
                          f"{cfg.pool_size}], got {list(cfg.page_sizes)}")
-  checks = (("arrival", "--arrival", cfg.arrival in ARRIVALS, f"one of {ARRIVALS}"),
-            ("rate", "--rate", cfg.rate > 0 or cfg.arrival == "burst", "> 0"),
-            ("share_prob", "--share-prob", 0 <= cfg.share_prob <= 1, "in [0, 1]"),
-            ("driver", "--driver", cfg.driver in DRIVERS, f"one of {DRIVERS}"),
-            ("kernel", "--kernel", cfg.kernel in KERNELS, f"one of {KERNELS}"),
-            ("swa_ratio", "--swa-ratio", cfg.swa_window == 0 or cfg.swa_ratio > 0,
-             "> 0 (SWA pool slots / --pool-size)"))
-  for field, opt, good, allowed in checks:
-    if not good:
-      raise SimConfigError(f"{opt} must be {allowed}, got {getattr(cfg, field)!r}")
   if cfg.swa_window and not [p for p in cfg.page_sizes if p > 1]:
     raise SimConfigError(f"--swa-window needs a page size > 1 (SGLang's SWA alloc_extend "
                          f"asserts page_size > 1), got --page-size {list(cfg.page_sizes)}")
   per_request, pools = memory_estimate(cfg)
   have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  gb = lambda x: f"{x / 2**30:.1f} GB"
+  if pools > 0.4 * have:
+    raise SimConfigError(f"--pool-size {cfg.pool_size} (with the length distributions' "
+                         f"longest request) needs about {gb(pools)} of memory for the "
+                         f"pools and tables; this machine has {gb(have)}")
   if per_request * cfg.num_requests + pools > 0.8 * have:
-    gb = lambda x: f"{x / 2**30:.1f} GB"
-    if pools > 0.4 * have:
-      raise SimConfigError(f"--pool-size {cfg.pool_size} (with the length distributions' "
-                           f"longest request) needs about {gb(pools)} of memory for the "
-                           f"pools and tables; this machine has {gb(have)}")
-    most = int((0.8 * have - pools) / per_request)
     raise SimConfigError(f"--num-requests {cfg.num_requests} needs about "
                          f"{gb(per_request * cfg.num_requests + pools)} of memory; this "
-                         f"machine has {gb(have)}: use at most about {most}")
+                         f"machine has {gb(have)}: use at most about "
+                         f"{int((0.8 * have - pools) / per_request)}")
 
 
 def memory_estimate(cfg: SimConfig) -> Tuple[float, float]:
@@ -782,45 +795,55 @@ def plot(result: SimResult, path: str) -> None:
 # The command line.
 # --------------------------------------------------------------------------------------
 
-def _at_least(lo: int):
-  def parse(text: str) -> int:
+def _typed(field: str):
+  """The argparse type of a setting: its default's type, then its rule."""
+  kind = type(getattr(SimConfig(), field))
+
+  def parse(text: str):
+    test, allowed = RULES[field]
     try:
-      v = int(text)
+      value = kind(text)
     except ValueError:
-      v = None
-    if v is None or not lo <= v <= INT32_MAX:
-      raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {INT32_MAX}], "
-                                       f"got {text!r}")
-    return v
+      value = None
+    if value is None or not test(value):
+      raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+    return value
   return parse
-
-
-def _number(lo: float, hi: float = float("inf"), *, open_lo: bool = False):
-  def parse(text: str) -> float:
-    try:
-      v = float(text)
-    except ValueError:
-      v = None
-    if v is None or not (lo < v if open_lo else lo <= v) or not v <= hi:
-      where = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
-      raise argparse.ArgumentTypeError(f"expected a number in {where.replace('inf', '')}"
-                                       f", got {text!r}")
-    return v
-  return parse
-
-
-def _dist(text: str) -> str:
-  try:
-    parse_dist(text)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-  return text
 
 
 def default_cache_dir() -> str:
   """Where the CLI keeps compiled programs: $XDG_CACHE_HOME (or ~/.cache)/jax-kvalloc."""
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(base, "jax-kvalloc", "xla")
+
+
+_HELP = {
+    "num_requests": "requests in the workload",
+    "pool_size": "usable KV slots in the pool",
+    "arrival": "arrival pattern",
+    "rate": "requests per step, poisson and uniform arrivals",
+    "prompt_len": "prompt tokens after the shared prefix",
+    "output_len": "generated tokens per request",
+    "num_prefixes": "shared-prefix groups (system prompts); 0: no sharing",
+    "prefix_len": "tokens of each shared prefix",
+    "share_prob": "probability that a request starts with a shared prefix",
+    "max_running": "request rows, the largest decode batch",
+    "max_prefill_tokens": "tokens per prefill batch; longer prompts are chunked",
+    "max_prefill_reqs": "requests per prefill batch",
+    "max_frees": "rows freed per free group",
+    "seed": "seed of the workload's random draws",
+    "driver": "device: the scheduler's loop runs on the device, --steps-per-call steps "
+              "per host round trip; host: one jitted call per step from Python",
+    "steps_per_call": "scheduler iterations per call of the device driver, rounded up to "
+                      "a multiple of 16",
+    "kernel": "implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, "
+              "jnp on CPU)",
+    "swa_window": "tokens of a sliding window: run on the SWA allocator (a full pool and "
+                  "an SWA pool; each step frees the SWA pages that left the window; page "
+                  "sizes > 1, no prefix sharing); 0: off",
+    "swa_ratio": "with --swa-window: SWA pool slots = this * --pool-size, in whole pages",
+}
+_CHOICES = {"arrival": ARRIVALS, "driver": DRIVERS, "kernel": KERNELS}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -833,60 +856,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
       "device (requests arrive, share prefixes, prefill in batches, decode, finish and "
       "are freed in free groups, under admission control that never over-commits the "
       "pool) once per page size, and prints a table with a column per page size. Length "
-      "distributions: const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX], "
-      "exp:MEAN[:MAX].")
+      f"distributions: {_FORMS}.")
   a = p.add_argument
-  a("--num-requests", type=_at_least(1), default=d.num_requests,
-    help=f"requests in the workload (default: {d.num_requests})")
-  a("--pool-size", type=_at_least(1), default=d.pool_size,
-    help=f"usable KV slots in the pool (default: {d.pool_size})")
   a("--page-size", type=int_list, nargs="+", default=[list(d.page_sizes)],
-    help="page sizes to compare; 1 is SGLang's token allocator (default: "
-    f"{','.join(map(str, d.page_sizes))})")
+    dest="page_sizes", metavar="SIZES", help="page sizes to compare; 1 is SGLang's token allocator "
+    f"(default: {','.join(map(str, d.page_sizes))})")
   a("--need-sort", action="store_true", help="park frees in release_pages (PD mode)")
-  a("--arrival", choices=ARRIVALS, default=d.arrival,
-    help=f"arrival pattern (default: {d.arrival})")
-  a("--rate", type=_number(0, open_lo=True), default=d.rate,
-    help=f"requests per step, poisson and uniform arrivals (default: {d.rate})")
-  a("--prompt-len", type=_dist, default=d.prompt_len,
-    help=f"prompt tokens after the shared prefix (default: {d.prompt_len})")
-  a("--output-len", type=_dist, default=d.output_len,
-    help=f"generated tokens per request (default: {d.output_len})")
-  a("--num-prefixes", type=_at_least(0), default=d.num_prefixes,
-    help=f"shared-prefix groups (system prompts); 0: no sharing (default: "
-    f"{d.num_prefixes})")
-  a("--prefix-len", type=_dist, default=d.prefix_len,
-    help=f"tokens of each shared prefix (default: {d.prefix_len})")
-  a("--share-prob", type=_number(0, 1), default=d.share_prob,
-    help=f"probability that a request starts with a shared prefix (default: "
-    f"{d.share_prob})")
-  a("--max-running", type=_at_least(1), default=d.max_running,
-    help=f"request rows, the largest decode batch (default: {d.max_running})")
-  a("--max-prefill-tokens", type=_at_least(1), default=d.max_prefill_tokens,
-    help=f"tokens per prefill batch; longer prompts are chunked (default: "
-    f"{d.max_prefill_tokens})")
-  a("--max-prefill-reqs", type=_at_least(1), default=d.max_prefill_reqs,
-    help=f"requests per prefill batch (default: {d.max_prefill_reqs})")
-  a("--max-frees", type=_at_least(1), default=d.max_frees,
-    help=f"rows freed per free group (default: {d.max_frees})")
-  a("--seed", type=_at_least(0), default=d.seed,
-    help=f"seed of the workload's random draws (default: {d.seed})")
-  a("--driver", choices=DRIVERS, default=d.driver,
-    help="device: the scheduler's loop runs on the device, --steps-per-call steps per "
-    "host round trip; host: one jitted call per step from Python (default: device)")
-  a("--steps-per-call", type=_at_least(1), default=d.steps_per_call,
-    help=f"scheduler iterations per call of the device driver, rounded up to a multiple "
-    f"of {d.runs_every} (default: {d.steps_per_call})")
-  a("--kernel", choices=KERNELS, default=d.kernel,
-    help="implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, jnp "
-    "on CPU) (default: auto)")
-  a("--swa-window", type=_at_least(0), default=d.swa_window,
-    help="tokens of a sliding window: run on the SWA allocator (a full pool and an SWA "
-    "pool; each step frees the SWA pages that left the window; page sizes > 1, no prefix "
-    "sharing); 0: off (default: 0)")
-  a("--swa-ratio", type=_number(0, open_lo=True), default=d.swa_ratio,
-    help=f"with --swa-window: SWA pool slots = this * --pool-size, in whole pages "
-    f"(default: {d.swa_ratio})")
+  for field, text in _HELP.items():
+    kw = ({"choices": _CHOICES[field]} if field in _CHOICES
+          else {"type": _typed(field)})
+    a(option(field), default=getattr(d, field), help=f"{text} (default: "
+      f"{getattr(d, field)})", **kw)
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.tools.traces"
     " / golden format) instead of the synthetic workload")
   a("--json", metavar="FILE", help="also write the results as JSON")
@@ -903,45 +883,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
   return p
 
 
-class _PersistentCache:
-  """JAX's persistent compilation cache in `path` while inside; the previous settings
-  back afterwards (None: leaves everything as it is)."""
-  _KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-
-  def __init__(self, path: Optional[str]):
-    self.path, self.saved = path, None
-
-  def __enter__(self):
-    if self.path is None:
-      return self
-    from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
-    from jax_kvalloc.warmup import enable_persistent_cache  # pylint: disable=g-import-not-at-top
-    self.saved = [getattr(jax.config, k) for k in self._KEYS]
-    os.makedirs(self.path, exist_ok=True)
+@contextlib.contextmanager
+def persistent_cache(path: Optional[str]):
+  """JAX's persistent compilation cache in `path` inside the block, the previous settings
+  back after it (None: nothing changes)."""
+  if path is None:
+    yield
+    return
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.warmup import enable_persistent_cache  # pylint: disable=g-import-not-at-top
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")
+  saved = [getattr(jax.config, k) for k in keys]
+  os.makedirs(path, exist_ok=True)
+  compilation_cache.reset_cache()
+  enable_persistent_cache(path)
+  try:
+    yield
+  finally:
+    for k, v in zip(keys, saved):
+      jax.config.update(k, v)
     compilation_cache.reset_cache()
-    enable_persistent_cache(self.path)
-    return self
-
-  def __exit__(self, *exc):
-    if self.saved is not None:
-      from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
-      for k, v in zip(self._KEYS, self.saved):
-        jax.config.update(k, v)
-      compilation_cache.reset_cache()
 
 
 def config_from_args(args) -> SimConfig:
-  return SimConfig(
-      num_requests=args.num_requests, pool_size=args.pool_size,
-      page_sizes=tuple(p for ps in args.page_size for p in ps), need_sort=args.need_sort,
-      arrival=args.arrival, rate=args.rate, prompt_len=args.prompt_len,
-      output_len=args.output_len, num_prefixes=args.num_prefixes,
-      prefix_len=args.prefix_len, share_prob=args.share_prob,
-      max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-      max_prefill_reqs=args.max_prefill_reqs, max_frees=args.max_frees, seed=args.seed,
-      kernel=args.kernel, driver=args.driver, steps_per_call=args.steps_per_call,
-      inject_leak=args.inject_leak, swa_window=args.swa_window, swa_ratio=args.swa_ratio)
+  return SimConfig(page_sizes=tuple(p for ps in args.page_sizes for p in ps),
+                   need_sort=args.need_sort, inject_leak=args.inject_leak,
+                   **{f: getattr(args, f) for f in _HELP})
 
 
 def _check_paths(args) -> None:
@@ -970,7 +938,7 @@ def run_cli(args) -> int:
   cache = None if args.no_compile_cache else (args.compile_cache or default_cache_dir())
   try:
     _check_paths(args)
-    with _PersistentCache(cache):
+    with persistent_cache(cache):
       if args.trace:
         result = run_trace(cfg, args.trace, progress=progress)
       else:
