@@ -216,8 +216,7 @@ def worker(page_size: int, num_requests: int, steps_per_call: int) -> dict:
   if gpu:
     prep = prepare(False)
     run(prep)
-    prep = fresh(prep)
-  plain = run(prep)
+  plain = run(fresh(prep))
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       res = run(fresh(prep))
