@@ -40,8 +40,11 @@ def _check_same(a, b):
   assert a.sim_time == b.sim_time and a.runs_final == b.runs_final
 
 
-def test_drivers_make_the_same_decisions():
+@pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+def test_drivers_make_the_same_decisions(swa):
   cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=True)
+  if swa:
+    cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3)
   dev = _run(cfg)
   host = _run(dataclasses.replace(cfg, driver="host"))
   _check_same(dev, host)

@@ -404,19 +404,20 @@ def compile_all(cfg: SimConfig, wl: Workload, progress: bool) -> Tuple[List[Prep
   """Every page size's programs, compiled concurrently; (prepared, wall seconds). The
   progress line says "compiling" with the seconds so far."""
   t0 = time.perf_counter()
-  bar = _bar(None, "compiling page_size=" + ",".join(map(str, cfg.page_sizes)), progress)
+  label = "compiling page_size=" + ",".join(map(str, cfg.page_sizes))
+  bar = _bar(None, label, progress, bar_format="{desc}")
   with concurrent.futures.ThreadPoolExecutor(len(cfg.page_sizes)) as pool:
     futures = [pool.submit(prepare, cfg, wl, int(p)) for p in cfg.page_sizes]
-    while not concurrent.futures.wait(futures, timeout=0.5).not_done == set():
-      bar.set_postfix_str(f"{time.perf_counter() - t0:.0f} s")
+    while concurrent.futures.wait(futures, timeout=0.5).not_done:
+      bar.set_description_str(f"{label}: {time.perf_counter() - t0:.0f} s", refresh=True)
     bar.close()
     return [f.result() for f in futures], time.perf_counter() - t0
 
 
-def _bar(total: Optional[int], desc: str, progress: bool):
+def _bar(total: Optional[int], desc: str, progress: bool, **kw):
   import tqdm  # pylint: disable=g-import-not-at-top
   return tqdm.tqdm(total=total, desc=desc, unit="req", disable=not progress,
-                   file=sys.stderr, dynamic_ncols=True, leave=False)
+                   file=sys.stderr, dynamic_ncols=True, leave=False, **kw)
 
 
 # --------------------------------------------------------------------------------------
