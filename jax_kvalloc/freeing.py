@@ -166,8 +166,7 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
 
 
 def _exclusive_prefix(x: Array) -> Array:
-  """i32[W] -> i32[W]: out[i] = sum(x[:i]). One place, so that benchmarks can try other
-  prefix sums (benchmarks/free_methods_gpu.py)."""
+  """i32[W] -> i32[W]: out[i] = sum(x[:i])."""
   return jnp.cumsum(x) - x
 
 

@@ -37,7 +37,7 @@ a launch of its own. A need_sort merge stays with the caller, before them.
 "auto" (and the older names) resolve by the platform of the pool (`by_device`): a
 concrete state's arrays say where they live; under tracing, the platform the program
 will be lowered for when that is known at trace time: the device of an abstract mesh in
-scope (`jax.sharding.use_abstract_mesh`, as pallas_kernels.lowering_check exports for an
+scope (`jax.sharding.use_abstract_mesh`, as tests/lowering_check.py exports for an
 abstract H200 or TPU), else the platform of the only backend this process has (a
 CPU-only host). Only where several backends could run it (a GPU host has a CPU backend
 too) does the choice fall to `lax.platform_dependent` over those platforms, decided when

@@ -16,7 +16,7 @@ request table's release, extend and decode (each, or all three together) run as 
 launch that also writes the table (two with extend: the slots by a program per row):
 `table_step_triton`. jax_kvalloc.kernels chooses among them.
 
-`lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
+tests/lowering_check.py lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
 from __future__ import annotations
 

@@ -1,15 +1,18 @@
-"""The `jax-kvalloc` command: tiny runs of simulate and bench, their JSON/plot outputs,
-and the leak check firing on deliberately broken runs."""
+"""The `jax-kvalloc` command: its contract (one-line user errors, help and defaults for
+every option), tiny runs of simulate, its JSON/plot outputs, and the leak check firing on
+deliberately broken runs."""
+import argparse
 import dataclasses
 import json
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_kvalloc.tools import cli
-from jax_kvalloc.tools import timing
 from jax_kvalloc.tools import report
+from jax_kvalloc.tools import timing
 from jax_kvalloc.tools import simulate
 from jax_kvalloc.tools import simulate_step
 from jax_kvalloc.tools import workload
@@ -75,8 +78,8 @@ def test_simulate_exact_page_accounting_without_sharing():
 
 
 def test_leak_check_fires_on_a_dropped_free(capsys):
-  args = ["--num-requests", "40", "--page-size", "16", "--inject-leak"] + TINY
-  assert cli.main(args) == 2  # no command given: simulate is the default
+  args = ["simulate", "--num-requests", "40", "--page-size", "16", "--inject-leak"] + TINY
+  assert cli.main(args) == 2
   err = capsys.readouterr().err
   assert "LEAK CHECK FAILED" in err and "page_size=16" in err
 
@@ -171,9 +174,8 @@ def test_simulate_user_errors_are_one_line(args, option, capsys):
     code = cli.main(["simulate", "--no-progress", "--no-compile-cache"] + args)
   except SystemExit as e:  # argparse's own checks
     code = e.code
-  err = capsys.readouterr().err
-  assert code == 2 and "Traceback" not in err
-  assert option in err.strip().splitlines()[-1], err
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and option in err[0], err
 
 
 def test_simulate_persistent_cache_reports_hits(tmp_path, capsys):
@@ -190,60 +192,65 @@ def test_simulate_persistent_cache_reports_hits(tmp_path, capsys):
   assert jax.config.jax_compilation_cache_dir is None  # the run put the setting back
 
 
-def test_bench_quick(tmp_path, capsys):
-  out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-  args = ["bench", "--quick", "--ops", "free", "--no-progress", "--json",
-          str(out_json)]
-  if _has_matplotlib():
-    args += ["--plot", str(out_png)]
-  assert cli.main(args) == 0
-  text = capsys.readouterr().out
-  assert "free (page_size 64" in text and "serving loop" in text and "targets" in text
-  data = json.loads(out_json.read_text())
-  assert {r["op"] for r in data["micro"]} == {"free"}
-  for r in data["micro"]:
-    assert r["check"] == "ok" and r["jax"]["jnp"]["us"] > 0
-  (serv,) = data["serving"]
-  assert serv["ok"] and serv["jit_step_us"] > 0 and serv["scan_us"] > 0
-  if "torch" in data["config"]["paths"]:
-    assert serv["parity"] == "identical"
-    assert all(r["torch"]["us"] > 0 for r in data["micro"])
-  else:  # no torch here (the 3.12 venv): the run says why its column is missing
-    assert any(n.startswith("torch column skipped: ") for n in data["notes"]), data["notes"]
-    assert "note: torch column skipped" in text
-  if _has_matplotlib():
-    assert out_png.stat().st_size > 1000
-  # The tables can be printed again from the JSON, without measuring.
-  assert cli.main(["bench", "--from-json", str(out_json)]) == 0
-  rows = lambda t: [line for line in t.splitlines() if line.startswith("|")]
-  assert rows(capsys.readouterr().out) == rows(text)
+def _parsers():
+  """Every command's parser and, under bench, every suite's."""
+  for name, _, _ in cli.COMMANDS:
+    parser = cli.build([name])
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # pylint: disable=protected-access
+    p = sub.choices[name]
+    yield p
+    for a in p._actions:  # pylint: disable=protected-access
+      if isinstance(a, argparse._SubParsersAction):  # pylint: disable=protected-access
+        yield from a.choices.values()
 
 
-def test_bench_degrades_without_torch_or_accelerator(monkeypatch, capsys):
-  from jax_kvalloc.tools import bench_micro  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(bench_micro, "torch_available", lambda: "torch_ref unavailable (test)")
-  args = ["bench", "--quick", "--ops", "decode", "--batch-sizes", "8", "--no-serving",
-          "--paths", "pallas,jnp,torch", "--no-progress"]
-  assert cli.main(args) == 0
-  text = capsys.readouterr().out
-  assert "torch column skipped" in text and "torch_ref (us)" not in text
-  assert "| 8  |      8 |" in text  # --batch-sizes wins over --quick's grid
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.default_backend() == "cpu":
-    assert "pallas column skipped" in text and "pallas (us)" not in text
+def test_every_option_has_help_and_a_typed_default():
+  for p in _parsers():
+    assert p.description and not p.description.rstrip().endswith(".."), p.prog
+    text = p.format_help()
+    for a in p._actions:  # pylint: disable=protected-access
+      if a.help != argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction):  # pylint: disable=protected-access
+        assert a.help, (p.prog, a.dest)
+    for bad in ("[[", "['", "(default: None)", "(2, "):
+      assert bad not in text, (p.prog, bad, text)
+
+
+def test_bare_command_lists_the_commands_and_unknown_ones_fail(capsys):
+  assert cli.main([]) == 2
+  out = capsys.readouterr().out
+  assert all(name in out for name, _, _ in cli.COMMANDS)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench-tabel", "--help"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "invalid choice: 'bench-tabel'" in err
+  assert len(err.strip().splitlines()) == 1
+
+
+def test_user_errors_are_one_line_with_status_2(capsys):
+  for argv, option in ((["simulate", "--pool-size", "-5"], "--pool-size"),
+                       (["simulate", "--trace", "/missing.jsonl"], "--trace"),
+                       (["simulate", "--swa-window", "-1"], "--swa-window"),
+                       (["simulate", "--page-size", "1,x"], "--page-size"),
+                       (["parity", "--impls", "jax,nosuch"], "--impls"),
+                       (["parity"], "TRACE"),
+                       (["report", "NOPE.md"], "FILE")):
+    try:
+      rc = cli.main(argv)
+    except SystemExit as e:
+      rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and option in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
 def test_plot_without_matplotlib(monkeypatch):
-  import sys  # pylint: disable=g-import-not-at-top
-  monkeypatch.setitem(sys.modules, "matplotlib", None)
-  with pytest.raises(RuntimeError, match="pip install"):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+  with pytest.raises(RuntimeError, match="--plot needs matplotlib"):
     report.pyplot()
 
 
 def test_helpers():
-  assert timing.loglog_slope([1, 4, 16], [2, 8, 32]) == pytest.approx(1.0)
-  assert timing.loglog_slope([1, 4, 16], [1, 16, 256]) == pytest.approx(2.0)
   assert cli.int_list("1, 16,64") == [1, 16, 64]
+  assert cli.show([[1, 16], [64]]) == "1,16,64" and cli.show(0.25) == "0.25"
   t = report.table(["a", "b"], [["x", 1], ["yy", 22]])
   assert t.splitlines()[0] == "| a  |  b |" and t.splitlines()[1] == "|----|---:|"
 

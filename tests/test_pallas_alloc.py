@@ -20,7 +20,7 @@ import pytest
 import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
 import pallas_kernels
-from pallas_kernels import lowering_check
+import lowering_check
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from model import ModelAllocator

@@ -28,7 +28,7 @@ import pytest
 import jax_kvalloc as kv
 import pallas_kernels
 from jax_kvalloc import request_table as rt
-from pallas_kernels import lowering_check
+import lowering_check
 from pallas_kernels import triton_table
 import test_request_table as trt
 from model import ModelAllocator

@@ -31,10 +31,8 @@ entries, per-step time).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import os
 import sys
@@ -53,6 +51,7 @@ from jax_kvalloc.config import KERNELS, AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.swa import SWAConfig
 from jax_kvalloc.tools import simulate_step as sstep
+from jax_kvalloc.tools.cli import UsageError
 from jax_kvalloc.tools.simulate_step import COL, Layout, record_columns
 from jax_kvalloc.tools.workload import ARRIVALS, Workload, make_workload, parse_dist
 
@@ -64,7 +63,7 @@ class LeakCheckError(RuntimeError):
   """The pool's pages are not where the scheduler's accounting says they are."""
 
 
-class SimConfigError(ValueError):
+class SimConfigError(UsageError, ValueError):
   """A setting the simulator cannot run; the message names the command-line option."""
 
 
@@ -149,23 +148,23 @@ def check_config(cfg: SimConfig) -> None:
   for field, (test, allowed) in RULES.items():
     v = getattr(cfg, field)
     if not (field == "swa_ratio" and not cfg.swa_window) and not test(v):
-      raise SimConfigError(f"{option(field)} must be {allowed}, got {v!r}")
+      raise SimConfigError(option(field), f"must be {allowed}, got {v!r}")
   if not cfg.page_sizes or not all(_ints(1)[0](p) and p <= cfg.pool_size
                                    for p in cfg.page_sizes):
-    raise SimConfigError(f"--page-size must be integers in [1, --pool-size "
+    raise SimConfigError("--page-size", f"must be integers in [1, --pool-size "
                          f"{cfg.pool_size}], got {list(cfg.page_sizes)}")
   if cfg.swa_window and not [p for p in cfg.page_sizes if p > 1]:
-    raise SimConfigError(f"--swa-window needs a page size > 1 (SGLang's SWA alloc_extend "
+    raise SimConfigError("--swa-window", f"needs a page size > 1 (SGLang's SWA alloc_extend "
                          f"asserts page_size > 1), got --page-size {list(cfg.page_sizes)}")
   per_request, pools = memory_estimate(cfg)
   have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   gb = lambda x: f"{x / 2**30:.1f} GB"
   if pools > 0.4 * have:
-    raise SimConfigError(f"--pool-size {cfg.pool_size} (with the length distributions' "
+    raise SimConfigError("--pool-size", f"{cfg.pool_size} (with the length distributions' "
                          f"longest request) needs about {gb(pools)} of memory for the "
                          f"pools and tables; this machine has {gb(have)}")
   if per_request * cfg.num_requests + pools > 0.8 * have:
-    raise SimConfigError(f"--num-requests {cfg.num_requests} needs about "
+    raise SimConfigError("--num-requests", f"{cfg.num_requests} needs about "
                          f"{gb(per_request * cfg.num_requests + pools)} of memory; this "
                          f"machine has {gb(have)}: use at most about "
                          f"{int((0.8 * have - pools) / per_request)}")
@@ -280,9 +279,10 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   if need.size and int(need.max()) > acfg.num_pages:
     i = int(np.argmax(need))
     raise SimConfigError(
-        f"--pool-size {cfg.pool_size}: request {i} needs {int(need[i])} pages "
-        f"({int(wl.prompt[i] + wl.output[i])} tokens) at page_size={page_size}, but the "
-        f"pool has only {acfg.num_pages}; raise --pool-size or shorten the lengths")
+        "--pool-size", f"request {i} needs {int(need[i])} pages "
+        f"({int(wl.prompt[i] + wl.output[i])} tokens) at page_size={page_size}, but "
+        f"{cfg.pool_size} slots are {acfg.num_pages} pages; raise --pool-size or shorten "
+        f"the lengths")
   # Widths from the distributions' bounds, not from the draws: every seed and share
   # probability of one config has the same shapes (and compiles once).
   prefix_hi = parse_dist(cfg.prefix_len).hi if cfg.num_prefixes > 0 else 0
@@ -300,7 +300,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   most = int(need.max()) if need.size else 0
   if swa_pages < max(most, 1):
     raise SimConfigError(
-        f"--swa-ratio {cfg.swa_ratio} gives an SWA pool of {swa_pages} pages at "
+        "--swa-ratio", f"{cfg.swa_ratio} gives an SWA pool of {swa_pages} pages at "
         f"page_size={page_size}, but one request's window (--swa-window "
         f"{cfg.swa_window} plus a prefill chunk) needs up to {most}; raise --swa-ratio")
   scfg = SWAConfig(size=cfg.pool_size, size_swa=swa_pages * page_size,
@@ -645,17 +645,19 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
   """Runs the workload once per page size. SimConfigError for a setting it cannot run,
   LeakCheckError on a leak, RuntimeError when the scheduler is stuck or hits max_steps."""
   check_config(cfg)
+  notes = []
   if cfg.swa_window > 0 and 1 in cfg.page_sizes:
-    print("jax-kvalloc simulate: --swa-window leaves page_size=1 out (SGLang's SWA "
-          "alloc_extend asserts page_size > 1)", file=sys.stderr)
+    notes.append("--swa-window leaves page_size=1 out (SGLang's SWA alloc_extend asserts "
+                 "page_size > 1)")
     cfg = dataclasses.replace(cfg, page_sizes=tuple(p for p in cfg.page_sizes if p > 1))
+  if cfg.swa_window > 0 and cfg.num_prefixes > 0 and cfg.share_prob > 0:
+    notes.append("--swa-window turns prefix sharing off (the SWA request table has no "
+                 "borrowed prefixes); shared prefixes are prefilled per request")
   wl = cfg.workload()
   for ps in cfg.page_sizes:  # a request too long for the pool: before any compile
     make_layout(cfg, wl, int(ps))
-  if cfg.swa_window > 0 and cfg.num_prefixes > 0 and cfg.share_prob > 0:
-    print("jax-kvalloc simulate: --swa-window turns prefix sharing off (the SWA request "
-          "table has no borrowed prefixes); shared prefixes are prefilled per request",
-          file=sys.stderr)
+  for note in notes:
+    print(f"jax-kvalloc simulate: {note}", file=sys.stderr)
   prepared, compile_s = compile_all(cfg, wl, progress)
   out = [run_page_size(cfg, wl, p, progress) for p in prepared]
   cache = jax.config.jax_compilation_cache_dir or ""
@@ -668,7 +670,7 @@ def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
   size."""
   from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
   if cfg.swa_window:
-    raise SimConfigError("--swa-window does not apply to --trace (a trace replays its "
+    raise SimConfigError("--swa-window", "does not apply to --trace (a trace replays its "
                          "own operations)")
   from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
   try:
@@ -676,9 +678,9 @@ def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
     for recs in records.values():
       traces.init_args(recs[0].get("args", {}))
   except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-    raise SimConfigError(f"--trace {path}: not a readable trace file ({e})") from None
+    raise SimConfigError("--trace", f"{path} is not a readable trace file ({e})") from None
   if not records:
-    raise SimConfigError(f"--trace {path}: the file holds no trace")
+    raise SimConfigError("--trace", f"{path} holds no trace")
   results = simulate_trace.run_trace(records, kernel=cfg.kernel, runs_every=cfg.runs_every,
                                      progress=progress)
   conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
@@ -790,193 +792,3 @@ def plot(result: SimResult, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
-
-
-# --------------------------------------------------------------------------------------
-# The command line.
-# --------------------------------------------------------------------------------------
-
-def _typed(field: str):
-  """The argparse type of a setting: its default's type, then its rule."""
-  kind = type(getattr(SimConfig(), field))
-
-  def parse(text: str):
-    test, allowed = RULES[field]
-    try:
-      value = kind(text)
-    except ValueError:
-      value = None
-    if value is None or not test(value):
-      raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
-    return value
-  return parse
-
-
-def default_cache_dir() -> str:
-  """Where the CLI keeps compiled programs: $XDG_CACHE_HOME (or ~/.cache)/jax-kvalloc."""
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "jax-kvalloc", "xla")
-
-
-_HELP = {
-    "num_requests": "requests in the workload",
-    "pool_size": "usable KV slots in the pool",
-    "arrival": "arrival pattern",
-    "rate": "requests per step, poisson and uniform arrivals",
-    "prompt_len": "prompt tokens after the shared prefix",
-    "output_len": "generated tokens per request",
-    "num_prefixes": "shared-prefix groups (system prompts); 0: no sharing",
-    "prefix_len": "tokens of each shared prefix",
-    "share_prob": "probability that a request starts with a shared prefix",
-    "max_running": "request rows, the largest decode batch",
-    "max_prefill_tokens": "tokens per prefill batch; longer prompts are chunked",
-    "max_prefill_reqs": "requests per prefill batch",
-    "max_frees": "rows freed per free group",
-    "seed": "seed of the workload's random draws",
-    "driver": "device: the scheduler's loop runs on the device, --steps-per-call steps "
-              "per host round trip; host: one jitted call per step from Python",
-    "steps_per_call": "scheduler iterations per call of the device driver, rounded up to "
-                      "a multiple of 16",
-    "kernel": "implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, "
-              "jnp on CPU)",
-    "swa_window": "tokens of a sliding window: run on the SWA allocator (a full pool and "
-                  "an SWA pool; each step frees the SWA pages that left the window; page "
-                  "sizes > 1, no prefix sharing); 0: off",
-    "swa_ratio": "with --swa-window: SWA pool slots = this * --pool-size, in whole pages",
-}
-_CHOICES = {"arrival": ARRIVALS, "driver": DRIVERS, "kernel": KERNELS}
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
-  """Registers `simulate` on an argparse subparsers object; returns its parser."""
-  from jax_kvalloc.tools.cli import int_list  # pylint: disable=g-import-not-at-top
-  d = SimConfig()
-  p = sub.add_parser(
-      "simulate", help="drive a serving workload through the allocator (default command)",
-      description="Drives a serving workload through the allocator on the default JAX "
-      "device (requests arrive, share prefixes, prefill in batches, decode, finish and "
-      "are freed in free groups, under admission control that never over-commits the "
-      "pool) once per page size, and prints a table with a column per page size. Length "
-      f"distributions: {_FORMS}.")
-  a = p.add_argument
-  a("--page-size", type=int_list, nargs="+", default=[list(d.page_sizes)],
-    dest="page_sizes", metavar="SIZES", help="page sizes to compare; 1 is SGLang's token allocator "
-    f"(default: {','.join(map(str, d.page_sizes))})")
-  a("--need-sort", action="store_true", help="park frees in release_pages (PD mode)")
-  for field, text in _HELP.items():
-    kw = ({"choices": _CHOICES[field]} if field in _CHOICES
-          else {"type": _typed(field)})
-    a(option(field), default=getattr(d, field), help=f"{text} (default: "
-      f"{getattr(d, field)})", **kw)
-  a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.tools.traces"
-    " / golden format) instead of the synthetic workload")
-  a("--json", metavar="FILE", help="also write the results as JSON")
-  a("--json-series", action="store_true",
-    help="include the per-step series (pool usage, step time, records) in the JSON")
-  a("--plot", metavar="FILE.png", help="draw pool usage over time and the per-step time "
-    "distribution (needs matplotlib)")
-  a("--compile-cache", metavar="DIR", default=None,
-    help="keep compiled programs in DIR, so that the next run starts warm (default: "
-    "$XDG_CACHE_HOME/jax-kvalloc/xla, else ~/.cache/jax-kvalloc/xla)")
-  a("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
-  a("--no-progress", action="store_true", help="no progress bar")
-  a("--inject-leak", action="store_true", help=argparse.SUPPRESS)
-  return p
-
-
-@contextlib.contextmanager
-def persistent_cache(path: Optional[str]):
-  """JAX's persistent compilation cache in `path` inside the block, the previous settings
-  back after it (None: nothing changes)."""
-  if path is None:
-    yield
-    return
-  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.warmup import enable_persistent_cache  # pylint: disable=g-import-not-at-top
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")
-  saved = [getattr(jax.config, k) for k in keys]
-  os.makedirs(path, exist_ok=True)
-  compilation_cache.reset_cache()
-  enable_persistent_cache(path)
-  try:
-    yield
-  finally:
-    for k, v in zip(keys, saved):
-      jax.config.update(k, v)
-    compilation_cache.reset_cache()
-
-
-def config_from_args(args) -> SimConfig:
-  return SimConfig(page_sizes=tuple(p for ps in args.page_sizes for p in ps),
-                   need_sort=args.need_sort, inject_leak=args.inject_leak,
-                   **{f: getattr(args, f) for f in _HELP})
-
-
-def _check_paths(args) -> None:
-  """SimConfigError for an output folder or a trace that is not there, or --plot
-  without matplotlib: before the run, not after it."""
-  from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
-  if args.trace and not os.path.isfile(args.trace):
-    raise SimConfigError(f"--trace: no such file: {args.trace}")
-  for opt, path in (("--json", args.json), ("--plot", args.plot)):
-    folder = os.path.dirname(os.path.abspath(path)) if path else None
-    if folder and not os.path.isdir(folder):
-      raise SimConfigError(f"{opt}: no such folder: {folder}")
-  if args.plot:
-    try:
-      report.pyplot()
-    except RuntimeError as e:
-      raise SimConfigError(str(e)) from None
-
-
-def run_cli(args) -> int:
-  """`jax-kvalloc simulate`: 0, or 1 on allocation failures, 2 on a user error (one line
-  naming the option) or a failed leak check, 3 when a replayed trace disagrees."""
-  from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
-  cfg = config_from_args(args)
-  progress = not args.no_progress
-  cache = None if args.no_compile_cache else (args.compile_cache or default_cache_dir())
-  try:
-    _check_paths(args)
-    with persistent_cache(cache):
-      if args.trace:
-        result = run_trace(cfg, args.trace, progress=progress)
-      else:
-        result = run(cfg, progress=progress)
-  except SimConfigError as e:
-    print(f"jax-kvalloc simulate: error: {e}", file=sys.stderr)
-    return 2
-  except LeakCheckError as e:
-    print(f"\nLEAK CHECK FAILED: {e}", file=sys.stderr)
-    return 2
-  except AssertionError as e:  # traces.TraceMismatch: a replayed op disagreed
-    print(f"\nTRACE MISMATCH: {e}", file=sys.stderr)
-    return 3
-  what = f"trace {args.trace}" if args.trace else (
-      f"{cfg.num_requests} requests, {cfg.arrival} arrivals at {cfg.rate}/step, pool "
-      f"{cfg.pool_size} slots, prompt {cfg.prompt_len} (+ shared prefix {cfg.prefix_len}"
-      f" with p={cfg.share_prob} over {cfg.num_prefixes} groups), output {cfg.output_len}"
-      f", need_sort={cfg.need_sort}, seed {cfg.seed}") + (
-          f"; SWA window {cfg.swa_window} tokens, SWA pool {cfg.swa_ratio} x the full "
-          f"pool" if cfg.swa_window and not args.trace else "")
-  v = result.versions
-  print(f"jax-kvalloc simulate: {what}")
-  print(f"device {result.device}; kernel={cfg.kernel}; jax {v['jax']}, python {v['python']}")
-  rows = summary_rows(result)
-  print(report.table(["metric"] + [f"page_size={p}" for p in rows[0][1]],
-                     [[name] + vals for name, vals in rows[1:]]))
-  if not args.trace:
-    print(compile_line(result))
-  if args.json:
-    report.write_json(args.json, to_json(result, series=args.json_series))
-    print(f"wrote {args.json}")
-  if args.plot:
-    plot(result, args.plot)
-    print(f"wrote {args.plot}")
-  failures = sum(r.alloc_failures for r in result.results)
-  if failures and not args.trace:
-    print(f"\nALLOCATION FAILURES: {failures} (admission control should prevent every one)",
-          file=sys.stderr)
-    return 1
-  return 0
