@@ -14,7 +14,7 @@ from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import report
 from jax_kvalloc.tools import timing
 from jax_kvalloc.tools import simulate
-from jax_kvalloc.tools import simulate_steps
+from jax_kvalloc.tools import simulate_step
 from jax_kvalloc.tools import workload
 
 # One set of static shapes for every simulate run here, so the step functions compile
@@ -22,7 +22,7 @@ from jax_kvalloc.tools import workload
 TINY = ["--pool-size", "4096", "--max-running", "16", "--max-prefill-tokens", "256",
         "--max-prefill-reqs", "4", "--max-frees", "4", "--prompt-len", "uniform:8:120",
         "--output-len", "uniform:1:40", "--prefix-len", "uniform:16:60",
-        "--num-prefixes", "3", "--rate", "1.5", "--no-progress"]
+        "--num-prefixes", "3", "--rate", "1.5", "--no-progress", "--no-compile-cache"]
 TINY_CFG = simulate.SimConfig(
     num_requests=40, pool_size=4096, page_sizes=(16,), max_running=16,
     max_prefill_tokens=256, max_prefill_reqs=4, max_frees=4, prompt_len="uniform:8:120",
@@ -89,7 +89,6 @@ def test_leak_check_fires_when_the_device_free_loses_pages(monkeypatch):
   # must be caught although the scheduler's own bookkeeping is right: the device driver
   # compares the pool with its count inside the loop, every step.
   from jax_kvalloc import request_table  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.tools import simulate_device  # pylint: disable=g-import-not-at-top
   real = request_table.release_rows
 
   def lossy(config, state, table, rows, *, num_rows=None):
@@ -98,26 +97,26 @@ def test_leak_check_fires_when_the_device_free_loses_pages(monkeypatch):
     return real(config, state, table, rows, num_rows=num_rows)
 
   monkeypatch.setattr(request_table, "release_rows", lossy)
-  simulate_device.run_steps.clear_cache()  # drop compiled loops that traced the real one
+  simulate.clear_compiled()  # drop compiled loops that traced the real one
   cfg = dataclasses.replace(TINY_CFG, num_requests=12)
   try:
     with pytest.raises(simulate.LeakCheckError, match="leak check failed at step"):
       simulate.run(cfg, progress=False)
   finally:
-    simulate_device.run_steps.clear_cache()  # and the lossy ones, for the tests after
+    simulate.clear_compiled()  # and the lossy ones, for the tests after
 
 
 def test_free_list_runs():
   import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
   cfg = kv.AllocatorConfig(size=64, page_size=8)
   s = kv.init(cfg)
-  assert int(simulate_steps.free_list_runs(s)) == 1
+  assert int(simulate_step.free_list_runs(s)) == 1
   # The free list [6, 7, 2, 5] wraps around the ring's end: three runs.
   ring = np.array([2, 5, 0, 0, 0, 0, 6, 7], np.int32)
   s = s._replace(free_ring=ring, free_head=np.int32(6), free_len=np.int32(4))
   assert list(kv.live_free_pages(s)) == [6, 7, 2, 5]
-  assert int(simulate_steps.free_list_runs(s)) == 3
-  assert int(simulate_steps.free_list_runs(s._replace(free_len=np.int32(0)))) == 0
+  assert int(simulate_step.free_list_runs(s)) == 3
+  assert int(simulate_step.free_list_runs(s._replace(free_len=np.int32(0)))) == 0
 
 
 def test_distributions():
@@ -130,7 +129,7 @@ def test_distributions():
   for bad in ("foo:1", "uniform:9:3", "const:x", "lognormal:-1:1"):
     with pytest.raises(ValueError, match="length distribution"):
       workload.parse_dist(bad)
-  with pytest.raises(ValueError, match="pool has only"):
+  with pytest.raises(ValueError, match="--pool-size: request .* needs 12 pages"):
     simulate.run(dataclasses.replace(TINY_CFG, pool_size=64), progress=False)
 
 
@@ -141,7 +140,8 @@ def test_trace_replay(tmp_path, capsys, golden_path):
   picked = [r for t in tids for r in recs[t]]
   path = tmp_path / "t.jsonl"
   traces.write(str(path), picked)
-  assert cli.main(["simulate", "--trace", str(path), "--no-progress"]) == 0
+  assert cli.main(["simulate", "--trace", str(path), "--no-progress",
+                   "--no-compile-cache"]) == 0
   out = capsys.readouterr().out
   assert "page_size=4" in out and "traces replayed" in out and "ok: free" in out
   # A recorded result that the allocator does not reproduce is reported, loudly.
@@ -149,8 +149,47 @@ def test_trace_replay(tmp_path, capsys, golden_path):
   i = next(i for i, r in enumerate(bad) if r["op"] == "alloc_extend" and r["result"])
   bad[i]["result"] = [x + 1 for x in bad[i]["result"]]
   traces.write(str(path), bad)
-  assert cli.main(["simulate", "--trace", str(path), "--no-progress"]) == 3
+  assert cli.main(["simulate", "--trace", str(path), "--no-progress",
+                   "--no-compile-cache"]) == 3
   assert "TRACE MISMATCH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--pool-size", "-5"], "--pool-size"),
+    (["--swa-window", "-1"], "--swa-window"),
+    (["--page-size", "0"], "--page-size"),
+    (["--share-prob", "1.5"], "--share-prob"),
+    (["--prompt-len", "uniform:9:3"], "--prompt-len"),
+    (["--swa-window", "64", "--swa-ratio", "0.001"], "--swa-ratio"),
+    (["--pool-size", "64"], "--pool-size"),
+    (["--page-size", "128", "--pool-size", "64"], "--page-size"),
+    (["--num-requests", "100000000"], "--num-requests"),
+    (["--pool-size", "2000000000", "--page-size", "1"], "--pool-size"),
+    (["--trace", "/no/such/file.jsonl"], "--trace"),
+    (["--json", "/no/such/folder/x.json"], "--json"),
+])
+def test_simulate_user_errors_are_one_line(args, option, capsys):
+  # Exit status 2, no traceback, and a last line that names the option; nothing runs.
+  try:
+    code = cli.main(["simulate", "--no-progress", "--no-compile-cache"] + args)
+  except SystemExit as e:  # argparse's own checks
+    code = e.code
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and option in err[0], err
+
+
+def test_simulate_persistent_cache_reports_hits(tmp_path, capsys):
+  args = ["simulate", "--num-requests", "12", "--page-size", "16", "--compile-cache",
+          str(tmp_path)] + TINY[:-1]  # TINY without --no-compile-cache
+  simulate.clear_compiled()
+  assert cli.main(args) == 0
+  assert "0 of 1 from the persistent cache" in capsys.readouterr().out
+  assert any(tmp_path.iterdir())
+  simulate.clear_compiled()  # a new process, as far as compiling goes
+  assert cli.main(args) == 0
+  assert "1 of 1 from the persistent cache" in capsys.readouterr().out
+  import jax  # pylint: disable=g-import-not-at-top
+  assert jax.config.jax_compilation_cache_dir is None  # the run put the setting back
 
 
 def _parsers():

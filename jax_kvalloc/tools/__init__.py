@@ -1,7 +1,9 @@
 """Tooling around the allocator: the `jax-kvalloc` command and what it runs.
 
   cli            the command line: one subcommand per tool (cli.COMMANDS)
-  simulate*      the main job: a simulated serving workload (host scheduler + jitted steps)
+  simulate       the main job: a simulated serving workload, its drivers and report;
+                 simulate_step its policy (one jitted step), simulate_cli its options,
+                 simulate_trace its replay of recorded traces
   workload       the workload generator of `simulate`
   bench          the one benchmark harness (cases, suites, one parser); bench_* its suites
   timing         how every benchmark takes a time
