@@ -168,9 +168,16 @@ def test_table_kernel_lowers_for_h200(ps, sizes):
 
 def test_auto_on_a_gpu_takes_the_first_usable_family(monkeypatch, caplog):
   monkeypatch.setattr(kernels, "_mosaic_gpu_problem", lambda: None)
-  for op, prefs in kernels.GPU_PREFERENCE.items():
-    assert kernels.for_platform("auto", "gpu", op) == prefs[0]
-  assert kernels.for_platform("auto", "gpu") == "triton"
+  kernels._note_triton.cache_clear()  # pylint: disable=protected-access
+  with caplog.at_level(logging.INFO, logger="jax_kvalloc"):
+    for op, prefs in kernels.GPU_PREFERENCE.items():
+      assert kernels.for_platform("auto", "gpu", op) == prefs[0]
+    assert kernels.for_platform("auto", "gpu") == "triton"
+  # Our use of the deprecated backend: one note, however often "auto" picks it.
+  notes = [r for r in caplog.records if r.name == "jax_kvalloc"]
+  assert len(notes) == 1 and notes[0].levelno == logging.INFO, notes
+  assert "deprecates that backend" in notes[0].getMessage()
+  caplog.clear()
   kernels._say_fallback.cache_clear()  # pylint: disable=protected-access
   monkeypatch.setattr(kernels, "_triton_problem", lambda: "removed (test)")
   with caplog.at_level(logging.INFO, logger="jax_kvalloc"):
