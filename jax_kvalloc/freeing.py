@@ -186,7 +186,7 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
   return kernels.by_device(
       config.kernel, state.free_ring,
       lambda name: PAGED_FREE[paged_free_implementation(config, name, m)](
-          config, state, free_index))
+          config, state, free_index), "free")
 
 
 def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:

@@ -343,7 +343,9 @@ def test_kernel_choice():
   # registry holds the implementations kernels.REGISTRY names (and their interpreters).
   assert set(kv.config.KERNELS) == set(kernels.CONCRETE + kernels.BY_PLATFORM)
   for name in kernels.CONCRETE:
-    assert kernels.family(name)[0] in kernels.REGISTRY["alloc_extend"]
+    assert kernels.family(name)[0] in kernels.REGISTRY["alloc_decode"]
+  for op, prefs in kernels.GPU_PREFERENCE.items():
+    assert set(prefs) <= set(kernels.REGISTRY[op]) | {"jnp"} and prefs[-1] == "jnp"
   from jax_kvalloc import freeing  # pylint: disable=g-import-not-at-top
   assert set(freeing.PAGED_FREE) == set(kernels.REGISTRY["free"]) | {"triton_interpret"}
 

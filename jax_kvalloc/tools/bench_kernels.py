@@ -396,7 +396,7 @@ def _pairs(text: str) -> List[Tuple[int, int]]:
 def cases(o):
   accel = jax.default_backend() != "cpu"
   jax_impls = [i for i in o.impls if bench.parse_impl(i)[0] in KERNELS and (accel or not (
-      bench.parse_impl(i)[0] in ("pallas", "triton", "mosaic")))]
+      bench.parse_impl(i)[0] in ("pallas", "triton", "mosaic", "mosaic_gpu")))]
   if jax_impls:  # the harness's own floor: a scalar call
     yield bench.Case({"op": "harness", "bs": 1, "tokens": 1}, jax_impls[0], lambda: bench.Timed(
         lambda opts: {"us": bt.loop_overhead(unroll=opts.unroll, min_time=opts.min_time,
@@ -411,7 +411,7 @@ def cases(o):
         base, _ = bench.parse_impl(impl)
         if (base == "eager") != (op == "free") and base in ("eager", "fused", "sglang"):
           continue  # eager: free only; fused kernels and SGLang's: decode, extend only
-        if base in ("pallas", "triton", "mosaic", "fused") and not accel:
+        if base in ("pallas", "triton", "mosaic", "mosaic_gpu", "fused") and not accel:
           yield bench.Case(row, impl, lambda: bench.skipped(
               "no GPU/TPU: the Pallas kernels need one"))
           continue

@@ -145,9 +145,24 @@ def step_call(case: TableCase, variant: str):
   return functools.partial(table_step, case, variant=variant)
 
 
+CHECK_STEPS = 200
+
+
+def loop_output(case: TableCase, variant: str, steps: int = CHECK_STEPS):
+  """What `steps` steps of the variant leave from the case's initial table: every step's
+  slots, then the final pool and table (the leaves, as host arrays). A row's calls and
+  step columns, on any kernel family, must all leave the same."""
+  call = step_call(case, variant)
+  run = jax.jit(lambda carry: jax.lax.scan(
+      lambda c, _: call(c, jnp.zeros((), jnp.int32)), carry, None, length=steps))
+  carry, outs = run(initial_carry(case))
+  return tuple(np.asarray(x) for x in jax.tree_util.tree_leaves((outs, carry[:2])))
+
+
 def chained_timed(case: TableCase, variant: str) -> bench.Timed:
   """The chained step; whether 200 steps of it run without a refusal ("ok"); on a GPU the
-  kernels' own GPU time per step over 20 loop iterations, from CUPTI."""
+  kernels' own GPU time per step over 20 loop iterations, from CUPTI. The calls and step
+  columns' output: `loop_output`."""
   call, carry, zero = step_call(case, variant), initial_carry(case), jnp.zeros((), jnp.int32)
   timed = bench.chained(call, carry, zero)
 
@@ -168,7 +183,9 @@ def chained_timed(case: TableCase, variant: str) -> bench.Timed:
     return dict(out, kernels_us=sum(d for d, n in kernels if "jax_kvalloc" in n) / steps,
                 all_kernels_us=sum(d for d, _ in kernels) / steps,
                 activities_per_step=len(acts) / steps)
-  return bench.Timed(measure)
+  output = (functools.partial(loop_output, case, variant)
+            if variant in ("calls", "step") else None)
+  return bench.Timed(measure, output)
 
 
 def sglang_timed(case: TableCase) -> bench.Timed:
@@ -221,11 +238,17 @@ def cases(o):
         case = TableCase(bs=bs, page_size=ps, prompt=o.prompt, max_frees=o.max_frees,
                          seed=o.seed, extend=step == "extend", kernel=o.kernel)
         row = {"step": step, "bs": bs, "page_size": ps}
-        for v in ("none", "calls", "step", "floor") if i == 0 else ("none", "step"):
-          if v == "floor" and jax.default_backend() != "gpu":
+        # A column may name its pool's kernel family: step[kernel=mosaic_gpu].
+        for spec in o.impls:
+          v, kw = bench.parse_impl(spec)
+          if (i > 0 and v not in ("none", "step")) or (
+              v == "floor" and jax.default_backend() != "gpu"):
             continue
-          yield bench.Case(row, v, functools.partial(chained_timed, case, v))
-        yield bench.Case(row, "sglang", functools.partial(sglang_timed, case))
+          if v == "sglang":
+            yield bench.Case(row, spec, functools.partial(sglang_timed, case))
+            continue
+          c = dataclasses.replace(case, kernel=kw.get("kernel", case.kernel))
+          yield bench.Case(row, spec, functools.partial(chained_timed, c, v))
 
 
 def render(record: Dict[str, Any]) -> str:
@@ -246,10 +269,32 @@ def render(record: Dict[str, Any]) -> str:
   return (report.table(["step", "bs", "ps", "stand-ins (us)", "share: calls",
                         "share: step_rows", "floor: 1 launch", "kernels: calls",
                         "kernels: step_rows", "SGLang eager", "step_rows <= target"], body)
+          + _shares(record)
           + "\n\nshare = column - stand-ins (us per step, device time); kernels = the "
           "jax_kvalloc kernels' own GPU time per step (CUPTI); SGLang has no request "
           "table: its column is the host time per step of the same work as eager class "
           "calls.\n\n" + bench.table(record, SUITE))
+
+
+def _shares(record: Dict[str, Any]) -> str:
+  """Where columns name kernel families (step[kernel=...]): each column's share, median
+  [q1, q3] of the step less the stand-ins' median, and its kernels' GPU time."""
+  names = [i for r in record["rows"] for i in r["cells"] if "[" in i]
+  names = list(dict.fromkeys(names))
+  if not names:
+    return ""
+  f = report.fmt_us
+
+  def cell(r, name):
+    c, none = r["cells"].get(name), r["cells"].get("none", {}).get("us")
+    if not c or "us" not in c or none is None:
+      return "-" if not c else c.get("error", "-")[:30]
+    q = (f" [{f(c['q1_us'] - none)}, {f(c['q3_us'] - none)}]" if "q1_us" in c else "")
+    return f"{f(c['us'] - none)}{q} / {f(c.get('kernels_us'))}"
+  body = [[r["step"], r["bs"], r["page_size"]] + [cell(r, n) for n in names]
+          for r in record["rows"]]
+  return ("\n\nshare [q1, q3] / kernels (us per step) per column:\n"
+          + report.table(["step", "bs", "ps"] + names, body))
 
 
 SUITE = bench.Suite(
