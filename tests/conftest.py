@@ -2,6 +2,7 @@
 import os
 import pathlib
 
+import jax.numpy as jnp
 import pytest
 
 # Several host devices for the data-parallel rank tests (test_ranks.py): XLA reads this
@@ -292,3 +293,31 @@ def golden_path():
       pytest.fail(message)  # CI never skips them silently
     pytest.skip(message)
   return GOLDEN
+
+
+@pytest.fixture
+def drop_first_free(monkeypatch):
+  """drop_first_free(module): patches module.release_rows (jax_kvalloc.request_table or
+  swa_table) so that the first row of every release frees nothing (its pages are no
+  longer the row's), for `jax-kvalloc simulate`'s leak checks to find. The simulator's
+  compiled loops are dropped before the patched run and after the test."""
+  from jax_kvalloc import swa_table  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
+
+  def patch(module):
+    real = module.release_rows
+
+    def dropping(config, state, table, rows, *, num_rows=None):
+      n = table.lens.shape[0]
+      first = jnp.where(num_rows > 0, rows[0], n)
+      if module is swa_table:
+        table = table._replace(lens=table.lens.at[first].set(0, mode="drop"))
+      else:
+        end = -(-table.lens[jnp.minimum(first, n - 1)] // config.page_size)
+        table = table._replace(owned_from=table.owned_from.at[first].set(end, mode="drop"))
+      return real(config, state, table, rows, num_rows=num_rows)
+    monkeypatch.setattr(module, "release_rows", dropping)
+    simulate.clear_compiled()
+
+  yield patch
+  simulate.clear_compiled()

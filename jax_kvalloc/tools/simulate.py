@@ -91,7 +91,6 @@ class SimConfig:
   max_steps: int = 1_000_000   # a run that needs more steps fails
   driver: str = "device"
   steps_per_call: int = 256    # device driver: iterations per call (a multiple of runs_every)
-  inject_leak: bool = False    # test hook: the first finished request's free is lost
   swa_window: int = 0          # SWA mode: the window in tokens; 0 = off
   swa_ratio: float = 0.25      # SWA mode: SWA pool slots / pool_size (whole pages)
 
@@ -292,7 +291,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
                tokens=bucket(cfg.max_prefill_tokens, 1), frees=cfg.max_frees,
                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
                prefix_width=max(1, cdiv(prefix_hi, page_size)),
-               branch=branches(), inject_leak=cfg.inject_leak)
+               branch=branches())
   if cfg.swa_window <= 0:
     return lay
   swa_pages = int(round(cfg.swa_ratio * cfg.pool_size / page_size))
