@@ -53,6 +53,7 @@ class|150|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $B class --impls device,host,torch_
 swa|200|$B swa --device cuda --sglang-bundle $SGB --reps 100 --json \$DIR/swa.json
 simulate|150|$KV simulate --no-progress --driver device --json \$DIR/simulate.json
 simulate-host|200|$KV simulate --no-progress --driver host --json \$DIR/simulate-host.json
+simulate-profile|150|$B simulate --impls device,profile --page-sizes 16,64 --num-requests 200 --json \$DIR/simulate-profile.json
 ranks|90|$B ranks --devices 1,2 --json \$DIR/ranks.json"
 
 DRY=0

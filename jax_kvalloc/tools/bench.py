@@ -75,7 +75,7 @@ SUITES = {  # name -> "module:attribute" of its Suite
     "swa": "jax_kvalloc.tools.bench_classes:SWA",
     "ranks": "jax_kvalloc.tools.bench_ranks:RANKS",
     "processes": "jax_kvalloc.tools.bench_ranks:PROCESSES",
-    "simulate": "jax_kvalloc.tools.bench_serving:SIMULATE",
+    "simulate": "jax_kvalloc.tools.bench_simulate:SUITE",
 }
 QUICK = {"reps": 3, "min_time": 0.005, "unroll": 4}
 

@@ -1,4 +1,4 @@
-"""`jax-kvalloc bench serving` and `bench simulate`: whole serving steps.
+"""`jax-kvalloc bench serving`: whole serving steps.
 
 serving: N decode steps of a full batch, each step freeing the requests that finished in
 the previous one (one free group) and allocating one slot per request (alloc_decode),
@@ -19,15 +19,12 @@ request, so the batch stays full and the pool never runs out. Columns:
                  free, free_group_end, last_loc gather, alloc_decode, table write)
 
 jit and torch run the same steps from the same state and must end with identical
-tables, lengths and free lists (their outputs). simulate: `jax-kvalloc simulate`'s run
-per page size and driver (device: the scheduler's loop on the device; host: one jitted
-call per step), its median step time and the quartiles over steps.
+tables, lengths and free lists (their outputs).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
@@ -302,35 +299,3 @@ SERVING = bench.Suite(
           bench.Dim("--warmup", 20, "steps before the parity point", quick=5),
           bench.Dim("--seed", 0, "seed of the initial lengths and pool")),
     render=lambda r: bench_kernels.render(bench_kernels.legacy(r)))
-
-
-# ---------------------------------------------------------------------------------------
-# The main job.
-# ---------------------------------------------------------------------------------------
-
-def simulate_timed(o, page_size: int, driver: str) -> bench.Timed:
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
-
-  def measure(opts) -> Dict[str, Any]:
-    del opts
-    cfg = simulate.SimConfig(num_requests=o.num_requests, page_sizes=(page_size,),
-                             driver=driver, kernel=o.kernel, seed=o.seed)
-    r = simulate.run(cfg, progress=False).results[0]
-    q1, q3 = bt.quartiles(r.step_us)
-    return {"us": float(np.median(r.step_us)), "q1_us": q1, "q3_us": q3,
-            "min_us": min(r.step_us), "steps": r.steps, "compile_s": r.compile_s,
-            "wall_s": r.wall_s, "alloc_failures": r.alloc_failures,
-            "leak_check": r.leak_check}
-  return bench.Timed(measure)
-
-
-SIMULATE = bench.Suite(
-    name="simulate", help="the main job (jax-kvalloc simulate) per page size and driver: "
-    "time per scheduler step", impls=("device", "host"),
-    cases=lambda o: (bench.Case({"page_size": ps}, d, functools.partial(
-        simulate_timed, o, ps, d)) for ps in o.page_sizes for d in ("device", "host")),
-    dims=(bench.Dim("--page-sizes", [1, 16, 64], "page sizes", quick=[16]),
-          bench.Dim("--num-requests", 600, "requests in the workload", quick=40),
-          bench.Dim("--kernel", "auto", "AllocatorConfig.kernel"),
-          bench.Dim("--seed", 0, "seed of the workload")),
-    compare=(("device", "host"),))
