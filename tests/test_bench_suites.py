@@ -122,7 +122,7 @@ def test_kernels_free_and_torch_ref(tmp_path, capsys):
   cells = {(r["op"], r["bs"]): r["cells"] for r in rec["rows"]}
   assert cells[("free", 2)]["eager"]["us"] > 0 and cells[("free", 2)]["jnp"]["us"] > 0
   if "torch_ref" in rec["skipped"]:  # no torch here (the 3.12 venv)
-    assert "note: torch_ref column skipped: torch_ref unavailable" in text
+    assert "note: torch_ref column skipped: torch unavailable" in text
   else:
     assert "torch_ref (us)" in text and "torch_ref / jnp host" in text
   assert "MISMATCH" not in text
@@ -246,7 +246,7 @@ def test_swa_class_calls_compile_nothing_after_warmup():
   """The timed class calls (extend, decode, window free through free_swa, finishes
   through free / free_full) run their second round without compiling."""
   impl = bench_classes.SWAImpl("class", _swa_opts())
-  seq = bench_classes.decode_lens(5, 4)
+  seq = bench.decode_lens(5, 4, np.random.default_rng(0))
   last = impl.prefill(seq - 1)[impl.ints(np.cumsum(seq - 1) - 1)]
 
   def round_():

@@ -53,6 +53,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib
+import importlib.util
 import os
 import platform
 import re
@@ -201,6 +202,48 @@ def same(a: Any, b: Any) -> bool:
   if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
   return np.array_equal(as_int_list(a), as_int_list(b))
+
+
+def load_file(path: str, name: str) -> Any:
+  """The module in the file `path`, imported as `name` (third-party code is loaded by
+  path, never copied)."""
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def torch_device() -> Tuple[Any, str]:
+  """(torch, "cuda" where torch sees a GPU, else "cpu"); Skip without torch."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise Skip(f"torch unavailable ({e})")
+  return torch, "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sglang(bundle: Optional[str] = None) -> Any:
+  """jax_kvalloc.tools.sglang_oracle once SGLang's allocator imports, where it is not
+  installed from the bundle folder `bundle` (sglang_oracle.use_bundle); Skip if not."""
+  torch_device()
+  from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
+  if sglang_oracle.import_error() is not None:
+    try:
+      sglang_oracle.use_bundle(bundle)
+    except FileNotFoundError as e:
+      raise Skip(str(e))
+  if sglang_oracle.import_error():
+    raise Skip(sglang_oracle.import_error())
+  return sglang_oracle
+
+
+def decode_lens(n: int, page_size: int, rng: np.random.Generator) -> np.ndarray:
+  """i64[n] seq_lens of a decode batch: rows 0, ps, 2ps, ... start a page (seq % ps ==
+  1), the others continue one."""
+  ps = page_size
+  seq = ps * rng.integers(1, 4, n) + rng.integers(2, ps + 1, n)
+  seq[::ps] = ps * rng.integers(1, 4, len(seq[::ps])) + 1
+  return seq.astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------

@@ -243,8 +243,7 @@ def _summary(times: Sequence[float]) -> Dict[str, float]:
           "n": int(t.size)}
 
 
-def processes_timed(o, layout: str, how: str) -> bench.Timed:
-  processes, devices = (int(x) for x in layout.split("x"))
+def processes_timed(o, processes: int, devices: int, how: str) -> bench.Timed:
   items = tuple(sorted((k, getattr(o, k)) for k in WORKER_OPTIONS + ("deadline",)))
 
   def measure(opts):
@@ -260,32 +259,25 @@ def processes_timed(o, layout: str, how: str) -> bench.Timed:
   return bench.Timed(measure)
 
 
-def _layouts(text: str):
-  items = [x.split("x") for x in text.split(",") if x]
-  if not items or any(len(x) != 2 or not all(v.isdigit() and int(v) > 0 for v in x)
-                      for x in items):
-    raise argparse.ArgumentTypeError(f"expected PxD,... (e.g. 1x2,2x2), got {text!r}")
-  return ["x".join(x) for x in items]
-
-
 def processes_cases(o):
   if o.steps < o.chain or (o.pages_per_rank - o.decode_rows - 1) * o.page_size < (
       o.steps * o.decode_rows):
     raise cli.UsageError("--steps", "must be >= --chain, and each rank's pool must last "
                          "--steps steps (pages_per_rank * page_size >= steps * decode_rows "
                          "+ a page per row)")
-  for layout in o.layouts:
+  for processes, devices in o.layouts:
     for how in ("call", "chained"):
-      yield bench.Case({"layout": layout, "ranks_per_device": o.ranks_per_device}, how,
-                       functools.partial(processes_timed, o, layout, how))
+      yield bench.Case({"layout": f"{processes}x{devices}",
+                        "ranks_per_device": o.ranks_per_device}, how,
+                       functools.partial(processes_timed, o, processes, devices, how))
 
 
 PROCESSES = bench.Suite(
     name="processes", help="a ranked decode step over several JAX processes on this "
     "machine against one process", impls=("call", "chained"), cases=processes_cases,
     defaults=(("reps", 3),),
-    dims=(bench.Dim("--layouts", ["1x2", "1x4", "2x2"], "processes x CPU devices per "
-                    "process", _layouts, quick=["1x2", "2x1"]),
+    dims=(bench.Dim("--layouts", "1x2,1x4,2x2", "processes x CPU devices per process",
+                    cli.pairs("PxD", "1x2,2x2"), quick="1x2,2x1"),
           bench.Dim("--ranks-per-device", 4, "ranks per device", quick=2),
           bench.Dim("--pages-per-rank", 4096, "pool pages per rank", quick=64),
           bench.Dim("--page-size", 16, "page size"),

@@ -233,10 +233,9 @@ def scan_timed(case: ServingCase, variant: str) -> bench.Timed:
 
 def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
   """The same loop through torch_ref's eager class, as SGLang's scheduler drives it."""
-  torch = bench_kernels._torch()  # pylint: disable=protected-access
+  torch, dev = bench.torch_device()
   import torch_ref  # pylint: disable=g-import-not-at-top
-  cuda = torch.cuda.is_available()
-  dev = torch.device("cuda" if cuda else "cpu")
+  cuda = dev == "cuda"
   ps = case.page_size
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
                                                 False)

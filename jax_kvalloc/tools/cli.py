@@ -15,7 +15,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 COMMANDS = (
     ("simulate", "jax_kvalloc.tools.simulate_cli",
@@ -108,6 +108,19 @@ def positive(kind: Callable[[str], Any] = int, minimum: Any = 1,
       raise argparse.ArgumentTypeError(f"must be >= {minimum}{top}, got {text!r}")
     return value
   parse.__name__ = kind.__name__
+  return parse
+
+
+def pairs(what: str, example: str) -> Callable[[str], List[Tuple[int, int]]]:
+  """An argparse type: 'AxB,...' (`what`, e.g. BSxTOKENS) -> [(A, B), ...], each >= 1."""
+  def parse(text: str) -> List[Tuple[int, int]]:
+    try:
+      out = [tuple(int(v) for v in item.lower().split("x")) for item in _split(text)]
+    except ValueError:
+      out = []
+    if not out or any(len(p) != 2 or min(p) < 1 for p in out):
+      raise argparse.ArgumentTypeError(f"expected {what},... (e.g. {example}), got {text!r}")
+    return out
   return parse
 
 
