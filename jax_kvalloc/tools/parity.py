@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
                                     segment_prob=args.segment_prob)
       n, f = stats.steps, stats.failed_allocs
       written += run_generated(config, impls, stats)
-      say(f"seed {config.seed}: {config.resolved_kind} page_size={config.page_size} "
+      say(f"seed {config.seed}: {config.kind} page_size={config.page_size} "
           f"size={config.size} need_sort={config.need_sort}: {stats.steps - n} steps "
           f"match ({stats.failed_allocs - f} failed allocations)")
   except ParityMismatch as e:
