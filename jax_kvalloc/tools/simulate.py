@@ -53,7 +53,7 @@ from jax_kvalloc.swa import SWAConfig
 from jax_kvalloc.tools import simulate_step as sstep
 from jax_kvalloc.tools.cli import UsageError
 from jax_kvalloc.tools.simulate_step import COL, Layout, record_columns
-from jax_kvalloc.tools.workload import ARRIVALS, Workload, make_workload, parse_dist
+from jax_kvalloc.tools.workload import ARRIVALS, FORMS, Workload, make_workload, parse_dist
 
 DRIVERS = ("device", "host")
 STATUS_LAG = 8  # host driver: calls between launching a step and reading its record
@@ -103,7 +103,6 @@ class SimConfig:
 
 
 INT32_MAX = 2**31 - 1
-_FORMS = "const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX] or exp:MEAN[:MAX]"
 
 
 def _is_dist(spec) -> bool:
@@ -126,7 +125,7 @@ RULES = {
                              "max_prefill_tokens", "max_prefill_reqs", "max_frees",
                              "steps_per_call", "runs_every", "max_steps")},
     **{f: _ints(0) for f in ("num_prefixes", "seed", "swa_window")},
-    **{f: (_is_dist, f"a length distribution: {_FORMS}")
+    **{f: (_is_dist, f"a length distribution: {FORMS}")
        for f in ("prompt_len", "output_len", "prefix_len")},
     "rate": (lambda v: v > 0, "a number > 0"),
     "share_prob": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
@@ -265,7 +264,7 @@ class SimResult:
                for r in self.results)
 
 
-def _pct(x: Sequence[float], q: float) -> float:
+def percentile(x: Sequence[float], q: float) -> float:
   return float(np.percentile(np.asarray(x, np.float64), q)) if len(x) else 0.0
 
 
@@ -505,7 +504,7 @@ def run_page_size(cfg: SimConfig, wl: Workload, prep: Prepared,
   res.runs_final = int(jax.jit(sstep.free_list_runs)(carry.state))
   finish_result(res, records)
   res.step_us = times
-  res.step_us_p50, res.step_us_p99 = _pct(times, 50), _pct(times, 99)
+  res.step_us_p50, res.step_us_p99 = percentile(times, 50), percentile(times, 99)
   res.step_kind = ["prefill" if k == sstep.KIND_PREFILL else "decode"
                    for k in records[:, COL["kind"]]]
   final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
@@ -573,7 +572,7 @@ def finish_result(res: PageSizeResult, records: np.ndarray) -> None:
     res.refused_swa = int(np.sum((refused & 2) != 0))
 
 
-def _partition(name: str, ps: int, n: int, parts: Sequence[np.ndarray]) -> int:
+def check_partition(name: str, ps: int, n: int, parts: Sequence[np.ndarray]) -> int:
   """Checks that the parts hold pages 1..n exactly once; returns their total."""
   everything = np.concatenate(parts).astype(np.int64)
   uniq = np.unique(everything)
@@ -600,8 +599,8 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
   free, release = st.live_free_pages(full), st.live_release_pages(full)
   res.free_list_final, res.release_list_final = free.tolist(), release.tolist()
   if lay.swa is not None:
-    n_full = _partition(", full pool", ps, lay.num_pages, [free, release])
-    n_swa = _partition(", SWA pool", ps, lay.swa_pages, [
+    n_full = check_partition(", full pool", ps, lay.num_pages, [free, release])
+    n_swa = check_partition(", SWA pool", ps, lay.swa_pages, [
         st.live_free_pages(state.swa), st.live_release_pages(state.swa)])
     mapped = np.flatnonzero(swa_core.live_mapping(state)[:-1])
     if mapped.size:
@@ -619,7 +618,7 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
                            f"tokens from column {int(owned[r + g])}, the scheduler "
                            f"expects {want} from column 0")
     held.append(pages[r + g, :want // ps])
-  _partition("", ps, lay.num_pages, [free, release] + held)
+  check_partition("", ps, lay.num_pages, [free, release] + held)
   res.free_pages_final = int(free.size + release.size)
   res.in_use_final = lay.num_pages - res.free_pages_final
   res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "
@@ -627,12 +626,8 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
 
 
 def versions() -> Dict[str, str]:
-  import platform  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import __version__  # pylint: disable=g-import-not-at-top
-  return {"python": platform.python_version(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-          "jax_kvalloc": __version__}
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  return bench.versions(("jax", "jaxlib", "numpy", "jax_kvalloc"))
 
 
 def device_name() -> str:
@@ -662,28 +657,6 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
   cache = jax.config.jax_compilation_cache_dir or ""
   return SimResult(dataclasses.asdict(cfg), device_name(), versions(), out,
                    compile_wall_s=compile_s, compile_cache=cache)
-
-
-def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
-  """Replays the traces in `path` (jax_kvalloc.tools.traces format), one result per page
-  size."""
-  from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
-  if cfg.swa_window:
-    raise SimConfigError("--swa-window", "does not apply to --trace (a trace replays its "
-                         "own operations)")
-  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
-  try:
-    records = traces.read(path)
-    for recs in records.values():
-      traces.init_args(recs[0].get("args", {}))
-  except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-    raise SimConfigError("--trace", f"{path} is not a readable trace file ({e})") from None
-  if not records:
-    raise SimConfigError("--trace", f"{path} holds no trace")
-  results = simulate_trace.run_trace(records, kernel=cfg.kernel, runs_every=cfg.runs_every,
-                                     progress=progress)
-  conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
-  return SimResult(conf, device_name(), versions(), results, mode="trace")
 
 
 def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:

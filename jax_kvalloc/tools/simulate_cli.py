@@ -145,7 +145,8 @@ def run(args) -> int:
   try:
     with persistent_cache(cache):
       if args.trace:
-        result = simulate.run_trace(cfg, args.trace, progress=progress)
+        from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
+        result = simulate_trace.run(cfg, args.trace, progress=progress)
       else:
         result = simulate.run(cfg, progress=progress)
   except simulate.LeakCheckError as e:
