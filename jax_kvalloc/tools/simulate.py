@@ -258,11 +258,6 @@ class SimResult:
   compile_wall_s: float = 0.0  # every page size's compile, together (they overlap)
   compile_cache: str = ""      # the persistent compilation cache's folder, "" when off
 
-  @property
-  def ok(self) -> bool:
-    return all(r.leak_check.startswith("ok") and r.alloc_failures == 0
-               for r in self.results)
-
 
 def percentile(x: Sequence[float], q: float) -> float:
   return float(np.percentile(np.asarray(x, np.float64), q)) if len(x) else 0.0
