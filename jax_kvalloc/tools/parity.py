@@ -252,8 +252,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="need_sort of generated traces")
   p.add_argument("--segment-prob", type=positive(float, 0.0, 1.0), default=0.25,
                  metavar="P", help="chance that a generated trace frees a finished request "
-                 "through free_segment/free_page_ids (SPEC 10); 0: traces of earlier "
-                 "versions")
+                 "through free_segment/free_page_ids (SPEC 10); 0: none")
   p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                  help="device of the jax and torch allocators")
   p.add_argument("--kernel", default="jnp", choices=KERNELS,

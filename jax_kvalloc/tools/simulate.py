@@ -25,9 +25,8 @@ token once it decodes: `simulate_step.swa_need`). Page sizes > 1 only, and no pr
 sharing (the SWA request table has no borrowed prefixes); the leak check covers both pools
 and the mapping.
 
-The question it answers (the seed write-up's): what a larger page costs in slots
-allocated but unused inside pages, against what it saves in management (free-list
-entries, per-step time).
+The table answers what a larger page costs in slots allocated but unused inside pages,
+against what it saves in management (free-list entries, per-step time).
 """
 from __future__ import annotations
 
