@@ -222,13 +222,12 @@ def _layout(o_items: tuple, processes: int, devices: int) -> Dict[str, Any]:
   """Every process's times for one layout (run once for both columns)."""
   o = dict(o_items)
   with tempfile.TemporaryDirectory() as tmp:
-    common = ["--num-processes", str(processes), "--port", str(local_processes.free_port()),
-              "--out", tmp, "--devices-per-process", str(devices), "--reps", str(o["reps"])]
-    for name in WORKER_OPTIONS:
-      common += ["--" + name.replace("_", "-"), str(o[name])]
-    results = local_processes.run(
-        [[sys.executable, "-m", "jax_kvalloc.tools.bench_ranks", "--worker", str(w)] + common
-         for w in range(processes)], deadline_s=o["deadline"], env=local_processes.child_env())
+    job = dict(o, num_processes=processes, devices_per_process=devices, out=tmp,
+               port=local_processes.free_port())
+    argv = lambda w: [sys.executable, "-m", "jax_kvalloc.tools.bench_ranks",
+                      json.dumps(dict(job, worker=w))]
+    results = local_processes.run([argv(w) for w in range(processes)],
+                                  deadline_s=o["deadline"], env=local_processes.child_env())
     for res in results:
       if res.returncode:
         raise RuntimeError(f"a worker exited {res.returncode}:\n{res.stderr[-4000:]}")
@@ -287,10 +286,5 @@ PROCESSES = bench.Suite(
           bench.Dim("--deadline", 600, "seconds per layout")))
 
 
-if __name__ == "__main__":  # a worker of `bench processes`
-  p = argparse.ArgumentParser()
-  for flag in ("worker", "num-processes", "devices-per-process", "port", "reps") + tuple(
-      n.replace("_", "-") for n in WORKER_OPTIONS):
-    p.add_argument("--" + flag, type=int)
-  p.add_argument("--out")
-  worker(p.parse_args())
+if __name__ == "__main__":  # a worker of `bench processes`: its settings as JSON
+  worker(argparse.Namespace(**json.loads(sys.argv[1])))
