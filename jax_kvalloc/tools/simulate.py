@@ -348,29 +348,22 @@ class Prepared(NamedTuple):
   options: str
 
 
-_COMPILED: Dict[Any, Tuple[Any, Any, str]] = {}
-
-
 def clear_compiled() -> None:
-  """Forgets the programs compiled in this process (after patching what they call)."""
-  _COMPILED.clear()
+  """Forgets the programs traced and compiled in this process (after patching what
+  they call)."""
   sstep.run_steps.clear_cache()
   sstep.host_step.clear_cache()
 
 
 def prepare(cfg: SimConfig, wl: Workload, page_size: int) -> Prepared:
   """Lays out and compiles one page size (thread-safe: the page sizes compile at once);
-  a second run of the same shapes in this process reuses the programs."""
+  a second run of the same shapes in this process reuses jax's traces and programs."""
   if not _LISTENING:
     _LISTENING.append(jax.monitoring.register_event_listener(_on_event))
   t0 = time.perf_counter()
   lay = make_layout(cfg, wl, page_size)
   dwl = device_workload(cfg, wl)
   carry = jax.jit(sstep.init_carry, static_argnums=0)(lay)
-  key = (cfg.driver, lay, wl.num_requests, cfg.steps_per_call, cfg.runs_every)
-  if key in _COMPILED:
-    fn, census, used = _COMPILED[key]
-    return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, False, used)
   if cfg.driver == "device":
     blocks = -(-cfg.steps_per_call // cfg.runs_every)
     lowered = sstep.run_steps.lower(lay, dwl, carry, blocks=blocks,
@@ -388,7 +381,6 @@ def prepare(cfg: SimConfig, wl: Workload, page_size: int) -> Prepared:
   if cfg.driver == "host":
     census = sstep.census.lower(carry.state).compile()
   used = ",".join(f"{k}={v}" for k, v in options.items()) or "default XLA options"
-  _COMPILED[key] = (fn, census, used)
   return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, hit, used)
 
 
