@@ -11,8 +11,8 @@ reads the device's operations from the trace (on a GPU the kernels, copies and m
 on its streams; on the CPU XLA's thunks): per step, how many and their busy time, by
 kind (the operation's name without its number) and by the step's named scope
 (jax_kvalloc.tools.simulate_step names its table phases; the rest is the scheduler's
-"plan"). It also times the loop's first lowering and XLA compile (wall and process CPU
-seconds) and counts the compiled loop body's kernel-like operations by scope. A step is
+"plan"). It also times the loop's first lowering and XLA compile (process CPU seconds)
+and counts the compiled loop body's kernel-like operations by scope. A step is
 an iteration that ran a prefill or a decode; idle and trailing iterations count towards
 the operations and device time, so per-step figures are slightly high. To compare two
 trees, run it in each (PYTHONPATH=THAT_TREE) with the same options.
@@ -27,7 +27,6 @@ import json
 import os
 import re
 import tempfile
-import time
 from typing import Any, Dict, List, Tuple
 
 import jax
@@ -126,52 +125,28 @@ def device_ops(trace_dir: str) -> List[Tuple[str, float]]:
   return out
 
 
-def compile_split(cfg: simulate.SimConfig, wl, page_size: int) -> Dict[str, float]:
-  """The device loop's lowering (tracing included) and XLA compile, each as wall and
-  process CPU seconds, and the compiled module's HLO instructions (jax's caches cleared
-  first: nothing of this process is reused)."""
-  jax.clear_caches()
-  lay = simulate.make_layout(cfg, wl, page_size)
-  carry = jax.jit(sstep.init_carry, static_argnums=0)(lay)
-  c0, w0 = time.process_time(), time.perf_counter()
-  lowered = sstep.run_steps.lower(lay, simulate.device_workload(cfg, wl), carry,
-                                  blocks=-(-cfg.steps_per_call // cfg.runs_every),
-                                  runs_every=cfg.runs_every)
-  c1, w1 = time.process_time(), time.perf_counter()
-  try:
-    compiled = lowered.compile(simulate.COMPILE_OPTIONS.get(jax.default_backend(), {}))
-  except Exception:  # pylint: disable=broad-except  (options this jaxlib does not take)
-    compiled = lowered.compile()
-  c2, w2 = time.process_time(), time.perf_counter()
-  return {"lower_s": w1 - w0, "lower_cpu_s": c1 - c0, "xla_compile_s": w2 - w1,
-          "xla_compile_cpu_s": c2 - c1, "hlo_instructions": compiled.as_text().count(" = ")}
-
-
 def profile_timed(o, page_size: int) -> bench.Timed:
   """The device driver's steps from the device's timeline (the module docstring)."""
   def measure(opts) -> Dict[str, Any]:
     del opts
     cfg = _config(o, page_size)
     wl = cfg.workload()
-    split = compile_split(cfg, wl, page_size)
-    saved = dict(simulate.COMPILE_OPTIONS)
+    jax.clear_caches()  # the loop's first lowering and compile, nothing reused
+    prep = simulate.prepare(cfg, wl, page_size)
+    split = {"lower_cpu_s": prep.cpu_s[0], "xla_compile_cpu_s": prep.cpu_s[1],
+             "hlo_instructions": prep.fn.as_text().count(" = ")}
     if jax.default_backend() == "gpu":
-      simulate.COMPILE_OPTIONS["gpu"] = dict(saved.get("gpu", {}), **NO_GRAPHS)
-    simulate.clear_compiled()
-    try:
-      prep = simulate.prepare(cfg, wl, page_size)
-      run = lambda: simulate.run_page_size(cfg, wl, prep._replace(
-          carry=jax.jit(sstep.init_carry, static_argnums=0)(prep.lay)), False)
-      run()  # warm-up
-      plain = run()
-      with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-          res = run()
-        ops = device_ops(tmp)
-      names, body = hlo_scopes(prep.fn.as_text())
-    finally:
-      simulate.COMPILE_OPTIONS.update(saved)
-      simulate.clear_compiled()
+      prep = simulate.prepare(cfg, wl, page_size, options=dict(
+          simulate.COMPILE_OPTIONS["gpu"], **NO_GRAPHS))
+    run = lambda: simulate.run_page_size(cfg, wl, prep._replace(
+        carry=jax.jit(sstep.init_carry, static_argnums=0)(prep.lay)), False)
+    run()  # warm-up
+    plain = run()
+    with tempfile.TemporaryDirectory() as tmp:
+      with jax.profiler.trace(tmp):
+        res = run()
+      ops = device_ops(tmp)
+    names, body = hlo_scopes(prep.fn.as_text())
     steps = max(res.steps, 1)
     kinds, scopes = collections.defaultdict(lambda: [0, 0.0]), collections.defaultdict(
         lambda: [0, 0.0])

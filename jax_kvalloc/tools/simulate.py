@@ -343,9 +343,10 @@ class Prepared(NamedTuple):
   carry: sstep.Carry
   fn: Any            # the driver's compiled call: (wl, carry) -> (carry, records, stopped)
   census: Any        # host driver: the compiled free-list census
-  compile_s: float
+  compile_s: float   # wall seconds of the whole preparation
   cache_hit: bool
   options: str
+  cpu_s: Tuple[float, float]  # process CPU seconds of the lowering and the XLA compile
 
 
 def clear_compiled() -> None:
@@ -355,33 +356,38 @@ def clear_compiled() -> None:
   sstep.host_step.clear_cache()
 
 
-def prepare(cfg: SimConfig, wl: Workload, page_size: int) -> Prepared:
+def prepare(cfg: SimConfig, wl: Workload, page_size: int,
+            options: Optional[Dict[str, Any]] = None) -> Prepared:
   """Lays out and compiles one page size (thread-safe: the page sizes compile at once);
-  a second run of the same shapes in this process reuses jax's traces and programs."""
+  a second run of the same shapes in this process reuses jax's traces and programs.
+  options: XLA's compile options (default: COMPILE_OPTIONS of this backend)."""
   if not _LISTENING:
     _LISTENING.append(jax.monitoring.register_event_listener(_on_event))
   t0 = time.perf_counter()
   lay = make_layout(cfg, wl, page_size)
   dwl = device_workload(cfg, wl)
   carry = jax.jit(sstep.init_carry, static_argnums=0)(lay)
+  c0 = time.process_time()
   if cfg.driver == "device":
     blocks = -(-cfg.steps_per_call // cfg.runs_every)
     lowered = sstep.run_steps.lower(lay, dwl, carry, blocks=blocks,
                                     runs_every=cfg.runs_every)
   else:
     lowered = sstep.host_step.lower(lay, dwl, carry)
-  options = COMPILE_OPTIONS.get(jax.default_backend(), {})
+  c1 = time.process_time()
+  options = COMPILE_OPTIONS.get(jax.default_backend(), {}) if options is None else options
   hits = getattr(_HITS, "n", 0)
   try:
     fn = lowered.compile(options)
   except Exception:  # pylint: disable=broad-except
     options, fn = {}, lowered.compile()
   hit = getattr(_HITS, "n", 0) > hits
+  cpu_s = (c1 - c0, time.process_time() - c1)
   census = None
   if cfg.driver == "host":
     census = sstep.census.lower(carry.state).compile()
   used = ",".join(f"{k}={v}" for k, v in options.items()) or "default XLA options"
-  return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, hit, used)
+  return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, hit, used, cpu_s)
 
 
 def compile_all(cfg: SimConfig, wl: Workload, progress: bool) -> Tuple[List[Prepared], float]:
