@@ -35,7 +35,7 @@ Adding a case, a column or a dimension
 --------------------------------------
 - a case: one more `Case` from the suite's `cases` (a new size: its default `Dim` value);
 - a column: a name in the suite's `impls` and a branch (or dict entry) that builds its
-  Timed, e.g. `"jnp-noguard": dict(kernel="jnp", guard=False)` in bench_kernels.JAX_IMPLS;
+  Timed; a column may carry arguments, `jnp[guard=False]` (`parse_impl`);
 - a dimension: `Dim("--name", default, "help")` in the suite's `dims` (it becomes an
   option, `opts.name` in `cases`), e.g. the SWA suite's `--window-free 16,256`;
 - a suite: a module defining a `Suite` and one line in SUITES.

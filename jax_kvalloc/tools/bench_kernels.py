@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -184,16 +184,13 @@ def one_custom_call(call, carry, inputs) -> bool:
   return ops.get("custom-call") == 1 and sum(ops.get(k, 0) for k in kernels) == 1
 
 
-def bare_kernel_time(call, carry, inputs, name_prefix: str = OUR_KERNELS
-                     ) -> Dict[str, float]:
-  """The kernel's own GPU time over BARE_CALLS calls of the bare chain of `call` (one
-  custom call). Needs torch (CUPTI) and a GPU."""
-  run = bt.chain_loop(call, BARE_UNROLL, linked=False)
-  sink = bt.sink_init(call, carry, inputs)
-  iters = np.int32(BARE_CALLS // BARE_UNROLL)
-  jax.block_until_ready(run(carry, inputs, sink, iters))
-  acts = bt.cuda_activities(lambda: jax.block_until_ready(run(carry, inputs, sink, iters)))
-  return bt.kernel_time(acts, name_prefix, min_count=BARE_CALLS // 2)
+def bare_time(run: Callable[[], Any], name_prefix: str) -> Dict[str, float]:
+  """The "bare_" figures of a cell: the own GPU time (CUPTI, through torch.profiler) of
+  the kernels named `name_prefix`* that `run()` launches BARE_CALLS times."""
+  run()  # warm-up
+  tb = bt.kernel_time(bt.cuda_activities(run), name_prefix, min_count=BARE_CALLS // 2)
+  return dict(bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
+              bare_spread=tb["spread"])
 
 
 def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
@@ -225,10 +222,12 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
   if opts.bare and case.op != "free":
     try:
       out["single_launch"] = one_custom_call(call, carry, inputs)
-      if out["single_launch"]:
-        tb = bare_kernel_time(call, carry, inputs)
-        out.update(bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
-                   bare_spread=tb["spread"])
+      if out["single_launch"]:  # the bare chain: BARE_CALLS launches, BARE_UNROLL a loop
+        loop, sink = bt.chain_loop(call, BARE_UNROLL, linked=False), bt.sink_init(
+            call, carry, inputs)
+        iters = np.int32(BARE_CALLS // BARE_UNROLL)
+        out.update(bare_time(lambda: jax.block_until_ready(loop(carry, inputs, sink, iters)),
+                             OUR_KERNELS))
     except Exception as e:  # pylint: disable=broad-except
       out["bare_error"] = bench.error(e)["error"]
   return out
@@ -346,11 +345,8 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
       for _ in range(BARE_CALLS // BARE_UNROLL):
         g.replay()
       torch.cuda.synchronize()
-    tb = bt.kernel_time(bt.cuda_activities(replays), f"alloc_{case.op}_kernel",
-                        min_count=BARE_CALLS // 2)
     return dict(bench.graph(bt.torch_linked(call, inputs)).measure(o),
-                **bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
-                bare_spread=tb["spread"], sglang_version=version)
+                **bare_time(replays, f"alloc_{case.op}_kernel"), sglang_version=version)
   return bench.Timed(measure, lambda: result)
 
 

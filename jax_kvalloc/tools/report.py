@@ -76,18 +76,14 @@ def iqr(cell: Optional[Dict[str, Any]], prefix: str = "") -> Optional[Tuple[floa
 
 
 def write_json(path: str, data: Any) -> None:
+  """`data` as indented JSON, numpy (and jax) values as the Python values they hold."""
   with open(path, "w") as f:
-    json.dump(data, f, indent=1, default=_default)
+    json.dump(data, f, indent=1, default=_plain)
     f.write("\n")
 
 
-def _default(o):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  if isinstance(o, np.integer):
-    return int(o)
-  if isinstance(o, np.floating):
-    return float(o)
-  if isinstance(o, np.ndarray):
+def _plain(o):
+  if hasattr(o, "tolist"):
     return o.tolist()
   raise TypeError(f"cannot write {type(o).__name__} as JSON")
 
