@@ -54,6 +54,7 @@ swa|200|$B swa --device cuda --sglang-bundle $SGB --reps 100 --json \$DIR/swa.js
 simulate|150|$KV simulate --no-progress --driver device --json \$DIR/simulate.json
 simulate-host|200|$KV simulate --no-progress --driver host --json \$DIR/simulate-host.json
 ranks|90|$B ranks --devices 1,2 --json \$DIR/ranks.json
+simulate-profile|150|$B simulate --impls device,profile --page-sizes 16,64 --num-requests 200 --json \$DIR/simulate-profile.json
 mosaic-gpu-decode|300|$B kernels --ops decode --impls jnp,triton,mosaic_gpu --bare --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-decode.json
 mosaic-gpu-table|420|$B table --impls step[kernel=jnp],none,step[kernel=triton],step[kernel=mosaic_gpu] --page-sizes 64 --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-table.json
 mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py"

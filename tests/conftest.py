@@ -2,6 +2,7 @@
 import os
 import pathlib
 
+import jax.numpy as jnp
 import pytest
 
 # Several host devices for the data-parallel rank tests (test_ranks.py): XLA reads this
@@ -78,9 +79,6 @@ SLOW_TESTS = [
      "two subprocesses, each importing jax (9 s idle, 30-40 s on a loaded machine)"),
     ("test_warmup.py", "test_device_last_loc_after_warmup_compiles_nothing", None,
      "compiles every bucket twice"),
-    ("test_bench_harness.py", "test_serving_scan_keeps_every_step",
-     lambda it: it.name.endswith(("[alloc]", "[free]")),
-     "the extra-call variants compile the step twice; the plain and release ones run"),
     ("test_barriers.py", "test_a_dropped_barrier_fails", None,
      "the mutation check lowers both kernels again; the barrier counts run by default"),
     ("test_extend_layouts.py", "test_layouts_exhaustive", None,
@@ -190,8 +188,6 @@ EXHAUSTIVE_TESTS = [
      "page size 64 (1 and 4 run in CI; 64 in test_golden and the parity CLI)"),
     ("test_attention.py", "test_every_kernel_page_sizes_slow", _NAMED("[64-"),
      "page size 64 (1 and 16 run in CI)"),
-    ("test_bench_harness.py", "test_serving_scan_keeps_every_step", _NAMED("[alloc]", "[free]"),
-     "the extra-call variants (the plain, page-release and fused scans run in CI)"),
     ("test_swa.py", "test_core_matches_model", _NAMED("[4-True-80]"),
      "page size 4 with need_sort (page size 1 runs in CI)"),
     ("test_host_backend.py", "test_small_path_matches_general_path_and_device", _NAMED("-16]"),
@@ -292,3 +288,31 @@ def golden_path():
       pytest.fail(message)  # CI never skips them silently
     pytest.skip(message)
   return GOLDEN
+
+
+@pytest.fixture
+def drop_first_free(monkeypatch):
+  """drop_first_free(module): patches module.release_rows (jax_kvalloc.request_table or
+  swa_table) so that the first row of every release frees nothing (its pages are no
+  longer the row's), for `jax-kvalloc simulate`'s leak checks to find. The simulator's
+  compiled loops are dropped before the patched run and after the test."""
+  from jax_kvalloc import swa_table  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
+
+  def patch(module):
+    real = module.release_rows
+
+    def dropping(config, state, table, rows, *, num_rows=None):
+      n = table.lens.shape[0]
+      first = jnp.where(num_rows > 0, rows[0], n)
+      if module is swa_table:
+        table = table._replace(lens=table.lens.at[first].set(0, mode="drop"))
+      else:
+        end = -(-table.lens[jnp.minimum(first, n - 1)] // config.page_size)
+        table = table._replace(owned_from=table.owned_from.at[first].set(end, mode="drop"))
+      return real(config, state, table, rows, num_rows=num_rows)
+    monkeypatch.setattr(module, "release_rows", dropping)
+    simulate.clear_compiled()
+
+  yield patch
+  simulate.clear_compiled()

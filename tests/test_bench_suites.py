@@ -122,7 +122,7 @@ def test_kernels_free_and_torch_ref(tmp_path, capsys):
   cells = {(r["op"], r["bs"]): r["cells"] for r in rec["rows"]}
   assert cells[("free", 2)]["eager"]["us"] > 0 and cells[("free", 2)]["jnp"]["us"] > 0
   if "torch_ref" in rec["skipped"]:  # no torch here (the 3.12 venv)
-    assert "note: torch_ref column skipped: torch_ref unavailable" in text
+    assert "note: torch_ref column skipped: torch unavailable" in text
   else:
     assert "torch_ref (us)" in text and "torch_ref / jnp host" in text
   assert "MISMATCH" not in text
@@ -246,7 +246,7 @@ def test_swa_class_calls_compile_nothing_after_warmup():
   """The timed class calls (extend, decode, window free through free_swa, finishes
   through free / free_full) run their second round without compiling."""
   impl = bench_classes.SWAImpl("class", _swa_opts())
-  seq = bench_classes.decode_lens(5, 4)
+  seq = bench.decode_lens(5, 4, np.random.default_rng(0))
   last = impl.prefill(seq - 1)[impl.ints(np.cumsum(seq - 1) - 1)]
 
   def round_():
@@ -266,3 +266,46 @@ def test_swa_class_calls_compile_nothing_after_warmup():
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
+
+
+HLO = """HloModule m
+
+%body.1 (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  %add.2 = s32[] add(s32[] %a, s32[] %b), metadata={op_name="jit(f)/while/body/borrow/add"}
+  %fusion.3 = s32[4] fusion(s32[4] %x), kind=kLoop, calls=%fused, metadata={op_name="jit(f)/add"}
+  %conditional.4 = s32[] conditional(pred[] %c, s32[] %t, s32[] %f), branch_computations={%branch_a.5, %branch_b.6}
+}
+
+%branch_a.5 (x: s32[]) -> s32[] {
+  %copy.7 = s32[] copy(s32[] %x), metadata={op_name="jit(f)/decode/copy"}
+}
+
+%branch_b.6 (x: s32[]) -> s32[] {
+  %x = s32[] parameter(0)
+}
+
+ENTRY %main.9 (a: s32[]) -> (s32[]) {
+  %while.8 = (s32[]) while((s32[]) %init), condition=%cond.10, body=%body.1
+}
+"""
+
+
+def test_profile_reads_scopes_and_device_operations(tmp_path):
+  """`bench simulate --impls profile`'s readers: the loop body's kernel-like operations
+  by named scope (conditionals' branches included), and a trace's device operations."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_simulate  # pylint: disable=g-import-not-at-top
+  names, body = bench_simulate.hlo_scopes(HLO)
+  assert dict(body) == {"borrow": 1, "plan": 2, "decode": 1}
+  assert names["add.2"] == "borrow" and names["copy.7"] == "decode"
+  meta = lambda kind, pid, tid, name: dict(ph="M", name=kind, pid=pid, tid=tid,
+                                           args=dict(name=name))
+  op = lambda name, tid, dur: dict(ph="X", name=name, pid=1, tid=tid, dur=dur)
+  events = [meta("process_name", 1, 0, "/host:CPU"), meta("thread_name", 1, 7, "tf_XLA1"),
+            meta("thread_name", 1, 8, "python"), op("fusion.3", 7, 2.0),
+            op("while.8", 7, 9.0), op("ThunkExecutor", 7, 1.0), op("fusion.3", 8, 5.0)]
+  (tmp_path / "x").mkdir()
+  with gzip.open(tmp_path / "x" / "h.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  assert bench_simulate.device_ops(str(tmp_path)) == [("fusion.3", 2.0)]

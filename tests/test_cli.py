@@ -77,8 +77,10 @@ def test_simulate_exact_page_accounting_without_sharing():
   assert res.prefill_steps > 0 and res.waste_peak_slots > 0
 
 
-def test_leak_check_fires_on_a_dropped_free(capsys):
-  args = ["simulate", "--num-requests", "40", "--page-size", "16", "--inject-leak"] + TINY
+def test_leak_check_fires_on_a_dropped_free(drop_first_free, capsys):
+  from jax_kvalloc import request_table  # pylint: disable=g-import-not-at-top
+  drop_first_free(request_table)
+  args = ["simulate", "--num-requests", "40", "--page-size", "16"] + TINY
   assert cli.main(args) == 2
   err = capsys.readouterr().err
   assert "LEAK CHECK FAILED" in err and "page_size=16" in err

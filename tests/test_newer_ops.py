@@ -565,33 +565,34 @@ def _segment_traces():
 def test_generated_traces_with_segment_frees_replay_on_the_class():
   """The workload generator frees finished requests through free_segment/free_page_ids
   when asked (segment_prob); its model-recorded traces replay exactly on the class."""
-  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
-  from trace_helpers import jax_replayer  # pylint: disable=g-import-not-at-top
+  from trace_helpers import jax_replayer, replay  # pylint: disable=g-import-not-at-top
   seen = set()
   for _, recs in _segment_traces():
     seen.update(r["op"] for r in recs)
-    traces.replay(recs, jax_replayer())
+    replay(recs, jax_replayer())
   assert {"free_segment", "free_page_ids"} <= seen
 
 
 @pytest.mark.skipif(sglang_oracle is None, reason=str(SGLANG_ERROR))
 def test_generated_traces_with_segment_frees_replay_on_torch_ref():
-  from jax_kvalloc.tools import parity, traces  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import parity  # pylint: disable=g-import-not-at-top
+  from trace_helpers import replay  # pylint: disable=g-import-not-at-top
   for _, recs in _segment_traces():
-    traces.replay(recs, parity.torch_impl("torch").replayer)
+    replay(recs, parity.torch_impl("torch").replayer)
 
 
 @pytest.mark.skipif(SGLANG_ERROR is not None, reason=str(SGLANG_ERROR))
 def test_generated_traces_with_segment_frees_replay_on_sglang():
   """On the released sglang (release lists as sets), every trace whose configuration it
   supports; a configuration it does not is named in the skip reason."""
-  from jax_kvalloc.tools import parity, traces  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import parity  # pylint: disable=g-import-not-at-top
+  from trace_helpers import replay  # pylint: disable=g-import-not-at-top
   unsupported = []
   for config, recs in _segment_traces():
     why = sglang_oracle.unsupported_reason(config.size, config.page_size, config.need_sort,
-                                           config.resolved_kind)
+                                           config.kind)
     if why is None:
-      traces.replay(recs, parity.sglang_impl().replayer)
+      replay(recs, parity.sglang_impl().replayer)
     else:
       unsupported.append(f"{config}: {why}")
   if len(unsupported) == len(_segment_traces()):

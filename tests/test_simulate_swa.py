@@ -199,10 +199,12 @@ def test_window_zero_is_the_run_without_an_swa_pool():
   assert a.results[0].prefix_hits > 0  # sharing stays on without an SWA pool
 
 
-def test_leak_check_fires_on_a_dropped_swa_free():
-  # The first finished request's free is dropped: its pages leak in both pools.
+def test_leak_check_fires_on_a_dropped_swa_free(drop_first_free):
+  # A finished request's free is dropped: its pages leak in both pools.
+  from jax_kvalloc import swa_table  # pylint: disable=g-import-not-at-top
+  drop_first_free(swa_table)
   with pytest.raises(simulate.LeakCheckError, match="leak check failed at step"):
-    simulate.run(dataclasses.replace(BASE, inject_leak=True), progress=False)
+    simulate.run(BASE, progress=False)
 
 
 def test_final_leak_check_covers_both_pools_and_the_mapping():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from jax_kvalloc.tools import traces
-from trace_helpers import jax_replayer, model_replayer
+from trace_helpers import jax_replayer, model_replayer, replay
 
 
 def _generate(seed, steps=150, **kw):
@@ -46,9 +46,11 @@ def test_bad_records_name_the_line(tmp_path, line, message):
   assert f"{path}:2" in str(e.value)
 
 
-def test_trace_must_start_with_init():
+def test_trace_must_start_with_init(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"trace": 1, "op": "alloc", "args": {"need_size": 1}}\n')
   with pytest.raises(ValueError, match="starts with 'alloc'"):
-    traces.group_traces([{"trace": 1, "op": "alloc", "args": {"need_size": 1}}])
+    traces.read(str(path))
 
 
 # -- comparison -------------------------------------------------------------------------
@@ -129,9 +131,9 @@ def test_replay_reports_trace_step_and_index():
   bad = [dict(r) for r in recs]
   bad[step]["result"] = list(bad[step]["result"])
   bad[step]["result"][-1] += 1
-  assert traces.replay(recs, model_replayer()) == len(recs)
+  assert replay(recs, model_replayer()) == len(recs)
   with pytest.raises(traces.TraceMismatch) as e:
-    traces.replay(bad, model_replayer())
+    replay(bad, model_replayer())
   n = len(bad[step]["result"]) - 1
   assert f"trace 5 step {step} (alloc_extend): result: first differing index {n}" in (
       str(e.value))
@@ -143,7 +145,7 @@ def test_jax_kvalloc_replays_generated_traces(backend):
   so that few shapes compile)."""
   for seed in (2, 11):   # paged ps=16 need_sort, token ps=1 need_sort
     recs = _generate(seed, steps=120)
-    assert traces.replay(recs, jax_replayer(backend=backend)) == len(recs)
+    assert replay(recs, jax_replayer(backend=backend)) == len(recs)
 
 
 def test_records_are_plain_json():

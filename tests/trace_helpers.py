@@ -30,3 +30,14 @@ def model_replayer() -> traces.Replayer:
 
 def jax_replayer(kernel: str = "jnp", backend: str = "device") -> traces.Replayer:
   return traces.Replayer(traces.jax_factory(kernel, backend=backend))
+
+
+def replay(records, replayer: traces.Replayer) -> int:
+  """Replays one trace; returns the number of steps. Raises traces.TraceMismatch on the
+  first step whose observed result/lists/available_size differ from the recorded ones."""
+  for step, rec in enumerate(records):
+    got = replayer.step(rec["op"], rec.get("args"))
+    diff = traces.compare(rec, got, release_unordered=replayer.release_unordered)
+    if diff:
+      raise traces.TraceMismatch(f"trace {rec['trace']!r} step {step} ({rec['op']}): {diff}")
+  return len(records)

@@ -35,7 +35,7 @@ Adding a case, a column or a dimension
 --------------------------------------
 - a case: one more `Case` from the suite's `cases` (a new size: its default `Dim` value);
 - a column: a name in the suite's `impls` and a branch (or dict entry) that builds its
-  Timed, e.g. `"jnp-noguard": dict(kernel="jnp", guard=False)` in bench_kernels.JAX_IMPLS;
+  Timed; a column may carry arguments, `jnp[guard=False]` (`parse_impl`);
 - a dimension: `Dim("--name", default, "help")` in the suite's `dims` (it becomes an
   option, `opts.name` in `cases`), e.g. the SWA suite's `--window-free 16,256`;
 - a suite: a module defining a `Suite` and one line in SUITES.
@@ -53,6 +53,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib
+import importlib.util
 import os
 import platform
 import re
@@ -75,7 +76,7 @@ SUITES = {  # name -> "module:attribute" of its Suite
     "swa": "jax_kvalloc.tools.bench_classes:SWA",
     "ranks": "jax_kvalloc.tools.bench_ranks:RANKS",
     "processes": "jax_kvalloc.tools.bench_ranks:PROCESSES",
-    "simulate": "jax_kvalloc.tools.bench_serving:SIMULATE",
+    "simulate": "jax_kvalloc.tools.bench_simulate:SUITE",
 }
 QUICK = {"reps": 3, "min_time": 0.005, "unroll": 4}
 
@@ -201,6 +202,48 @@ def same(a: Any, b: Any) -> bool:
   if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
   return np.array_equal(as_int_list(a), as_int_list(b))
+
+
+def load_file(path: str, name: str) -> Any:
+  """The module in the file `path`, imported as `name` (third-party code is loaded by
+  path, never copied)."""
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def torch_device() -> Tuple[Any, str]:
+  """(torch, "cuda" where torch sees a GPU, else "cpu"); Skip without torch."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise Skip(f"torch unavailable ({e})")
+  return torch, "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sglang(bundle: Optional[str] = None) -> Any:
+  """jax_kvalloc.tools.sglang_oracle once SGLang's allocator imports, where it is not
+  installed from the bundle folder `bundle` (sglang_oracle.use_bundle); Skip if not."""
+  torch_device()
+  from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
+  if sglang_oracle.import_error() is not None:
+    try:
+      sglang_oracle.use_bundle(bundle)
+    except FileNotFoundError as e:
+      raise Skip(str(e))
+  if sglang_oracle.import_error():
+    raise Skip(sglang_oracle.import_error())
+  return sglang_oracle
+
+
+def decode_lens(n: int, page_size: int, rng: np.random.Generator) -> np.ndarray:
+  """i64[n] seq_lens of a decode batch: rows 0, ps, 2ps, ... start a page (seq % ps ==
+  1), the others continue one."""
+  ps = page_size
+  seq = ps * rng.integers(1, 4, n) + rng.integers(2, ps + 1, n)
+  seq[::ps] = ps * rng.integers(1, 4, len(seq[::ps])) + 1
+  return seq.astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,38 +32,22 @@ freed untimed), swa_decode/B, swa_window_free/R (free_swa of R requests' oldest 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import pathlib
 import time
 from typing import Any, Dict
 
+import jax
 import numpy as np
 
+import jax_kvalloc.sglang as kvs
+from jax_kvalloc import swa as swa_core
+from jax_kvalloc.sglang.backends import resolve_device
 from jax_kvalloc.tools import bench
 from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import timing
 
 DEFAULT_SGLJAX = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "anchors" /
                   "sgljax")
-
-
-def load_sgljax(folder: str) -> Any:
-  """sglang-jax's allocator module, imported by path from `folder` (never copied)."""
-  path = pathlib.Path(folder) / "sgljax_allocator.py"
-  if not path.exists():
-    raise bench.Skip(f"--sgljax {folder}: no sgljax_allocator.py there")
-  spec = importlib.util.spec_from_file_location("_sgljax_allocator_anchor", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-def _torch_device():
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise bench.Skip(f"needs torch ({e})")
-  return torch, "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class ClassImpl:
@@ -73,42 +57,38 @@ class ClassImpl:
     name, kw = bench.parse_impl(spec)
     self.name, self.ps, pool = name, o.page_size, o.pool
     self.wait = lambda out: None
+    self.conv = self.cpu = lambda x: np.asarray(x, np.int64)
     if name in ("device", "host"):
-      import jax  # pylint: disable=g-import-not-at-top
-      import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
       self.a = kvs.PagedTokenToKVPoolAllocator(pool, self.ps, backend=name, device=o.device,
                                               **dict(dict(debug=False), **kw))
-      self.conv = self.cpu = lambda x: np.asarray(x, np.int64)
       if name == "device":
         self.wait = jax.block_until_ready
     elif name == "sgljax":
-      self.a = load_sgljax(o.sgljax).PagedTokenToKVPoolAllocator(pool, self.ps, None)
-      self.conv = self.cpu = lambda x: np.asarray(x, np.int32)
+      path = pathlib.Path(o.sgljax) / "sgljax_allocator.py"
+      if not path.exists():
+        raise bench.Skip(f"--sgljax {o.sgljax}: no sgljax_allocator.py there")
+      module = bench.load_file(str(path), "_sgljax_allocator_anchor")
+      self.a = module.PagedTokenToKVPoolAllocator(pool, self.ps, None)
     else:
-      torch, dev = _torch_device()
+      torch, dev = bench.torch_device()
       if name == "torch_ref":
         import torch_ref  # pylint: disable=g-import-not-at-top
         self.a = torch_ref.PagedTokenToKVPoolAllocator(pool, self.ps, device=dev)
       else:
-        from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
-        if sglang_oracle.import_error():
-          raise bench.Skip(sglang_oracle.import_error())
-        self.a = sglang_oracle.SGLangAllocator(pool, self.ps, False, "paged", dev)
+        self.a = bench.sglang().SGLangAllocator(pool, self.ps, False, "paged", dev)
       self.conv = lambda x: torch.as_tensor(np.asarray(x, np.int64), device=dev)
       self.cpu = lambda x: torch.as_tensor(np.asarray(x, np.int64))
       if dev == "cuda":
         self.wait = lambda out: torch.cuda.synchronize()
 
   def decode(self, seq, last):
-    if self.name == "sgljax":
-      return lambda: self.a.alloc_decode(seq, last)
-    s, sc, l = self.conv(seq), self.cpu(seq), self.conv(last)
-    return lambda: self.a.alloc_decode(s, sc, l)
+    args = ((seq, last) if self.name == "sgljax" else
+            (self.conv(seq), self.cpu(seq), self.conv(last)))
+    return lambda: self.a.alloc_decode(*args)
 
   def extend(self, pre, seq, last, n):
-    if self.name == "sgljax":
-      return lambda: self.a.alloc_extend(pre, seq, last, n)
-    args = (self.conv(pre), self.cpu(pre), self.conv(seq), self.cpu(seq), self.conv(last), n)
+    args = ((pre, seq, last, n) if self.name == "sgljax" else
+            (self.conv(pre), self.cpu(pre), self.conv(seq), self.cpu(seq), self.conv(last), n))
     return lambda: self.a.alloc_extend(*args)
 
   def pages(self, n: int) -> np.ndarray:
@@ -121,11 +101,9 @@ class ClassImpl:
 
 def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
   impl = ClassImpl(spec, o)
-  ps, rng = impl.ps, np.random.default_rng(0)
-  before = None
+  ps, rng, before = impl.ps, np.random.default_rng(0), None
   if op in ("decode", "decode_after_restore"):
-    seq = ps * rng.integers(0, 4, n) + rng.integers(2, ps + 1, n)   # seq % ps != 1 ...
-    seq[::ps] = ps * rng.integers(1, 4, len(seq[::ps])) + 1        # ... but these
+    seq = bench.decode_lens(n, ps, rng)
     call = impl.decode(seq, impl.pages(n) * ps + (seq - 2) % ps)
   elif op == "extend":
     pre = rng.integers(0, 4 * ps, n)
@@ -151,8 +129,6 @@ def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
 
 def floor_timed(o) -> bench.Timed:
   """A jitted x + 1 of an i32[8] on the device backend's device."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
   x = jax.device_put(np.zeros(8, np.int32), resolve_device(o.device))
   fn = jax.jit(lambda v: v + 1)
   return bench.per_call(lambda: fn(x), wait=jax.block_until_ready)
@@ -161,8 +137,6 @@ def floor_timed(o) -> bench.Timed:
 def stalls_timed(mode: str, o) -> bench.Timed:
   """Compile stalls: --stalls random alloc_extend + free calls (1..--stall-max-batch
   requests) on a fresh device class, after `warmup` up to the same maxima (warm)."""
-  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
-
   def measure(opts) -> Dict[str, Any]:
     del opts
     a = kvs.PagedTokenToKVPoolAllocator(o.pool, o.page_size, device=o.device, debug=False)
@@ -186,13 +160,13 @@ def stalls_timed(mode: str, o) -> bench.Timed:
 
 def class_cases(o):
   rows = ([("decode", b) for b in o.decode] + [("extend", r) for r in o.extend]
-          + [("free", t) for t in o.free] + [("decode_after_restore", b) for b in
-                                             o.restore_decode]
+          + [("free", t) for t in o.free]
+          + [("decode_after_restore", b) for b in o.restore_decode]
           + [("free_after_restore", t) for t in o.restore_free])
   for op, n in rows:
     for spec in o.impls:
-      yield bench.Case({"op": op, "size": n}, spec, functools.partial(class_timed, spec,
-                                                                      op, n, o))
+      yield bench.Case({"op": op, "size": n}, spec,
+                       functools.partial(class_timed, spec, op, n, o))
   yield bench.Case({"op": "floor", "size": "jit"}, "device", lambda: floor_timed(o))
   for mode in ("cold", "warm") if o.stalls else ():
     yield bench.Case({"op": "stalls", "size": mode}, "device",
@@ -242,64 +216,54 @@ class SWAImpl:
   def __init__(self, name: str, o):
     self.name, self.ps = name, o.page_size
     size, size_swa, ps = o.size, o.size_swa, o.page_size
-    if name in ("class", "core"):
-      import jax  # pylint: disable=g-import-not-at-top
-      from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
-      self.jax, dev = jax, resolve_device(o.device)
-      self.ints = lambda x: jax.device_put(np.asarray(x, np.int32), dev)
-      self.host = lambda x: np.asarray(x, np.int64)
-      if name == "class":
-        from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator  # pylint: disable=g-import-not-at-top
-        self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, o.device, None, False,
-                                           backend="device", debug=False)
-        return
-      from jax_kvalloc import swa as core  # pylint: disable=g-import-not-at-top
-      self.cfg = core.SWAConfig(size, size_swa, ps, False, debug=False)
-      self.state = jax.device_put(core.init(self.cfg), dev)
-      jit = lambda f, **kw: jax.jit(f, static_argnums=0, donate_argnums=1, **kw)
-      self.fns = {"alloc_extend": jit(core.alloc_extend, static_argnames=("max_tokens",)),
-                  "alloc_decode": jit(core.alloc_decode), "free": jit(core.free),
-                  "free_swa": jit(core.free_swa), "free_full": jit(core.free_full)}
+    if name == "sglang":
+      sglang_oracle = bench.sglang(o.sglang_bundle)
+      torch, dev = bench.torch_device()
+      cls, standin = sglang_oracle.sglang_swa_class()
+      self.a = cls(size, size_swa, ps, torch.float16, dev, standin(), False)
+      self.ints = lambda x: torch.as_tensor(np.asarray(x, np.int64), device=dev)
+      self.host = lambda x: torch.as_tensor(np.asarray(x, np.int64))
+      self.wait = lambda: torch.cuda.synchronize() if dev == "cuda" else None
       return
-    from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
-    if sglang_oracle.import_error() is not None:
-      try:
-        sglang_oracle.use_bundle(o.sglang_bundle)
-      except FileNotFoundError as e:
-        raise bench.Skip(str(e))
-    if sglang_oracle.import_error():
-      raise bench.Skip(sglang_oracle.import_error())
-    torch, dev = _torch_device()
-    cls, standin = sglang_oracle.sglang_swa_class()
-    self.torch, self.dev = torch, dev
-    self.a = cls(size, size_swa, ps, torch.float16, dev, standin(), False)
-    self.ints = lambda x: torch.as_tensor(np.asarray(x, np.int64), device=dev)
-    self.host = lambda x: torch.as_tensor(np.asarray(x, np.int64))
+    dev = resolve_device(o.device)
+    self.ints = lambda x: jax.device_put(np.asarray(x, np.int32), dev)
+    self.host = lambda x: np.asarray(x, np.int64)
+    if name == "class":
+      from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator  # pylint: disable=g-import-not-at-top
+      self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, o.device, None, False,
+                                         backend="device", debug=False)
+      a = self.a
+      self.wait = lambda: jax.block_until_ready((
+          a._mapping, a.full_attn_allocator._pools[0].state,  # pylint: disable=protected-access
+          a.swa_attn_allocator._pools[0].state))  # pylint: disable=protected-access
+      return
+    self.cfg = swa_core.SWAConfig(size, size_swa, ps, False, debug=False)
+    self.state = jax.device_put(swa_core.init(self.cfg), dev)
+    jit = lambda f, **kw: jax.jit(f, static_argnums=0, donate_argnums=1, **kw)
+    self.fns = {"alloc_extend": jit(swa_core.alloc_extend, static_argnames=("max_tokens",)),
+                "alloc_decode": jit(swa_core.alloc_decode), "free": jit(swa_core.free),
+                "free_swa": jit(swa_core.free_swa), "free_full": jit(swa_core.free_full)}
+    self.wait = lambda: jax.block_until_ready(self.state)
 
   def sync(self, out: Any) -> None:
     """Waits for `out` and for the allocator's state."""
-    if self.name == "sglang":
-      if self.dev == "cuda":
-        self.torch.cuda.synchronize()
-    elif self.name == "core":
-      self.jax.block_until_ready((out, self.state))
-    else:
-      a = self.a
-      self.jax.block_until_ready((out, a._mapping, a.full_attn_allocator._pools[0].state,  # pylint: disable=protected-access
-                                  a.swa_attn_allocator._pools[0].state))  # pylint: disable=protected-access
+    if self.name != "sglang":
+      jax.block_until_ready(out)
+    self.wait()
 
-  def __call__(self, op: str, *args, **kw):
+  def __call__(self, op: str, *args):
     """The op on the class, or on the core with the state threaded through."""
     if self.name != "core":
       return getattr(self.a, op)(*args)
-    if op.startswith("alloc"):
-      if op == "alloc_extend":
-        args, kw = (args[0], args[2], args[4]), dict(max_tokens=args[5])
-      else:
-        args = (args[0], args[2])
-      self.state, out, ok = self.fns[op](self.cfg, self.state, *args, **kw)
-      return out, ok
-    self.state = self.fns[op](self.cfg, self.state, *args)
+    if op == "alloc_extend":
+      self.state, out, ok = self.fns[op](self.cfg, self.state, args[0], args[2], args[4],
+                                         max_tokens=args[5])
+    elif op == "alloc_decode":
+      self.state, out, ok = self.fns[op](self.cfg, self.state, args[0], args[2])
+    else:
+      self.state = self.fns[op](self.cfg, self.state, *args)
+      return None
+    return out, ok
 
   def prefill(self, lens: np.ndarray):
     """alloc_extend of len(lens) requests from prefix 0: the full slots."""
@@ -313,15 +277,6 @@ class SWAImpl:
     return out
 
 
-def decode_lens(b: int, ps: int, seed: int = 0) -> np.ndarray:
-  """seq_lens of a decode batch of b rows: rows 0, ps, 2ps, ... start a page (seq % ps
-  == 1), the others continue one."""
-  rng = np.random.default_rng(seed)
-  seq = ps * rng.integers(1, 4, b) + rng.integers(2, ps + 1, b)
-  seq[::ps] = ps * rng.integers(1, 4, len(seq[::ps])) + 1
-  return seq.astype(np.int64)
-
-
 def swa_timed(name: str, op: str, n: int, o) -> bench.Timed:
   impl, ps, held = SWAImpl(name, o), o.page_size, {}
   if op == "swa_extend":
@@ -329,12 +284,13 @@ def swa_timed(name: str, op: str, n: int, o) -> bench.Timed:
     args = (impl.ints(z), impl.host(z), impl.ints(seq), impl.host(seq),
             impl.ints(np.full(n, -1)), n * o.extend_tokens)
     before = lambda: impl("free", held.pop("out")) if "out" in held else None
+
     def call():
       res = impl("alloc_extend", *args)
       held["out"] = res[0] if impl.name == "core" else res
       return res
   elif op == "swa_decode":
-    seq = decode_lens(n, ps)
+    seq = bench.decode_lens(n, ps, np.random.default_rng(0))
     last = impl.prefill(seq - 1)[impl.ints(np.cumsum(seq - 1) - 1)]
     args = (impl.ints(seq), impl.host(seq), last)
     before, call = None, lambda: impl("alloc_decode", *args)

@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,7 @@ DECODE_BS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 EXTEND_CASES = ((1, 8192), (16, 8192), (64, 32768), (256, 65536), (1024, 65536),
                 (4096, 262144), (16384, 262144))
 OTHERS = ("fused", "eager", "torch_ref", "sglang")
+PALLAS = ("pallas", "triton", "mosaic", "mosaic_gpu", "fused")   # columns that need a GPU or TPU
 # Bare figures: each kernel's GPU time over BARE_CALLS launches, ours in the bare chain
 # of BARE_UNROLL calls, SGLang's in replays of a CUDA graph of BARE_UNROLL launches.
 BARE_UNROLL = 128
@@ -77,6 +78,12 @@ class Case:
   last: Optional[np.ndarray] = None
   free_index: Optional[np.ndarray] = None   # free: slots to free (an extend's output)
   used_pages: int = 0                       # free: pages taken before the frees
+
+  @property
+  def inputs(self) -> Tuple[np.ndarray, ...]:
+    """The call's array arguments: (seq, last), (pre, seq, last) or (free_index,)."""
+    return {"decode": (self.seq, self.last), "extend": (self.pre, self.seq, self.last),
+            "free": (self.free_index,)}[self.op]
 
 
 def make_case(op: str, bs: int, tokens: int, page_size: int, seed: int) -> Case:
@@ -103,11 +110,9 @@ def make_case(op: str, bs: int, tokens: int, page_size: int, seed: int) -> Case:
   case = Case(op, bs, int(np.sum(seq - pre)) if pre is not None else bs, ps, num_pages,
               ring, i32(seq), i32(pre), i32(last))
   if op == "free":
-    cfg = _config(case, "jnp")
-    state, out, ok = jax.jit(functools.partial(allocation.alloc_extend, cfg),
-                             static_argnames="max_tokens")(
-                                 _state(case), case.pre, case.seq, case.last,
-                                 max_tokens=case.tokens)
+    extend = functools.partial(allocation.alloc_extend, _config(case, "jnp"))
+    state, out, ok = jax.jit(extend, static_argnames="max_tokens")(
+        _state(case), case.pre, case.seq, case.last, max_tokens=case.tokens)
     assert bool(ok)
     case.free_index = np.asarray(out)
     case.used_pages = int(num_pages - state.free_len)
@@ -132,56 +137,43 @@ def jax_call(case: Case, impl: str):
   inputs) of a JAX column. The carry is the state; only its head moves from call to call
   (free: the ring too); every output is returned for the harness to consume."""
   base, kw = bench.parse_impl(impl)
-  state0 = _state(case, case.used_pages)
+  method = kw.pop("free", None)   # free's method (freeing.PAGED_FREE); the rest: config
+  state0, args = _state(case, case.used_pages), tuple(map(jnp.asarray, case.inputs))
   if base == "fused":
     import pallas_kernels  # pylint: disable=g-import-not-at-top
     kernel = (functools.partial(pallas_kernels.alloc_decode_triton, **kw)
               if case.op == "decode" else functools.partial(
                   pallas_kernels.alloc_extend_triton, out_len=case.tokens, **kw))
-    fn = lambda s, *x: kernel(s.free_ring, s.free_head, s.free_len, jnp.int32(case.bs), *x,
-                              page_size=case.page_size)
-    args = (case.seq, case.last) if case.op == "decode" else (case.pre, case.seq, case.last)
 
     def call(s, x):
-      out, head, length, ok = fn(s, *x)
+      out, head, length, ok = kernel(s.free_ring, s.free_head, s.free_len,
+                                     jnp.int32(case.bs), *x, page_size=case.page_size)
       return s._replace(free_head=head), (out, ok, head, length)
-    args = tuple(jnp.asarray(a) for a in args)
-    return lambda: jax.jit(call)(state0, args)[1][0], call, state0, args
-  method = kw.pop("free", None)
-  cfg = _config(case, base, **kw)
-  if case.op == "decode":
-    fn, args = functools.partial(allocation.alloc_decode, cfg), (case.seq, case.last)
-  elif case.op == "extend":
-    fn = functools.partial(allocation.alloc_extend, cfg, max_tokens=case.tokens)
-    args = (case.pre, case.seq, case.last)
-  else:
-    fn = functools.partial(freeing.PAGED_FREE[method] if method else freeing.free, cfg)
-    args = (case.free_index,)
+  elif case.op == "free":
+    fn = functools.partial(freeing.PAGED_FREE[method] if method else freeing.free,
+                           _config(case, base, **kw))
 
-  def call(state, inputs):
-    res = fn(state, *inputs)
-    if case.op == "free":
-      return (state._replace(free_ring=res.free_ring, free_head=res.free_head),
+    def call(s, x):
+      res = fn(s, *x)
+      return (s._replace(free_ring=res.free_ring, free_head=res.free_head),
               (res.free_head, res.free_len))
-    new, out, ok = res
-    return state._replace(free_head=new.free_head), (out, ok, new.free_head, new.free_len)
+  else:
+    alloc = (allocation.alloc_decode if case.op == "decode" else
+             functools.partial(allocation.alloc_extend, max_tokens=case.tokens))
+    cfg = _config(case, base, **kw)
 
-  args = tuple(jnp.asarray(a) for a in args)
+    def call(s, x):
+      new, out, ok = alloc(cfg, s, *x)
+      return s._replace(free_head=new.free_head), (out, ok, new.free_head, new.free_len)
 
   def once():
-    res = jax.jit(fn)(state0, *args)
     if case.op == "free":
-      return st.live_free_pages(res)
-    if not bool(res[2]):
+      return st.live_free_pages(jax.jit(fn)(state0, *args))
+    out, ok = jax.jit(call)(state0, args)[1][:2]
+    if not bool(ok):
       raise RuntimeError(f"{case.op} bs={case.bs}: the allocation did not fit")
-    return res[1]
+    return out
   return once, call, state0, args
-
-
-def _pallas_out(impl: str) -> bool:
-  """Whether the column's outputs come from a Pallas kernel (its floor: one launch)."""
-  base, _ = bench.parse_impl(impl)
-  return base not in ("jnp",) and not (base == "auto" and jax.default_backend() == "cpu")
 
 
 def one_custom_call(call, carry, inputs) -> bool:
@@ -192,26 +184,24 @@ def one_custom_call(call, carry, inputs) -> bool:
   return ops.get("custom-call") == 1 and sum(ops.get(k, 0) for k in kernels) == 1
 
 
-def bare_kernel_time(call, carry, inputs, name_prefix: str = OUR_KERNELS
-                     ) -> Dict[str, float]:
-  """The kernel's own GPU time over BARE_CALLS calls of the bare chain of `call` (one
-  custom call). Needs torch (CUPTI) and a GPU."""
-  run = bt.chain_loop(call, BARE_UNROLL, linked=False)
-  sink = bt.sink_init(call, carry, inputs)
-  iters = np.int32(BARE_CALLS // BARE_UNROLL)
-  jax.block_until_ready(run(carry, inputs, sink, iters))
-  acts = bt.cuda_activities(lambda: jax.block_until_ready(run(carry, inputs, sink, iters)))
-  return bt.kernel_time(acts, name_prefix, min_count=BARE_CALLS // 2)
+def bare_time(run: Callable[[], Any], name_prefix: str) -> Dict[str, float]:
+  """The "bare_" figures of a cell: the own GPU time (CUPTI, through torch.profiler) of
+  the kernels named `name_prefix`* that `run()` launches BARE_CALLS times."""
+  run()  # warm-up
+  tb = bt.kernel_time(bt.cuda_activities(run), name_prefix, min_count=BARE_CALLS // 2)
+  return dict(bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
+              bare_spread=tb["spread"])
 
 
 def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
-  """A JAX column's cell: the chained call, its floor, and with --bare / --extra-consumer
-  the bare kernel time / the +1 consumer check."""
+  """A JAX column's cell: the chained call, its floor (a stand-in writing its outputs
+  like the column: one Pallas launch unless the column is jnp, or auto on the CPU), and
+  with --bare / --extra-consumer the bare kernel time / the +1 consumer check."""
   _, call, carry, inputs = jax_call(case, impl)
   shapes = jax.eval_shape(call, carry, inputs)[1]
-  pallas = _pallas_out(impl)
-  stand = (bt.stand_in_pallas(shapes, interpret=impl.endswith("_interpret")) if pallas
-           else bt.stand_in(shapes))
+  base, _ = bench.parse_impl(impl)
+  stand = (bt.stand_in(shapes) if base == "jnp" or (base == "auto" and not _accel())
+           else bt.stand_in_pallas(shapes, interpret=impl.endswith("_interpret")))
   kw = dict(unroll=opts.unroll, min_time=opts.min_time, reps=opts.reps)
   zero = jnp.zeros((), jnp.int32)
   if opts.extra_consumer:
@@ -232,10 +222,12 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
   if opts.bare and case.op != "free":
     try:
       out["single_launch"] = one_custom_call(call, carry, inputs)
-      if out["single_launch"]:
-        tb = bare_kernel_time(call, carry, inputs)
-        out.update(bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
-                   bare_spread=tb["spread"])
+      if out["single_launch"]:  # the bare chain: BARE_CALLS launches, BARE_UNROLL a loop
+        loop, sink = bt.chain_loop(call, BARE_UNROLL, linked=False), bt.sink_init(
+            call, carry, inputs)
+        iters = np.int32(BARE_CALLS // BARE_UNROLL)
+        out.update(bare_time(lambda: jax.block_until_ready(loop(carry, inputs, sink, iters)),
+                             OUR_KERNELS))
     except Exception as e:  # pylint: disable=broad-except
       out["bare_error"] = bench.error(e)["error"]
   return out
@@ -248,26 +240,20 @@ def eager_free(case: Case) -> bench.Timed:
   return bench.host(lambda: jax.block_until_ready(fn(state0, idx)))
 
 
+def _with_method(timed: bench.Timed, method: str) -> bench.Timed:
+  return bench.Timed(lambda o: dict(timed.measure(o), method=method), timed.output)
+
+
 # ---------------------------------------------------------------------------------------
 # torch_ref and SGLang's released kernels.
 # ---------------------------------------------------------------------------------------
 
-def _torch():
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-    import torch_ref  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  except ImportError as e:
-    raise bench.Skip(f"torch_ref unavailable ({e})")
-  return torch
-
-
 def torch_timed(case: Case) -> bench.Timed:
   """torch_ref on this case: on CUDA its Triton kernel in a CUDA graph, linked (free: the
   eager free, which syncs); on CPU its eager class calls."""
-  torch = _torch()
+  torch, dev = bench.torch_device()
   import torch_ref  # pylint: disable=g-import-not-at-top
-  cuda = torch.cuda.is_available()
-  dev, ps = torch.device("cuda" if cuda else "cpu"), case.page_size
+  cuda, ps = dev == "cuda", case.page_size
   t64 = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.int64), device=dev)
   c64 = lambda a: torch.as_tensor(np.asarray(a, np.int64))
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
@@ -292,10 +278,11 @@ def torch_timed(case: Case) -> bench.Timed:
     alloc.restore_state(snap)
     return eager()
   if case.op == "free" or not cuda:
-    return _with(bench.host(call, torch.cuda.synchronize if cuda else lambda: None,
-                            output=lambda: out),
-                 ("eager free(), host time per call" + " (torch.unique syncs)" * cuda)
-                 if case.op == "free" else "eager class call (torch on CPU)")
+    return _with_method(
+        bench.host(call, torch.cuda.synchronize if cuda else lambda: None,
+                   output=lambda: out),
+        ("eager free(), host time per call" + " (torch.unique syncs)" * cuda)
+        if case.op == "free" else "eager class call (torch on CPU)")
   from torch_ref import triton_kernels  # pylint: disable=g-import-not-at-top
   ring = t64(case.free_ring)
   if case.op == "decode":
@@ -303,25 +290,16 @@ def torch_timed(case: Case) -> bench.Timed:
   else:
     kernel = lambda: triton_kernels.extend_indices(pre, seq, last, ring, page_size=ps,
                                                    extend_num_tokens=case.tokens)
-  return _with(bench.graph(bt.torch_linked(kernel, tuple(x for x in (pre, seq, last)
-                                                         if x is not None)),
-                           output=lambda: out),
-               "CUDA graph replay of its Triton kernel, linked")
-
-
-def _with(timed: bench.Timed, method: str) -> bench.Timed:
-  measure = timed.measure
-  return dataclasses.replace(timed, measure=lambda o: dict(measure(o), method=method))
+  inputs = tuple(x for x in (pre, seq, last) if x is not None)
+  return _with_method(bench.graph(bt.torch_linked(kernel, inputs), output=lambda: out),
+                      "CUDA graph replay of its Triton kernel, linked")
 
 
 @functools.lru_cache(maxsize=2)
 def load_sglang_kernels(path: str):
   """SGLang's `sglang/kernels/ops/memory/allocator.py` (it imports only torch and
   triton), loaded from that file alone."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("sglang_allocator_kernels", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = bench.load_file(path, "sglang_allocator_kernels")
   for name in ("alloc_extend_kernel", "alloc_decode_kernel"):
     if not hasattr(module, name):
       raise AttributeError(f"--sglang-kernels {path!r} has no {name}")
@@ -332,11 +310,11 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
   """SGLang's Triton kernel on this case, launched as SGLang's allocator launches it
   (grid = bs, bs_upper = the next power of two, i64 tensors): linked in a CUDA graph
   ("us"), and bare ("bare_us": its own GPU time over BARE_CALLS graph-replayed launches)."""
-  torch = _torch()
+  torch, dev = bench.torch_device()
   if not path:
     raise bench.Skip("give --sglang-kernels PATH (sglang/kernels/ops/memory/allocator.py "
                      "of the sglang wheel)")
-  if not torch.cuda.is_available():
+  if dev != "cuda":
     raise bench.Skip("SGLang's Triton kernels need torch with CUDA")
   import triton  # pylint: disable=g-import-not-at-top
   module = load_sglang_kernels(path)
@@ -360,21 +338,15 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
     return out
   result = call().cpu().numpy()
 
-  def bare():
+  def measure(o):
     g = bt.torch_graph(call, BARE_UNROLL)
 
     def replays():
       for _ in range(BARE_CALLS // BARE_UNROLL):
         g.replay()
       torch.cuda.synchronize()
-    return bt.kernel_time(bt.cuda_activities(replays), f"alloc_{case.op}_kernel",
-                          min_count=BARE_CALLS // 2)
-
-  def measure(o):
-    tb = bare()
     return dict(bench.graph(bt.torch_linked(call, inputs)).measure(o),
-                **bench.cell({k: tb[k] for k in ("s", "q1_s", "q3_s")}, "bare_"),
-                bare_spread=tb["spread"], sglang_version=version)
+                **bare_time(replays, f"alloc_{case.op}_kernel"), sglang_version=version)
   return bench.Timed(measure, lambda: result)
 
 
@@ -382,21 +354,13 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
 # The suite.
 # ---------------------------------------------------------------------------------------
 
-def _pairs(text: str) -> List[Tuple[int, int]]:
-  import argparse  # pylint: disable=g-import-not-at-top
-  try:
-    out = [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item]
-  except ValueError:
-    out = []
-  if not out or any(len(p) != 2 or min(p) < 1 for p in out):
-    raise argparse.ArgumentTypeError(f"expected BSxTOKENS,... (e.g. 16x8192), got {text!r}")
-  return out
+def _accel() -> bool:
+  return jax.default_backend() != "cpu"
 
 
 def cases(o):
-  accel = jax.default_backend() != "cpu"
-  jax_impls = [i for i in o.impls if bench.parse_impl(i)[0] in KERNELS and (accel or not (
-      bench.parse_impl(i)[0] in ("pallas", "triton", "mosaic", "mosaic_gpu")))]
+  jax_impls = [i for i in o.impls if bench.parse_impl(i)[0] in KERNELS
+               and (_accel() or bench.parse_impl(i)[0] not in PALLAS)]
   if jax_impls:  # the harness's own floor: a scalar call
     yield bench.Case({"op": "harness", "bs": 1, "tokens": 1}, jax_impls[0], lambda: bench.Timed(
         lambda opts: {"us": bt.loop_overhead(unroll=opts.unroll, min_time=opts.min_time,
@@ -411,14 +375,13 @@ def cases(o):
         base, _ = bench.parse_impl(impl)
         if (base == "eager") != (op == "free") and base in ("eager", "fused", "sglang"):
           continue  # eager: free only; fused kernels and SGLang's: decode, extend only
-        if base in ("pallas", "triton", "mosaic", "mosaic_gpu", "fused") and not accel:
-          yield bench.Case(row, impl, lambda: bench.skipped(
-              "no GPU/TPU: the Pallas kernels need one"))
-          continue
-        setup = {"eager": lambda c=case: eager_free(c()),
-                 "torch_ref": lambda c=case: torch_timed(c()),
-                 "sglang": lambda c=case: sglang_timed(c(), o.sglang_kernels)}.get(base)
-        if setup is None:
+        if base in PALLAS and not _accel():
+          setup = lambda: bench.skipped("no GPU/TPU: the Pallas kernels need one")
+        elif base in ("eager", "torch_ref", "sglang"):
+          setup = {"eager": lambda c=case: eager_free(c()),
+                   "torch_ref": lambda c=case: torch_timed(c()),
+                   "sglang": lambda c=case: sglang_timed(c(), o.sglang_kernels)}[base]
+        else:
           setup = lambda c=case, i=impl: bench.Timed(
               lambda opts, c=c, i=i: time_jax(c(), i, opts), jax_call(c(), i)[0])
         yield bench.Case(row, impl, setup)
@@ -433,7 +396,8 @@ SUITE = bench.Suite(
                     cli.name_list(("decode", "extend", "free"))),
           bench.Dim("--batch-sizes", list(DECODE_BS), "decode batch sizes", quick=[1, 64]),
           bench.Dim("--extend-cases", ",".join(f"{b}x{t}" for b, t in EXTEND_CASES),
-                    "extend and free cases, BSxTOKENS", _pairs, quick="4x512"),
+                    "extend and free cases, BSxTOKENS", cli.pairs("BSxTOKENS", "16x8192"),
+                    quick="4x512"),
           bench.Dim("--page-size", 64, "page size"),
           bench.Dim("--seed", 0, "seed of the cases' draws"),
           bench.Dim("--bare", False, "also each kernel's own GPU time, where the call is "

@@ -222,13 +222,12 @@ def _layout(o_items: tuple, processes: int, devices: int) -> Dict[str, Any]:
   """Every process's times for one layout (run once for both columns)."""
   o = dict(o_items)
   with tempfile.TemporaryDirectory() as tmp:
-    common = ["--num-processes", str(processes), "--port", str(local_processes.free_port()),
-              "--out", tmp, "--devices-per-process", str(devices), "--reps", str(o["reps"])]
-    for name in WORKER_OPTIONS:
-      common += ["--" + name.replace("_", "-"), str(o[name])]
-    results = local_processes.run(
-        [[sys.executable, "-m", "jax_kvalloc.tools.bench_ranks", "--worker", str(w)] + common
-         for w in range(processes)], deadline_s=o["deadline"], env=local_processes.child_env())
+    job = dict(o, num_processes=processes, devices_per_process=devices, out=tmp,
+               port=local_processes.free_port())
+    argv = lambda w: [sys.executable, "-m", "jax_kvalloc.tools.bench_ranks",
+                      json.dumps(dict(job, worker=w))]
+    results = local_processes.run([argv(w) for w in range(processes)],
+                                  deadline_s=o["deadline"], env=local_processes.child_env())
     for res in results:
       if res.returncode:
         raise RuntimeError(f"a worker exited {res.returncode}:\n{res.stderr[-4000:]}")
@@ -243,8 +242,7 @@ def _summary(times: Sequence[float]) -> Dict[str, float]:
           "n": int(t.size)}
 
 
-def processes_timed(o, layout: str, how: str) -> bench.Timed:
-  processes, devices = (int(x) for x in layout.split("x"))
+def processes_timed(o, processes: int, devices: int, how: str) -> bench.Timed:
   items = tuple(sorted((k, getattr(o, k)) for k in WORKER_OPTIONS + ("deadline",)))
 
   def measure(opts):
@@ -260,32 +258,25 @@ def processes_timed(o, layout: str, how: str) -> bench.Timed:
   return bench.Timed(measure)
 
 
-def _layouts(text: str):
-  items = [x.split("x") for x in text.split(",") if x]
-  if not items or any(len(x) != 2 or not all(v.isdigit() and int(v) > 0 for v in x)
-                      for x in items):
-    raise argparse.ArgumentTypeError(f"expected PxD,... (e.g. 1x2,2x2), got {text!r}")
-  return ["x".join(x) for x in items]
-
-
 def processes_cases(o):
   if o.steps < o.chain or (o.pages_per_rank - o.decode_rows - 1) * o.page_size < (
       o.steps * o.decode_rows):
     raise cli.UsageError("--steps", "must be >= --chain, and each rank's pool must last "
                          "--steps steps (pages_per_rank * page_size >= steps * decode_rows "
                          "+ a page per row)")
-  for layout in o.layouts:
+  for processes, devices in o.layouts:
     for how in ("call", "chained"):
-      yield bench.Case({"layout": layout, "ranks_per_device": o.ranks_per_device}, how,
-                       functools.partial(processes_timed, o, layout, how))
+      yield bench.Case({"layout": f"{processes}x{devices}",
+                        "ranks_per_device": o.ranks_per_device}, how,
+                       functools.partial(processes_timed, o, processes, devices, how))
 
 
 PROCESSES = bench.Suite(
     name="processes", help="a ranked decode step over several JAX processes on this "
     "machine against one process", impls=("call", "chained"), cases=processes_cases,
     defaults=(("reps", 3),),
-    dims=(bench.Dim("--layouts", ["1x2", "1x4", "2x2"], "processes x CPU devices per "
-                    "process", _layouts, quick=["1x2", "2x1"]),
+    dims=(bench.Dim("--layouts", "1x2,1x4,2x2", "processes x CPU devices per process",
+                    cli.pairs("PxD", "1x2,2x2"), quick="1x2,2x1"),
           bench.Dim("--ranks-per-device", 4, "ranks per device", quick=2),
           bench.Dim("--pages-per-rank", 4096, "pool pages per rank", quick=64),
           bench.Dim("--page-size", 16, "page size"),
@@ -295,10 +286,5 @@ PROCESSES = bench.Suite(
           bench.Dim("--deadline", 600, "seconds per layout")))
 
 
-if __name__ == "__main__":  # a worker of `bench processes`
-  p = argparse.ArgumentParser()
-  for flag in ("worker", "num-processes", "devices-per-process", "port", "reps") + tuple(
-      n.replace("_", "-") for n in WORKER_OPTIONS):
-    p.add_argument("--" + flag, type=int)
-  p.add_argument("--out")
-  worker(p.parse_args())
+if __name__ == "__main__":  # a worker of `bench processes`: its settings as JSON
+  worker(argparse.Namespace(**json.loads(sys.argv[1])))

@@ -1,6 +1,6 @@
-"""`jax-kvalloc bench serving` and `bench simulate`: whole serving steps.
+"""`jax-kvalloc bench serving`: whole serving steps.
 
-serving: N decode steps of a full batch, each step freeing the requests that finished in
+N decode steps of a full batch, each step freeing the requests that finished in
 the previous one (one free group) and allocating one slot per request (alloc_decode),
 with the token table (SGLang's req_to_token) on the device: last_loc is gathered from
 it, new slots are written to it. A row that reaches its target length restarts as a new
@@ -12,22 +12,18 @@ request, so the batch stays full and the pool never runs out. Columns:
                  allocator calls replaced by stand-ins
   scan, scan_*   the step chained in timing.chain_time (device time per step): scan_none
                  the stand-in step (scan - scan_none: what the allocator adds per step),
-                 scan_extra_alloc / scan_extra_free one more alloc_decode / free per step
-                 on a dummy pool, scan_pages the release by free_page_ids (request order,
-                 no sort), scan_fused release_and_alloc_decode (one launch on GPU)
+                 scan_pages the release by free_page_ids (request order, no sort),
+                 scan_fused release_and_alloc_decode (one launch on GPU)
   torch, torch_sync  torch_ref eager, as SGLang's scheduler calls it (free_group_begin,
                  free, free_group_end, last_loc gather, alloc_decode, table write)
 
 jit and torch run the same steps from the same state and must end with identical
-tables, lengths and free lists (their outputs). simulate: `jax-kvalloc simulate`'s run
-per page size and driver (device: the scheduler's loop on the device; host: one jitted
-call per step), its median step time and the quartiles over steps.
+tables, lengths and free lists (their outputs).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +36,6 @@ from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.tools import bench
 from jax_kvalloc.tools import bench_kernels
-from jax_kvalloc.tools import timing as bt
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,83 +99,55 @@ def initial_carry(case: ServingCase):
 RELEASES = ("sorted", "pages", "fused")
 
 
-def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = True,
-               free: bool = True, extra: str = "", release: str = "sorted"):
+def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: bool = True,
+               release: str = "sorted"):
   """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
-  ok_so_far), plus a 7th element with `extra` (see `extra_carry`).
+  ok_so_far).
 
-  alloc=False / free=False replace alloc_decode / free by stand-ins (slot = last_loc + 1,
+  allocator=False replaces the free and alloc_decode by stand-ins (slot = last_loc + 1,
   state unchanged). release: "sorted" (`free` of the finished rows' slots), "pages"
   (free_page_ids of their pages, request order, no sort), "fused" (the same pages through
-  release_and_alloc_decode, one launch on GPU). extra="alloc" / "free" runs one more
-  alloc_decode / free per step on the same inputs against the dummy pool of the 7th carry
-  element, its inputs linked to that pool (timing.link) so that XLA shares no work
-  between the two calls, its outputs kept in the carry.
+  release_and_alloc_decode, one launch on GPU).
   """
   if release not in RELEASES:
     raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
-  dummy = None
-  if extra:
-    *carry, dummy = carry
   state, table, seq, target, pending, ok_all = carry
   bs, ctx = table.shape
   ps = config.page_size
   rows = jnp.arange(bs, dtype=jnp.int32)
-  dep = lambda: bt.link((dummy[0].free_head, dummy[0].free_len, dummy[1]))
   # Free group: up to max_frees rows that finished last step, one slot per page.
   rank = jnp.cumsum(pending) - pending
   sel = pending & (rank < max_frees)
   picked = jnp.zeros(max_frees, jnp.int32).at[jnp.where(sel, rank, max_frees)].set(
       rows, mode="drop")
   n_free = jnp.sum(sel)
-  page_ids = None  # release="fused": freed together with the alloc_decode below
-  if free:
+  if allocator:
     k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
     live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
     idx = jnp.where(live, table[picked[:, None], jnp.minimum(k, ctx - 1)], 0).reshape(-1)
-    if extra == "free":
-      d = freeing.free(config, dummy[0], idx + dep())
-      dummy = (dummy[0]._replace(free_ring=d.free_ring, free_head=d.free_head),
-               (d.free_len,))
+    page_ids = jnp.where(live.reshape(-1), idx // ps, 0)
     # Unconditional (an all-padding group frees nothing): a lax.cond may cost a
     # device-to-host read of its predicate on GPU, more than the free itself.
-    if release in ("pages", "fused"):
-      page_ids = jnp.where(live.reshape(-1), idx // ps, 0)
-      if release == "pages" or not alloc:
-        state = freeing.free_page_ids(config, state, page_ids)
-    else:
+    if release == "pages":
+      state = freeing.free_page_ids(config, state, page_ids)
+    elif release == "sorted":
       state = freeing.free(config, state, idx)
   seq = jnp.where(sel, 0, seq)
   pending = pending & ~sel
   active = ~pending
   seq_new = jnp.where(active, seq + 1, 2)       # 2: needs no page (ps >= 2)
   last = table[rows, jnp.maximum(seq - 1, 0)]
-  if alloc:
-    if extra == "alloc":
-      d, out2, ok2 = allocation.alloc_decode(config, dummy[0], seq_new + dep(), last)
-      dummy = (dummy[0]._replace(free_head=d.free_head), (out2, ok2, d.free_len))
-    if release == "fused" and page_ids is not None:
-      state, out, ok = allocation.release_and_alloc_decode(config, state, page_ids,
-                                                           seq_new, last)
-    else:
-      state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
-  else:
+  if not allocator:
     out, ok = last + 1, jnp.ones((), bool)
+  elif release == "fused":  # the finished rows' pages freed in the same call
+    state, out, ok = allocation.release_and_alloc_decode(config, state, page_ids,
+                                                         seq_new, last)
+  else:
+    state, out, ok = allocation.alloc_decode(config, state, seq_new, last)
   table = table.at[jnp.where(active, rows, bs), seq_new - 1].set(out, mode="drop")
   seq = jnp.where(active, seq_new, seq)
   pending = pending | (active & (seq >= target))
-  return (state, table, seq, target, pending, ok_all & ok) + ((dummy,) if extra else ())
-
-
-def extra_carry(case: ServingCase, extra: str):
-  """initial_carry plus the dummy pool of serve_step(extra=...): it never runs out (its
-  free length stays fixed: full for alloc, empty for free), and the extra outputs."""
-  s = jax.jit(st.init, static_argnums=0)(_config(case))
-  zero = jnp.zeros((), jnp.int32)
-  if extra == "free":
-    return initial_carry(case) + ((s._replace(free_len=zero), (zero,)),)
-  return initial_carry(case) + ((s, (jnp.zeros(case.bs, jnp.int32), jnp.ones((), bool),
-                                     zero)),)
+  return state, table, seq, target, pending, ok_all & ok
 
 
 def step_call(step, carry, x):
@@ -188,13 +155,11 @@ def step_call(step, carry, x):
   lengths, so the link of the previous step's outputs reaches this step's inputs."""
   state, table, seq, *rest = carry
   carry = step((state, table, seq + x, *rest))
-  state, table, seq, target, pending, ok, *extra = carry
-  return carry, (seq, pending, ok, state.free_len, state.free_head) + tuple(
-      jax.tree_util.tree_leaves(extra))
+  state, table, seq, target, pending, ok = carry
+  return carry, (seq, pending, ok, state.free_len, state.free_head)
 
 
-VARIANTS = {"scan": {}, "scan_none": dict(alloc=False, free=False),
-            "scan_extra_alloc": dict(extra="alloc"), "scan_extra_free": dict(extra="free"),
+VARIANTS = {"scan": {}, "scan_none": dict(allocator=False),
             "scan_pages": dict(release="pages"), "scan_fused": dict(release="fused")}
 
 
@@ -206,9 +171,8 @@ def _final(carry) -> tuple:
 
 @functools.lru_cache(maxsize=4)
 def _jit_step(case: ServingCase, none: bool):
-  flags = dict(alloc=False, free=False) if none else {}
-  return jax.jit(functools.partial(serve_step, _config(case), case.max_frees, **flags),
-                 donate_argnums=0)
+  return jax.jit(functools.partial(serve_step, _config(case), case.max_frees,
+                                   allocator=not none), donate_argnums=0)
 
 
 def jit_timed(case: ServingCase, o, *, sync: bool = False, none: bool = False) -> bench.Timed:
@@ -228,18 +192,16 @@ def jit_timed(case: ServingCase, o, *, sync: bool = False, none: bool = False) -
 
 
 def scan_timed(case: ServingCase, variant: str) -> bench.Timed:
-  flags = VARIANTS[variant]
-  step = functools.partial(serve_step, _config(case), case.max_frees, **flags)
-  carry = extra_carry(case, flags["extra"]) if "extra" in flags else initial_carry(case)
-  return bench.chained(lambda c, x: step_call(step, c, x), carry, jnp.zeros((), jnp.int32))
+  step = functools.partial(serve_step, _config(case), case.max_frees, **VARIANTS[variant])
+  return bench.chained(lambda c, x: step_call(step, c, x), initial_carry(case),
+                       jnp.zeros((), jnp.int32))
 
 
 def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
   """The same loop through torch_ref's eager class, as SGLang's scheduler drives it."""
-  torch = bench_kernels._torch()  # pylint: disable=protected-access
+  torch, dev = bench.torch_device()
   import torch_ref  # pylint: disable=g-import-not-at-top
-  cuda = torch.cuda.is_available()
-  dev = torch.device("cuda" if cuda else "cpu")
+  cuda = dev == "cuda"
   ps = case.page_size
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
                                                 False)
@@ -302,35 +264,3 @@ SERVING = bench.Suite(
           bench.Dim("--warmup", 20, "steps before the parity point", quick=5),
           bench.Dim("--seed", 0, "seed of the initial lengths and pool")),
     render=lambda r: bench_kernels.render(bench_kernels.legacy(r)))
-
-
-# ---------------------------------------------------------------------------------------
-# The main job.
-# ---------------------------------------------------------------------------------------
-
-def simulate_timed(o, page_size: int, driver: str) -> bench.Timed:
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
-
-  def measure(opts) -> Dict[str, Any]:
-    del opts
-    cfg = simulate.SimConfig(num_requests=o.num_requests, page_sizes=(page_size,),
-                             driver=driver, kernel=o.kernel, seed=o.seed)
-    r = simulate.run(cfg, progress=False).results[0]
-    q1, q3 = bt.quartiles(r.step_us)
-    return {"us": float(np.median(r.step_us)), "q1_us": q1, "q3_us": q3,
-            "min_us": min(r.step_us), "steps": r.steps, "compile_s": r.compile_s,
-            "wall_s": r.wall_s, "alloc_failures": r.alloc_failures,
-            "leak_check": r.leak_check}
-  return bench.Timed(measure)
-
-
-SIMULATE = bench.Suite(
-    name="simulate", help="the main job (jax-kvalloc simulate) per page size and driver: "
-    "time per scheduler step", impls=("device", "host"),
-    cases=lambda o: (bench.Case({"page_size": ps}, d, functools.partial(
-        simulate_timed, o, ps, d)) for ps in o.page_sizes for d in ("device", "host")),
-    dims=(bench.Dim("--page-sizes", [1, 16, 64], "page sizes", quick=[16]),
-          bench.Dim("--num-requests", 600, "requests in the workload", quick=40),
-          bench.Dim("--kernel", "auto", "AllocatorConfig.kernel"),
-          bench.Dim("--seed", 0, "seed of the workload")),
-    compare=(("device", "host"),))

@@ -194,12 +194,8 @@ def sglang_timed(case: TableCase) -> bench.Timed:
   tokens), alloc_extend of max_frees new requests (extend step), alloc_decode of every
   row (one in page_size starting a page). Every step first puts back one snapshot of the
   pool, so every step sees the same pool; that is part of the figure."""
-  from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
-  err = sglang_oracle.import_error()
-  if err:
-    raise bench.Skip(err)
-  import torch  # pylint: disable=g-import-not-at-top
-  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  sglang_oracle = bench.sglang()
+  torch, dev = bench.torch_device()
   ps, bs, mf = case.page_size, case.bs, case.max_frees
   alloc = sglang_oracle.SGLangAllocator(case.config.num_pages * ps, ps, False, "paged", dev)
   t64 = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)
@@ -208,8 +204,7 @@ def sglang_timed(case: TableCase) -> bench.Timed:
   per_row = -(-((case.len_lo + case.len_hi) // 2) // ps)
   frees = list((alloc.alloc(mf * per_row * ps)[::ps] // ps).reshape(mf, per_row))
   held = alloc.alloc(bs * ps)
-  seq = ps * rng.integers(1, 8, bs) + rng.integers(2, ps + 2, bs)
-  seq[::ps] = ps * rng.integers(1, 8, len(seq[::ps])) + 1
+  seq = bench.decode_lens(bs, ps, rng)
   last = (held[::ps] // ps).cpu().numpy() * ps + (seq - 2) % ps
   d_seq, d_seq_cpu, d_last = t64(seq), c64(seq), t64(last)
   z, p = np.zeros(mf), np.full(mf, case.prompt)

@@ -1,10 +1,9 @@
 """The `jax-kvalloc` command: one subcommand per tool, user errors in one line.
 
 A command is one line of COMMANDS: (name, module, help). The module defines
-`add_arguments(parser)` and `run(args) -> int` (the exit status), or `add_parser(sub)`
-(whose `sub.add_parser(name, ...)` returns the command's parser) and `run_cli(args)`;
-only the named command's module is imported. Its options take the types below (`int_list`,
-`name_list`, `positive`, `existing_file`, ...), so that a bad value fails inside argparse,
+`add_arguments(parser)` and `run(args) -> int` (the exit status); only the named
+command's module is imported. Its options take the types below (`int_list`,
+`name_list`, `positive`, `existing_file`), so that a bad value fails inside argparse,
 and a check that needs the run's context raises `UsageError(option, what is allowed)`.
 Either way the command prints one line, `jax-kvalloc CMD: error: --option: ...`, and exits
 with status 2; any other exception is an internal error and keeps its traceback.
@@ -16,7 +15,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 COMMANDS = (
     ("simulate", "jax_kvalloc.tools.simulate_cli",
@@ -112,31 +111,24 @@ def positive(kind: Callable[[str], Any] = int, minimum: Any = 1,
   return parse
 
 
+def pairs(what: str, example: str) -> Callable[[str], List[Tuple[int, int]]]:
+  """An argparse type: 'AxB,...' (`what`, e.g. BSxTOKENS) -> [(A, B), ...], each >= 1."""
+  def parse(text: str) -> List[Tuple[int, int]]:
+    try:
+      out = [tuple(int(v) for v in item.lower().split("x")) for item in _split(text)]
+    except ValueError:
+      out = []
+    if not out or any(len(p) != 2 or min(p) < 1 for p in out):
+      raise argparse.ArgumentTypeError(f"expected {what},... (e.g. {example}), got {text!r}")
+    return out
+  return parse
+
+
 def existing_file(text: str) -> str:
   """An argparse type: a path to a file that exists."""
   if not os.path.isfile(text):
     raise argparse.ArgumentTypeError(f"no such file: {text!r}")
   return text
-
-
-def existing_dir(text: str) -> str:
-  """An argparse type: a path to a folder that exists."""
-  if not os.path.isdir(text):
-    raise argparse.ArgumentTypeError(f"no such folder: {text!r}")
-  return text
-
-
-class _Sub:
-  """The `sub` of a module's `add_parser(sub)`: hands it the command's parser (with this
-  module's Formatter, whatever formatter_class it asks for)."""
-
-  def __init__(self, parser: argparse.ArgumentParser):
-    self.parser = parser
-
-  def add_parser(self, name: str, **kw) -> argparse.ArgumentParser:
-    del name
-    self.parser.description = kw.get("description")
-    return self.parser
 
 
 def build(argv: Sequence[str]) -> argparse.ArgumentParser:
@@ -150,11 +142,8 @@ def build(argv: Sequence[str]) -> argparse.ArgumentParser:
                        formatter_class=Formatter)
     if argv and argv[0] == name:
       mod = importlib.import_module(module)
-      if hasattr(mod, "add_arguments"):
-        mod.add_arguments(p)
-      else:
-        mod.add_parser(_Sub(p))
-      p.set_defaults(run=getattr(mod, "run", None) or getattr(mod, "run_cli"))
+      mod.add_arguments(p)
+      p.set_defaults(run=mod.run)
   return parser
 
 

@@ -252,8 +252,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="need_sort of generated traces")
   p.add_argument("--segment-prob", type=positive(float, 0.0, 1.0), default=0.25,
                  metavar="P", help="chance that a generated trace frees a finished request "
-                 "through free_segment/free_page_ids (SPEC 10); 0: traces of earlier "
-                 "versions")
+                 "through free_segment/free_page_ids (SPEC 10); 0: none")
   p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                  help="device of the jax and torch allocators")
   p.add_argument("--kernel", default="jnp", choices=KERNELS,
@@ -331,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
                                     segment_prob=args.segment_prob)
       n, f = stats.steps, stats.failed_allocs
       written += run_generated(config, impls, stats)
-      say(f"seed {config.seed}: {config.resolved_kind} page_size={config.page_size} "
+      say(f"seed {config.seed}: {config.kind} page_size={config.page_size} "
           f"size={config.size} need_sort={config.need_sort}: {stats.steps - n} steps "
           f"match ({stats.failed_allocs - f} failed allocations)")
   except ParityMismatch as e:

@@ -76,18 +76,14 @@ def iqr(cell: Optional[Dict[str, Any]], prefix: str = "") -> Optional[Tuple[floa
 
 
 def write_json(path: str, data: Any) -> None:
+  """`data` as indented JSON, numpy (and jax) values as the Python values they hold."""
   with open(path, "w") as f:
-    json.dump(data, f, indent=1, default=_default)
+    json.dump(data, f, indent=1, default=_plain)
     f.write("\n")
 
 
-def _default(o):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  if isinstance(o, np.integer):
-    return int(o)
-  if isinstance(o, np.floating):
-    return float(o)
-  if isinstance(o, np.ndarray):
+def _plain(o):
+  if hasattr(o, "tolist"):
     return o.tolist()
   raise TypeError(f"cannot write {type(o).__name__} as JSON")
 
@@ -112,8 +108,7 @@ def pyplot():
 # relative to the repository root, under benchmarks/results/<run folder>/), and each
 # block ends by citing them. Prose outside the blocks is written by hand.
 #   bench FILE               the tables `jax-kvalloc bench` printed for that record
-#   bench-class FILE         the same (kept for the markers of earlier class runs)
-#   bench-swa FILE           the same (kept for the markers of earlier SWA runs)
+#                            (bench-class, bench-swa: the same)
 #   headline SPEC...         the bare kernel comparison and the in-step allocator share;
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
 #   verdicts FILE...         the bare verdict of every (op, bs) the kernels files share,
@@ -138,8 +133,9 @@ def load(path: str, root: str = "") -> Dict[str, Any]:
     return json.load(f)
 
 
-def _legacy_class_table(record: Dict[str, Any]) -> str:
-  """The fixed-width table of the class runs before the harness (medians, ratios)."""
+def _class_table(record: Dict[str, Any]) -> str:
+  """The fixed-width table of a class record without the harness's "suite" (medians,
+  ratios)."""
   impls = [n for n in ("device", "host", "sgljax", "torch_ref", "sglang")
            if any(n in r for r in record["rows"].values())]
   head = f"{'row':28s}" + "".join(f"{n:>11s}" for n in impls) + "  host/sgljax  device/sglang"
@@ -163,13 +159,13 @@ def tables(record: Dict[str, Any]) -> str:
   from jax_kvalloc.tools import bench, bench_classes, bench_kernels  # pylint: disable=g-import-not-at-top
   if "suite" in record:
     return bench.render(record)
-  if "micro" in record:  # kernels and serving runs before the harness
+  if "micro" in record:  # kernels and serving records without the harness's "suite"
     return bench_kernels.render(record)
   if any("q1_us" in c for cells in record["rows"].values() for c in cells.values()):
     rows = [{"row": k, "cells": {i: dict(c, us=c["median_us"]) for i, c in v.items()
                                  if i != "verdicts"}} for k, v in record["rows"].items()]
     return bench.table(dict(record, rows=rows), bench_classes.SWA)
-  return _legacy_class_table(record)
+  return _class_table(record)
 
 
 def _cite(paths: Sequence[str]) -> str:

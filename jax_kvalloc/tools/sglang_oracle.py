@@ -1,13 +1,13 @@
-"""The installed SGLang allocator (`pip install sglang`) as a second oracle for parity.
+"""The installed SGLang allocator (`pip install sglang==0.5.23`) as a second oracle.
 
 Nothing of SGLang is copied here: `SGLangAllocator` imports the installed package and
-wraps its TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator, smoothing over what newer
-releases changed:
+wraps its TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator behind the interface trace
+replay uses:
 - The paged allocator keeps need_sort's freed pages in `staged_pages`, a list of tensors
   in no meaningful order, not in `release_pages`: `release_pages` here is their
   concatenation, to be compared as a sorted set (`release_unordered`).
-- There is no backup_state/restore_state any more: when missing, a snapshot is emulated
-  by saving the list attributes (SGLang never writes them in place).
+- There is no backup_state/restore_state: a snapshot saves the list attributes (SGLang
+  never writes them in place).
 SGLang builds the paged allocator only for page sizes > 1, and its decode page count is
 wrong at page size 1 (SPEC 4.3's fix), so `unsupported_reason` declines that config.
 """
@@ -31,32 +31,19 @@ def use_bundle(path: Optional[str] = None) -> Optional[str]:
   that installed packages (numpy, torch, typing_extensions ...) win over the bundle's.
 
   path: the folder; default $JAX_KVALLOC_SGLANG_BUNDLE, else <repo>/.sglang_py312. Returns
-  the folder appended (or already there), or None when sglang is already importable
-  without it or no such folder exists (nothing changes then). Raises FileNotFoundError
-  when `path` is given and is not a folder."""
-  if path is None:
-    path = os.environ.get(BUNDLE_ENV) or None
-    given = path is not None
-    path = path or str(DEFAULT_BUNDLE)
-  else:
-    given = True
-  folder = pathlib.Path(path).resolve()
+  the folder (now on sys.path), or None when the default folder does not exist. Raises
+  FileNotFoundError when a folder given (or named by the variable) does not exist."""
+  given = path or os.environ.get(BUNDLE_ENV)
+  folder = pathlib.Path(given or DEFAULT_BUNDLE).resolve()
   if not folder.is_dir():
     if given:
-      raise FileNotFoundError(f"SGLang bundle folder {path!r} does not exist (build it "
+      raise FileNotFoundError(f"SGLang bundle folder {given!r} does not exist (build it "
                               f"with benchmarks/sglang_bundle.sh)")
     return None
-  if str(folder) in sys.path:
-    return str(folder)
-  if "sglang" not in sys.modules and _importable("sglang") and not given:
-    return None
-  sys.path.append(str(folder))
+  if str(folder) not in sys.path:
+    sys.path.append(str(folder))
   return str(folder)
 
-
-def _importable(name: str) -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  return importlib.util.find_spec(name) is not None
 
 _STATE_ATTRS = ("free_pages", "release_pages", "staged_pages", "num_staged_pages",
                 "free_page_ids_group")
@@ -143,12 +130,11 @@ class SGLangAllocator:
 
   @property
   def release_pages(self) -> torch.Tensor:
-    staged = getattr(self._a, "staged_pages", None)
-    if staged is not None:
-      if not staged:
-        return torch.zeros((0,), dtype=torch.int64)
-      return torch.cat([t.reshape(-1).cpu() for t in staged])
-    return self._a.release_pages
+    if not self.release_unordered:  # the token allocator
+      return self._a.release_pages
+    staged = self._a.staged_pages
+    return (torch.cat([t.reshape(-1).cpu() for t in staged]) if staged
+            else torch.zeros((0,), dtype=torch.int64))
 
   def available_size(self) -> int:
     return int(self._a.available_size())
@@ -161,20 +147,10 @@ class SGLangAllocator:
     groups, merge_and_sort_free and clear: SGLang's own methods."""
     return getattr(self.__dict__["_a"], name)
 
-  def backup_state(self) -> Any:
-    if hasattr(self._a, "backup_state"):
-      return ("native", self._a.backup_state())
-    saved: Dict[str, Any] = {}
-    for name in _STATE_ATTRS:
-      if hasattr(self._a, name):
-        value = getattr(self._a, name)
-        saved[name] = list(value) if isinstance(value, list) else copy.copy(value)
-    return ("emulated", saved)
+  def backup_state(self) -> Dict[str, Any]:
+    return {name: copy.copy(getattr(self._a, name)) for name in _STATE_ATTRS
+            if hasattr(self._a, name)}
 
-  def restore_state(self, snapshot: Any) -> None:
-    how, state = snapshot
-    if how == "native":
-      self._a.restore_state(state)
-      return
-    for name, value in state.items():
-      setattr(self._a, name, list(value) if isinstance(value, list) else value)
+  def restore_state(self, snapshot: Dict[str, Any]) -> None:
+    for name, value in snapshot.items():
+      setattr(self._a, name, copy.copy(value))

@@ -25,9 +25,8 @@ token once it decodes: `simulate_step.swa_need`). Page sizes > 1 only, and no pr
 sharing (the SWA request table has no borrowed prefixes); the leak check covers both pools
 and the mapping.
 
-The question it answers (the seed write-up's): what a larger page costs in slots
-allocated but unused inside pages, against what it saves in management (free-list
-entries, per-step time).
+The table answers what a larger page costs in slots allocated but unused inside pages,
+against what it saves in management (free-list entries, per-step time).
 """
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ from jax_kvalloc.swa import SWAConfig
 from jax_kvalloc.tools import simulate_step as sstep
 from jax_kvalloc.tools.cli import UsageError
 from jax_kvalloc.tools.simulate_step import COL, Layout, record_columns
-from jax_kvalloc.tools.workload import ARRIVALS, Workload, make_workload, parse_dist
+from jax_kvalloc.tools.workload import ARRIVALS, FORMS, Workload, make_workload, parse_dist
 
 DRIVERS = ("device", "host")
 STATUS_LAG = 8  # host driver: calls between launching a step and reading its record
@@ -91,7 +90,6 @@ class SimConfig:
   max_steps: int = 1_000_000   # a run that needs more steps fails
   driver: str = "device"
   steps_per_call: int = 256    # device driver: iterations per call (a multiple of runs_every)
-  inject_leak: bool = False    # test hook: the first finished request's free is lost
   swa_window: int = 0          # SWA mode: the window in tokens; 0 = off
   swa_ratio: float = 0.25      # SWA mode: SWA pool slots / pool_size (whole pages)
 
@@ -104,7 +102,6 @@ class SimConfig:
 
 
 INT32_MAX = 2**31 - 1
-_FORMS = "const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX] or exp:MEAN[:MAX]"
 
 
 def _is_dist(spec) -> bool:
@@ -127,7 +124,7 @@ RULES = {
                              "max_prefill_tokens", "max_prefill_reqs", "max_frees",
                              "steps_per_call", "runs_every", "max_steps")},
     **{f: _ints(0) for f in ("num_prefixes", "seed", "swa_window")},
-    **{f: (_is_dist, f"a length distribution: {_FORMS}")
+    **{f: (_is_dist, f"a length distribution: {FORMS}")
        for f in ("prompt_len", "output_len", "prefix_len")},
     "rate": (lambda v: v > 0, "a number > 0"),
     "share_prob": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
@@ -260,13 +257,8 @@ class SimResult:
   compile_wall_s: float = 0.0  # every page size's compile, together (they overlap)
   compile_cache: str = ""      # the persistent compilation cache's folder, "" when off
 
-  @property
-  def ok(self) -> bool:
-    return all(r.leak_check.startswith("ok") and r.alloc_failures == 0
-               for r in self.results)
 
-
-def _pct(x: Sequence[float], q: float) -> float:
+def percentile(x: Sequence[float], q: float) -> float:
   return float(np.percentile(np.asarray(x, np.float64), q)) if len(x) else 0.0
 
 
@@ -292,7 +284,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
                tokens=bucket(cfg.max_prefill_tokens, 1), frees=cfg.max_frees,
                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
                prefix_width=max(1, cdiv(prefix_hi, page_size)),
-               branch=branches(), inject_leak=cfg.inject_leak)
+               branch=branches())
   if cfg.swa_window <= 0:
     return lay
   swa_pages = int(round(cfg.swa_ratio * cfg.pool_size / page_size))
@@ -351,53 +343,51 @@ class Prepared(NamedTuple):
   carry: sstep.Carry
   fn: Any            # the driver's compiled call: (wl, carry) -> (carry, records, stopped)
   census: Any        # host driver: the compiled free-list census
-  compile_s: float
+  compile_s: float   # wall seconds of the whole preparation
   cache_hit: bool
   options: str
-
-
-_COMPILED: Dict[Any, Tuple[Any, Any, str]] = {}
+  cpu_s: Tuple[float, float]  # process CPU seconds of the lowering and the XLA compile
 
 
 def clear_compiled() -> None:
-  """Forgets the programs compiled in this process (after patching what they call)."""
-  _COMPILED.clear()
+  """Forgets the programs traced and compiled in this process (after patching what
+  they call)."""
   sstep.run_steps.clear_cache()
   sstep.host_step.clear_cache()
 
 
-def prepare(cfg: SimConfig, wl: Workload, page_size: int) -> Prepared:
+def prepare(cfg: SimConfig, wl: Workload, page_size: int,
+            options: Optional[Dict[str, Any]] = None) -> Prepared:
   """Lays out and compiles one page size (thread-safe: the page sizes compile at once);
-  a second run of the same shapes in this process reuses the programs."""
+  a second run of the same shapes in this process reuses jax's traces and programs.
+  options: XLA's compile options (default: COMPILE_OPTIONS of this backend)."""
   if not _LISTENING:
     _LISTENING.append(jax.monitoring.register_event_listener(_on_event))
   t0 = time.perf_counter()
   lay = make_layout(cfg, wl, page_size)
   dwl = device_workload(cfg, wl)
   carry = jax.jit(sstep.init_carry, static_argnums=0)(lay)
-  key = (cfg.driver, lay, wl.num_requests, cfg.steps_per_call, cfg.runs_every)
-  if key in _COMPILED:
-    fn, census, used = _COMPILED[key]
-    return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, False, used)
+  c0 = time.process_time()
   if cfg.driver == "device":
     blocks = -(-cfg.steps_per_call // cfg.runs_every)
     lowered = sstep.run_steps.lower(lay, dwl, carry, blocks=blocks,
                                     runs_every=cfg.runs_every)
   else:
     lowered = sstep.host_step.lower(lay, dwl, carry)
-  options = COMPILE_OPTIONS.get(jax.default_backend(), {})
+  c1 = time.process_time()
+  options = COMPILE_OPTIONS.get(jax.default_backend(), {}) if options is None else options
   hits = getattr(_HITS, "n", 0)
   try:
     fn = lowered.compile(options)
   except Exception:  # pylint: disable=broad-except
     options, fn = {}, lowered.compile()
   hit = getattr(_HITS, "n", 0) > hits
+  cpu_s = (c1 - c0, time.process_time() - c1)
   census = None
   if cfg.driver == "host":
     census = sstep.census.lower(carry.state).compile()
   used = ",".join(f"{k}={v}" for k, v in options.items()) or "default XLA options"
-  _COMPILED[key] = (fn, census, used)
-  return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, hit, used)
+  return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, hit, used, cpu_s)
 
 
 def compile_all(cfg: SimConfig, wl: Workload, progress: bool) -> Tuple[List[Prepared], float]:
@@ -506,7 +496,7 @@ def run_page_size(cfg: SimConfig, wl: Workload, prep: Prepared,
   res.runs_final = int(jax.jit(sstep.free_list_runs)(carry.state))
   finish_result(res, records)
   res.step_us = times
-  res.step_us_p50, res.step_us_p99 = _pct(times, 50), _pct(times, 99)
+  res.step_us_p50, res.step_us_p99 = percentile(times, 50), percentile(times, 99)
   res.step_kind = ["prefill" if k == sstep.KIND_PREFILL else "decode"
                    for k in records[:, COL["kind"]]]
   final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
@@ -574,7 +564,7 @@ def finish_result(res: PageSizeResult, records: np.ndarray) -> None:
     res.refused_swa = int(np.sum((refused & 2) != 0))
 
 
-def _partition(name: str, ps: int, n: int, parts: Sequence[np.ndarray]) -> int:
+def check_partition(name: str, ps: int, n: int, parts: Sequence[np.ndarray]) -> int:
   """Checks that the parts hold pages 1..n exactly once; returns their total."""
   everything = np.concatenate(parts).astype(np.int64)
   uniq = np.unique(everything)
@@ -601,8 +591,8 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
   free, release = st.live_free_pages(full), st.live_release_pages(full)
   res.free_list_final, res.release_list_final = free.tolist(), release.tolist()
   if lay.swa is not None:
-    n_full = _partition(", full pool", ps, lay.num_pages, [free, release])
-    n_swa = _partition(", SWA pool", ps, lay.swa_pages, [
+    n_full = check_partition(", full pool", ps, lay.num_pages, [free, release])
+    n_swa = check_partition(", SWA pool", ps, lay.swa_pages, [
         st.live_free_pages(state.swa), st.live_release_pages(state.swa)])
     mapped = np.flatnonzero(swa_core.live_mapping(state)[:-1])
     if mapped.size:
@@ -620,7 +610,7 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
                            f"tokens from column {int(owned[r + g])}, the scheduler "
                            f"expects {want} from column 0")
     held.append(pages[r + g, :want // ps])
-  _partition("", ps, lay.num_pages, [free, release] + held)
+  check_partition("", ps, lay.num_pages, [free, release] + held)
   res.free_pages_final = int(free.size + release.size)
   res.in_use_final = lay.num_pages - res.free_pages_final
   res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "
@@ -628,12 +618,8 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
 
 
 def versions() -> Dict[str, str]:
-  import platform  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc import __version__  # pylint: disable=g-import-not-at-top
-  return {"python": platform.python_version(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-          "jax_kvalloc": __version__}
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  return bench.versions(("jax", "jaxlib", "numpy", "jax_kvalloc"))
 
 
 def device_name() -> str:
@@ -663,28 +649,6 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
   cache = jax.config.jax_compilation_cache_dir or ""
   return SimResult(dataclasses.asdict(cfg), device_name(), versions(), out,
                    compile_wall_s=compile_s, compile_cache=cache)
-
-
-def run_trace(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
-  """Replays the traces in `path` (jax_kvalloc.tools.traces format), one result per page
-  size."""
-  from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
-  if cfg.swa_window:
-    raise SimConfigError("--swa-window", "does not apply to --trace (a trace replays its "
-                         "own operations)")
-  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
-  try:
-    records = traces.read(path)
-    for recs in records.values():
-      traces.init_args(recs[0].get("args", {}))
-  except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-    raise SimConfigError("--trace", f"{path} is not a readable trace file ({e})") from None
-  if not records:
-    raise SimConfigError("--trace", f"{path} holds no trace")
-  results = simulate_trace.run_trace(records, kernel=cfg.kernel, runs_every=cfg.runs_every,
-                                     progress=progress)
-  conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
-  return SimResult(conf, device_name(), versions(), results, mode="trace")
 
 
 def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:

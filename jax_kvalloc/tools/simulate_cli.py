@@ -97,7 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "~/.cache/jax-kvalloc/xla)")
   a("--no-compile-cache", action="store_true", help="compile everything, keep nothing")
   a("--no-progress", action="store_true", help="no progress bar")
-  a("--inject-leak", action="store_true", help=argparse.SUPPRESS)
 
 
 @contextlib.contextmanager
@@ -131,7 +130,6 @@ def run(args) -> int:
   from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   cfg = simulate.SimConfig(page_sizes=tuple(args.page_sizes), need_sort=args.need_sort,
-                           inject_leak=args.inject_leak,
                            **{f: getattr(args, f) for f in HELP})
   for opt, path in (("--json", args.json), ("--plot", args.plot)):
     folder = os.path.dirname(os.path.abspath(path)) if path else None
@@ -147,7 +145,8 @@ def run(args) -> int:
   try:
     with persistent_cache(cache):
       if args.trace:
-        result = simulate.run_trace(cfg, args.trace, progress=progress)
+        from jax_kvalloc.tools import simulate_trace  # pylint: disable=g-import-not-at-top
+        result = simulate_trace.run(cfg, args.trace, progress=progress)
       else:
         result = simulate.run(cfg, progress=progress)
   except simulate.LeakCheckError as e:

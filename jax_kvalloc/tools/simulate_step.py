@@ -108,7 +108,6 @@ class Layout:
   swa: Optional[SWAConfig] = None  # SWA mode: both pools (acfg is swa.full)
   window: int = 0                  # SWA mode: the window in tokens
   branch: bool = True              # skip unneeded table phases in lax.cond (module doc)
-  inject_leak: bool = False        # test hook: the first finished request's free is lost
 
   @property
   def swa_pages(self) -> int:
@@ -158,7 +157,6 @@ class Sched(NamedTuple):
   steps: Array        # i32[] steps so far
   done: Array         # i32[] requests finished
   error: Array        # i32[] 0, or ERR_STUCK
-  forget: Array       # i32[] test hook: row whose release loses its pages; -1 none, -2 done
 
 
 class Carry(NamedTuple):
@@ -171,7 +169,6 @@ class Plan(NamedTuple):
   """An iteration's table work. Entries at index >= the matching count are padding."""
   free_rows: Array     # i32[F] the free group's rows, in order
   num_free: Array
-  forget: Array        # i32[] the row whose pages the test hook drops (-1: none)
   borrow_rows: Array   # i32[B] admitted rows that start from a cached prefix
   borrow_src: Array    # i32[B] the cache rows they borrow from
   borrow_pages: Array  # i32[B] whole pages borrowed
@@ -217,7 +214,7 @@ def init_carry(lay: Layout) -> Carry:
       swa_reserved=z(r), empty=jnp.arange(r - 1, -1, -1, dtype=i32), n_empty=s(r),
       prefilling=z(lay.batch), n_prefilling=s(0), cache_tokens=z(g), refcount=z(g),
       last_used=z(g, -1), free_pages=s(lay.num_pages), swa_free=s(lay.swa_pages),
-      clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0), forget=s(-1))
+      clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0))
   return Carry(state, table, sched)
 
 
@@ -432,12 +429,6 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   n_empty = c.n_empty - k
   empty = c.empty.at[jnp.where(jnp.arange(f_) < npop, n_empty + jnp.arange(f_), r_)].set(
       pop_rows, mode="drop")
-  forget, forget_now = c.forget, jnp.full((), -1, i32)
-  if lay.inject_leak:
-    forget_now = jnp.where(jnp.any(gone & (rows == forget)), forget, -1)
-    forget = jnp.where(forget_now >= 0, -2, forget)
-    forget = jnp.where((forget == -1) & (n_fin > 0), jnp.min(jnp.where(fin, rows, r_)),
-                       forget)
   swa_reserved = c.swa_reserved
   if swa:
     swa_from = jnp.where(adm_r, 0, swa_from)
@@ -461,7 +452,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
       cache_tokens=cache_tokens, refcount=refcount, last_used=last_used,
       free_pages=free_pages - pages, swa_free=swa_free, clock=clock, head=c.head + k,
       steps=c.steps + (kind > 0), done=c.done + n_fin,
-      error=jnp.where(stuck, ERR_STUCK, c.error), forget=forget)
+      error=jnp.where(stuck, ERR_STUCK, c.error))
 
   # The table work: the free group (finished rows, then evicted cache rows), the borrows
   # (every admitted row; 0 pages without a cache hit), the extend or decode, hand-overs.
@@ -469,7 +460,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   ins_at = jnp.where(ins, ins_pos, b_)
   plan = Plan(
       free_rows=jnp.where(jnp.arange(f_) < npop, pop_rows, evicted), num_free=nfree,
-      forget=forget_now, borrow_rows=adm_rows, borrow_src=r_ + gc,
+      borrow_rows=adm_rows, borrow_src=r_ + gc,
       borrow_pages=jnp.where(hit, _div(pre0, ps), 0), num_borrow=k,
       ext_rows=jnp.where(p < n_batch, brow, 0), ext_n=chunk,
       num_ext=jnp.where(is_pre, n_batch, 0),
@@ -532,13 +523,6 @@ def _table_step(lay: Layout, state, table, p: Plan):
   swa = lay.swa is not None
   tbl, cfg = (swa_table, lay.swa) if swa else (rt, lay.acfg)
   ps, nrows = lay.acfg.page_size, table.lens.shape[0]
-  if lay.inject_leak:  # the forgotten row's pages are no longer the row's to free
-    f = jnp.where(p.forget >= 0, p.forget, nrows)
-    if swa:
-      table = table._replace(lens=table.lens.at[f].set(0, mode="drop"))
-    else:
-      end = cdiv(table.lens[jnp.minimum(f, nrows - 1)], ps)
-      table = table._replace(owned_from=table.owned_from.at[f].set(end, mode="drop"))
   fused = not swa and not lay.branch and not cfg.need_sort
 
   def changes(s, t):

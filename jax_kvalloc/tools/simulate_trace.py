@@ -1,11 +1,11 @@
 """`jax-kvalloc simulate --trace FILE`: replays recorded allocator traces (the format of
-jax_kvalloc.traces, which is the golden format) through the SGLang-compatible classes
+jax_kvalloc.tools.traces, which is the golden format) through the SGLang-compatible classes
 and reports the same metrics as the synthetic run, one row per page size.
 
 Each trace is replayed twice: once to compile every shape bucket it touches, once timed
 (per operation, through the eager class API, host conversion included). Recorded
 results and lists, where the trace has them, are checked on the way (a mismatch raises
-jax_kvalloc.traces.TraceMismatch). A tracker follows which slots each operation hands out
+jax_kvalloc.tools.traces.TraceMismatch). A tracker follows which slots each operation hands out
 and frees (free groups and snapshots included), for the fragmentation metric and for the
 final leak check: free + released + still held must be exactly pages 1..num_pages.
 """
@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from jax_kvalloc.tools.simulate import LeakCheckError, PageSizeResult, _pct
+from jax_kvalloc.tools.simulate import (PageSizeResult, SimConfig, SimConfigError, SimResult,
+                                        check_partition, device_name, percentile, versions)
 
 ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode")
 
@@ -120,35 +121,40 @@ def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
     res.usage.append(used / num_pages)
     res.waste_peak_slots = max(res.waste_peak_slots, tracker.waste)
     res.waste_mean += tracker.waste / max(used * ps, 1)
-  # Leak check: free + released + held == pages 1..num_pages, each once.
-  everything = np.asarray(observed["free_pages"] + observed["release_pages"]
-                          + sorted(tracker.held), np.int64)
-  uniq = np.unique(everything)
-  if everything.size != num_pages or not np.array_equal(uniq, np.arange(1, num_pages + 1)):
-    raise LeakCheckError(
-        f"leak check failed for trace {records[0]['trace']!r} (page_size={ps}): free "
-        f"{len(observed['free_pages']) + len(observed['release_pages'])} + in use "
-        f"{len(tracker.held)} != {num_pages} pages, or pages held twice / missing")
-  res.free_pages_final += len(observed["free_pages"]) + len(observed["release_pages"])
+  free = observed["free_pages"] + observed["release_pages"]
+  check_partition(f", trace {records[0]['trace']!r}", ps, num_pages,
+                  [np.asarray(free), np.asarray(sorted(tracker.held))])
+  res.free_pages_final += len(free)
   res.in_use_final += len(tracker.held)
   res.runs_final = runs[-1] if runs else 0
 
 
-def run_trace(all_traces: Dict[Any, List[Any]], *, kernel: str = "auto",
-              runs_every: int = 16, progress: bool = True) -> List[PageSizeResult]:
-  """Replays every trace of `all_traces` (jax_kvalloc.tools.traces.read's {trace id:
-  records}); returns one aggregated result per page size."""
+def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
+  """Replays every trace in the file `path` (jax_kvalloc.tools.traces' format); one
+  aggregated result per page size. SimConfigError naming --trace for a file that is not
+  a trace, or --swa-window (which does not apply)."""
   import tqdm  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
+  if cfg.swa_window:
+    raise SimConfigError("--swa-window", "does not apply to --trace (a trace replays its "
+                         "own operations)")
+  try:
+    all_traces = traces.read(path)
+    inits = {tid: traces.init_args(recs[0].get("args", {}))
+             for tid, recs in all_traces.items()}
+  except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+    raise SimConfigError("--trace", f"{path} is not a readable trace file ({e})") from None
+  if not all_traces:
+    raise SimConfigError("--trace", f"{path} holds no trace")
   by_ps: Dict[int, List[Any]] = collections.defaultdict(list)
-  for tid, recs in all_traces.items():
-    by_ps[traces.init_args(recs[0].get("args", {}))["page_size"]].append(tid)
-  make = traces.jax_factory(kernel)
+  for tid, init in inits.items():
+    by_ps[init["page_size"]].append(tid)
+  make = traces.jax_factory(cfg.kernel)
   out = []
   for ps in sorted(by_ps):
     tids = by_ps[ps]
-    pages = [traces.init_args(all_traces[t][0]["args"])["size"] // ps for t in tids]
-    res = PageSizeResult(ps, max(pages), kernel)
+    pages = [inits[t]["size"] // ps for t in tids]
+    res = PageSizeResult(ps, max(pages), cfg.kernel)
     times: List[float] = []
     runs: List[int] = []
     t0 = time.perf_counter()
@@ -158,18 +164,18 @@ def run_trace(all_traces: Dict[Any, List[Any]], *, kernel: str = "auto",
       warm = traces.Replayer(make)
       for rec in records:  # compile every shape bucket this trace uses
         warm.apply(rec["op"], rec.get("args"))
-      _replay_one(records, traces.Replayer(make), res, times, runs, runs_every)
+      _replay_one(records, traces.Replayer(make), res, times, runs, cfg.runs_every)
       res.requests_done += 1
     res.wall_s = time.perf_counter() - t0
     res.step_us = times
     res.step_kind = ["op"] * len(times)
-    n = max(len(res.usage), 1)
-    res.waste_mean /= n
+    res.waste_mean /= max(len(res.usage), 1)
     res.peak_usage = max(res.usage, default=0.0)
     res.mean_usage = float(np.mean(res.usage)) if res.usage else 0.0
     res.runs_mean = float(np.mean(runs)) if runs else 0.0
-    res.step_us_p50, res.step_us_p99 = _pct(times, 50), _pct(times, 99)
+    res.step_us_p50, res.step_us_p99 = percentile(times, 50), percentile(times, 99)
     res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "
                       f"== {sum(pages)} ({len(tids)} traces)")
     out.append(res)
-  return out
+  conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
+  return SimResult(conf, device_name(), versions(), out, mode="trace")

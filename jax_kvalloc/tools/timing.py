@@ -126,19 +126,23 @@ def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
   return run
 
 
-def _prepared(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-              consumers: int = DEFAULT_CONSUMERS, linked: bool = True):
-  """(timed(n) -> seconds of one run of n iterations, n, compile seconds): the loop
-  compiled and n grown until a run takes `min_time` (and 8 runs of 1 iteration)."""
+def _loop_timer(call: Call, carry: Any, inputs: Any, unroll: int,
+                consumers: int = DEFAULT_CONSUMERS, linked: bool = True):
+  """(timed(n) -> seconds of one run of n iterations of the chain loop, compile
+  seconds: the first run's)."""
   run = chain_loop(call, unroll, consumers, linked)
   sink = sink_init(call, carry, inputs, consumers)
   timed = lambda k: _wall(lambda: run(carry, inputs, sink, np.int32(k)))
-  compile_s = timed(1)
+  return timed, timed(1)
+
+
+def _grow(timed: Callable[[int], float], min_time: float) -> int:
+  """The run length n (a power of two) at which a run takes min_time and 8 runs of 1."""
   t1 = min(timed(1) for _ in range(3))
   n = 2
   while n < MAX_ITERS and timed(n) < max(min_time, 8 * t1):
     n *= 2
-  return timed, n, compile_s
+  return n
 
 
 def quartiles(values) -> Tuple[float, float]:
@@ -147,13 +151,20 @@ def quartiles(values) -> Tuple[float, float]:
   return float(q1), float(q3)
 
 
+def _stats(values: List[float]) -> Dict[str, float]:
+  """{"s": median, "min_s", "q1_s", "q3_s", "spread": (max - min) / median}."""
+  med = statistics.median(values)
+  q1, q3 = quartiles(values)
+  return {"s": med, "min_s": min(values), "q1_s": q1, "q3_s": q3,
+          "spread": (max(values) - min(values)) / med if med > 0 else float("inf")}
+
+
 def _result(ta, tb, n: int, unroll: int, compile_s: float) -> Dict[str, float]:
-  slopes = [(b - a) / ((n - 1) * unroll) for a, b in zip(ta, tb)]
-  med = statistics.median(slopes)
-  q1, q3 = quartiles(slopes)
-  return {"s": med, "min_s": (min(tb) - min(ta)) / ((n - 1) * unroll),
-          "spread": (max(slopes) - min(slopes)) / med if med > 0 else float("inf"),
-          "q1_s": q1, "q3_s": q3, "iters": n, "compile_s": compile_s}
+  """The per-call slopes' statistics from runs of 1 (ta) and n (tb) iterations; min_s:
+  the slope between the fastest run of each length."""
+  per = (n - 1) * unroll
+  return dict(_stats([(b - a) / per for a, b in zip(ta, tb)]),
+              min_s=(min(tb) - min(ta)) / per, iters=n, compile_s=compile_s)
 
 
 def _checked(res: Dict[str, float]) -> Dict[str, float]:
@@ -165,15 +176,12 @@ def _checked(res: Dict[str, float]) -> Dict[str, float]:
   return res
 
 
-def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-               reps: int, consumers: int = DEFAULT_CONSUMERS,
-               linked: bool = True) -> Dict[str, float]:
-  """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
-  one jit (module docstring): {"s": median per-call slope, "min_s": the slope of the
-  fastest run of each length, "spread": (max - min) / median, "q1_s", "q3_s", "iters",
-  "compile_s"}. TimingError when noise outweighs the work even at MAX_ITERS."""
-  timed, n, compile_s = _prepared(call, carry, inputs, unroll=unroll, min_time=min_time,
-                                  consumers=consumers, linked=linked)
+def _slope(timed: Callable[[int], float], *, unroll: int, min_time: float, reps: int,
+           compile_s: float = 0.0) -> Dict[str, float]:
+  """Seconds per call from `reps` pairs of runs of 1 and n iterations (`unroll` calls
+  each), n grown by `_grow`; where noise outweighs the work, longer runs, up to
+  MAX_ITERS (then TimingError)."""
+  n = _grow(timed, min_time)
   while True:
     ta, tb = [], []
     for _ in range(reps):
@@ -182,7 +190,18 @@ def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: fl
     res = _result(ta, tb, n, unroll, compile_s)
     if res["s"] > 0 or n >= MAX_ITERS:
       return _checked(res)
-    n *= 4  # noise outweighed the work: time longer runs rather than report 0
+    n *= 4
+
+
+def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
+               reps: int, consumers: int = DEFAULT_CONSUMERS,
+               linked: bool = True) -> Dict[str, float]:
+  """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
+  one jit (module docstring): {"s": median per-call slope, "min_s": the slope of the
+  fastest run of each length, "spread": (max - min) / median, "q1_s", "q3_s", "iters",
+  "compile_s"}. TimingError when noise outweighs the work even at MAX_ITERS."""
+  timed, compile_s = _loop_timer(call, carry, inputs, unroll, consumers, linked)
+  return _slope(timed, unroll=unroll, min_time=min_time, reps=reps, compile_s=compile_s)
 
 
 def chain_time_interleaved(variants: List[Dict[str, Any]], *, unroll: int,
@@ -190,16 +209,16 @@ def chain_time_interleaved(variants: List[Dict[str, Any]], *, unroll: int,
   """`chain_time` of several variants, each a dict(call, carry, inputs, consumers), their
   repetitions interleaved (rep 1 of every variant, then rep 2, ...), so that a drift of
   the machine falls on all of them alike. One result per variant."""
-  prepared = [_prepared(v["call"], v["carry"], v["inputs"], unroll=unroll,
-                        min_time=min_time, consumers=v.get("consumers", DEFAULT_CONSUMERS))
-              for v in variants]
+  timers = [_loop_timer(v["call"], v["carry"], v["inputs"], unroll,
+                        v.get("consumers", DEFAULT_CONSUMERS)) for v in variants]
+  ns = [_grow(timed, min_time) for timed, _ in timers]
   times = [([], []) for _ in variants]
   for _ in range(reps):
-    for (timed, n, _), (ta, tb) in zip(prepared, times):
+    for (timed, _), n, (ta, tb) in zip(timers, ns, times):
       ta.append(timed(1))
       tb.append(timed(n))
   return [_checked(_result(ta, tb, n, unroll, c))
-          for (_, n, c), (ta, tb) in zip(prepared, times)]
+          for (_, c), n, (ta, tb) in zip(timers, ns, times)]
 
 
 def loop_overhead(*, unroll: int, min_time: float, reps: int) -> float:
@@ -284,10 +303,7 @@ def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: floa
       n *= 2
       continue
     times.append(t / n)
-  med = statistics.median(times)
-  q1, q3 = quartiles(times)
-  return {"s": med, "min_s": min(times), "q1_s": q1, "q3_s": q3, "iters": n,
-          "spread": (max(times) - min(times)) / med if med > 0 else 0.0}
+  return dict(_stats(times), iters=n)
 
 
 def per_call(call: Callable[[], Any], *, before: Optional[Callable[[], Any]] = None,
@@ -314,11 +330,7 @@ def per_call(call: Callable[[], Any], *, before: Optional[Callable[[], Any]] = N
       sync(out)
     times.append(time.perf_counter() - t0)
   wait(out)
-  med = statistics.median(times)
-  q1, q3 = quartiles(times)
-  return {"s": med, "q1_s": q1, "q3_s": q3, "min_s": min(times), "iters": reps,
-          "spread": (max(times) - min(times)) / med if med > 0 else 0.0,
-          "sync_s": (time.perf_counter() - t_all) / reps}
+  return dict(_stats(times), iters=reps, sync_s=(time.perf_counter() - t_all) / reps)
 
 
 LAUNCH = re.compile(r"= [^=]*? (fusion|custom-call|gather|scatter|sort|reduce|copy|"
@@ -368,10 +380,7 @@ def kernel_time(activities: list, name_prefix: str, *, min_count: int) -> Dict[s
   if len(durs) < min_count:
     raise TimingError(f"{len(durs)} kernels named {name_prefix}* in the profile, "
                       f"expected at least {min_count}")
-  med = statistics.median(durs)
-  q1, q3 = quartiles(durs)
-  return {"s": med, "min_s": min(durs), "spread": (max(durs) - min(durs)) / med,
-          "q1_s": q1, "q3_s": q3, "count": len(durs)}
+  return dict(_stats(durs), count=len(durs))
 
 
 def torch_graph(fn: Callable[[], Any], unroll: int):
@@ -421,12 +430,4 @@ def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
     end.synchronize()
     return start.elapsed_time(end) / 1e3
 
-  t1 = min(timed(1) for _ in range(3))
-  n = 2
-  while timed(n) < max(min_time, 8 * t1) and n < MAX_ITERS:
-    n *= 2
-  ta, tb = [], []
-  for _ in range(reps):
-    ta.append(timed(1))
-    tb.append(timed(n))
-  return _checked(_result(ta, tb, n, unroll, 0.0))
+  return _slope(timed, unroll=unroll, min_time=min_time, reps=reps)

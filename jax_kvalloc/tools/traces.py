@@ -35,29 +35,13 @@ with an `init` line.
   for ops that return nothing), `free_pages` and `release_pages` (the full lists after the
   op, in order; slot ids for the token allocator) and `available_size`.
 
-Generator
----------
-`SchedulerSim` simulates a serving scheduler over one pool, seeded: requests arrive, share
-cached prefixes of varied (page-aligned) length, prefill in batches and in chunks (so
-prefixes also end mid-page), decode, run speculative steps (draft slots taken under
-backup_state and rolled back with restore_state; over-allocated slots freed after
-verification; rows that extend by zero), finish at random (freed one by one or in free
-groups, duplicates included, or inserted into the prefix cache). Like SGLang's scheduler
-it evicts cached prefixes before allocating, admits only the prefill rows that fit and
-retracts requests before a decode that would not fit, but not always (`evict_prob`,
-`oom_prob`), so the small pools also run out and allocations fail. PD-style `alloc` of
-whole pages, explicit merges, and need_sort merges forced by shortfalls occur too.
-It asks the allocator it drives for nothing but the results of allocations, and tracks
-which pages are in use itself, so it also predicts `available_size` (a leak check).
-`generate(random_config(seed), Replayer(make_allocator))` records a trace in the format
-above, driving the allocator that make_allocator(size=, page_size=, need_sort=, kind=)
-builds.
-
-Replay
-------
-`Replayer` applies trace operations to an allocator object with SGLang's methods and
-reads back the observable state; `replay` replays a whole trace and reports the first
-difference from its recorded fields; `compare` names the field and first differing index.
+Generator and replay
+--------------------
+`generate(random_config(seed), Replayer(make_allocator))` records a seeded serving
+workload (`SchedulerSim`) in the format above, driving the allocator that
+make_allocator(size=, page_size=, need_sort=, kind=) builds. `Replayer` applies trace
+operations to an allocator object with SGLang's methods and reads back its observable
+state; `compare` names the field and first differing index of a step.
 
 This module never imports torch: array conversion for other frameworks is passed in.
 """
@@ -66,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence,
                     Set, Tuple)
 
 import numpy as np
@@ -86,11 +70,13 @@ AllocatorFactory = Callable[..., Any]
 # Reading and writing.
 # ---------------------------------------------------------------------------------------
 
-def iter_records(path: str) -> Iterator[Record]:
-  """The records of a JSON-lines trace file, in order. Blank lines are skipped.
+def read(path: str) -> Dict[Any, List[Record]]:
+  """A JSON-lines trace file as {trace id: [records]}, in order of first appearance.
 
-  Raises ValueError naming the line for malformed JSON, unknown ops or missing fields.
+  Raises ValueError naming the line for malformed JSON, unknown ops or missing fields,
+  and naming the trace when one does not start with an `init` record.
   """
+  traces: Dict[Any, List[Record]] = {}
   with open(path) as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
@@ -100,7 +86,11 @@ def iter_records(path: str) -> Iterator[Record]:
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
       check_record(rec, where=f"{path}:{lineno}")
-      yield rec
+      traces.setdefault(rec["trace"], []).append(rec)
+  for tid, recs in traces.items():
+    if recs[0]["op"] != "init":
+      raise ValueError(f"trace {tid!r} starts with {recs[0]['op']!r}, not 'init'")
+  return traces
 
 
 def check_record(rec: Any, where: str = "record") -> None:
@@ -118,25 +108,6 @@ def check_record(rec: Any, where: str = "record") -> None:
   missing = [k for k in needed.get(rec["op"], ()) if k not in rec.get("args", {})]
   if missing:
     raise ValueError(f"{where}: op {rec['op']!r} is missing args {missing}")
-
-
-def group_traces(records: Iterable[Record]) -> Dict[Any, List[Record]]:
-  """Records grouped by trace id, in order of first appearance.
-
-  Raises ValueError when a trace does not start with an `init` record.
-  """
-  traces: Dict[Any, List[Record]] = {}
-  for rec in records:
-    traces.setdefault(rec["trace"], []).append(rec)
-  for tid, recs in traces.items():
-    if recs[0]["op"] != "init":
-      raise ValueError(f"trace {tid!r} starts with {recs[0]['op']!r}, not 'init'")
-  return traces
-
-
-def read(path: str) -> Dict[Any, List[Record]]:
-  """A trace file as {trace id: [records]} (see `iter_records`, `group_traces`)."""
-  return group_traces(iter_records(path))
 
 
 def write(path: str, records: Iterable[Record]) -> int:
@@ -321,17 +292,6 @@ class TraceMismatch(AssertionError):
   """A replayed step disagreed with its record; the message names trace, step and index."""
 
 
-def replay(records: Sequence[Record], replayer: Replayer) -> int:
-  """Replays one trace; returns the number of steps. Raises TraceMismatch on the first
-  step whose observed result/lists/available_size differ from the recorded ones."""
-  for step, rec in enumerate(records):
-    got = replayer.step(rec["op"], rec.get("args"))
-    diff = compare(rec, got, release_unordered=replayer.release_unordered)
-    if diff:
-      raise TraceMismatch(f"trace {rec['trace']!r} step {step} ({rec['op']}): {diff}")
-  return len(records)
-
-
 # ---------------------------------------------------------------------------------------
 # The workload generator.
 # ---------------------------------------------------------------------------------------
@@ -342,7 +302,7 @@ class WorkloadConfig:
 
   Attributes:
     seed: seeds everything random (Python's `random.Random`, stable across versions).
-    size, page_size, need_sort, kind: the pool (kind "" picks token iff page_size == 1).
+    size, page_size, need_sort, kind: the pool (kind "token" or "paged").
     steps: allocator operations before the final drain (which frees everything).
     max_prefill_batch, max_decode_batch: requests per alloc_extend / alloc_decode.
     arrival_rate: mean new requests per scheduler iteration.
@@ -362,7 +322,7 @@ class WorkloadConfig:
   size: int
   page_size: int = 1
   need_sort: bool = False
-  kind: str = ""
+  kind: str = "token"
   steps: int = 200
   max_prefill_batch: int = 4
   max_decode_batch: int = 8
@@ -374,13 +334,9 @@ class WorkloadConfig:
   oom_prob: float = 0.15
   segment_prob: float = 0.0
 
-  @property
-  def resolved_kind(self) -> str:
-    return self.kind or ("token" if self.page_size == 1 else "paged")
-
   def init_args(self) -> Dict[str, Any]:
     return {"size": self.size, "page_size": self.page_size, "need_sort": self.need_sort,
-            "kind": self.resolved_kind}
+            "kind": self.kind}
 
 
 SCALES = {
@@ -393,19 +349,19 @@ SCALES = {
 
 def random_config(seed: int, *, steps: int = 200, page_sizes: Sequence[int] = (1, 4, 16, 64),
                   scale: str = "ci", need_sort: Optional[bool] = None,
-                  paged_at_1: bool = True, segment_prob: float = 0.0) -> WorkloadConfig:
+                  segment_prob: float = 0.0) -> WorkloadConfig:
   """A WorkloadConfig drawn from `seed`: a page size from `page_sizes`, need_sort on or
   off (unless given), a small pool for `scale` "ci" (16 or 40 pages) or a large one for
   "long" (256 to 2048 pages), plus half a page that the pool cannot use. At page size 1
   a quarter of the configs use the paged allocator (SPEC 4.3's general decode page
-  count) when paged_at_1."""
+  count)."""
   if scale not in SCALES:
     raise ValueError(f"scale must be one of {sorted(SCALES)}, got {scale!r}")
   rng = random.Random(f"config-{seed}")
   pages_choices, prefill_bs, decode_bs = SCALES[scale]
   ps = rng.choice(list(page_sizes))
   pages = rng.choice(pages_choices)
-  kind = "paged" if ps > 1 or (paged_at_1 and rng.random() < 0.25) else "token"
+  kind = "paged" if ps > 1 or rng.random() < 0.25 else "token"
   return WorkloadConfig(
       seed=seed, size=pages * ps + ps // 2, page_size=ps,
       need_sort=rng.random() < 0.5 if need_sort is None else need_sort, kind=kind,
@@ -470,7 +426,7 @@ class SchedulerSim:
     self.rng = random.Random(f"workload-{config.seed}")
     self.ps = config.page_size
     self.num_pages = config.size // config.page_size
-    self.paged = config.resolved_kind == "paged"
+    self.paged = config.kind == "paged"
     self.waiting: List[_Req] = []
     self.running: List[_Req] = []
     self.cache: List[_Node] = []

@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 ARRIVALS = ("poisson", "uniform", "burst")
+FORMS = "const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX] or exp:MEAN[:MAX]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +44,7 @@ def parse_dist(spec: str, *, minimum: int = 1) -> Dist:
     p = [float(v) for v in rest.split(":")] if rest else []
   except ValueError:
     p = None
-  forms = "const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX], exp:MEAN[:MAX]"
-  bad = ValueError(f"length distribution {spec!r} is not one of {forms} "
+  bad = ValueError(f"length distribution {spec!r} is not one of {FORMS} "
                    f"(with positive numbers, LO <= HI)")
   if p is None:
     raise bad
@@ -93,7 +93,8 @@ class Workload:
 def make_workload(*, num_requests: int, arrival: str, rate: float, prompt_len: str,
                   output_len: str, num_prefixes: int, prefix_len: str, share_prob: float,
                   seed: int) -> Workload:
-  """Draws a workload (same seed, same requests).
+  """Draws a workload (same seed, same requests). The settings are checked by the
+  caller (jax_kvalloc.tools.simulate.check_config).
 
   Args:
     num_requests: N.
@@ -106,14 +107,6 @@ def make_workload(*, num_requests: int, arrival: str, rate: float, prompt_len: s
     share_prob: probability that a request belongs to a (uniformly chosen) group.
     seed: RNG seed.
   """
-  if arrival not in ARRIVALS:
-    raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
-  if num_requests < 1:
-    raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-  if arrival != "burst" and not rate > 0:
-    raise ValueError(f"rate must be > 0, got {rate}")
-  if not 0 <= share_prob <= 1:
-    raise ValueError(f"share_prob must be in [0, 1], got {share_prob}")
   rng = np.random.default_rng(seed)
   n = num_requests
   if arrival == "poisson":
