@@ -379,7 +379,8 @@ def finish_free(config: AllocatorConfig, state, free_index: Array, values: Array
 
   An entry outside the pool, in reserved page 0 (other than the padding 0), or naming a
   page that is already free (or, for the token allocator, a slot given twice) is an
-  error; then the returned count is 0 and nothing is freed.
+  error; then the returned count is 0 and nothing is freed. Returns (state, count,
+  bool[] error found).
   """
   dbg = state.debug
   ps, x = config.page_size, free_index
@@ -396,7 +397,8 @@ def finish_free(config: AllocatorConfig, state, free_index: Array, values: Array
   j = jnp.arange(values.shape[0], dtype=jnp.int32)
   is_free = dbg.is_free.at[jnp.where(j < count, values, config.num_pages + 1)].set(
       True, mode="drop")
-  return state._replace(debug=_record(dbg._replace(is_free=is_free), op, err)), count
+  return (state._replace(debug=_record(dbg._replace(is_free=is_free), op, err)), count,
+          err[0] != 0)
 
 
 def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
@@ -414,7 +416,8 @@ def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
 
   A given page outside 1..num_pages, page 0, a page already free or a page given twice
   is an error; then the returned count is 0 and nothing is freed. O(K log K) for the
-  repeat check (a one-key sort), O(K) otherwise.
+  repeat check (a one-key sort), O(K) otherwise. Returns (state, count, bool[] error
+  found).
   """
   dbg = state.debug
   n = config.num_pages
@@ -433,7 +436,8 @@ def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
   count = jnp.where(found[0] == 0, count, 0)
   j = jnp.arange(values.shape[0], dtype=jnp.int32)
   is_free = dbg.is_free.at[jnp.where(j < count, values, n + 1)].set(True, mode="drop")
-  return state._replace(debug=_record(dbg._replace(is_free=is_free), op, found)), count
+  return (state._replace(debug=_record(dbg._replace(is_free=is_free), op, found)), count,
+          found[0] != 0)
 
 
 def segment_args(config: AllocatorConfig, free_index: Array, given: Array,

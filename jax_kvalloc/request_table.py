@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import index_jnp
 from jax_kvalloc import kernels
 from jax_kvalloc import validate
@@ -356,7 +357,9 @@ def release_rows(config: AllocatorConfig, state: AllocatorState, table: RequestT
 
   Returns:
     (state, table, bool[] ok). ok is False, and nothing changes, when the rows repeat or
-    leave the table.
+    leave the table, or when the ownership record (config.guard) refuses the free: an
+    owned page that is not held, or a page two released columns name (then
+    state.guard.status records it, op release_rows).
   """
   rows, _, num = _static_batch(table, rows)
   return _one_launch(config, state, table, ("release_ok",),
@@ -375,9 +378,11 @@ def _release_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: Req
   owned = _columns_mask(table.owned_from[rows], end, width)
   # Zeros are free_page_ids' padding (page 0 is never a row's page): no compaction here,
   # free_page_ids does the one the ring needs.
-  state = freeing.free_page_ids(config, state,
-                                jnp.where(owned, table.pages[rows], 0).reshape(-1))
-  dest = jnp.where(live, rows, max_reqs)
+  state, refused = freeing.free_page_ids_refused(
+      config, state, jnp.where(owned, table.pages[rows], 0).reshape(-1),
+      op=guard.OP_RELEASE_ROWS)
+  go = go & ~refused  # a refused release leaves the rows as they were
+  dest = jnp.where(live & ~refused, rows, max_reqs)
   table = RequestTable(pages=table.pages.at[dest].set(0, mode="drop"),
                        lens=table.lens.at[dest].set(0, mode="drop"),
                        owned_from=table.owned_from.at[dest].set(0, mode="drop"))
