@@ -272,7 +272,7 @@ def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_inde
   state = st.with_freed_list(config.need_sort, state, *out[:3])
   if record is None:
     return state, jnp.zeros((), bool)
-  return state._replace(guard=out[3]), out[4]
+  return state._replace(guard=guard.GuardState(out[3], out[4])), out[5]
 
 
 # The paged `free` by implementation (kernels.REGISTRY["free"]), each fn(config, state,

@@ -232,11 +232,11 @@ def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_le
   num_rows = prefix_lens.shape[0]
   if not pallas_kernels.extend_fused_preferred(num_rows, max_tokens, config.num_pages):
     return None  # large batches: XLA prefix sums + the contract kernel scale better
-  out, head, length, ok = pallas_kernels.alloc_extend_triton(
+  res = pallas_kernels.alloc_extend_triton(
       state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, num_rows),
       prefix_lens, seq_lens, last_loc, page_size=config.page_size, out_len=max_tokens,
-      interpret=interpret)
-  return state._replace(free_head=head, free_len=length), out, ok
+      interpret=interpret, held=_held(state))
+  return _taken(state, res), res[0], res[3]
 
 
 def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
@@ -254,11 +254,24 @@ def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens:
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   if not pallas_kernels.decode_fused_supported(seq_lens.shape[0], config.num_pages):
     return None
-  out, head, length, ok = pallas_kernels.alloc_decode_triton(
+  res = pallas_kernels.alloc_decode_triton(
       state.free_ring, state.free_head, state.free_len,
       _num_reqs(num_reqs, seq_lens.shape[0]), seq_lens, last_loc,
-      page_size=config.page_size, interpret=interpret)
-  return state._replace(free_head=head, free_len=length), out, ok
+      page_size=config.page_size, interpret=interpret, held=_held(state))
+  return _taken(state, res), res[0], res[3]
+
+
+def _held(state: AllocatorState) -> Optional[Array]:
+  """The ownership record's held pages, which the fused kernels keep (None: no record)."""
+  return None if state.guard is None else state.guard.held
+
+
+def _taken(state: AllocatorState, res: Tuple[Array, ...]) -> AllocatorState:
+  """The state after a fused allocation (slots, head, length, ok[, held])."""
+  state = state._replace(free_head=res[1], free_len=res[2])
+  if state.guard is None:
+    return state
+  return state._replace(guard=state.guard._replace(held=res[4]))
 
 
 def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
@@ -284,8 +297,14 @@ def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
   m, b = page_ids.shape[0], seq_lens.shape[0]
   if not pallas_kernels.release_decode_supported(b, m, config.num_pages):
     return None
-  ring, head, length, out, ok = pallas_kernels.release_alloc_decode_triton(
+  from jax_kvalloc import guard  # pylint: disable=g-import-not-at-top
+  res = pallas_kernels.release_alloc_decode_triton(
       state.free_ring, state.free_head, state.free_len, state.release_len, page_ids,
       jnp.full((), m, jnp.int32) if num is None else num, _num_reqs(num_reqs, b),
-      seq_lens, last_loc, page_size=config.page_size, interpret=interpret)
-  return state._replace(free_ring=ring, free_head=head, free_len=length), out, ok
+      seq_lens, last_loc, page_size=config.page_size, interpret=interpret,
+      record=state.guard, op=guard.OP_RELEASE_AND_ALLOC_DECODE)
+  ring, head, length, out, ok = res[:5]
+  state = state._replace(free_ring=ring, free_head=head, free_len=length)
+  if state.guard is not None:
+    state = state._replace(guard=guard.GuardState(*res[5:]))
+  return state, out, ok

@@ -193,9 +193,11 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
       state.free_ring, state.free_head, state.free_len, state.release_len, table.pages,
       table.lens, table.owned_from, page_size=config.page_size, release=release,
       extend=extend, max_tokens=max_tokens, decode=decode,
-      interpret=interpret)
+      interpret=interpret, record=state.guard, op=guard.OP_RELEASE_ROWS)
   state = state._replace(free_ring=out["ring"], free_head=out["head"],
                          free_len=out["length"])
+  if state.guard is not None:
+    state = state._replace(guard=guard.GuardState(out["held"], out["status"]))
   return state, RequestTable(out["pages"], out["lens"], out["owned_from"]), out
 
 
