@@ -166,7 +166,8 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
              head, flen, rlen):
   """freeing.free_page_ids of the rows' owned pages (row by row, in column order), then
   the rows cleared. Returns the free list's new (head, length) and whether the ownership
-  record refused the release (then nothing changes but its status)."""
+  record refused the release (then nothing changes but its status; None without a
+  record)."""
   ps, n, w = p.page_size, p.num_pages, p.width
   shift = p.width_pad.bit_length() - 1
   i = jnp.arange(p.rel_pad * p.width_pad, dtype=jnp.int32)
@@ -179,7 +180,7 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
   owned = live & (j >= start) & (j < end) & (j < w)
   page = _util.load(pages_ref, row * w + j, owned)
   valid = owned & (page >= 1) & (page <= n)
-  refused = jnp.zeros((), bool)
+  refused = None
   if p.guard:  # guard.free(distinct=True) of the owned pages (0: padding)
     held_ref = r["held_o"]
     why, h0, inside = _guard.reasons(held_ref, page, owned & (page != 0), n,
@@ -202,7 +203,7 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
     # thread): every load first.
     pltriton.debug_barrier()
   _util.store(pages_ref, row * w + j, jnp.zeros_like(j), live & (j < w))
-  clear = rows.real & go & ~refused
+  clear = rows.real & go & (True if refused is None else ~refused)
   _util.store(lens_ref, rows.row, jnp.zeros_like(rows.b), clear)
   _util.store(owned_ref, rows.row, jnp.zeros_like(rows.b), clear)
   return head, flen + count, refused
@@ -330,7 +331,7 @@ def _kernel(*refs, p: _Params):
   if rel:
     head, flen, refused = _release(p, r, phases["rel"], go["rel"], ring_ref, pages_ref,
                                    lens_ref, owned_ref, head, flen, rlen)
-    oks[0] = go["rel"] & ~refused
+    oks[0] = go["rel"] if refused is None else go["rel"] & ~refused
     if p.barrier:
       pltriton.debug_barrier()  # the ring and the cleared rows, before they are read
   if p.ext_rows:

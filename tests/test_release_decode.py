@@ -47,6 +47,9 @@ def _rng(*key):
 
 
 def _configs(ps, num_pages, kernel="triton_interpret", **kw):
+  # guard=False: these cases free junk ids on purpose (ignored without the ownership
+  # record); tests/test_guard.py checks the kernel with the record against the jnp path.
+  kw.setdefault("guard", False)
   jnp_cfg = kv.AllocatorConfig(size=num_pages * ps, page_size=ps, kernel="jnp",
                                debug=False, **kw)
   return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
@@ -264,7 +267,8 @@ def _worked_state(cfg):
 
 @pytest.mark.parametrize("kernel", ("triton_interpret", "jnp"))
 def test_worked_example(kernel):
-  cfg = kv.AllocatorConfig(size=40, page_size=4, kernel=kernel, debug=False)
+  cfg = kv.AllocatorConfig(size=40, page_size=4, kernel=kernel, debug=False,
+                           guard=False)  # 99 is a junk id: ignored without the record
   # Release [9, 0, 3, 99, 2] with num 4: 0 is padding, 99 is outside the pool, 2 lies
   # past num; pages 9 and 3 are prepended as a block: head 8 - 2 = 6, ring[6] = 9,
   # ring[7] = 3, free list [9, 3, 5, 6, 7].
