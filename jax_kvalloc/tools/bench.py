@@ -21,7 +21,8 @@ import platform
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-PATHS = ("pallas", "jnp", "torch")
+PATHS = ("pallas", "jnp", "torch", "pallas-noguard", "jnp-noguard")
+DEFAULT_PATHS = PATHS[:3]  # the "-noguard" twins (guard=False) only when asked for
 OPS = ("decode", "extend", "free")
 
 # Targets (issues 3, 5, 13): budgets and ratios, compared with same-run measurements.
@@ -82,7 +83,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a = p.add_argument
   a("--ops", type=name_list(OPS), default=list(OPS), help="microbenchmarked operations")
   a("--paths", type=name_list(PATHS), default=None,
-    help="columns (default: pallas on GPU/TPU, jnp, torch if torch_ref imports)")
+    help="columns (default: pallas on GPU/TPU, jnp, torch if torch_ref imports; "
+    "pallas-noguard and jnp-noguard: the same with AllocatorConfig(guard=False), the "
+    "ownership record's cost)")
   a("--batch-sizes", type=int_list, default=None,
     help=f"decode batch sizes (default {','.join(map(str, DECODE_BS))})")
   a("--extend-cases", type=_pairs, default=None, metavar="BSxTOKENS,...",
@@ -156,10 +159,11 @@ def resolve(args) -> Tuple[BenchConfig, List[str]]:
   from jax_kvalloc.tools import bench_micro  # pylint: disable=g-import-not-at-top
   accel = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
   notes = []
-  paths = list(args.paths or [p for p in PATHS if p != "pallas" or accel])
-  if "pallas" in paths and not accel:
-    paths.remove("pallas")
-    notes.append("pallas column skipped: no GPU/TPU (the Pallas kernels need one)")
+  paths = list(args.paths or [p for p in DEFAULT_PATHS if p != "pallas" or accel])
+  for name in ("pallas", "pallas-noguard"):
+    if name in paths and not accel:
+      paths.remove(name)
+      notes.append(f"{name} column skipped: no GPU/TPU (the Pallas kernels need one)")
   if "torch" in paths:
     why = bench_micro.torch_available()
     if why:
@@ -322,7 +326,8 @@ def micro_tables(result: Dict[str, Any]) -> str:
     rows = [r for r in result["micro"] if r["op"] == op]
     if not rows:
       continue
-    paths = [p for p in cfg["paths"] if p != "torch" and (op != "free" or p == "jnp")]
+    paths = [p for p in cfg["paths"] if p != "torch" and (op != "free" or p.startswith(
+        "jnp"))]
     sgl = any(r.get("sglang") for r in rows)
     extra = any("us_extra_consumer" in c for r in rows for c in r["jax"].values())
     per_path_floor = _per_path_floor(result)
@@ -582,8 +587,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
       rs = [r for r in result["micro"] if r["op"] == op]
       bs = np.array([r["bs"] for r in rs], float)
       paths = [p for p in result["config"]["paths"] if p != "torch"]
-      if op == "free":  # one XLA path
-        paths = [p for p in paths if p == "jnp"]
+      if op == "free":  # the XLA path (and its unguarded twin)
+        paths = [p for p in paths if p.startswith("jnp")]
       top = []
       for p in paths + ["torch"]:
         ys = [(_us(r["torch"]) if p == "torch" else _us(r["jax"].get(p))) for r in rs]

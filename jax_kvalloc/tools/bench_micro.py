@@ -15,7 +15,10 @@ Each case is drawn once (`make_case`) and every path times those same inputs:
   torch_ref's, linked ("sglang") and alone ("sglang_bare": the kernel's own GPU time
   from CUPTI over replays of its CUDA graph, as our "pallas bare": see BARE_UNROLL).
 
-Before timing, every path's output for the case is checked against the jnp path.
+Before timing, every path's output for the case is checked against the jnp path. A path
+named with the suffix "-noguard" ("pallas-noguard", "jnp-noguard") runs the same call
+with AllocatorConfig(guard=False): beside its guarded twin, the cost of the ownership
+record (SPEC 14).
 
 The chain (jax_call): each call takes the free-list head the previous one returned, with
 the free length held fixed (the pool never runs out and every call does the same work).
@@ -95,18 +98,34 @@ def make_case(op: str, bs: int, tokens: int, page_size: int, seed: int) -> Case:
   return case
 
 
+# A path ending in NO_GUARD runs with AllocatorConfig(guard=False): the cost of the
+# ownership record (SPEC 14) is "pallas" against "pallas-noguard" in one run.
+NO_GUARD = "-noguard"
+
+
+def split_path(path: str) -> Tuple[str, bool]:
+  """(the kernel a path runs, whether it keeps the ownership record)."""
+  if path.endswith(NO_GUARD):
+    return path[:-len(NO_GUARD)], False
+  return path, True
+
+
 def _config(case: Case, path: str) -> AllocatorConfig:
+  kernel, guard = split_path(path)
   return AllocatorConfig(size=case.num_pages * case.page_size, page_size=case.page_size,
-                         kernel=path)
+                         kernel=kernel, guard=guard)
 
 
-def _state(case: Case, taken: int = 0) -> st.AllocatorState:
-  """The pool with `taken` pages already handed out (from the front of the ring)."""
-  cfg = _config(case, "jnp")
+def _state(case: Case, taken: int = 0,
+           cfg: Optional[AllocatorConfig] = None) -> st.AllocatorState:
+  """The pool with `taken` pages already handed out (from the front of the ring), its
+  ownership record agreeing (config `cfg`, default the jnp path's)."""
+  cfg = cfg or _config(case, "jnp")
   s = jax.jit(st.init, static_argnums=0)(cfg)
-  return s._replace(free_ring=jnp.asarray(case.free_ring),
-                    free_head=jnp.asarray(taken % case.num_pages, jnp.int32),
-                    free_len=jnp.asarray(case.num_pages - taken, jnp.int32))
+  s = s._replace(free_ring=jnp.asarray(case.free_ring),
+                 free_head=jnp.asarray(taken % case.num_pages, jnp.int32),
+                 free_len=jnp.asarray(case.num_pages - taken, jnp.int32))
+  return st.with_record(cfg, s)
 
 
 def jax_call(case: Case, path: str):
@@ -128,12 +147,18 @@ def jax_call(case: Case, path: str):
   def call(state, inputs):
     res = fn(state, *inputs)
     if case.op == "free":
+      # The record is not carried (the same pages are freed on every call, so they must
+      # stay held); its status and one held entry are outputs, so its update is live.
+      rec = () if res.guard is None else (
+          res.guard.status, res.guard.held[inputs[0][0] // case.page_size])
       return (state._replace(free_ring=res.free_ring, free_head=res.free_head),
-              (res.free_head, res.free_len))
+              (res.free_head, res.free_len) + rec)
     new, out, ok = res
-    return state._replace(free_head=new.free_head), (out, ok, new.free_head, new.free_len)
+    # The record is carried: the pages each call takes are marked held in it.
+    return (state._replace(free_head=new.free_head, guard=new.guard),
+            (out, ok, new.free_head, new.free_len))
 
-  state0 = _state(case, case.used_pages)
+  state0 = _state(case, case.used_pages, cfg)
   args = tuple(jnp.asarray(a) for a in args)
   once = lambda: jax.jit(fn)(state0, *args)
   return once, call, state0, args
@@ -223,11 +248,12 @@ def time_floor(case: Case, path: str = "jnp", *, unroll: int, min_time: float,
   with the XLA stand-in for a Pallas figure costs more than the figure itself at small
   sizes (several fusions and their launches against one kernel), so each path gets its
   own."""
-  _, call, carry, inputs = jax_call(case, "jnp")
+  kernel, guard = split_path(path)
+  _, call, carry, inputs = jax_call(case, "jnp" + ("" if guard else NO_GUARD))
   outs = jax.eval_shape(call, carry, inputs)[1]
-  if path == "jnp":
+  if kernel == "jnp":
     return bt.floor_time(outs, inputs, unroll=unroll, min_time=min_time, reps=reps)
-  stand = bt.stand_in_pallas(outs, interpret=path == "pallas_interpret")
+  stand = bt.stand_in_pallas(outs, interpret=kernel == "pallas_interpret")
   return bt.chain_time(stand, jnp.zeros((), jnp.int32), inputs, unroll=unroll,
                        min_time=min_time, reps=reps)
 
@@ -429,7 +455,7 @@ def _jax_host_free(case: Case, *, min_time: float, reps: int) -> Dict[str, float
   result each time (what torch_ref's eager free, which syncs, is compared with)."""
   cfg = _config(case, "jnp")
   fn = jax.jit(functools.partial(freeing.free, cfg))
-  state0 = _state(case, case.used_pages)
+  state0 = _state(case, case.used_pages, cfg)
   idx = jnp.asarray(case.free_index)
   return bt.host_time(lambda: jax.block_until_ready(fn(state0, idx)), sync=lambda: None,
                       min_time=min_time, reps=reps)
@@ -449,10 +475,11 @@ def time_with_extra_consumer(case: Case, path: str, *, unroll: int, min_time: fl
   once, call, carry, inputs = jax_call(case, path)
   out = _jax_output(case, once)
   shapes = jax.eval_shape(call, carry, inputs)[1]
-  if path == "jnp":
+  kernel, _ = split_path(path)
+  if kernel == "jnp":
     stand = bt.stand_in(shapes)
   else:
-    stand = bt.stand_in_pallas(shapes, interpret=path == "pallas_interpret")
+    stand = bt.stand_in_pallas(shapes, interpret=kernel == "pallas_interpret")
   zero = jnp.zeros((), jnp.int32)
   base = bt.DEFAULT_CONSUMERS
   t2, t3, f2, f3 = bt.chain_time_interleaved(
@@ -489,7 +516,8 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
     ref = None
     # free: the XLA path only (kernel="jnp"); benchmarks/free_methods_gpu.py times the
     # Pallas free kernel against it.
-    op_paths = [p for p in paths if op != "free" or p == "jnp"] or list(paths[:1])
+    op_paths = [p for p in paths if op != "free" or split_path(p)[0] == "jnp"] or list(
+        paths[:1])
     for path in op_paths:
       if progress:
         progress(f"{op} bs={bs} tokens={case.tokens} {path}")
@@ -509,7 +537,7 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
                   "stand_in_us", "stand_in_extra_consumer_us"):
         if key in timing:
           cell[key] = timing[key]
-      if bare and path == "pallas" and op != "free":
+      if bare and split_path(path)[0] == "pallas" and op != "free":
         try:
           cell["single_launch"] = one_custom_call(case, path)
           if cell["single_launch"]:
@@ -526,7 +554,7 @@ def run(*, ops: Sequence[str], paths: Sequence[str], torch_on: bool,
         row["check"] = f"MISMATCH: {path} differs from {op_paths[0]}"
     for path in op_paths:  # the Pallas paths' floor: a Pallas stand-in (time_floor)
       cell = row["jax"].get(path) or {}
-      if path != "jnp" and "us" in cell:
+      if split_path(path)[0] != "jnp" and "us" in cell:
         try:
           cell["floor_us"] = time_floor(case, path, unroll=unroll, min_time=min_time,
                                         reps=reps)["s"] * 1e6

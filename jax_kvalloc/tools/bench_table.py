@@ -66,6 +66,7 @@ class TableCase:
   seed: int = 0
   extend: bool = True     # the extend step (else the decode step)
   kernel: str = "auto"
+  guard: bool = True      # the pool's ownership record (SPEC 14); False: its cost off
 
   @property
   def max_pages_per_req(self) -> int:
@@ -79,7 +80,8 @@ class TableCase:
   def config(self) -> AllocatorConfig:
     # Room for every row at its longest: the loop never runs short.
     return AllocatorConfig(size=(self.bs * self.max_pages_per_req + 8) * self.page_size,
-                           page_size=self.page_size, kernel=self.kernel, debug=False)
+                           page_size=self.page_size, kernel=self.kernel, debug=False,
+                           guard=self.guard)
 
 
 @functools.lru_cache(maxsize=4)
@@ -195,7 +197,7 @@ def run_case(case: TableCase, *, unroll: int, min_time: float, reps: int,
   gpu = jax.default_backend() == "gpu"
   out: Dict[str, Any] = {"step": "extend" if case.extend else "decode", "bs": case.bs,
                          "page_size": case.page_size, "prompt": case.prompt,
-                         "max_frees": case.max_frees}
+                         "max_frees": case.max_frees, "guard": case.guard}
   for variant in variants:
     if variant == "floor" and not gpu:
       continue
@@ -321,13 +323,14 @@ def _f(x) -> str:
 def table_rows(results: List[Dict[str, Any]]) -> List[List[str]]:
   rows = []
   for r in results:
+    guard = "on" if r.get("guard", True) else "off"
     if r.get("skipped"):
-      rows.append([r["step"], str(r["bs"]), str(r["page_size"])] + ["skipped"] * 8)
+      rows.append([r["step"], str(r["bs"]), str(r["page_size"]), guard] + ["skipped"] * 8)
       continue
     share = r.get("step_share_us")
     target = TARGET_US[r["step"]]
     ok = all(r.get(f"{v}_ok", True) for v in ("calls", "step"))
-    rows.append([r["step"], str(r["bs"]), str(r["page_size"]), _f(r.get("none_us")),
+    rows.append([r["step"], str(r["bs"]), str(r["page_size"]), guard, _f(r.get("none_us")),
                  _f(r.get("calls_share_us")), _f(share), _f(r.get("floor_share_us")),
                  _f(r.get("calls_kernels_us")), _f(r.get("step_kernels_us")),
                  _f(r.get("sglang", {}).get("us")),
@@ -336,7 +339,7 @@ def table_rows(results: List[Dict[str, Any]]) -> List[List[str]]:
   return rows
 
 
-HEADER = ["step", "bs", "ps", "stand-ins (us)", "share: calls", "share: step_rows",
+HEADER = ["step", "bs", "ps", "guard", "stand-ins (us)", "share: calls", "share: step_rows",
           "floor: 1 launch", "kernels: calls", "kernels: step_rows", "SGLang eager",
           "step_rows <= target"]
 
@@ -365,6 +368,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
   a("--reps", type=int, default=3)
   a("--seed", type=int, default=0)
   a("--kernel", default="auto", help="the AllocatorConfig kernel of the pool")
+  a("--guard", choices=("on", "off", "both"), default="on",
+    help="the pool's ownership record (SPEC 14): both times every case with it and "
+    "without it (guard=False), one after the other")
   a("--no-sglang", action="store_true", help="skip the SGLang eager class rows")
   a("--no-profile", action="store_true", help="skip the CUPTI kernel times (GPU)")
   a("--budget-s", type=float, default=None,
@@ -388,23 +394,27 @@ def run_cli(args) -> int:
   for i, ps in enumerate(page_sizes):  # the first page size's cases first (--budget-s)
     first = i == 0
     for step in steps:
-      for bs in (args.batch_sizes if first else args.other_batch_sizes):
+      for bs, guard in [(b, g) for b in (args.batch_sizes if first else
+                                         args.other_batch_sizes)
+                        for g in {"on": (True,), "off": (False,),
+                                  "both": (True, False)}[args.guard]]:
         case = TableCase(bs=bs, page_size=ps, prompt=args.prompt,
                          max_frees=args.max_frees, seed=args.seed,
-                         extend=step == "extend", kernel=args.kernel)
+                         extend=step == "extend", kernel=args.kernel, guard=guard)
         if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
-          results.append({"step": step, "bs": bs, "page_size": ps, "skipped": True})
+          results.append({"step": step, "bs": bs, "page_size": ps, "guard": guard,
+                          "skipped": True})
           continue
         r = run_case(case, unroll=unroll, min_time=min_time, reps=args.reps,
                      profile=not args.no_profile,
                      variants=VARIANTS if first else ("step", "none"))
-        if not args.no_sglang:
+        if not args.no_sglang and (guard or args.guard == "off"):
           try:
             r["sglang"] = sglang_step(case, min_time=min_time, reps=args.reps)
           except Exception as e:  # pylint: disable=broad-except
             r["sglang"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         results.append(r)
-        print(f"  {step} bs={bs} ps={ps}: " + ", ".join(
+        print(f"  {step} bs={bs} ps={ps} guard={'on' if guard else 'off'}: " + ", ".join(
             f"{k}={v:.2f}" for k, v in r.items() if k.endswith("_us")), flush=True)
   d = jax.devices()[0]
   print(f"jax-kvalloc bench-table on {d.platform}:{getattr(d, 'device_kind', d)} (jax "

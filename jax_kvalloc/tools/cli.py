@@ -99,6 +99,8 @@ def simulate_parser(sub) -> argparse.ArgumentParser:
     "sharing); 0 = off")
   a("--swa-ratio", type=float, default=d.swa_ratio,
     help="with --swa-window: SWA pool slots = this * --pool-size, in whole pages")
+  a("--no-guard", action="store_true",
+    help="pools without the ownership record (AllocatorConfig(guard=False)): its cost")
   a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "
     "golden format) instead of the synthetic workload")
   a("--json", metavar="FILE", help="also write the results as JSON")
@@ -123,7 +125,8 @@ def run_simulate(args) -> int:
       max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
       max_prefill_reqs=args.max_prefill_reqs, max_frees=args.max_frees, seed=args.seed,
       kernel=args.kernel, driver=args.driver, steps_per_call=args.steps_per_call,
-      inject_leak=args.inject_leak, swa_window=args.swa_window, swa_ratio=args.swa_ratio)
+      inject_leak=args.inject_leak, swa_window=args.swa_window, swa_ratio=args.swa_ratio,
+      guard=not args.no_guard)
   if args.plot:
     report.pyplot()  # fail before the run, not after it
   progress = not args.no_progress

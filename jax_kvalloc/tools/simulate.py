@@ -59,6 +59,7 @@ import jax
 import numpy as np
 
 from jax_kvalloc.tools import simulate_steps as steps
+from jax_kvalloc import guard
 from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as swa_core
@@ -107,6 +108,7 @@ class SimConfig:
   inject_leak: bool = False  # test hook: the first finished request's free is dropped
   swa_window: int = 0        # SWA mode (module docstring): window in tokens; 0 = off
   swa_ratio: float = 0.25    # SWA mode: SWA pool slots / pool_size (whole pages)
+  guard: bool = True         # the pools' ownership record (SPEC 14); False: its cost off
 
   def workload(self) -> Workload:
     return make_workload(num_requests=self.num_requests, arrival=self.arrival,
@@ -212,7 +214,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   """The static sizes; ValueError when a request cannot fit in the pool at all."""
   kind = "token" if page_size == 1 else "paged"
   acfg = AllocatorConfig(size=cfg.pool_size, page_size=page_size, need_sort=cfg.need_sort,
-                         kind=kind, kernel=cfg.kernel)
+                         kind=kind, kernel=cfg.kernel, guard=cfg.guard)
   need = cdiv(wl.prompt + wl.output, page_size)
   if need.size and int(need.max()) > acfg.num_pages:
     i = int(np.argmax(need))
@@ -241,7 +243,8 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
         f"page_size={page_size}, but one request's window (--swa-window "
         f"{cfg.swa_window} plus a prefill chunk) needs up to {most}; raise --swa-ratio")
   scfg = SWAConfig(size=cfg.pool_size, size_swa=swa_pages * page_size,
-                   page_size=page_size, need_sort=cfg.need_sort, kernel=cfg.kernel)
+                   page_size=page_size, need_sort=cfg.need_sort, kernel=cfg.kernel,
+                   guard=cfg.guard)
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
@@ -737,8 +740,9 @@ def finish_result(res: PageSizeResult, records: np.ndarray) -> None:
 
 def final_leak_check(res: PageSizeResult, lay: Layout, state, table, cache_tokens) -> None:
   """free + released + held by the prefix cache must be exactly pages 1..num_pages, and
-  every request row empty."""
+  every request row empty; no free was refused (the ownership record's status)."""
   ps, num_pages, r = lay.acfg.page_size, lay.num_pages, lay.rows
+  _no_refusal(ps, state)
   free = st.live_free_pages(state)
   release = st.live_release_pages(state)
   pages, lens, owned = (np.asarray(a) for a in table)
@@ -775,10 +779,17 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table, cache_token
                     f"== {num_pages}")
 
 
+def _no_refusal(ps: int, state) -> None:
+  err = guard.error(state)
+  if err is not None:
+    raise LeakCheckError(f"a free was refused (page_size={ps}): {err}")
+
+
 def final_leak_check_swa(res: PageSizeResult, lay: Layout, state, table) -> None:
   """SWA mode: each pool's free + released pages are exactly its pages 1..n, no full slot
   maps to an SWA slot any more, and every request row is empty."""
   ps = lay.acfg.page_size
+  _no_refusal(ps, state)
   lens = np.asarray(table.lens)
   if np.any(lens):
     raise LeakCheckError(f"request rows still hold tokens at the end (page_size={ps}): "
