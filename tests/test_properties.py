@@ -631,3 +631,17 @@ def test_core_state_machine_with_misuse(config, impl):
   machine = type(f"Core_{config[0]}_{config[1]}_{impl}", (CoreMachine,),
                  {"CONFIG": config, "IMPL": impl})
   run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CORE_CONFIGS,
+                         ids=lambda c: f"{c[0]}-ps{c[1]}-n{c[2]}-sort{int(c[3])}")
+def test_core_state_machine_with_the_compiled_kernels(config):
+  # The same machine with the Triton kernels compiled for the GPU (the jnp path beside
+  # them on the same device).
+  from gpu import has_gpu  # pylint: disable=g-import-not-at-top
+  if not has_gpu():
+    pytest.skip("needs a CUDA GPU (jax sees none)")
+  machine = type(f"Core_{config[0]}_{config[1]}_gpu", (CoreMachine,),
+                 {"CONFIG": config, "IMPL": "triton"})
+  run_state_machine_as_test(machine, settings=SETTINGS)

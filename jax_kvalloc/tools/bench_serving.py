@@ -102,6 +102,7 @@ def initial_carry(case: ServingCase):
   ring[:case.free0.size] = case.free0
   s = s._replace(free_ring=jnp.asarray(ring), free_len=jnp.asarray(case.free0.size,
                                                                   jnp.int32))
+  s = st.with_record(cfg, s)  # the table's pages are held: their frees are valid
   return (s, jnp.asarray(case.table0), jnp.asarray(case.seq0), jnp.asarray(case.target),
           jnp.zeros(case.bs, bool), jnp.ones((), bool))
 
@@ -188,7 +189,8 @@ def extra_carry(case: ServingCase, extra: str):
   s = jax.jit(st.init, static_argnums=0)(_config(case))
   zero = jnp.zeros((), jnp.int32)
   if extra == "free":
-    return initial_carry(case) + ((s._replace(free_len=zero), (zero,)),)
+    full = st.with_record(_config(case), s._replace(free_len=zero))  # every page held
+    return initial_carry(case) + ((full, (zero,)),)
   return initial_carry(case) + ((s, (jnp.zeros(case.bs, jnp.int32), jnp.ones((), bool),
                                      zero)),)
 
