@@ -73,7 +73,12 @@ scan-copies   benchmarks/scan_copies.py: the compiled serving loops' copies per 
 simulate-host jax-kvalloc simulate --driver host (one jitted call per step)
 demo-toy      jax-kvalloc demo --attention toy
 swa           benchmarks/swa_gpu.py: SWA lock-step traces on GPU, then timings
-swa-bench     jax-kvalloc bench-swa: SWA extend/decode/window free, ours vs SGLang's class"
+swa-bench     jax-kvalloc bench-swa: SWA extend/decode/window free, ours vs SGLang's class
+guard-decode  bench decode with and without the ownership record (pallas vs pallas-noguard, jnp vs jnp-noguard)
+guard-extend  bench extend: the same columns
+guard-free    bench free (XLA): jnp vs jnp-noguard
+guard-table   jax-kvalloc bench-table --guard both: the request table's step with and without the record
+guard-simulate jax-kvalloc simulate, with the record and without (--no-guard)"
 
 step_gpu_tests()    { run gpu-tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests; }
 step_decode()       { run decode 150 $KV $BENCH --no-serving --ops decode --paths pallas,torch --sglang-kernels "$SGK" --json "$DIR/decode.json"; }
@@ -92,6 +97,12 @@ step_profile()      { run profile 120 $PY benchmarks/gpu_profile.py --serving 64
 step_decode_variants() { run decode-variants 90 $PY benchmarks/gpu_profile.py --decode-variants 1,2,4,8,16 --json "$DIR/decode-variants.json"; }
 step_scan_copies()  { run scan-copies 90 $PY benchmarks/scan_copies.py --out "$DIR/scan-copies" --bs 256 --page-size 64 --steps old,calls,step,step_ext --harnesses chain,scan,scan_donated; }
 step_swa()          { run swa 150 env JAX_KVALLOC_SGLANG_BUNDLE="$SGB" $PY benchmarks/swa_gpu.py "$DIR/swa.json"; }
+GUARD_PATHS="--paths pallas,pallas-noguard,jnp,jnp-noguard"
+step_guard_decode() { run guard-decode 200 $KV $BENCH --no-serving --ops decode $GUARD_PATHS --json "$DIR/guard-decode.json"; }
+step_guard_extend() { run guard-extend 200 $KV $BENCH --no-serving --ops extend $GUARD_PATHS --json "$DIR/guard-extend.json"; }
+step_guard_free()   { run guard-free 120 $KV bench --no-progress --min-time 0.02 --reps 5 --no-serving --ops free --paths jnp,jnp-noguard --json "$DIR/guard-free.json"; }
+step_guard_table()  { run guard-table 240 $KV bench-table --guard both --page-sizes 64 --no-sglang --budget-s 200 --min-time 0.02 --reps 3 --json "$DIR/guard-table.json"; }
+step_guard_simulate() { run guard-simulate 120 $KV simulate --no-progress --driver device --json "$DIR/guard-simulate.json"; run guard-simulate-off 120 $KV simulate --no-progress --driver device --no-guard --json "$DIR/guard-simulate-off.json"; }
 step_swa_bench()    { run swa-bench 200 $KV bench-swa --device cuda --sglang-bundle "$SGB" --reps 100 --json "$DIR/swa-bench.json"; }
 
 DRY=0

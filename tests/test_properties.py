@@ -634,7 +634,7 @@ def test_core_state_machine_with_misuse(config, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", CORE_CONFIGS,
+@pytest.mark.parametrize("config", [CORE_CONFIGS[0], CORE_CONFIGS[3]],
                          ids=lambda c: f"{c[0]}-ps{c[1]}-n{c[2]}-sort{int(c[3])}")
 def test_core_state_machine_with_the_compiled_kernels(config):
   # The same machine with the Triton kernels compiled for the GPU (the jnp path beside
