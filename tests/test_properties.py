@@ -348,7 +348,7 @@ ROWS = 4  # padded rows of every allocation call
 # (kind, page_size, num_pages, need_sort): machines over the core.
 CORE_CONFIGS = [("paged", 4, 16, False), ("paged", 1, 24, True), ("token", 1, 24, False),
                 ("paged", 16, 8, True)]
-CORE_IMPLS = ("triton_interpret", "mosaic_interpret", "jnp")
+CORE_IMPLS = ("jnp", "triton_interpret", "mosaic_interpret")
 
 
 @_ft.lru_cache(maxsize=None)
