@@ -39,14 +39,14 @@ AllocResult = Tuple[AllocatorState, Array, Array]
 
 
 def _take_pages(config: AllocatorConfig, state: AllocatorState, num_pages: Array,
-                ok: Array, window: Array) -> AllocatorState:
+                ok: Array, window: Array, marked: bool = False) -> AllocatorState:
   """Drops `num_pages` from the front of the free list when ok (no list is written) and
   marks them held in the ownership record (guard.take; window: the front the call
-  read)."""
+  read), unless the index kernel `marked` them already."""
   n = state.free_ring.shape[0]
   taken = jnp.where(ok, num_pages, 0)
   record = st.record(config, state)
-  if record is not None:
+  if record is not None and not marked:
     state = state._replace(guard=guard.take(record, window, taken))
   return state._replace(free_head=(state.free_head + taken) % max(n, 1),
                         free_len=state.free_len - taken)
@@ -212,14 +212,24 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
     window = st.ring_window(s.free_ring, s.free_head, jnp.where(ok, s.free_len, 0),
                             _window_len(config, max_tokens // ps + num_rows + 1))
     out = jnp.zeros((max_tokens,), jnp.int32)
-    if num_rows:
+    record = st.record(config, s)
+    # The Triton kernel marks the pages it hands out in its own launch (the window is
+    # all 0 when the call fails); debug mode may still refuse after it, so not there.
+    in_kernel = (num_rows > 0 and record is not None and not config.debug
+                 and kernels.extend_keeps_record(name))
+    if in_kernel:
+      out, held = kernels.extend_indices(name, window, pre, seq, last_loc, tok_start,
+                                         page_start, page_size=ps, out_len=max_tokens,
+                                         held=record.held)
+      s = s._replace(guard=record._replace(held=held))
+    elif num_rows:
       out = kernels.extend_indices(name, window, pre, seq, last_loc, tok_start,
                                    page_start, page_size=ps, out_len=max_tokens)
     if config.debug:
       s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_EXTEND, err, ok, window,
                                  total_pages, out, jnp.arange(max_tokens) < total_tokens)
     out = jnp.where(ok, out, 0)
-    return _take_pages(config, s, total_pages, ok, window), out, ok
+    return _take_pages(config, s, total_pages, ok, window, marked=in_kernel), out, ok
 
   # "auto" follows the device that holds the pool (kernels.by_device).
   return kernels.by_device(config.kernel, state.free_ring, rest)

@@ -174,16 +174,29 @@ def by_device(kernel: str, pool: Array, fn: Callable[[str], T]) -> T:
 
 def extend_indices(name: str, free_window: Array, prefix_lens: Array, seq_lens: Array,
                    last_loc: Array, tok_start: Array, page_start: Array, *,
-                   page_size: int, out_len: int) -> Array:
+                   page_size: int, out_len: int, held: Optional[Array] = None):
   """`index_jnp.extend_indices` (i32[out_len]) through the implementation of the
-  concrete `name`."""
+  concrete `name`. held (only where `extend_keeps_record(name)`): the ownership
+  record's held pages, marked in the kernel's own launch; returns (out, held) then."""
   base, interpret = family(name)
   args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  if held is not None:
+    if not extend_keeps_record(name):
+      raise ValueError(f"the {name!r} extend kernel does not keep the ownership record")
+    return pallas_kernels.extend_indices_triton(*args, page_size=page_size,
+                                                out_len=out_len, interpret=interpret,
+                                                held=held)
   if base == "jnp":
     return index_jnp.extend_indices(*args, page_size=page_size, out_len=out_len)
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.extend_indices(*args, page_size=page_size, out_len=out_len,
                                        interpret=interpret, backend=base)
+
+
+def extend_keeps_record(name: str) -> bool:
+  """Whether `extend_indices` of the concrete `name` marks the ownership record's held
+  pages in its own launch (the Triton kernel); elsewhere XLA marks them around it."""
+  return family(name)[0] == "triton"
 
 
 def decode_indices(name: str, free_window: Array, seq_lens: Array, last_loc: Array,

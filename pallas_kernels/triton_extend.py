@@ -87,30 +87,44 @@ class _Params:
   exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
   layout: str = "tiles"  # fused: one of LAYOUTS (the module docstring)
   chunks: int = 1      # C, programs per row (layout "rows"); `tile` is then their block
-  guard: bool = False  # fused: the ownership record's held (i32[n + 1]) aliased in and
-                       # out; the first token of each new page marks that page taken
+  guard: bool = False  # the ownership record's held (i32[n + 1]) aliased in and out;
+                       # the first token of each new page marks that page taken
+  held_len: int = 0    # contract kernel with guard: n + 1 (its window is shorter)
 
 
 # ---------------------------------------------------------------------------------------
 # Kernel bodies.
 # ---------------------------------------------------------------------------------------
 
-def _slot(ps, t, a, e, c, bp, read_page, mask, held_ref=None):
-  """Slots of tokens t from their rows' constants (see the module docstring). With
-  held_ref (the ownership record) the token that starts each new page (Parts 2 and 3
-  start every page at offset 0) marks its page taken."""
+def _slot(ps, t, a, e, c, bp, read_page, mask, mark=None):
+  """Slots of tokens t from their rows' constants (see the module docstring). `mark`
+  (page, mask) (the ownership record): called with the token that starts each new page
+  (Parts 2 and 3 start every page at offset 0), to mark its page taken."""
   pos = t + a
   part1 = t < e
   page = read_page(bp + floordiv(pos, ps), mask & ~part1)
-  if held_ref is not None:
-    _guard.mark_taken(held_ref, page, mask & ~part1 & (mod(pos, ps) == 0))
+  if mark is not None:
+    mark(page, mask & ~part1 & (mod(pos, ps) == 0))
   return jnp.where(part1, t + c, page * ps + mod(pos, ps))
 
 
+def _marker(held_ref, real_only: bool = False):
+  """The `mark` of _slot for a held ref (None: no record). real_only: pages >= 1 only
+  (the contract kernel's window holds 0 past the free list, e.g. for a failed call)."""
+  if held_ref is None:
+    return None
+  if real_only:
+    return lambda page, mask: _guard.mark_taken(held_ref, page, mask & (page >= 1))
+  return lambda page, mask: _guard.mark_taken(held_ref, page, mask)
+
+
 def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # inputs
-                     out_ref,                                               # output
-                     *, p: _Params):
-  """win_ref i32[P]; row refs i32[B]; out_ref i32[out_len]."""
+                     *refs,  # [held (aliased)]; output: out_ref, [held]
+                     p: _Params):
+  """win_ref i32[P]; row refs i32[B]; out_ref i32[out_len]; held i32[n + 1] (p.guard:
+  the pages of the window that the tokens start are marked; window entries 0, a failed
+  call's, mark nothing)."""
+  out_ref, held_ref = (refs[1], refs[2]) if p.guard else (refs[0], None)
   ps, b = p.page_size, p.num_rows
   t = pl.program_id(0) * p.tile + jnp.arange(p.tile, dtype=jnp.int32)
   total = ts_ref[b - 1] + seq_ref[b - 1] - pre_ref[b - 1]
@@ -137,7 +151,7 @@ def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # in
     return _util.load(win_ref, k, mask)  # clamped into the window, as the contract says
 
   slot = _slot(ps, t, a, fnp * ps - a, last + 1 - tok_start, page_start - fnp, read_page,
-               live)
+               live, _marker(held_ref, real_only=True))
   _util.store(out_ref, t, jnp.where(live, slot, 0), t < p.out_len)
 
 
@@ -179,7 +193,7 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref, held_
     mine = (done == 0) & (pos < nw) & (t < limit)
     at = base + jnp.minimum(pos, win - 1) * _LINE
     a, e, c, bp = (_util.load(scr_ref, at + v, mine) for v in (_A, _E, _C, _BP))
-    slot = _slot(p.page_size, t, a, e, c, bp, read_page, mine, held_ref)
+    slot = _slot(p.page_size, t, a, e, c, bp, read_page, mine, _marker(held_ref))
     if p.barrier:
       pltriton.debug_barrier()  # everyone has read the scratch before it is rewritten
     return (w0 + nw, jnp.where(mine, slot, acc), jnp.where(mine, 1, done))
@@ -339,7 +353,8 @@ def row_and_tail(ps: int, tile: int, chunks: int, grid: int, pid, chunk, tok_sta
   def row_block(i, carry):
     t = tok_start + (chunk + i * chunks) * tile + lanes
     mine = t < tok_end
-    _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine, held_ref), mine)
+    _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine, _marker(held_ref)),
+                mine)
     return carry
 
   blocks = cdiv(tok_end - tok_start, tile)  # 0 for padded rows and failed batches
@@ -431,12 +446,15 @@ class _Call(_util.TritonCall):
         return (out, one, one, flag) + held, _rows_kernel, (p.num_rows * p.chunks,)
       scratch = jax.ShapeDtypeStruct((grid * p.window * _LINE,), jnp.int32)
       return (out, one, one, flag, scratch) + held, _fused_kernel, (grid,)
-    return (out,), _contract_kernel, (grid,)
+    held = (jax.ShapeDtypeStruct((p.held_len,), jnp.int32),) if p.guard else ()
+    return (out,) + held, _contract_kernel, (grid,)
 
   def aliases(self):
     p = self.p
-    if not (p.fused and p.guard):
+    if not p.guard:
       return {}
+    if not p.fused:
+      return {6: 1}   # the contract kernel's held
     return {7: 4 if p.layout == "rows" else 5}  # held, written in place
 
 
@@ -457,25 +475,33 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
                           last_loc: Array, tok_start: Array, page_start: Array, *,
                           page_size: int, out_len: int, interpret: bool = False,
                           tile: int | None = None, window: int | None = None,
-                          num_warps: int | None = None) -> Array:
+                          num_warps: int | None = None, held: Array | None = None):
   """index_jnp.extend_indices (same arguments, same i32[out_len] result) on GPU.
 
   tile/num_warps override the defaults (powers of two); for tuning. window is unused
-  (the contract kernel searches the caller's tok_start directly). TypeError naming the
-  argument for a non-integer dtype.
+  (the contract kernel searches the caller's tok_start directly). held: optional
+  i32[n + 1], the ownership record's held pages, aliased in and out: the window pages
+  the tokens take (entries >= 1) are marked 1 in the same launch, and (out, held) is
+  returned. TypeError naming the argument for a non-integer dtype.
   """
   args, trivial = _util.extend_contract_args(out_len, free_window, prefix_lens, seq_lens,
                                              last_loc, tok_start, page_start)
   if trivial is not None:
-    return trivial
+    return trivial if held is None else (trivial, held)
   free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = args
   b = prefix_lens.shape[0]
-  p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret)
+  p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret,
+              guard=held is not None)
+  extra = ()
+  if held is not None:
+    (held,) = _util.check_ints(held=held)
+    p = dataclasses.replace(p, held_len=held.shape[0])
+    extra = (held,)
   call = _Call("jax_kvalloc_extend_indices_triton", p, num_warps or _default_warps(p),
                interpret)
-  (out,) = call.run(*map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
-                                  page_start)))
-  return out
+  res = call.run(*map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
+                             page_start) + extra))
+  return res[0] if held is None else (res[0], res[1])
 
 
 def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
