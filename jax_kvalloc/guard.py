@@ -58,6 +58,7 @@ Cost: O(work) per call, no scan of the pool: a gather and a scatter of the call'
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
@@ -126,6 +127,9 @@ def from_free(num_pages: int, free: np.ndarray) -> np.ndarray:
 # The rules, in jnp (the reference every kernel matches).
 # ---------------------------------------------------------------------------------------
 
+# take and free are jitted: under an outer jit they inline; called eagerly (op by op,
+# as tests and tools do) they run as one compiled program instead of a dozen small ones.
+@jax.jit
 def take(record: GuardState, pages: Array, count: Array) -> GuardState:
   """An allocation: held[pages[:count]] = 1.
 
@@ -188,6 +192,7 @@ def record_status(status: Array, found: Array, new: Array) -> Array:
   return jnp.where(found & (status[0] == 0), new, status)
 
 
+@functools.partial(jax.jit, static_argnames=("op", "distinct"))
 def free(record: GuardState, op: int, pages: Array, given: Array, *, distinct: bool,
          also_refuse: Optional[Array] = None) -> Tuple[GuardState, Array]:
   """A free: checks every given entry, then clears held at their pages, or refuses whole.
