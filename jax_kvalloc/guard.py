@@ -180,11 +180,18 @@ def reasons(held: Array, pages: Array, given: Array, *, distinct: bool
 def first_offence(op: int, why: Array, pages: Array) -> Tuple[Array, Array]:
   """(bool[] any entry offends, i32[3] the status it would record: (op, why, page) of the
   first offending entry)."""
-  if why.shape[0] == 0:
+  m = why.shape[0]
+  if m == 0:
     return jnp.zeros((), bool), jnp.zeros((3,), jnp.int32)
-  bad = why != 0
-  i = jnp.argmax(bad)
-  return jnp.any(bad), jnp.stack([jnp.int32(op), why[i], pages[i]]).astype(jnp.int32)
+  # One reduction finds the first offending entry and carries its reason and page along
+  # (key: position * 8 + reason; no entry offends: every key is the largest).
+  none = jnp.int32(m * 8)
+  key = jnp.where(why != 0, jnp.arange(m, dtype=jnp.int32) * 8 + why, none)
+  first, page = jax.lax.reduce(
+      (key, pages), (none, jnp.int32(0)),
+      lambda a, b: (jnp.where(a[0] <= b[0], a[0], b[0]),
+                    jnp.where(a[0] <= b[0], a[1], b[1])), (0,))
+  return first < none, jnp.stack([jnp.int32(op), first % 8, page]).astype(jnp.int32)
 
 
 def record_status(status: Array, found: Array, new: Array) -> Array:
@@ -215,10 +222,13 @@ def free(record: GuardState, op: int, pages: Array, given: Array, *, distinct: b
   found, new = first_offence(op, why, pages)
   refused = found if also_refuse is None else found | also_refuse
   n = record.held.shape[0] - 1
-  # Every given page in the pool: 0 (freed), or its old value back (refused; also undoes
-  # the scratch of `reasons`).
+  # Every given page in the pool: 0 (freed), or, when refused, as it was (distinct: its
+  # old value back, which also undoes the scratch of `reasons`).
   at = jnp.where(given & (pages >= 1) & (pages <= n), pages, n + 1)
-  held = work.at[at].set(jnp.where(refused, h0, 0), mode="drop")
+  if distinct:
+    held = work.at[at].set(jnp.where(refused, h0, 0), mode="drop")
+  else:
+    held = work.at[jnp.where(refused, n + 1, at)].set(0, mode="drop")
   return GuardState(held, record_status(record.status, found, new)), refused
 
 
