@@ -183,15 +183,12 @@ def first_offence(op: int, why: Array, pages: Array) -> Tuple[Array, Array]:
   m = why.shape[0]
   if m == 0:
     return jnp.zeros((), bool), jnp.zeros((3,), jnp.int32)
-  # One reduction finds the first offending entry and carries its reason and page along
-  # (key: position * 8 + reason; no entry offends: every key is the largest).
+  # One min finds the first offending entry and its reason (key: position * 8 + reason;
+  # when no entry offends, every key is the largest); its page is read at that position.
   none = jnp.int32(m * 8)
-  key = jnp.where(why != 0, jnp.arange(m, dtype=jnp.int32) * 8 + why, none)
-  first, page = jax.lax.reduce(
-      (key, pages), (none, jnp.int32(0)),
-      lambda a, b: (jnp.where(a[0] <= b[0], a[0], b[0]),
-                    jnp.where(a[0] <= b[0], a[1], b[1])), (0,))
-  return first < none, jnp.stack([jnp.int32(op), first % 8, page]).astype(jnp.int32)
+  key = jnp.min(jnp.where(why != 0, jnp.arange(m, dtype=jnp.int32) * 8 + why, none))
+  page = jax.lax.dynamic_index_in_dim(pages, jnp.minimum(key // 8, m - 1), keepdims=False)
+  return key < none, jnp.stack([jnp.int32(op), key % 8, page]).astype(jnp.int32)
 
 
 def record_status(status: Array, found: Array, new: Array) -> Array:
