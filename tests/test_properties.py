@@ -50,6 +50,14 @@ PROFILE = os.environ.get("JAX_KVALLOC_HYPOTHESIS", "ci")
 SETTINGS = PROFILES[PROFILE]
 
 
+def _grow(reqs, pick, slots, counts):
+  """Appends the extend's slots to the picked requests, counts[k] to reqs[pick[k]]."""
+  at = 0
+  for i, e in zip(pick, counts):
+    reqs[i] = reqs[i] + slots[at:at + e]
+    at += e
+
+
 class AllocatorMachine(RuleBasedStateMachine):
   """One pool and its model; holders are the slot lists the test has been handed."""
   CONFIG = CONFIGS[0]
@@ -141,10 +149,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     got = self.impl.alloc_extend(pre, pre, seq, seq, last, sum(ext))
     got = self._outputs(got, want, "extend")
     if got is not None:
-      at = 0
-      for i, e in zip(pick, ext):
-        self.reqs[i] = self.reqs[i] + got[at:at + e]
-        at += e
+      _grow(self.reqs, pick, got, ext)
 
   def _decode(self, data):
     pick = self._pick(data, self.reqs, most=6)
@@ -453,10 +458,7 @@ class CoreMachine(RuleBasedStateMachine):
     got = self._extend_rows(pre, [p + e for p, e in zip(pre, ext)],
                             [self.reqs[i][-1] for i in pick])
     if got is not None:
-      at = 0
-      for i, e in zip(pick, ext):
-        self.reqs[i] = self.reqs[i] + got[at:at + e]
-        at += e
+      _grow(self.reqs, pick, got, ext)
 
   def _decode_rows(self, pick):
     seq = [len(self.reqs[i]) + 1 for i in pick]
