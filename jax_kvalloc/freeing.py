@@ -201,7 +201,7 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
                                             _debug_op(op))
     state, refused = _guard_free(config, state, op, free_index, free_index != 0,
                                  distinct=True, also_refuse=err)
-    return _give_back(config, state, values, jnp.where(refused, 0, count)), refused
+    return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
   if config.debug:  # the checks need XLA's (values, count)
     return _PAGED_FREE[free_method(n, m)](config, state, free_index, op=op)
   return kernels.by_device(
@@ -220,13 +220,25 @@ def _guard_free(config: AllocatorConfig, state: AllocatorState, op: int, pages: 
                 given: Array, *, distinct: bool, also_refuse: Optional[Array] = None
                 ) -> Tuple[AllocatorState, Array]:
   """guard.free on the state's record: (state, bool[] refused). Without a record,
-  (state, also_refuse or False)."""
+  (state, also_refuse), None when nothing can refuse (so that guard=False traces
+  exactly the unguarded program)."""
   record = st.record(config, state)
   if record is None:
-    return state, jnp.zeros((), bool) if also_refuse is None else also_refuse
+    return state, also_refuse
   record, refused = guard.free(record, op, pages, given, distinct=distinct,
                                also_refuse=also_refuse)
   return state._replace(guard=record), refused
+
+
+def _unless(state: AllocatorState, refused: Optional[Array], count: Array) -> Array:
+  """The count to free: 0 when the ownership record refused. Without a record the count
+  already says it (debug mode and a misaligned start_pos zero it themselves)."""
+  return count if state.guard is None else jnp.where(refused, 0, count)
+
+
+def _flag(refused: Optional[Array]) -> Array:
+  """bool[] refused (False where nothing could refuse)."""
+  return jnp.zeros((), bool) if refused is None else refused
 
 
 def _slot_pages(config: AllocatorConfig, slots: Array) -> Array:
@@ -257,7 +269,7 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
                                           _debug_op(op))
   state, refused = _guard_free(config, state, op, _slot_pages(config, free_index),
                                free_index != 0, distinct=False, also_refuse=err)
-  return _give_back(config, state, values, jnp.where(refused, 0, count)), refused
+  return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 
 def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_index: Array,
@@ -341,7 +353,7 @@ def _prepend_pages(config: AllocatorConfig, state: AllocatorState, pages: Array,
     also = found if refuse is None else refuse | found
   state, refused = _guard_free(config, state, op, pages, given, distinct=True,
                                also_refuse=also)
-  return _give_back(config, state, values, jnp.where(refused, 0, count)), refused
+  return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 
 def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Array,

@@ -383,8 +383,9 @@ def _release_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: Req
   state, refused = freeing.free_page_ids_refused(
       config, state, jnp.where(owned, table.pages[rows], 0).reshape(-1),
       op=guard.OP_RELEASE_ROWS)
-  go = go & ~refused  # a refused release leaves the rows as they were
-  dest = jnp.where(live & ~refused, rows, max_reqs)
+  if state.guard is not None:  # a refused release leaves the rows as they were
+    go, live = go & ~refused, live & ~refused
+  dest = jnp.where(live, rows, max_reqs)
   table = RequestTable(pages=table.pages.at[dest].set(0, mode="drop"),
                        lens=table.lens.at[dest].set(0, mode="drop"),
                        owned_from=table.owned_from.at[dest].set(0, mode="drop"))
