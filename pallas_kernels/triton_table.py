@@ -203,7 +203,9 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
     # thread): every load first.
     pltriton.debug_barrier()
   _util.store(pages_ref, row * w + j, jnp.zeros_like(j), live & (j < w))
-  clear = rows.real & go & (True if refused is None else ~refused)
+  clear = rows.real & go
+  if refused is not None:
+    clear = clear & ~refused
   _util.store(lens_ref, rows.row, jnp.zeros_like(rows.b), clear)
   _util.store(owned_ref, rows.row, jnp.zeros_like(rows.b), clear)
   return head, flen + count, refused
