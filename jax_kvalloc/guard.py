@@ -164,16 +164,20 @@ def reasons(held: Array, pages: Array, given: Array, *, distinct: bool
   n = held.shape[0] - 1
   inside = given & (pages >= 1) & (pages <= n)
   at = jnp.where(inside, pages, n + 1)
-  h0 = held.at[at].get(mode="fill", fill_value=0)
-  why = jnp.where(~given, 0, jnp.where(
-      pages == 0, PAGE_ZERO, jnp.where(~inside, OUT_OF_RANGE,
-                                       jnp.where(h0 != 1, NOT_HELD, 0))))
   if distinct:
-    # Each entry adds 2 at its page: a page named k times reads held + 2k. O(M), no sort;
-    # chained on `held` (not beside it) so that XLA keeps one buffer, in place.
+    # Each entry adds 2 at its page: a page named k times reads held + 2k, so one gather
+    # gives both the old value (its parity: held is 0 or 1) and the count. O(M), no
+    # sort; chained on `held` (not beside it) so that XLA keeps one buffer, in place.
     held = held.at[at].add(2, mode="drop")
     counted = held.at[at].get(mode="fill", fill_value=0)
-    why = jnp.where((why == 0) & inside & (counted - h0 > 2), REPEATED, why)
+    h0 = counted & 1
+    repeated = counted - h0 > 2
+  else:
+    h0 = held.at[at].get(mode="fill", fill_value=0)
+    repeated = False
+  why = jnp.where(~given, 0, jnp.where(
+      pages == 0, PAGE_ZERO, jnp.where(~inside, OUT_OF_RANGE, jnp.where(
+          h0 != 1, NOT_HELD, jnp.where(repeated, REPEATED, 0)))))
   return why.astype(jnp.int32), h0, held
 
 
