@@ -170,6 +170,8 @@ HEAVY_TESTS = [
      "the free kernels over many programs in the interpreter"),
     ("test_guard.py", "test_status_survives_vmap_scan_and_donation", "scan and vmap compiles"),
     ("test_guard.py", "test_ranks_over_a_mesh_refuse_per_rank", "sharded compiles"),
+    ("test_guard.py", "test_release_and_alloc_decode_refused_release_refuses_the_decode",
+     "the kernel in the interpreter (test_release_decode's guarded cases run by default)"),
 ]
 
 
