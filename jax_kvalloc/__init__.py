@@ -30,6 +30,7 @@ Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
   index_jnp.py    the index arithmetic (jnp / numpy): the reference the kernels match
   kernels.py      the one selector: each operation's implementation (config.kernel)
   buckets.py      shape buckets               validate.py   input checks, clear errors
+  guard.py        the ownership record (SPEC 14): held pages, refused frees, on by default
   debug.py        debug-mode checks under jit request_table.py  SPEC 11
   ranks.py        SPEC 12, functional          warmup.py     compile ahead of serving
   multiprocess.py ranks over processes: which a process holds, its inputs, its outputs
@@ -53,6 +54,7 @@ from jax_kvalloc.freeing import free_page_ids
 from jax_kvalloc.freeing import free_segment
 from jax_kvalloc.freeing import get_all_free_pages
 from jax_kvalloc.freeing import merge_and_sort_free
+from jax_kvalloc.guard import FreeRefusedError
 from jax_kvalloc.ranks import RankedAllocator
 from jax_kvalloc.ranks import init_ranks
 from jax_kvalloc.ranks import ranks_allocator
@@ -87,6 +89,7 @@ __all__ = [
     "AllocatorDebugError",
     "AllocatorState",
     "AttentionInputs",
+    "FreeRefusedError",
     "RankedAllocator",
     "RequestTable",
     "SWAAllocator",

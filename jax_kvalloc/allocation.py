@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jax_kvalloc import debug
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
@@ -37,10 +38,16 @@ Array = jax.Array
 AllocResult = Tuple[AllocatorState, Array, Array]
 
 
-def _take_pages(state: AllocatorState, num_pages: Array, ok: Array) -> AllocatorState:
-  """Drops `num_pages` from the front of the free list when ok. No array is written."""
+def _take_pages(config: AllocatorConfig, state: AllocatorState, num_pages: Array,
+                ok: Array, window: Array, marked: bool = False) -> AllocatorState:
+  """Drops `num_pages` from the front of the free list when ok (no list is written) and
+  marks them held in the ownership record (guard.take; window: the front the call
+  read), unless the index kernel `marked` them already."""
   n = state.free_ring.shape[0]
   taken = jnp.where(ok, num_pages, 0)
+  record = st.record(config, state)
+  if record is not None and not marked:
+    state = state._replace(guard=guard.take(record, window, taken))
   return state._replace(free_head=(state.free_head + taken) % max(n, 1),
                         free_len=state.free_len - taken)
 
@@ -102,7 +109,7 @@ def alloc(config: AllocatorConfig, state: AllocatorState, need_size: Array, *,
     state, ok = debug.finish_alloc(config, state, debug.OP_ALLOC, err, ok, window,
                                    num_pages, out, t < need_size)
     out = jnp.where(ok, out, 0)
-  return _take_pages(state, num_pages, ok), out, ok
+  return _take_pages(config, state, num_pages, ok, window), out, ok
 
 
 def _pages_agree(config: AllocatorConfig, num_new_pages: Optional[Array],
@@ -121,16 +128,15 @@ def _pages_agree(config: AllocatorConfig, num_new_pages: Optional[Array],
           & (jnp.minimum(num_new_pages, config.num_pages + 1) == total_pages))
 
 
-def _refuse_unless(agree: Optional[Array], before: AllocatorState,
-                   result: AllocResult) -> AllocResult:
-  """The fused kernel does not see num_new_pages: a disagreeing count undoes its take
-  (the kernel moves only the free list's head and length). `agree` None: nothing to do."""
+def _rows_unless(agree: Optional[Array], num_reqs: Optional[Array],
+                 num_rows: int) -> Optional[Array]:
+  """The fused kernel does not see num_new_pages: a disagreeing count gives it no rows,
+  so that it takes nothing and returns zeros (the caller then clears ok). `agree` None:
+  num_reqs as given."""
   if agree is None:
-    return result
-  after, out, ok = result
-  state = after._replace(free_head=jnp.where(agree, after.free_head, before.free_head),
-                         free_len=jnp.where(agree, after.free_len, before.free_len))
-  return state, jnp.where(agree, out, 0), ok & agree
+    return num_reqs
+  count = jnp.full((), num_rows, jnp.int32) if num_reqs is None else num_reqs
+  return jnp.where(agree, count, 0)
 
 
 def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Array,
@@ -193,25 +199,37 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
 
   def rest(name: str) -> AllocResult:
     fused = None
+    agree = None if num_new_pages is None else pages_agree
     if num_rows:  # zero rows: no kernel (an index kernel over zero rows does not lower)
-      fused = kernels.alloc_extend_fused(config, state, prefix_lens, seq_lens, last_loc,
-                                         num_reqs, max_tokens=max_tokens, name=name)
+      fused = kernels.alloc_extend_fused(
+          config, state, prefix_lens, seq_lens, last_loc,
+          _rows_unless(agree, num_reqs, num_rows), max_tokens=max_tokens, name=name)
     if fused is not None:  # GPU: the rest in one kernel launch (jax_kvalloc.kernels)
-      return _refuse_unless(None if num_new_pages is None else pages_agree, state, fused)
+      return fused if agree is None else (fused[0], fused[1], fused[2] & agree)
     s = state
     ok = valid & (total_pages <= s.free_len)
     # Enough pages for any batch of at most max_tokens tokens: sum(ceil(ext_i / ps)).
     window = st.ring_window(s.free_ring, s.free_head, jnp.where(ok, s.free_len, 0),
                             _window_len(config, max_tokens // ps + num_rows + 1))
     out = jnp.zeros((max_tokens,), jnp.int32)
-    if num_rows:
+    record = st.record(config, s)
+    # The Triton kernel marks the pages it hands out in its own launch (the window is
+    # all 0 when the call fails); debug mode may still refuse after it, so not there.
+    in_kernel = (num_rows > 0 and record is not None and not config.debug
+                 and kernels.extend_keeps_record(name))
+    if in_kernel:
+      out, held = kernels.extend_indices(name, window, pre, seq, last_loc, tok_start,
+                                         page_start, page_size=ps, out_len=max_tokens,
+                                         held=record.held)
+      s = s._replace(guard=record._replace(held=held))
+    elif num_rows:
       out = kernels.extend_indices(name, window, pre, seq, last_loc, tok_start,
                                    page_start, page_size=ps, out_len=max_tokens)
     if config.debug:
       s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_EXTEND, err, ok, window,
                                  total_pages, out, jnp.arange(max_tokens) < total_tokens)
     out = jnp.where(ok, out, 0)
-    return _take_pages(s, total_pages, ok), out, ok
+    return _take_pages(config, s, total_pages, ok, window, marked=in_kernel), out, ok
 
   # "auto" follows the device that holds the pool (kernels.by_device).
   return kernels.by_device(config.kernel, state.free_ring, rest, "alloc_extend")
@@ -277,7 +295,7 @@ def _alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Arra
       s, ok = debug.finish_alloc(config, s, debug.OP_ALLOC_DECODE, err, ok, window,
                                  total_pages, out, real)
     out = jnp.where(ok & real, out, 0)
-    return _take_pages(s, total_pages, ok), out, ok
+    return _take_pages(config, s, total_pages, ok, window), out, ok
 
   if name is not None:
     return rest(name)
@@ -302,8 +320,8 @@ def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
     config: static configuration.
     state: the pool.
     page_ids: i32[M] pages to free, in request order (as free_page_ids: entries at index
-      >= num and zeros are padding; ids outside 1..num_pages are ignored, an error in
-      debug mode).
+      >= num and zeros are padding; other ids outside 1..num_pages are refused with the
+      ownership record, else ignored).
     seq_lens: i32[B] sequence lengths that already count the new token (>= 1).
     last_loc: i32[B] slot of each request's previous token, as alloc_decode.
     num: optional i32[], the number of leading page_ids to consider (None: all M).
@@ -312,7 +330,10 @@ def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
   Returns:
     (state, i32[B] slots, bool[] ok), as alloc_decode after the release. ok is False
     (slots all 0, nothing allocated) when the pages needed exceed the free list after the
-    release or a real row has seq_lens < 1; the release is done either way.
+    release or a real row has seq_lens < 1; the release is done either way. With the
+    ownership record (config.guard) a release naming a page that is not held is refused
+    whole (jax_kvalloc.guard, op release_and_alloc_decode), and so is the decode: nothing
+    freed, nothing allocated, ok False.
 
   Raises:
     TypeError naming the argument for a non-integer dtype; ValueError for page_ids that
@@ -333,8 +354,16 @@ def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
                                                last_loc, num_reqs, name=name)
     if fused is not None:  # GPU: both in one kernel launch
       return fused
-    released = freeing.free_page_ids(config, state, page_ids, num)
-    return _alloc_decode(config, released, seq_lens, last_loc, num_reqs, name=name)
+    released, refused = freeing.free_page_ids_refused(
+        config, state, page_ids, num, op=guard.OP_RELEASE_AND_ALLOC_DECODE)
+    if st.record(config, state) is None:
+      return _alloc_decode(config, released, seq_lens, last_loc, num_reqs, name=name)
+    # A refused release refuses the decode too: no rows, so nothing is taken (nor merged)
+    # and every slot is 0.
+    count = jnp.full((), seq_lens.shape[0], jnp.int32) if num_reqs is None else num_reqs
+    s, out, ok = _alloc_decode(config, released, seq_lens, last_loc,
+                               jnp.where(refused, 0, count), name=name)
+    return s, out, ok & ~refused
 
   # "auto" follows the device that holds the pool (kernels.by_device).
   return kernels.by_device(config.kernel, state.free_ring, rest, "release_decode")

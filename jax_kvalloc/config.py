@@ -53,6 +53,9 @@ class AllocatorConfig:
       JAX_KVALLOC_KERNEL, else "auto".
     debug: carry misuse checks (double free, duplicate outputs, misaligned last_loc,
       reserved or out-of-range frees) through jitted code. Default from JAX_KVALLOC_DEBUG.
+    guard: keep the ownership record (SPEC 14, jax_kvalloc.guard): a free naming a page
+      that is not held is refused whole and recorded in the state, on every path, with
+      no host sync. Default True; False drops the record (SGLang's costs and trust).
   """
 
   size: int
@@ -61,6 +64,7 @@ class AllocatorConfig:
   kind: Literal["token", "paged"] = "paged"
   kernel: str = dataclasses.field(default_factory=_env_kernel)
   debug: bool = dataclasses.field(default_factory=_env_debug)
+  guard: bool = True
 
   def __post_init__(self):
     for name in ("size", "page_size"):
@@ -89,8 +93,9 @@ class AllocatorConfig:
       raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
     if not isinstance(self.need_sort, bool):
       raise TypeError(f"need_sort must be a bool, got {self.need_sort!r}")
-    if not isinstance(self.debug, bool):
-      raise TypeError(f"debug must be a bool, got {self.debug!r}")
+    for name in ("debug", "guard"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
   @property
   def num_pages(self) -> int:

@@ -37,6 +37,12 @@ Design. The checks keep their bookkeeping in the state, `AllocatorState.debug`, 
     and the jitted code is exactly the code without this module (tests/test_debug.py
     proves it), so the cost when off is zero.
 
+Beside the ownership record (jax_kvalloc.guard, on by default, also with debug off): the
+record refuses the same bad frees with debug off; debug mode adds everything else here
+(argument checks of allocations under jit, output checks, the argument position of the
+offending entry) and keeps its own map of free pages, so that it works with guard=False
+too.
+
 Alternative considered: `checkify.check` inside every operation. It needs every caller
 to wrap its jitted functions in `checkify.checkify` and to thread the error out; the
 record in the state needs neither, keeps the functions' signatures, and still offers
@@ -379,7 +385,8 @@ def finish_free(config: AllocatorConfig, state, free_index: Array, values: Array
 
   An entry outside the pool, in reserved page 0 (other than the padding 0), or naming a
   page that is already free (or, for the token allocator, a slot given twice) is an
-  error; then the returned count is 0 and nothing is freed.
+  error; then the returned count is 0 and nothing is freed. Returns (state, count,
+  bool[] error found).
   """
   dbg = state.debug
   ps, x = config.page_size, free_index
@@ -396,7 +403,8 @@ def finish_free(config: AllocatorConfig, state, free_index: Array, values: Array
   j = jnp.arange(values.shape[0], dtype=jnp.int32)
   is_free = dbg.is_free.at[jnp.where(j < count, values, config.num_pages + 1)].set(
       True, mode="drop")
-  return state._replace(debug=_record(dbg._replace(is_free=is_free), op, err)), count
+  return (state._replace(debug=_record(dbg._replace(is_free=is_free), op, err)), count,
+          err[0] != 0)
 
 
 def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
@@ -414,7 +422,8 @@ def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
 
   A given page outside 1..num_pages, page 0, a page already free or a page given twice
   is an error; then the returned count is 0 and nothing is freed. O(K log K) for the
-  repeat check (a one-key sort), O(K) otherwise.
+  repeat check (a one-key sort), O(K) otherwise. Returns (state, count, bool[] error
+  found).
   """
   dbg = state.debug
   n = config.num_pages
@@ -433,7 +442,8 @@ def finish_free_page_ids(config: AllocatorConfig, state, op: int, pages: Array,
   count = jnp.where(found[0] == 0, count, 0)
   j = jnp.arange(values.shape[0], dtype=jnp.int32)
   is_free = dbg.is_free.at[jnp.where(j < count, values, n + 1)].set(True, mode="drop")
-  return state._replace(debug=_record(dbg._replace(is_free=is_free), op, found)), count
+  return (state._replace(debug=_record(dbg._replace(is_free=is_free), op, found)), count,
+          found[0] != 0)
 
 
 def segment_args(config: AllocatorConfig, free_index: Array, given: Array,
@@ -470,7 +480,8 @@ def audit(config: AllocatorConfig, state) -> list:
 
   Checks: lengths within 0..num_pages and free + release <= num_pages; every listed page
   in 1..num_pages; no page listed twice (within or across the two lists); in debug mode,
-  is_free equal to the set of listed pages.
+  is_free equal to the set of listed pages; with the ownership record (jax_kvalloc.guard),
+  held equal to the pages in neither list.
   """
   from jax_kvalloc import state as st  # pylint: disable=g-import-not-at-top
   n = config.num_pages
@@ -485,11 +496,20 @@ def audit(config: AllocatorConfig, state) -> list:
   pages, counts = np.unique(listed, return_counts=True)
   if (counts > 1).any():
     problems.append(f"pages listed twice: {pages[counts > 1][:8].tolist()}")
+  expect = np.zeros(n + 1, bool)
+  expect[listed[(listed >= 1) & (listed <= n)]] = True
   if state.debug is not None:
     is_free = np.asarray(state.debug.is_free)
-    expect = np.zeros(n + 1, bool)
-    expect[listed[(listed >= 1) & (listed <= n)]] = True
     if not np.array_equal(is_free, expect):
       diff = np.flatnonzero(is_free != expect)
       problems.append(f"debug is_free disagrees with the lists at pages {diff[:8].tolist()}")
+  guard = getattr(state, "guard", None)
+  if guard is not None:
+    held = np.asarray(guard.held)
+    want = (~expect).astype(np.int32)
+    want[0] = 0
+    if not np.array_equal(held, want):
+      diff = np.flatnonzero(held != want)
+      problems.append(f"the ownership record's held disagrees with the lists at pages "
+                      f"{diff[:8].tolist()}")
   return problems

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jax_kvalloc import debug
 from jax_kvalloc import gated
+from jax_kvalloc import guard
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
@@ -93,17 +94,31 @@ def free(config: AllocatorConfig, state: AllocatorState,
   Args:
     config: static configuration.
     state: the pool.
-    free_index: i32[M] slot indices (an integer dtype; TypeError otherwise). Entries that
-      name page 0 (the padding sink, so 0 is the padding value) or lie outside the pool
-      are ignored; in debug mode any such entry other than 0, or a double free, is an
-      error (recorded in state.debug) and the call frees nothing.
+    free_index: i32[M] slot indices (an integer dtype; TypeError otherwise); 0 is
+      padding. With the ownership record (config.guard, the default) an entry naming a
+      page that is not held (another slot of page 0, a slot outside the pool, a free or
+      released page; token allocator: also a slot given twice) refuses the whole call:
+      nothing is freed and state.guard.status records it (jax_kvalloc.guard). Without
+      it such entries are ignored (page 0, outside the pool) or freed as given; debug
+      mode refuses them too and records them in state.debug.
 
   Returns:
-    The new state. An all-padding `free_index` returns an equal state. Frees that would
-    overflow the pool (only possible through double frees, which debug mode reports) are
-    cut to fit, so the lists never overwrite one another's entries.
+    The new state. An all-padding `free_index` returns an equal state. Without the record,
+    frees that would overflow the pool (only possible through double frees) are cut to
+    fit, so the lists never overwrite one another's entries.
   """
-  return _free(config, state, free_index, debug.OP_FREE)
+  return _free(config, state, free_index, guard.OP_FREE)[0]
+
+
+def free_refused(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
+                 also_refuse: Optional[Array] = None) -> Tuple[AllocatorState, Array]:
+  """`free`, also returning whether it was refused (bool[]: by the ownership record, or
+  `also_refuse`, which refuses it without a status, e.g. a composite operation whose
+  other part was refused)."""
+  if also_refuse is not None:  # a refusal decided beforehand: nothing is given
+    free_index = jnp.where(also_refuse, 0, validate.as_i32(free_index, "free_index"))
+  state, refused = _free(config, state, free_index, guard.OP_FREE)
+  return state, refused if also_refuse is None else refused | also_refuse
 
 
 def free_method(num_pages: int, m: int) -> str:
@@ -171,22 +186,63 @@ def _exclusive_prefix(x: Array) -> Array:
 
 
 def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
-          op: int) -> AllocatorState:
-  """`free`, with the operation its debug record names (free_page_ids and free_segment
-  of the token allocator are `free`)."""
+          op: int) -> Tuple[AllocatorState, Array]:
+  """`free` and whether the ownership record refused it (bool[]; False without one),
+  with the operation its records name (free_page_ids and free_segment of the token
+  allocator are `free`)."""
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
   n, m = config.num_pages, free_index.shape[0]
   if config.kind == "token":
     values, count = st.compact(free_index, (free_index >= 1) & (free_index <= n))
+    err = None
     if config.debug:
-      state, count = debug.finish_free(config, state, free_index, values, count, op)
-    return _give_back(config, state, values, count)
+      state, count, err = debug.finish_free(config, state, free_index, values, count,
+                                            _debug_op(op))
+    state, refused = _guard_free(config, state, op, free_index, free_index != 0,
+                                 distinct=True, also_refuse=err)
+    return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
   if config.debug:  # the checks need XLA's (values, count)
-    return PAGED_FREE[free_method(n, m)](config, state, free_index)
+    return _PAGED_FREE[free_method(n, m)](config, state, free_index, op=op)
   return kernels.by_device(
       config.kernel, state.free_ring,
-      lambda name: PAGED_FREE[paged_free_implementation(config, name, m)](
-          config, state, free_index), "free")
+      lambda name: _PAGED_FREE[paged_free_implementation(config, name, m)](
+          config, state, free_index, op=op), "free")
+
+
+def _debug_op(op: int) -> int:
+  """The debug record's operation for a guard op (debug names the plain frees only)."""
+  return {guard.OP_FREE_SEGMENT: debug.OP_FREE_SEGMENT,
+          guard.OP_FREE: debug.OP_FREE}.get(op, debug.OP_FREE_PAGE_IDS)
+
+
+def _guard_free(config: AllocatorConfig, state: AllocatorState, op: int, pages: Array,
+                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None
+                ) -> Tuple[AllocatorState, Array]:
+  """guard.free on the state's record: (state, bool[] refused). Without a record,
+  (state, also_refuse), None when nothing can refuse (so that guard=False traces
+  exactly the unguarded program)."""
+  record = st.record(config, state)
+  if record is None:
+    return state, also_refuse
+  record, refused = guard.free(record, op, pages, given, distinct=distinct,
+                               also_refuse=also_refuse)
+  return state._replace(guard=record), refused
+
+
+def _unless(state: AllocatorState, refused: Optional[Array], count: Array) -> Array:
+  """The count to free: 0 when the ownership record refused. Without a record the count
+  already says it (debug mode and a misaligned start_pos zero it themselves)."""
+  return count if state.guard is None else jnp.where(refused, 0, count)
+
+
+def _flag(refused: Optional[Array]) -> Array:
+  """bool[] refused (False where nothing could refuse)."""
+  return jnp.zeros((), bool) if refused is None else refused
+
+
+def _slot_pages(config: AllocatorConfig, slots: Array) -> Array:
+  """floor(slot / page_size): negative slots keep a negative page (out of range)."""
+  return slots // config.page_size
 
 
 def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:
@@ -203,35 +259,47 @@ def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str
 
 
 def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
-                    method: str) -> AllocatorState:
+                    method: str, op: int = guard.OP_FREE) -> Tuple[AllocatorState, Array]:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
   values, count = free_pages_sorted_unique(pages, config.num_pages, method)
+  err = None
   if config.debug:
-    state, count = debug.finish_free(config, state, free_index, values, count,
-                                     debug.OP_FREE)
-  return _give_back(config, state, values, count)
+    state, count, err = debug.finish_free(config, state, free_index, values, count,
+                                          _debug_op(op))
+  state, refused = _guard_free(config, state, op, _slot_pages(config, free_index),
+                               free_index != 0, distinct=False, also_refuse=err)
+  return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 
 def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_index: Array,
-                       *, interpret: bool) -> AllocatorState:
+                       *, interpret: bool, op: int = guard.OP_FREE
+                       ) -> Tuple[AllocatorState, Array]:
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   ring, head, length, other = st.freed_list(config.need_sort, state)
-  ring, head, length = pallas_kernels.free_push_front_triton(
+  record = st.record(config, state)
+  out = pallas_kernels.free_push_front_triton(
       free_index, ring, head, length, other, page_size=config.page_size,
-      interpret=interpret)
-  return st.with_freed_list(config.need_sort, state, ring, head, length)
+      interpret=interpret, record=record, op=op)
+  state = st.with_freed_list(config.need_sort, state, *out[:3])
+  if record is None:
+    return state, jnp.zeros((), bool)
+  return state._replace(guard=guard.GuardState(out[3], out[4])), out[5]
 
 
-# The paged `free` by implementation (kernels.REGISTRY["free"]): fn(config, state,
-# free_index i32[M] int32) -> state, every one the same bits (the Triton ones outside
-# debug mode only). `free` picks one (paged_free_implementation); tests and benchmarks
+# The paged `free` by implementation (kernels.REGISTRY["free"]), each fn(config, state,
+# free_index i32[M] int32, *, op) -> (state, bool[] refused by the ownership record),
+# every one the same bits (the Triton ones outside debug mode only). `free` picks one
+# (paged_free_implementation); PAGED_FREE drops the flag, for tests and benchmarks that
 # call one by name.
-PAGED_FREE = {
+_PAGED_FREE = {
     "sort": functools.partial(_free_paged_xla, method="sort"),
     "bitmap": functools.partial(_free_paged_xla, method="bitmap"),
     "triton": functools.partial(_free_paged_triton, interpret=False),
     "triton_interpret": functools.partial(_free_paged_triton, interpret=True),
 }
+PAGED_FREE = {name: (lambda config, state, free_index, fn=fn:
+                     fn(config, state, free_index)[0])
+              for name, fn in _PAGED_FREE.items()}
 
 
 def _give_back(config: AllocatorConfig, state: AllocatorState, values: Array,
@@ -267,18 +335,24 @@ def _one_d(x: Array, name: str) -> Array:
 
 def _prepend_pages(config: AllocatorConfig, state: AllocatorState, pages: Array,
                    given: Array, op: int, positions: Array,
-                   err=None, refuse: Optional[Array] = None) -> AllocatorState:
+                   err=None, refuse: Optional[Array] = None
+                   ) -> Tuple[AllocatorState, Array]:
   """Prepends the given pages (in order, as one block) to release_pages (need_sort) or
-  free_pages. O(K): a compaction (prefix sum + scatter) and a ring scatter, no sort."""
+  free_pages. O(K): a compaction (prefix sum + scatter) and a ring scatter, no sort.
+  Returns (state, bool[] refused by the ownership record, or by `refuse`)."""
   n = config.num_pages
   valid = given & (pages >= 1) & (pages <= n)
   if refuse is not None:
     valid = valid & ~refuse
   values, count = st.compact(pages, valid)
+  also = refuse
   if config.debug:
-    state, count = debug.finish_free_page_ids(config, state, op, pages, given, positions,
-                                              values, count, err)
-  return _give_back(config, state, values, count)
+    state, count, found = debug.finish_free_page_ids(config, state, _debug_op(op), pages,
+                                                     given, positions, values, count, err)
+    also = found if refuse is None else refuse | found
+  state, refused = _guard_free(config, state, op, pages, given, distinct=True,
+                               also_refuse=also)
+  return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 
 def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Array,
@@ -299,14 +373,31 @@ def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: Arra
     num: optional i32[], the number of leading entries to consider (None: all M).
 
   Returns:
-    The new state; an all-padding call returns an equal state.
+    The new state; an all-padding call returns an equal state. With the ownership record
+    (config.guard) a given id that is not a held page (outside 1..num_pages, free,
+    released, or given twice) refuses the whole call (jax_kvalloc.guard).
   """
+  return free_page_ids_refused(config, state, page_ids, num)[0]
+
+
+def free_page_ids_refused(config: AllocatorConfig, state: AllocatorState, page_ids: Array,
+                          num: Optional[Array] = None, *, op: int = guard.OP_FREE_PAGE_IDS,
+                          also_refuse: Optional[Array] = None
+                          ) -> Tuple[AllocatorState, Array]:
+  """`free_page_ids`, also returning whether it was refused (bool[]: by the ownership
+  record, or `also_refuse`, which refuses it without a status), with `op` named in its
+  status (the request table's release and window frees, release_and_alloc_decode)."""
   page_ids = _one_d(page_ids, "page_ids")
   m = page_ids.shape[0]
   given = _num_mask(m, num, "num") & (page_ids != 0)
+  if also_refuse is not None:  # a refusal decided beforehand: nothing is given
+    given = given & ~also_refuse
+    state, refused = free_page_ids_refused(config, state, jnp.where(given, page_ids, 0),
+                                           op=op)
+    return state, refused | also_refuse
   if config.kind == "token":
-    return _free(config, state, jnp.where(given, page_ids, 0), debug.OP_FREE_PAGE_IDS)
-  return _prepend_pages(config, state, page_ids, given, debug.OP_FREE_PAGE_IDS,
+    return _free(config, state, jnp.where(given, page_ids, 0), op)
+  return _prepend_pages(config, state, page_ids, given, op,
                         jnp.arange(m, dtype=jnp.int32))
 
 
@@ -328,10 +419,19 @@ def free_segment(config: AllocatorConfig, state: AllocatorState, free_index: Arr
     num: optional i32[], the number of real tokens (None: all M).
 
   Returns:
-    The new state. Debug mode also refuses slots that do not lie in the page of their
-    page's first token, pages outside the pool, and double frees (recorded in
-    state.debug).
+    The new state. With the ownership record (config.guard) a page that is not held
+    (page 0, outside the pool, free, released, or named twice) refuses the whole call
+    (jax_kvalloc.guard). Debug mode also refuses slots that do not lie in the page of
+    their page's first token (recorded in state.debug).
   """
+  return free_segment_refused(config, state, free_index, start_pos, num)[0]
+
+
+def free_segment_refused(config: AllocatorConfig, state: AllocatorState, free_index: Array,
+                         start_pos: Array, num: Optional[Array] = None
+                         ) -> Tuple[AllocatorState, Array]:
+  """`free_segment`, also returning whether it was refused (bool[]: by the ownership
+  record, or a misaligned start_pos)."""
   free_index = _one_d(free_index, "free_index")
   start_pos = validate.as_i32(start_pos, "start_pos")
   if start_pos.ndim != 0:
@@ -340,13 +440,13 @@ def free_segment(config: AllocatorConfig, state: AllocatorState, free_index: Arr
   given = _num_mask(m, num, "num")
   ps = config.page_size
   if config.kind == "token":  # every start_pos is a multiple of 1
-    return _free(config, state, jnp.where(given, free_index, 0), debug.OP_FREE_SEGMENT)
+    return _free(config, state, jnp.where(given, free_index, 0), guard.OP_FREE_SEGMENT)
   misaligned = start_pos % ps != 0
   err = debug.segment_args(config, free_index, given, start_pos) if config.debug else None
   reps = free_index[::ps]  # tokens that start a page (start_pos is page-aligned)
-  pages = jnp.where(reps >= 0, reps // ps, -1)
+  pages = reps // ps  # floor: a negative slot names a negative page (out of range)
   rep_given = given[::ps] & (reps != 0)
-  return _prepend_pages(config, state, pages, rep_given, debug.OP_FREE_SEGMENT,
+  return _prepend_pages(config, state, pages, rep_given, guard.OP_FREE_SEGMENT,
                         jnp.arange(0, m, ps, dtype=jnp.int32), err, refuse=misaligned)
 
 

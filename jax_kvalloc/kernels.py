@@ -360,16 +360,29 @@ def by_device(kernel: str, pool: Array, fn: Callable[[str], T],
 
 def extend_indices(name: str, free_window: Array, prefix_lens: Array, seq_lens: Array,
                    last_loc: Array, tok_start: Array, page_start: Array, *,
-                   page_size: int, out_len: int) -> Array:
+                   page_size: int, out_len: int, held: Optional[Array] = None):
   """`index_jnp.extend_indices` (i32[out_len]) through the implementation of the
-  concrete `name`."""
+  concrete `name`. held (only where `extend_keeps_record(name)`): the ownership
+  record's held pages, marked in the kernel's own launch; returns (out, held) then."""
   base, interpret = family(name)
   args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
+  if held is not None:
+    if not extend_keeps_record(name):
+      raise ValueError(f"the {name!r} extend kernel does not keep the ownership record")
+    import pallas_kernels  # pylint: disable=g-import-not-at-top
+    return pallas_kernels.extend_indices_triton(*args, page_size=page_size,
+                                                out_len=out_len, interpret=interpret,
+                                                held=held)
   if base not in ("triton", "mosaic"):  # jnp, and families with no index kernel
     return index_jnp.extend_indices(*args, page_size=page_size, out_len=out_len)
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.extend_indices(*args, page_size=page_size, out_len=out_len,
                                        interpret=interpret, backend=base)
+
+
+def extend_keeps_record(name: str) -> bool:
+  """Whether `extend_indices` of the concrete `name` marks the ownership record's held
+  pages in its own launch (the Triton kernel); elsewhere XLA marks them around it."""
+  return family(name)[0] == "triton"
 
 
 def decode_indices(name: str, free_window: Array, seq_lens: Array, last_loc: Array,
@@ -418,11 +431,11 @@ def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_le
   num_rows = prefix_lens.shape[0]
   if not pallas_kernels.extend_fused_preferred(num_rows, max_tokens, config.num_pages):
     return None  # large batches: XLA prefix sums + the contract kernel scale better
-  out, head, length, ok = pallas_kernels.alloc_extend_triton(
+  res = pallas_kernels.alloc_extend_triton(
       state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, num_rows),
       prefix_lens, seq_lens, last_loc, page_size=config.page_size, out_len=max_tokens,
-      interpret=interpret)
-  return state._replace(free_head=head, free_len=length), out, ok
+      interpret=interpret, held=_held(state))
+  return _taken(state, res), res[0], res[3]
 
 
 def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
@@ -443,15 +456,31 @@ def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens:
   if base == "triton":
     if not pallas_kernels.decode_fused_supported(b, n):
       return None
-    fn = pallas_kernels.alloc_decode_triton
-  else:
-    if not pallas_kernels.decode_mosaic_gpu_supported(b, n):
-      return None
-    fn = pallas_kernels.alloc_decode_mosaic_gpu
-  out, head, length, ok = fn(
+    res = pallas_kernels.alloc_decode_triton(
+        state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, b),
+        seq_lens, last_loc, page_size=config.page_size, interpret=interpret,
+        held=_held(state))
+    return _taken(state, res), res[0], res[3]
+  # The Mosaic GPU kernel keeps no ownership record: with one, XLA's path runs.
+  if state.guard is not None or not pallas_kernels.decode_mosaic_gpu_supported(b, n):
+    return None
+  out, head, length, ok = pallas_kernels.alloc_decode_mosaic_gpu(
       state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, b), seq_lens,
       last_loc, page_size=config.page_size, interpret=interpret)
   return state._replace(free_head=head, free_len=length), out, ok
+
+
+def _held(state: AllocatorState) -> Optional[Array]:
+  """The ownership record's held pages, which the fused kernels keep (None: no record)."""
+  return None if state.guard is None else state.guard.held
+
+
+def _taken(state: AllocatorState, res: Tuple[Array, ...]) -> AllocatorState:
+  """The state after a fused allocation (slots, head, length, ok[, held])."""
+  state = state._replace(free_head=res[1], free_len=res[2])
+  if state.guard is None:
+    return state
+  return state._replace(guard=state.guard._replace(held=res[4]))
 
 
 def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
@@ -477,8 +506,14 @@ def release_alloc_decode_fused(config: AllocatorConfig, state: AllocatorState,
   m, b = page_ids.shape[0], seq_lens.shape[0]
   if not pallas_kernels.release_decode_supported(b, m, config.num_pages):
     return None
-  ring, head, length, out, ok = pallas_kernels.release_alloc_decode_triton(
+  from jax_kvalloc import guard  # pylint: disable=g-import-not-at-top
+  res = pallas_kernels.release_alloc_decode_triton(
       state.free_ring, state.free_head, state.free_len, state.release_len, page_ids,
       jnp.full((), m, jnp.int32) if num is None else num, _num_reqs(num_reqs, b),
-      seq_lens, last_loc, page_size=config.page_size, interpret=interpret)
-  return state._replace(free_ring=ring, free_head=head, free_len=length), out, ok
+      seq_lens, last_loc, page_size=config.page_size, interpret=interpret,
+      record=state.guard, op=guard.OP_RELEASE_AND_ALLOC_DECODE)
+  ring, head, length, out, ok = res[:5]
+  state = state._replace(free_ring=ring, free_head=head, free_len=length)
+  if state.guard is not None:
+    state = state._replace(guard=guard.GuardState(*res[5:]))
+  return state, out, ok

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import index_jnp
 from jax_kvalloc import kernels
 from jax_kvalloc import validate
@@ -180,6 +181,8 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
   impl, interpret = kernels.family(name)
   if impl not in ("triton", "mosaic_gpu"):
     return None
+  if impl == "mosaic_gpu" and state.guard is not None:
+    return None  # the Mosaic GPU table kernel keeps no ownership record: XLA's path runs
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   supported, step = ((pallas_kernels.table_supported, pallas_kernels.table_step_triton)
                      if impl == "triton" else
@@ -192,13 +195,17 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
       page_size=config.page_size, release=size(release), extend=size(extend),
       max_tokens=max_tokens, decode=size(decode)):
     return None
+  guarded = {} if impl == "mosaic_gpu" else {"record": state.guard,
+                                              "op": guard.OP_RELEASE_ROWS}
   out = step(
       state.free_ring, state.free_head, state.free_len, state.release_len, table.pages,
       table.lens, table.owned_from, page_size=config.page_size, release=release,
       extend=extend, max_tokens=max_tokens, decode=decode,
-      interpret=interpret)
+      interpret=interpret, **guarded)
   state = state._replace(free_ring=out["ring"], free_head=out["head"],
                          free_len=out["length"])
+  if state.guard is not None:
+    state = state._replace(guard=guard.GuardState(out["held"], out["status"]))
   return state, RequestTable(out["pages"], out["lens"], out["owned_from"]), out
 
 
@@ -360,7 +367,9 @@ def release_rows(config: AllocatorConfig, state: AllocatorState, table: RequestT
 
   Returns:
     (state, table, bool[] ok). ok is False, and nothing changes, when the rows repeat or
-    leave the table.
+    leave the table, or when the ownership record (config.guard) refuses the free: an
+    owned page that is not held, or a page two released columns name (then
+    state.guard.status records it, op release_rows).
   """
   rows, _, num = _static_batch(table, rows)
   return _one_launch(config, state, table, ("release_ok",),
@@ -379,8 +388,11 @@ def _release_rows_jnp(config: AllocatorConfig, state: AllocatorState, table: Req
   owned = _columns_mask(table.owned_from[rows], end, width)
   # Zeros are free_page_ids' padding (page 0 is never a row's page): no compaction here,
   # free_page_ids does the one the ring needs.
-  state = freeing.free_page_ids(config, state,
-                                jnp.where(owned, table.pages[rows], 0).reshape(-1))
+  state, refused = freeing.free_page_ids_refused(
+      config, state, jnp.where(owned, table.pages[rows], 0).reshape(-1),
+      op=guard.OP_RELEASE_ROWS)
+  if state.guard is not None:  # a refused release leaves the rows as they were
+    go, live = go & ~refused, live & ~refused
   dest = jnp.where(live, rows, max_reqs)
   table = RequestTable(pages=table.pages.at[dest].set(0, mode="drop"),
                        lens=table.lens.at[dest].set(0, mode="drop"),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import debug as _debug
+from jax_kvalloc import guard as _guard
 from jax_kvalloc.config import AllocatorConfig
 
 Array = jax.Array
@@ -37,7 +38,9 @@ class AllocatorState(NamedTuple):
   """State of one pool. Capacities come from the array shapes; nothing static lives here.
 
   The free list is `free_ring[(free_head + i) % num_pages]` for i < free_len; likewise the
-  release list. `debug` is None unless the config has debug=True (see jax_kvalloc.debug).
+  release list. `debug` is None unless the config has debug=True (jax_kvalloc.debug);
+  `guard`, the ownership record, is None when the config has guard=False
+  (jax_kvalloc.guard).
   """
   free_ring: Array      # i32[num_pages] ring buffer of free page ids
   free_head: Array      # i32[] index of the first free page in free_ring
@@ -46,6 +49,7 @@ class AllocatorState(NamedTuple):
   release_head: Array   # i32[]
   release_len: Array    # i32[]
   debug: Optional[_debug.DebugState] = None  # debug-mode bookkeeping; None when off
+  guard: Optional[_guard.GuardState] = None  # held pages + first refusal; None when off
 
 
 def init(config: AllocatorConfig) -> AllocatorState:
@@ -60,7 +64,31 @@ def init(config: AllocatorConfig) -> AllocatorState:
       release_head=jnp.zeros((), jnp.int32),
       release_len=jnp.zeros((), jnp.int32),
       debug=_debug.init(config) if config.debug else None,
+      guard=_guard.init(n) if config.guard else None,
   )
+
+
+def record(config: AllocatorConfig, state: AllocatorState) -> Optional[_guard.GuardState]:
+  """The state's ownership record (None when config.guard is off); ValueError when the
+  state does not match the config (a state built without its record)."""
+  if config.guard != (state.guard is not None):
+    raise ValueError(
+        f"config.guard={config.guard}, but the state {'has no' if config.guard else 'has an'}"
+        " ownership record: build states with init(config) (or with_record for a state "
+        "assembled by hand)")
+  return state.guard
+
+
+def with_record(config: AllocatorConfig, state: AllocatorState) -> AllocatorState:
+  """`state` with its ownership record rebuilt from its lists (every page in neither
+  list held, no refusal), or dropped when config.guard is off; for states assembled by
+  hand (tests, benchmarks). Syncs: the lists are read on the host; a single pool."""
+  if not config.guard:
+    return state._replace(guard=None)
+  free = np.concatenate([live_free_pages(state), live_release_pages(state)])
+  return state._replace(guard=_guard.GuardState(
+      held=jnp.asarray(_guard.from_free(config.num_pages, free)),
+      status=jnp.zeros((3,), jnp.int32)))
 
 
 def available_size(config: AllocatorConfig, state: AllocatorState) -> Array:

@@ -14,6 +14,13 @@ allocates in neither pool unless both fit (SGLang keeps what the fitting pool to
 Free groups and the debug-mode peer checks live in the class
 (jax_kvalloc.sglang.swa); each pool's own debug record (double frees) works here as in a
 single pool when the config has debug=True.
+
+Ownership (SPEC 14; config.guard): each pool keeps its own record and refuses its own
+part of a free whole. A free of both pools (`free`, `free_segment`) frees the SWA side
+first; when that part is refused, the full side is refused too (nothing freed). When the
+full side alone is refused, the SWA side stays freed, and those tokens' mapping stays
+cleared, so no later free reaches those SWA pages again: nothing is lost or handed out
+twice. The mapping of a refused SWA free is kept as it was.
 """
 from __future__ import annotations
 
@@ -46,7 +53,8 @@ class SWAConfig:
     size: full-attention slots (SGLang's `size`).
     size_swa: sliding-window slots.
     page_size: slots per page of both pools (1: token pools, FIFO free).
-    need_sort, kernel, debug: as AllocatorConfig, for both pools.
+    need_sort, kernel, debug, guard: as AllocatorConfig, for both pools (each pool keeps
+      its own ownership record).
   """
   size: int
   size_swa: int
@@ -54,6 +62,7 @@ class SWAConfig:
   need_sort: bool = False
   kernel: str = dataclasses.field(default_factory=_env_kernel)
   debug: bool = dataclasses.field(default_factory=_env_debug)
+  guard: bool = True
 
   def __post_init__(self):
     for name in ("full", "swa"):  # each pool's config checks its fields
@@ -65,7 +74,7 @@ class SWAConfig:
   def _pool(self, size: int) -> AllocatorConfig:
     return AllocatorConfig(size=size, page_size=self.page_size, need_sort=self.need_sort,
                            kind="token" if self.page_size == 1 else "paged",
-                           kernel=self.kernel, debug=self.debug)
+                           kernel=self.kernel, debug=self.debug, guard=self.guard)
 
   @property
   def full(self) -> AllocatorConfig:
@@ -407,19 +416,6 @@ def _given(m: int, num: Optional[Array]) -> Array:
   return jnp.arange(m, dtype=jnp.int32) < validate.as_i32(num, "num")
 
 
-def _swa_pages_of_segment(config: SWAConfig, state: SWAState, free_index: Array,
-                          start_pos: Array, num: Optional[Array]):
-  """(mapping cleared of the segment's pages, i32[ceil(M/ps)] SWA page ids (0 where none
-  or padding), bool[] start_pos aligned)."""
-  ps = config.page_size
-  free_index = validate.as_i32(free_index, "free_index").reshape(-1)
-  start_pos = validate.as_i32(start_pos, "start_pos")
-  aligned = start_pos % ps == 0
-  given = _given(free_index.shape[0], num) & (free_index > 0) & aligned
-  mapping, pages = take_segment_pages(state.mapping, free_index, ps, given)
-  return mapping, pages, aligned
-
-
 def take_segment_pages(mapping: Array, free_index: Array, page_size: int,
                        given: Optional[Array] = None) -> Tuple[Array, Array]:
   """The SWA pages of a segment's full pages, read and unpaired in one step.
@@ -463,11 +459,23 @@ def free_swa_segment(config: SWAConfig, state: SWAState, free_index: Array,
     The state with the SWA pages mapping[free_index[::ps]] // ps freed through the SWA
     pool's free_page_ids in that order (page size 1: the SWA slots, appended), and the
     mapping of every slot of those full pages set to 0. Full pages without a peer free
-    nothing in the SWA pool.
+    nothing in the SWA pool. A free the SWA pool's ownership record refuses changes
+    nothing but that record's status.
   """
-  mapping, pages, _ = _swa_pages_of_segment(config, state, free_index, start_pos, num)
-  swa = freeing.free_page_ids(config.swa, state.swa, pages)
-  return state._replace(swa=swa, mapping=mapping)
+  return _free_swa_segment(config, state, free_index, start_pos, num)[0]
+
+
+def _free_swa_segment(config: SWAConfig, state: SWAState, free_index: Array,
+                      start_pos: Array, num: Optional[Array]) -> Tuple[SWAState, Array]:
+  """free_swa_segment and whether the SWA pool refused it (bool[])."""
+  ps = config.page_size
+  free_index = validate.as_i32(free_index, "free_index").reshape(-1)
+  start_pos = validate.as_i32(start_pos, "start_pos")
+  given = _given(free_index.shape[0], num) & (free_index > 0) & (start_pos % ps == 0)
+  _, pages = take_segment_pages(state.mapping, free_index, ps, given)
+  swa, refused = freeing.free_page_ids_refused(config.swa, state.swa, pages)
+  mapping, _ = take_segment_pages(state.mapping, free_index, ps, given & ~refused)
+  return state._replace(swa=swa, mapping=mapping), refused
 
 
 def free_swa(config: SWAConfig, state: SWAState, free_index: Array,
@@ -476,21 +484,28 @@ def free_swa(config: SWAConfig, state: SWAState, free_index: Array,
 
   Page size 1: `free_swa_segment(free_index, start_pos=0)`. Page size > 1: every slot of
   each given slot's full page is looked up and its mapping set to 0, and the SWA pool
-  frees the peers found (SPEC 4.4's free: sorted unique pages, prepended).
+  frees the peers found (SPEC 4.4's free: sorted unique pages, prepended). A free the
+  SWA pool's ownership record refuses changes nothing but that record's status.
 
   Args:
     free_index: i32[M] full slots (0 and entries >= num are padding).
   """
+  return _free_swa(config, state, free_index, num)[0]
+
+
+def _free_swa(config: SWAConfig, state: SWAState, free_index: Array,
+              num: Optional[Array]) -> Tuple[SWAState, Array]:
+  """free_swa and whether the SWA pool refused it (bool[])."""
   ps = config.page_size
   if ps == 1:
-    return free_swa_segment(config, state, free_index, jnp.zeros((), jnp.int32), num)
+    return _free_swa_segment(config, state, free_index, jnp.zeros((), jnp.int32), num)
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
   given = jnp.repeat(_given(free_index.shape[0], num) & (free_index > 0), ps)
   wide = _widen(free_index, ps)
   peers = jnp.where(given, translate(state.mapping, jnp.where(given, wide, 0)), 0)
-  mapping = clear_mapping(state.mapping, wide, given)
-  swa = freeing.free(config.swa, state.swa, jnp.maximum(peers, 0))
-  return state._replace(swa=swa, mapping=mapping)
+  swa, refused = freeing.free_refused(config.swa, state.swa, jnp.maximum(peers, 0))
+  mapping = clear_mapping(state.mapping, wide, given & ~refused)
+  return state._replace(swa=swa, mapping=mapping), refused
 
 
 def free_full(config: SWAConfig, state: SWAState, free_index: Array) -> SWAState:
@@ -507,18 +522,25 @@ def free_full_segment(config: SWAConfig, state: SWAState, free_index: Array,
 
 def free(config: SWAConfig, state: SWAState, free_index: Array,
          num: Optional[Array] = None) -> SWAState:
-  """`free_swa` then `free_full` of these full slots (SPEC 13). Padding: 0 and >= num."""
-  state = free_swa(config, state, free_index, num)
+  """`free_swa` then `free_full` of these full slots (SPEC 13). Padding: 0 and >= num.
+  A refused SWA side refuses the full side too (module docstring)."""
+  state, refused = _free_swa(config, state, free_index, num)
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
-  return free_full(config, state,
-                   jnp.where(_given(free_index.shape[0], num), free_index, 0))
+  given = _given(free_index.shape[0], num)
+  full, _ = freeing.free_refused(config.full, state.full,
+                                 jnp.where(given, free_index, 0), also_refuse=refused)
+  return state._replace(full=full)
 
 
 def free_segment(config: SWAConfig, state: SWAState, free_index: Array, start_pos: Array,
                  num: Optional[Array] = None) -> SWAState:
-  """`free_swa_segment` then the full pool's `free_segment` (SPEC 13)."""
-  state = free_swa_segment(config, state, free_index, start_pos, num)
-  return free_full_segment(config, state, free_index, start_pos, num)
+  """`free_swa_segment` then the full pool's `free_segment` (SPEC 13). A refused SWA side
+  refuses the full side too (module docstring)."""
+  state, refused = _free_swa_segment(config, state, free_index, start_pos, num)
+  free_index = validate.as_i32(free_index, "free_index").reshape(-1)
+  return free_full_segment(config, state, free_index, start_pos,
+                           jnp.where(refused, 0, free_index.shape[0] if num is None
+                                     else validate.as_i32(num, "num")))
 
 
 # ---------------------------------------------------------------------------------------

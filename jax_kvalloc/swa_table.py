@@ -14,9 +14,14 @@ nothing changes):
                               before lens - window: exactly `free_swa_segment` of each
                               row's segment inside one free group (one free_page_ids of
                               the rows' pages, in row order); swa_from moves past them.
+                              Refused by the SWA pool's ownership record: ok False,
+                              nothing changes (SPEC 14).
   release_rows                each row as `free_segment` inside one free group: its SWA
                               pages from swa_from (one free_page_ids, row order), then its
                               full pages (one free_page_ids, row order); rows cleared.
+                              Refused by either pool's record: ok False, rows kept (as
+                              jax_kvalloc.swa's free, the SWA side of a refused full
+                              side stays freed and unmapped).
   attention_inputs            full-layer page indices, and for SWA layers the rows' SWA
                               page indices (translated) of the pages inside the window.
 Borrowed prefixes (SPEC 11's owned_from) are out of scope here, as SGLang's SWA prefix
@@ -30,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as core
 from jax_kvalloc import validate
@@ -157,9 +163,11 @@ def decode_rows(config: SWAConfig, state: SWAState, table: SWATable, rows: Array
 
 
 def _free_swa_columns(config: SWAConfig, state: SWAState, page_rows: Array,
-                      mask: Array) -> SWAState:
+                      mask: Array, op: int) -> Tuple[SWAState, Array]:
   """Frees the SWA pages of the full pages page_rows[mask] (row-major order) with one
-  free_page_ids, and clears those full pages' mapping."""
+  free_page_ids (`op` named by the SWA pool's ownership record), and clears those full
+  pages' mapping. Returns (state, bool[] refused: then nothing changed but the SWA
+  pool's status)."""
   ps = config.page_size
   full_pages = page_rows.reshape(-1)
   mask = mask.reshape(-1) & (full_pages > 0)
@@ -167,10 +175,10 @@ def _free_swa_columns(config: SWAConfig, state: SWAState, page_rows: Array,
   peers = core.translate(state.mapping, jnp.where(mask, reps, 0))
   swa_pages = jnp.where(mask & (peers > 0), peers // ps, 0)
   values, count = st.compact(swa_pages, swa_pages > 0)
-  swa = freeing.free_page_ids(config.swa, state.swa, values, count)
+  swa, refused = freeing.free_page_ids_refused(config.swa, state.swa, values, count, op=op)
   wide = (reps[:, None] + jnp.arange(ps, dtype=jnp.int32)[None, :]).reshape(-1)
-  mapping = core.clear_mapping(state.mapping, wide, jnp.repeat(mask, ps))
-  return state._replace(swa=swa, mapping=mapping)
+  mapping = core.clear_mapping(state.mapping, wide, jnp.repeat(mask & ~refused, ps))
+  return state._replace(swa=swa, mapping=mapping), refused
 
 
 def window_rows(config: SWAConfig, state: SWAState, table: SWATable, rows: Array,
@@ -188,7 +196,9 @@ def window_rows(config: SWAConfig, state: SWAState, table: SWATable, rows: Array
   end = jnp.clip(jnp.maximum(lens - window, 0) // ps, 0, width)
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]
   mask = (cols >= frm[:, None]) & (cols < end[:, None]) & (real & ok)[:, None]
-  state = _free_swa_columns(config, state, table.pages[rows], mask)
+  state, refused = _free_swa_columns(config, state, table.pages[rows], mask,
+                                     guard.OP_WINDOW_ROWS)
+  ok = ok & ~refused
   r = jnp.where(real & ok, rows, table.lens.shape[0])
   swa_from = table.swa_from.at[r].set(jnp.maximum(frm, end), mode="drop")
   return state, table._replace(swa_from=swa_from), ok
@@ -205,11 +215,16 @@ def release_rows(config: SWAConfig, state: SWAState, table: SWATable, rows: Arra
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]
   held = (cols < cdiv(lens, ps)[:, None]) & (real & ok)[:, None]
   page_rows = table.pages[rows]
-  state = _free_swa_columns(config, state,
-                            page_rows, held & (cols >= table.swa_from[rows][:, None]))
+  state, refused = _free_swa_columns(
+      config, state, page_rows, held & (cols >= table.swa_from[rows][:, None]),
+      guard.OP_RELEASE_ROWS)
   flat = page_rows.reshape(-1)
   values, count = st.compact(flat, held.reshape(-1) & (flat > 0))
-  state = state._replace(full=freeing.free_page_ids(config.full, state.full, values, count))
+  full, refused = freeing.free_page_ids_refused(config.full, state.full, values, count,
+                                                op=guard.OP_RELEASE_ROWS,
+                                                also_refuse=refused)
+  state = state._replace(full=full)
+  ok = ok & ~refused  # refused: the rows stay (an SWA side already freed stays unmapped)
   r = jnp.where(real & ok, rows, table.lens.shape[0])
   table = SWATable(table.pages.at[r].set(0, mode="drop"),
                    table.lens.at[r].set(0, mode="drop"),

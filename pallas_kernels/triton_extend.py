@@ -55,6 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import _guard
 from pallas_kernels import _util
 from pallas_kernels import capacity
 from pallas_kernels import tuning
@@ -86,24 +87,44 @@ class _Params:
   exact_totals: bool   # rows * limit may pass 2**31: detect totals over the limits exactly
   layout: str = "tiles"  # fused: one of LAYOUTS (the module docstring)
   chunks: int = 1      # C, programs per row (layout "rows"); `tile` is then their block
+  guard: bool = False  # the ownership record's held (i32[n + 1]) aliased in and out;
+                       # the first token of each new page marks that page taken
+  held_len: int = 0    # contract kernel with guard: n + 1 (its window is shorter)
 
 
 # ---------------------------------------------------------------------------------------
 # Kernel bodies.
 # ---------------------------------------------------------------------------------------
 
-def _slot(ps, t, a, e, c, bp, read_page, mask):
-  """Slots of tokens t from their rows' constants (see the module docstring)."""
+def _slot(ps, t, a, e, c, bp, read_page, mask, mark=None):
+  """Slots of tokens t from their rows' constants (see the module docstring). `mark`
+  (page, mask) (the ownership record): called with the token that starts each new page
+  (Parts 2 and 3 start every page at offset 0), to mark its page taken."""
   pos = t + a
   part1 = t < e
   page = read_page(bp + floordiv(pos, ps), mask & ~part1)
+  if mark is not None:
+    mark(page, mask & ~part1 & (mod(pos, ps) == 0))
   return jnp.where(part1, t + c, page * ps + mod(pos, ps))
 
 
+def _marker(held_ref, real_only: bool = False):
+  """The `mark` of _slot for a held ref (None: no record). real_only: pages >= 1 only
+  (the contract kernel's window holds 0 past the free list, e.g. for a failed call)."""
+  if held_ref is None:
+    return None
+  if real_only:
+    return lambda page, mask: _guard.mark_taken(held_ref, page, mask & (page >= 1))
+  return lambda page, mask: _guard.mark_taken(held_ref, page, mask)
+
+
 def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # inputs
-                     out_ref,                                               # output
-                     *, p: _Params):
-  """win_ref i32[P]; row refs i32[B]; out_ref i32[out_len]."""
+                     *refs,  # [held (aliased)]; output: out_ref, [held]
+                     p: _Params):
+  """win_ref i32[P]; row refs i32[B]; out_ref i32[out_len]; held i32[n + 1] (p.guard:
+  the pages of the window that the tokens start are marked; window entries 0, a failed
+  call's, mark nothing)."""
+  out_ref, held_ref = (refs[1], refs[2]) if p.guard else (refs[0], None)
   ps, b = p.page_size, p.num_rows
   t = pl.program_id(0) * p.tile + jnp.arange(p.tile, dtype=jnp.int32)
   total = ts_ref[b - 1] + seq_ref[b - 1] - pre_ref[b - 1]
@@ -130,11 +151,11 @@ def _contract_kernel(win_ref, pre_ref, seq_ref, last_ref, ts_ref, pst_ref,  # in
     return _util.load(win_ref, k, mask)  # clamped into the window, as the contract says
 
   slot = _slot(ps, t, a, fnp * ps - a, last + 1 - tok_start, page_start - fnp, read_page,
-               live)
+               live, _marker(held_ref, real_only=True))
   _util.store(out_ref, t, jnp.where(live, slot, 0), t < p.out_len)
 
 
-def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
+def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref, held_ref=None):
   """Writes the output tile of program `pid` (fused kernel): slots of tokens t < limit,
   0 after. table: per-row constants, each i32[rows_pad], tok_end non-decreasing."""
   tile, win = p.tile, p.window
@@ -172,7 +193,7 @@ def _fill_tile(p: _Params, pid, table, limit, read_page, out_ref, scr_ref):
     mine = (done == 0) & (pos < nw) & (t < limit)
     at = base + jnp.minimum(pos, win - 1) * _LINE
     a, e, c, bp = (_util.load(scr_ref, at + v, mine) for v in (_A, _E, _C, _BP))
-    slot = _slot(p.page_size, t, a, e, c, bp, read_page, mine)
+    slot = _slot(p.page_size, t, a, e, c, bp, read_page, mine, _marker(held_ref))
     if p.barrier:
       pltriton.debug_barrier()  # everyone has read the scratch before it is rewritten
     return (w0 + nw, jnp.where(mine, slot, acc), jnp.where(mine, 1, done))
@@ -258,11 +279,12 @@ def _own_row(p: _Params, b: _Batch, row, pre_ref, seq_ref, last_ref):
 
 def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inputs: state
                   pre_ref, seq_ref, last_ref,                              # inputs: batch
-                  out_ref, head_out, len_out, ok_out, scr_ref,            # outputs
-                  *, p: _Params):
+                  *refs,  # [held (aliased)]; out, head, len, ok, scratch, [held]
+                  p: _Params):
   """Layout "tiles". ring_ref i32[n]; head/flen/nreq i32[1]; row refs i32[B]; out_ref
   i32[out_len]; head_out/len_out i32[1]; ok_out bool[1]; scr_ref i32[grid * W * 8]
-  (search scratch)."""
+  (search scratch); held i32[n + 1] (p.guard)."""
+  out_ref, head_out, len_out, ok_out, scr_ref, held_ref = _outputs(p, refs, 5)
   ps = p.page_size
   pid = pl.program_id(0)
   head = head_ref[0]
@@ -276,9 +298,17 @@ def _fused_kernel(ring_ref, head_ref, flen_ref, nreq_ref,                  # inp
   table = (tok_end, a, b.fnp * ps - a, last + 1 - (tok_end - b.ext), page_start - b.fnp)
   read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
   limit = jnp.where(b.ok, b.total, 0)
-  _fill_tile(p, pid, table, limit, read_page, out_ref, scr_ref)
+  _fill_tile(p, pid, table, limit, read_page, out_ref, scr_ref, held_ref)
 
   _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
+
+
+def _outputs(p: _Params, refs, count: int):
+  """The fused kernels' output refs after the inputs (`count` of them), then the
+  ownership record's held ref (the output one, aliased to the extra input) or None."""
+  if p.guard:
+    return tuple(refs[1:1 + count]) + (refs[1 + count],)
+  return tuple(refs[:count]) + (None,)
 
 
 def _store_take_once(p: _Params, pid, b, head, flen, head_out, len_out, ok_out) -> None:
@@ -291,10 +321,11 @@ def _store_take_once(p: _Params, pid, b, head, flen, head_out, len_out, ok_out) 
 
 def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
                  pre_ref, seq_ref, last_ref,                # inputs: batch
-                 out_ref, head_out, len_out, ok_out,        # outputs
-                 *, p: _Params):
+                 *refs,  # [held (aliased)]; out, head, len, ok, [held]
+                 p: _Params):
   """Layout "rows": program pid = row * C + chunk (module docstring). Refs as in
   _fused_kernel, no scratch."""
+  out_ref, head_out, len_out, ok_out, held_ref = _outputs(p, refs, 4)
   ps, tile, grid = p.page_size, p.tile, p.num_rows * p.chunks
   pid = pl.program_id(0)
   row = floordiv(pid, p.chunks)
@@ -305,23 +336,25 @@ def _rows_kernel(ring_ref, head_ref, flen_ref, nreq_ref,    # inputs: state
   _, tok_start, tok_end, consts = _own_row(p, b, row, pre_ref, seq_ref, last_ref)
   read_page = _ring_reader(p, ring_ref, head, flen, b.ok)
   row_and_tail(ps, tile, p.chunks, grid, pid, chunk, tok_start, tok_end, consts, read_page,
-               jnp.where(b.ok, b.total, 0), p.out_len, out_ref)
+               jnp.where(b.ok, b.total, 0), p.out_len, out_ref, held_ref)
   _store_take_once(p, pid, b, head, flen, head_out, len_out, ok_out)
 
 
 def row_and_tail(ps: int, tile: int, chunks: int, grid: int, pid, chunk, tok_start,
-                 tok_end, consts, read_page, tail_start, out_len: int, out_ref) -> None:
+                 tok_end, consts, read_page, tail_start, out_len: int, out_ref,
+                 held_ref=None) -> None:
   """The "rows" layout's writes of program pid (its row's chunk `chunk` of C = chunks):
   the row's slots in blocks chunk, chunk + C, ... of `tile` tokens of [tok_start,
-  tok_end) (_slot with consts = (a, e, c, bp)), then its share of the zero tail
-  [tail_start, out_len) (blocks pid, pid + grid, ...). Also the request table's slot
-  kernel (triton_table)."""
+  tok_end) (_slot with consts = (a, e, c, bp); held_ref: the pages taken are marked),
+  then its share of the zero tail [tail_start, out_len) (blocks pid, pid + grid, ...).
+  Also the request table's slot kernel (triton_table)."""
   lanes = jnp.arange(tile, dtype=jnp.int32)
 
   def row_block(i, carry):
     t = tok_start + (chunk + i * chunks) * tile + lanes
     mine = t < tok_end
-    _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine), mine)
+    _util.store(out_ref, t, _slot(ps, t, *consts, read_page, mine, _marker(held_ref)),
+                mine)
     return carry
 
   blocks = cdiv(tok_end - tok_start, tile)  # 0 for padded rows and failed batches
@@ -341,7 +374,7 @@ def row_and_tail(ps: int, tile: int, chunks: int, grid: int, pid, chunk, tok_sta
 # ---------------------------------------------------------------------------------------
 
 def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpret,
-            layout="tiles", chunks=None):
+            layout="tiles", chunks=None, guard=False):
   rows_pad = _util.next_pow2(num_rows)
   if layout == "rows":
     tile, default_chunks, _ = tuning.extend_rows_block(num_rows, out_len, tile)
@@ -353,7 +386,7 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
                    page_size=page_size, out_len=out_len, src_len=src_len,
                    barrier=not interpret,
                    exact_totals=_may_wrap(num_rows, out_len, src_len), layout=layout,
-                   chunks=chunks)
+                   chunks=chunks, guard=guard)
   default_tile, _ = tuning.extend_tile_warps(rows_pad, out_len, fused)
   tile = min(_util.next_pow2(out_len), tile or default_tile)
   window = min(rows_pad, window or tuning.EXTEND_WINDOW)
@@ -362,7 +395,8 @@ def _params(fused, num_rows, page_size, out_len, src_len, tile, window, interpre
   return _Params(fused=fused, num_rows=num_rows, rows_pad=rows_pad, tile=tile,
                  window=window, page_size=page_size, out_len=out_len, src_len=src_len,
                  barrier=not interpret,
-                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len))
+                 exact_totals=fused and _may_wrap(num_rows, out_len, src_len),
+                 guard=guard)
 
 
 def _may_wrap(num_rows: int, out_len: int, ring_len: int) -> bool:
@@ -407,11 +441,21 @@ class _Call(_util.TritonCall):
     if p.fused:
       one = jax.ShapeDtypeStruct((1,), jnp.int32)
       flag = jax.ShapeDtypeStruct((1,), jnp.bool_)
+      held = (jax.ShapeDtypeStruct((p.src_len + 1,), jnp.int32),) if p.guard else ()
       if p.layout == "rows":
-        return (out, one, one, flag), _rows_kernel, (p.num_rows * p.chunks,)
+        return (out, one, one, flag) + held, _rows_kernel, (p.num_rows * p.chunks,)
       scratch = jax.ShapeDtypeStruct((grid * p.window * _LINE,), jnp.int32)
-      return (out, one, one, flag, scratch), _fused_kernel, (grid,)
-    return (out,), _contract_kernel, (grid,)
+      return (out, one, one, flag, scratch) + held, _fused_kernel, (grid,)
+    held = (jax.ShapeDtypeStruct((p.held_len,), jnp.int32),) if p.guard else ()
+    return (out,) + held, _contract_kernel, (grid,)
+
+  def aliases(self):
+    p = self.p
+    if not p.guard:
+      return {}
+    if not p.fused:
+      return {6: 1}   # the contract kernel's held
+    return {7: 4 if p.layout == "rows" else 5}  # held, written in place
 
 
 def _layout(layout: str | None, num_rows: int, out_len: int) -> str:
@@ -431,25 +475,33 @@ def extend_indices_triton(free_window: Array, prefix_lens: Array, seq_lens: Arra
                           last_loc: Array, tok_start: Array, page_start: Array, *,
                           page_size: int, out_len: int, interpret: bool = False,
                           tile: int | None = None, window: int | None = None,
-                          num_warps: int | None = None) -> Array:
+                          num_warps: int | None = None, held: Array | None = None):
   """index_jnp.extend_indices (same arguments, same i32[out_len] result) on GPU.
 
   tile/num_warps override the defaults (powers of two); for tuning. window is unused
-  (the contract kernel searches the caller's tok_start directly). TypeError naming the
-  argument for a non-integer dtype.
+  (the contract kernel searches the caller's tok_start directly). held: optional
+  i32[n + 1], the ownership record's held pages, aliased in and out: the window pages
+  the tokens take (entries >= 1) are marked 1 in the same launch, and (out, held) is
+  returned. TypeError naming the argument for a non-integer dtype.
   """
   args, trivial = _util.extend_contract_args(out_len, free_window, prefix_lens, seq_lens,
                                              last_loc, tok_start, page_start)
   if trivial is not None:
-    return trivial
+    return trivial if held is None else (trivial, held)
   free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start = args
   b = prefix_lens.shape[0]
-  p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret)
+  p = _params(False, b, page_size, out_len, free_window.shape[0], tile, window, interpret,
+              guard=held is not None)
+  extra = ()
+  if held is not None:
+    (held,) = _util.check_ints(held=held)
+    p = dataclasses.replace(p, held_len=held.shape[0])
+    extra = (held,)
   call = _Call("jax_kvalloc_extend_indices_triton", p, num_warps or _default_warps(p),
                interpret)
-  (out,) = call.run(*map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
-                                  page_start)))
-  return out
+  res = call.run(*map(_i32, (free_window, prefix_lens, seq_lens, last_loc, tok_start,
+                             page_start) + extra))
+  return res[0] if held is None else (res[0], res[1])
 
 
 def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
@@ -457,8 +509,8 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
                         last_loc: Array, *, page_size: int, out_len: int,
                         interpret: bool = False, tile: int | None = None,
                         window: int | None = None, num_warps: int | None = None,
-                        layout: str | None = None,
-                        chunks: int | None = None) -> Tuple[Array, Array, Array, Array]:
+                        layout: str | None = None, chunks: int | None = None,
+                        held: Array | None = None) -> Tuple[Array, ...]:
   """A whole alloc_extend (SPEC 4.2, no need_sort merge) in one kernel launch.
 
   Args:
@@ -470,12 +522,15 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     tile, window, num_warps, chunks: static tuning overrides. "tiles": tile (tokens per
       program) and window; "rows": tile (tokens per block) and chunks (programs per
       row). Powers of two except chunks (>= 1).
+    held: optional i32[n + 1], the ownership record's held pages (jax_kvalloc.guard),
+      aliased in and out: the new pages are marked 1 in the same launch.
 
   Returns:
-    (i32[out_len] slots, i32[] new free_head, i32[] new free_len, bool[] ok), equal to
-    jax_kvalloc.allocation.alloc_extend on the jnp path: ok is False (indices all 0, head
-    and length unchanged) when a real row has prefix_lens < 0 or seq_lens < prefix_lens,
-    when the tokens exceed out_len, or when the new pages exceed free_len.
+    (i32[out_len] slots, i32[] new free_head, i32[] new free_len, bool[] ok), and with
+    `held` the new held last; equal to jax_kvalloc.allocation.alloc_extend on the jnp
+    path: ok is False (indices all 0, head and length unchanged) when a real row has
+    prefix_lens < 0 or seq_lens < prefix_lens, when the tokens exceed out_len, or when
+    the new pages exceed free_len.
 
   Raises TypeError naming the argument for a non-integer dtype, ValueError for an
   unknown layout.
@@ -491,10 +546,18 @@ def alloc_extend_triton(free_ring: Array, free_head: Array, free_len: Array,
     raise ValueError(f"alloc_extend_triton does not take {b=} rows, {out_len=}, ring "
                      f"length {n} (see fused_supported)")
   layout = _layout(layout, b, out_len)
-  p = _params(True, b, page_size, out_len, n, tile, window, interpret, layout, chunks)
+  p = _params(True, b, page_size, out_len, n, tile, window, interpret, layout, chunks,
+              guard=held is not None)
   name = "jax_kvalloc_alloc_extend_triton" + ("" if layout == "tiles" else "_" + layout)
   call = _Call(name, p, num_warps or _default_warps(p), interpret)
   args = (free_ring, _i32(free_head).reshape(1), _i32(free_len).reshape(1),
           _i32(num_reqs).reshape(1), prefix_lens, seq_lens, last_loc)
-  out, head, length, ok = call.run(*map(_i32, args))[:4]
-  return out, head.reshape(()), length.reshape(()), ok.reshape(())
+  if held is not None:
+    (held,) = _util.check_ints(held=held)
+    if held.shape != (n + 1,):
+      raise ValueError(f"held must be i32[{n + 1}] (ring length + 1), got {held.shape}")
+    args += (held,)
+  res = call.run(*map(_i32, args))
+  out, head, length, ok = res[:4]
+  extra = () if held is None else (res[-1],)
+  return (out, head.reshape(()), length.reshape(()), ok.reshape(())) + extra

@@ -55,6 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import _guard
 from pallas_kernels import _util
 from pallas_kernels import capacity
 from pallas_kernels import triton_extend
@@ -93,6 +94,8 @@ class _Params:
   dec_rows: int       # decode rows given (0: no decode phase)
   dec_pad: int
   barrier: bool       # False in interpret mode (one program, run in order there)
+  guard: bool = False  # the ownership record (held i32[n + 1], status i32[3]) in and out
+  op: int = 0          # the operation a refused release names in the status
 
   @property
   def in_names(self) -> Tuple[str, ...]:
@@ -103,7 +106,7 @@ class _Params:
       names += ("ext_rows", "ext_n", "ext_num")
     if self.dec_rows:
       names += ("dec_rows", "dec_num")
-    return names
+    return names + (("held", "status") if self.guard else ())
 
   @property
   def out_names(self) -> Tuple[str, ...]:
@@ -111,7 +114,7 @@ class _Params:
     names = (("ring_o",) if rel else ()) + ("pages_o", "lens_o")
     names += (("owned_o",) if rel else ()) + ("head_o", "flen_o", "ok_o")
     names += (("plan",) if self.ext_rows else ()) + (("dec_out",) if self.dec_rows else ())
-    return names + ("scr",)
+    return names + ("scr",) + (("held_o", "status_o") if self.guard else ())
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,7 +165,9 @@ def _read_ring(p: _Params, ring_ref, head, flen, k, mask):
 def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owned_ref,
              head, flen, rlen):
   """freeing.free_page_ids of the rows' owned pages (row by row, in column order), then
-  the rows cleared. Returns the free list's new (head, length)."""
+  the rows cleared. Returns the free list's new (head, length) and whether the ownership
+  record refused the release (then nothing changes but its status; None without a
+  record)."""
   ps, n, w = p.page_size, p.num_pages, p.width
   shift = p.width_pad.bit_length() - 1
   i = jnp.arange(p.rel_pad * p.width_pad, dtype=jnp.int32)
@@ -174,7 +179,18 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
   start = _util.load(owned_ref, row, live)
   owned = live & (j >= start) & (j < end) & (j < w)
   page = _util.load(pages_ref, row * w + j, owned)
-  valid = (owned & (page >= 1) & (page <= n)).astype(jnp.int32)
+  valid = owned & (page >= 1) & (page <= n)
+  refused = None
+  if p.guard:  # guard.free(distinct=True) of the owned pages (0: padding)
+    held_ref = r["held_o"]
+    why, h0, inside = _guard.reasons(held_ref, page, owned & (page != 0), n,
+                                     distinct=True, barrier=p.barrier)
+    refused, why1, page1 = _guard.first_offence(why, page)
+    _guard.finish(held_ref, page, inside, h0, refused)
+    _guard.record_status(r["status_o"], refused, p.op, why1, page1)
+    valid = valid & ~refused
+    live = live & ~refused
+  valid = valid.astype(jnp.int32)
   count = jnp.minimum(jnp.sum(valid), n - flen - rlen)
   head = (head - count) % n
   rank = jnp.cumsum(valid) - valid
@@ -188,9 +204,11 @@ def _release(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, owne
     pltriton.debug_barrier()
   _util.store(pages_ref, row * w + j, jnp.zeros_like(j), live & (j < w))
   clear = rows.real & go
+  if refused is not None:
+    clear = clear & ~refused
   _util.store(lens_ref, rows.row, jnp.zeros_like(rows.b), clear)
   _util.store(owned_ref, rows.row, jnp.zeros_like(rows.b), clear)
-  return head, flen + count
+  return head, flen + count, refused
 
 
 def _extend(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head, flen):
@@ -245,6 +263,8 @@ def _extend(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head,
     mine = ok & (k < total_pages)
     page = _read_ring(p, ring_ref, head, flen, k, mine)
     _util.store(pages_ref, trow * w + tcol + k, page, mine)
+    if p.guard:
+      _guard.mark_taken(r["held_o"], page, mine)
     return carry
 
   lax.fori_loop(0, cdiv(jnp.where(ok, total_pages, 0), p.tile), page_tile, 0)
@@ -282,6 +302,8 @@ def _decode(p: _Params, r, rows: _Rows, go, ring_ref, pages_ref, lens_ref, head,
   starts = live & (mod(pre, ps) == 0)
   col = jnp.minimum(floordiv(pre, ps), w - 1)
   _util.store(pages_ref, rows.row * w + col, floordiv(out, ps), starts)
+  if p.guard:
+    _guard.mark_taken(r["held_o"], page, (needs > 0) & ok)
   _util.store(lens_ref, rows.row, seq, live)
   taken = jnp.where(ok, total_pages, 0)
   new_head = head + taken
@@ -309,9 +331,9 @@ def _kernel(*refs, p: _Params):
   go = {name: rows.valid(scr, base[name]) for name, rows in phases.items()}
   oks = [jnp.ones((), bool)] * 3
   if rel:
-    head, flen = _release(p, r, phases["rel"], go["rel"], ring_ref, pages_ref, lens_ref,
-                          owned_ref, head, flen, rlen)
-    oks[0] = go["rel"]
+    head, flen, refused = _release(p, r, phases["rel"], go["rel"], ring_ref, pages_ref,
+                                   lens_ref, owned_ref, head, flen, rlen)
+    oks[0] = go["rel"] if refused is None else go["rel"] & ~refused
     if p.barrier:
       pltriton.debug_barrier()  # the ring and the cleared rows, before they are read
   if p.ext_rows:
@@ -378,7 +400,8 @@ class _Call(_util.TritonCall):
     shapes = dict(ring_o=i32(p.num_pages), pages_o=i32(p.max_reqs * p.width),
                   lens_o=i32(p.max_reqs), owned_o=i32(p.max_reqs), head_o=i32(1),
                   flen_o=i32(1), ok_o=i32(3), plan=i32((p.ext_pad + 1) * _LINE),
-                  dec_out=i32(p.dec_rows), scr=i32(3 * p.max_reqs))
+                  dec_out=i32(p.dec_rows), scr=i32(3 * p.max_reqs),
+                  held_o=i32(p.num_pages + 1), status_o=i32(3))
     return tuple(shapes[k] for k in p.out_names), _kernel, (1,)
 
   def aliases(self):
@@ -386,7 +409,8 @@ class _Call(_util.TritonCall):
     # head and flen too: an output that is not aliased to its input cannot take the
     # buffer of a loop carry the call reads, so XLA would copy it into the carry.
     return {ins.index(k): outs.index(k + "_o")
-            for k in ("ring", "head", "flen", "pages", "lens", "owned") if k + "_o" in outs}
+            for k in ("ring", "head", "flen", "pages", "lens", "owned", "held", "status")
+            if k + "_o" in outs}
 
 
 def supported(*, max_reqs: int, width: int, num_pages: int, page_size: int,
@@ -418,7 +442,9 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
                       max_tokens: int = 0,
                       decode: Optional[Tuple[Array, Array]] = None,
                       interpret: bool = False,
-                      num_warps: Optional[int] = None) -> Dict[str, Array]:
+                      num_warps: Optional[int] = None,
+                      record: Optional[Tuple[Array, Array]] = None,
+                      op: int = 0) -> Dict[str, Array]:
   """The request table's release, extend and decode (each optional, in that order) in one
   kernel launch, two with extend (the slots by a program per row; SPEC 11; need_sort off,
   no debug, paged pool).
@@ -433,13 +459,17 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
       `max_tokens` (static) slots.
     decode: (rows i32[Bd], num_rows i32[]) or None: decode_rows.
     interpret: run in Pallas' interpreter (CPU tests).
+    record: optional (held i32[n + 1], status i32[3]), the ownership record
+      (jax_kvalloc.guard), aliased in and out: a release naming a page that is not held
+      (or one page in two columns) is refused whole (release_ok False, rows kept) and
+      recorded under `op`; the pages extend and decode take are marked held.
 
   Returns:
     dict with "ring", "head", "length" (the free list after every phase), "pages",
-    "lens", "owned_from" (the table after every phase), and per phase present:
-    "release_ok" bool[], "extend_slots" i32[max_tokens], "extend_ok" bool[],
-    "decode_slots" i32[Bd], "decode_ok" bool[]: the bits of the jnp path's
-    release_rows, extend_rows, decode_rows applied in turn.
+    "lens", "owned_from" (the table after every phase), with `record` "held" and
+    "status", and per phase present: "release_ok" bool[], "extend_slots"
+    i32[max_tokens], "extend_ok" bool[], "decode_slots" i32[Bd], "decode_ok" bool[]:
+    the bits of the jnp path's release_rows, extend_rows, decode_rows applied in turn.
 
   Raises TypeError naming the argument for a non-integer dtype, ValueError for sizes
   `supported` refuses.
@@ -464,7 +494,8 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
               rel_pad=_util.next_pow2(sizes["release"]), ext_rows=sizes["extend"],
               ext_pad=ext_pad, max_tokens=max_tokens if extend is not None else 0,
               tile=tile, dec_rows=sizes["decode"],
-              dec_pad=_util.next_pow2(sizes["decode"]), barrier=not interpret)
+              dec_pad=_util.next_pow2(sizes["decode"]), barrier=not interpret,
+              guard=record is not None, op=op)
   if num_warps is None:
     num_warps = tuning.decode_warps(max(p.dec_pad, p.rel_pad * p.width_pad // 4,
                                         p.ext_pad * 4))
@@ -481,6 +512,11 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
   if decode is not None:
     rows, num = _util.check_ints(decode_rows=decode[0], decode_num=decode[1])
     args += [rows, one(num)]
+  if record is not None:
+    held, status = _util.check_ints(held=record[0], status=record[1])
+    if held.shape != (n + 1,):
+      raise ValueError(f"held must be i32[{n + 1}] (ring length + 1), got {held.shape}")
+    args += [held, status.reshape(3)]
   call = _Call("jax_kvalloc_table_step_triton", p, num_warps, interpret)
   outs = dict(zip(p.out_names, call.run(*args)))
   ok = outs["ok_o"] > 0
@@ -488,6 +524,8 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
                 length=outs["flen_o"].reshape(()),
                 pages=outs["pages_o"].reshape(max_reqs, width), lens=outs["lens_o"],
                 owned_from=outs.get("owned_o", owned_from))
+  if record is not None:
+    result["held"], result["status"] = outs["held_o"], outs["status_o"]
   if release is not None:
     result["release_ok"] = ok[0]
   if extend is not None:

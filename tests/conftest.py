@@ -155,6 +155,16 @@ HEAVY_TESTS = [
     ("test_release_decode.py", "test_serving_step_fused_release_equals_page_release",
      "two serving scans"),
     ("test_free_methods.py", "test_default_free_takes_auto", "every path"),
+    ("test_guard.py", "test_swa_pools_keep_their_own_records", "SWA table compiles"),
+    ("test_guard.py", "test_request_table_release_refusal_keeps_the_rows",
+     "table compiles (the table kernels' guarded release runs by default in "
+     "test_table_kernels)"),
+    ("test_guard.py", "test_free_kernel_across_programs_equals_the_rules",
+     "the free kernels over many programs in the interpreter"),
+    ("test_guard.py", "test_status_survives_vmap_scan_and_donation", "scan and vmap compiles"),
+    ("test_guard.py", "test_ranks_over_a_mesh_refuse_per_rank", "sharded compiles"),
+    ("test_guard.py", "test_release_and_alloc_decode_refused_release_refuses_the_decode",
+     "the kernel in the interpreter (test_release_decode's guarded cases run by default)"),
 ]
 
 
@@ -214,6 +224,10 @@ EXHAUSTIVE_TESTS = [
      "need_sort with device inputs (the other variant runs in CI)"),
     ("test_random_traces.py", "*", lambda it: "without_jit" in it.name,
      "eager traces (the same traces run jitted in CI)"),
+    ("test_properties.py", "test_core_state_machine_with_misuse",
+     _NAMED("[paged-ps1-n24-sort1-mosaic", "[paged-ps16-n8-sort1-mosaic"),
+     "the Mosaic index kernel in two more pools (paged page size 4 and the token pool "
+     "run in CI)"),
     ("test_newer_ops.py", "test_random_traces_against_model",
      lambda it: not _NAMED("[False-4]", "[False-1]", "[True-16]")(it),
      "more traces (page sizes 1 and 4, and 16 with need_sort, run in CI)"),

@@ -153,3 +153,11 @@ def test_capacity_edges_on_gpu():
 def test_release_and_alloc_decode(ps, num_pages, rows, m, count):
   # free_page_ids + alloc_decode in one launch == the jnp composition and the model.
   check_release_decode(ps, num_pages, rows, m, count, "gpu", kernel=KERNEL)
+
+
+@pytest.mark.parametrize("ps,num_pages,rows,m,count", [
+    (16, 64, 8, 16, 64), (64, 100_000, 1024, 512, 8), (1, 20_000, 2048, 8192, 4)])
+def test_release_and_alloc_decode_with_the_ownership_record(ps, num_pages, rows, m, count):
+  # The guarded kernel (held and status checked, refusals recorded) == the jnp path.
+  check_release_decode(ps, num_pages, rows, m, count, "gpu-guard", kernel=KERNEL,
+                       guard=True)

@@ -50,6 +50,14 @@ PROFILE = os.environ.get("JAX_KVALLOC_HYPOTHESIS", "ci")
 SETTINGS = PROFILES[PROFILE]
 
 
+def _grow(reqs, pick, slots, counts):
+  """Appends the extend's slots to the picked requests, counts[k] to reqs[pick[k]]."""
+  at = 0
+  for i, e in zip(pick, counts):
+    reqs[i] = reqs[i] + slots[at:at + e]
+    at += e
+
+
 class AllocatorMachine(RuleBasedStateMachine):
   """One pool and its model; holders are the slot lists the test has been handed."""
   CONFIG = CONFIGS[0]
@@ -141,10 +149,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     got = self.impl.alloc_extend(pre, pre, seq, seq, last, sum(ext))
     got = self._outputs(got, want, "extend")
     if got is not None:
-      at = 0
-      for i, e in zip(pick, ext):
-        self.reqs[i] = self.reqs[i] + got[at:at + e]
-        at += e
+      _grow(self.reqs, pick, got, ext)
 
   def _decode(self, data):
     pick = self._pick(data, self.reqs, most=6)
@@ -318,4 +323,327 @@ def test_the_state_machine_catches_a_lossy_free():
 def test_allocator_state_machine(config, backend):
   machine = type(f"Machine_{config[0]}_{config[1]}", (AllocatorMachine,),
                  {"CONFIG": config, "BACKEND": backend})
+  run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+# ---------------------------------------------------------------------------------------
+# The functional core with its ownership record (SPEC 14), on every kernel path.
+# ---------------------------------------------------------------------------------------
+#
+# CoreMachine drives the jitted functional API (guard on, debug off) through one kernel
+# path (jnp, Triton or Mosaic TPU, the last two in Pallas' interpreters) beside the jnp
+# path and the model: valid allocations and frees of every kind (free, free_page_ids,
+# free_segment, release_and_alloc_decode), and misuse: double frees, a page never handed
+# out, page 0, a page twice in one page-id free, a segment of a freed request, a slot
+# past the pool, each mixed with a valid entry. After every step the kernel path's state
+# equals the jnp path's bit for bit (held and status included), the lists equal the
+# model's, held is exactly the pages in neither list, and the status is the first
+# refusal's (sticky, restored with a snapshot).
+
+import dataclasses as _dc  # noqa: E402
+import functools as _ft  # noqa: E402
+
+import jax as _jax  # noqa: E402
+import jax.numpy as _jnp  # noqa: E402
+
+from jax_kvalloc import guard as _guard  # noqa: E402
+from jax_kvalloc import state as _st  # noqa: E402
+
+ROWS = 4  # padded rows of every allocation call
+# (kind, page_size, num_pages, need_sort): machines over the core.
+CORE_CONFIGS = [("paged", 4, 16, False), ("paged", 1, 24, True), ("token", 1, 24, False),
+                ("paged", 16, 8, True)]
+CORE_IMPLS = ("jnp", "triton_interpret", "mosaic_interpret")
+
+
+@_ft.lru_cache(maxsize=None)
+def _core_ops(config: kv.AllocatorConfig):
+  """The jitted operations of one config, with static shapes (compiled once each)."""
+  ps = config.page_size
+  lmax, tokens = _core_limits(config)
+  jit = lambda fn: _jax.jit(_ft.partial(fn, config))  # noqa: E731
+  return dict(
+      extend=jit(_ft.partial(kv.alloc_extend, max_tokens=tokens)),
+      decode=jit(kv.alloc_decode),
+      free=jit(kv.free),
+      page_ids=jit(kv.free_page_ids),
+      segment=jit(kv.free_segment),
+      release_decode=jit(kv.release_and_alloc_decode),
+      merge=jit(kv.merge_and_sort_free),
+      shapes=(lmax, tokens, -(-lmax // ps)))
+
+
+def _core_limits(config):
+  """(longest request in tokens, extend tokens per call)."""
+  ps = config.page_size
+  return min(config.num_pages * ps, 5 * ps + 3), ROWS * (2 * ps + 1)
+
+
+def _pad(values, n, fill=0):
+  out = np.full(n, fill, np.int32)
+  out[:len(values)] = values
+  return _jnp.asarray(out)
+
+
+class CoreMachine(RuleBasedStateMachine):
+  """One pool through IMPL and through jnp, and the model; requests are slot lists."""
+  CONFIG = CORE_CONFIGS[0]
+  IMPL = "jnp"
+
+  def __init__(self):
+    super().__init__()
+    kind, ps, n, need_sort = self.CONFIG
+    self.ps, self.n, self.kind = ps, n, kind
+    self.ref_cfg = kv.AllocatorConfig(size=n * ps, page_size=ps, need_sort=need_sort,
+                                      kind=kind, kernel="jnp", debug=False)
+    self.cfg = _dc.replace(self.ref_cfg, kernel=self.IMPL)
+    self.ops, self.ref_ops = _core_ops(self.cfg), _core_ops(self.ref_cfg)
+    self.lmax, self.tokens, self.max_pages = self.ops["shapes"]
+    self.state, self.ref = kv.init(self.cfg), kv.init(self.ref_cfg)
+    self.model = ModelAllocator(n * ps, ps, need_sort, kind)
+    self.reqs, self.freed = [], []   # live requests' slots; freed requests' slots
+    self.status = (0, 0, 0)
+    self.snap = None
+
+  def _both(self, name, *args, **kwargs):
+    """Runs op `name` on both paths; returns the kernel path's result (both states kept)."""
+    got = self.ops[name](self.state, *args, **kwargs)
+    want = self.ref_ops[name](self.ref, *args, **kwargs)
+    state, ref = (got, want) if name in ("free", "page_ids", "segment", "merge") else (
+        got[0], want[0])
+    _jax.tree.map(np.testing.assert_array_equal, got, want)  # bit for bit, record too
+    self.state, self.ref = state, ref
+    return got
+
+  OPS = ["prefill"] * 3 + ["extend"] * 2 + ["decode"] * 2 + ["finish"] * 3 + [
+      "misuse"] * 3 + ["housekeeping"]
+
+  @rule(data=st.data())
+  def step(self, data):
+    getattr(self, "_" + data.draw(st.sampled_from(self.OPS), label="op"))(data)
+
+  # -- allocation ----------------------------------------------------------------------
+  def _extend_rows(self, pre, seq, last):
+    k = len(pre)
+    got = self._both("extend", _pad(pre, ROWS), _pad(seq, ROWS), _pad(last, ROWS, -1),
+                     num_reqs=_jnp.int32(k))
+    want = self.model.alloc_extend(pre, seq, last)
+    total = sum(s - p for p, s in zip(pre, seq))
+    out = np.asarray(got[1])
+    assert bool(got[2]) == (want is not None)
+    assert out[:total].tolist() == (want or [0] * total) and not out[total:].any()
+    return want
+
+  def _prefill(self, data):
+    seq = data.draw(st.lists(st.integers(1, 2 * self.ps + 1), min_size=1, max_size=ROWS))
+    got = self._extend_rows([0] * len(seq), seq, [-1] * len(seq))
+    if got is not None:
+      at = 0
+      for s in seq:
+        self.reqs.append(got[at:at + s])
+        at += s
+
+  def _pick(self, data, pool, most=ROWS):
+    k = data.draw(st.integers(1, min(most, len(pool))))
+    return data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=k, max_size=k,
+                              unique=True))
+
+  def _extend(self, data):
+    grow = [i for i, r in enumerate(self.reqs) if len(r) < self.lmax]
+    if not grow:
+      return self._prefill(data)
+    pick = [grow[i] for i in self._pick(data, grow)]
+    pre = [len(self.reqs[i]) for i in pick]
+    ext = [data.draw(st.integers(0, min(self.ps + 1, self.lmax - p))) for p in pre]
+    got = self._extend_rows(pre, [p + e for p, e in zip(pre, ext)],
+                            [self.reqs[i][-1] for i in pick])
+    if got is not None:
+      _grow(self.reqs, pick, got, ext)
+
+  def _decode_rows(self, pick):
+    seq = [len(self.reqs[i]) + 1 for i in pick]
+    last = [self.reqs[i][-1] for i in pick]
+    return seq, last, self.model.alloc_decode(seq, last)
+
+  def _take_decode(self, pick, got, want):
+    out = np.asarray(got[1])
+    assert bool(got[2]) == (want is not None)
+    assert out[:len(pick)].tolist() == (want or [0] * len(pick))
+    if want is not None:
+      for i, s in zip(pick, want):
+        self.reqs[i] = self.reqs[i] + [s]
+
+  def _decode(self, data):
+    grow = [i for i, r in enumerate(self.reqs) if len(r) < self.lmax]
+    if not grow:
+      return self._prefill(data)
+    pick = [grow[i] for i in self._pick(data, grow)]
+    seq, last, want = self._decode_rows(pick)
+    got = self._both("decode", _pad(seq, ROWS, 1), _pad(last, ROWS, -1),
+                     num_reqs=_jnp.int32(len(pick)))
+    self._take_decode(pick, got, want)
+
+  # -- freeing -------------------------------------------------------------------------
+  def _pages(self, slots):
+    return [slots[k] // self.ps for k in range(0, len(slots), self.ps)]
+
+  def _finish(self, data):
+    """Frees one request by one of the four paths (the model frees it the same way)."""
+    if not self.reqs:
+      return self._prefill(data)
+    i = data.draw(st.integers(0, len(self.reqs) - 1))
+    slots = self.reqs.pop(i)
+    how = data.draw(st.sampled_from(["free", "page_ids", "segment", "release_decode"]))
+    if how == "free":
+      order = data.draw(st.permutations(slots))
+      if self.kind == "paged" and data.draw(st.booleans()):
+        order = order + order[:len(order) // 2]   # two slots of a page are one page
+      self._both("free", _pad(order, 2 * self.lmax))
+      self.model.free(order)
+    elif how == "page_ids":
+      pages = self._pages(slots) if self.kind == "paged" else slots
+      self._both("page_ids", _pad(pages, self.lmax), _jnp.int32(len(pages)))
+      self.model.free_page_ids(pages)
+    elif how == "segment":
+      self._both("segment", _pad(slots, self.lmax), _jnp.int32(0), _jnp.int32(len(slots)))
+      self.model.free_segment(slots, 0)
+    else:
+      pages = self._pages(slots) if self.kind == "paged" else slots
+      pick = self._pick(data, self.reqs) if self.reqs and data.draw(st.booleans()) else []
+      self.model.free_page_ids(pages)
+      seq, last, want = self._decode_rows(pick)
+      got = self._both("release_decode", _pad(pages, self.lmax), _pad(seq, ROWS, 1),
+                       _pad(last, ROWS, -1), num_reqs=_jnp.int32(len(pick)))
+      self._take_decode(pick, got, want)
+    self.freed.append(slots)
+
+  # -- misuse --------------------------------------------------------------------------
+  def _misuse(self, data):
+    """A free that names a page not held, mixed with a valid entry: refused whole."""
+    ps, n = self.ps, self.n
+    valid = [data.draw(st.sampled_from(self.reqs))[0]] if self.reqs else []
+    kinds = ["never_held", "past_pool"] + (["double"] if self.freed else []) + (
+        ["page0"] if ps > 1 else []) + (["repeat"] if self.reqs else [])
+    what = data.draw(st.sampled_from(kinds))
+    lists = (self.model.free_pages[:], self.model.release_pages[:])
+    how = data.draw(st.sampled_from(["free", "page_ids", "segment"]))
+    if what == "page0" and how == "page_ids":
+      how = "free"   # a page id 0 is padding (guard module docstring): slots name page 0
+    if what == "repeat":  # a held page twice in one page-id free (a paged free dedups)
+      how = "page_ids" if self.kind == "paged" else data.draw(
+          st.sampled_from(["free", "page_ids"]))
+      req = data.draw(st.sampled_from(self.reqs))
+      bad_pages = self._pages(req) if self.kind == "paged" else req
+      entries, why = bad_pages + bad_pages[:1], _guard.REPEATED
+      page = bad_pages[0]
+    else:
+      if what == "double":
+        slot = data.draw(st.sampled_from(self.freed))[0]
+        why = _guard.NOT_HELD
+      elif what == "never_held":
+        free = self.model.free_pages + self.model.release_pages
+        if not free:
+          return
+        slot = data.draw(st.sampled_from(free)) * ps
+        why = _guard.NOT_HELD
+      elif what == "page0":
+        slot, why = data.draw(st.integers(1, ps - 1)), _guard.PAGE_ZERO
+      else:
+        slot = (n + 1 + data.draw(st.integers(0, 3))) * ps
+        why = _guard.OUT_OF_RANGE
+      if why == _guard.NOT_HELD and slot // ps in {s // ps for r in self.reqs for s in r}:
+        return   # the freed page was handed out again since: not a misuse now
+      page = slot // ps
+      front = data.draw(st.booleans())
+      if how == "page_ids" and self.kind == "paged":
+        entries = [page] + [v // ps for v in valid] if front else [v // ps for v in valid] + [page]
+      elif how == "segment" and self.kind == "paged":
+        entries = [slot] if front or not valid else valid[:1] + [0] * (ps - 1) + [slot]
+      else:
+        entries = [slot] + valid if front else valid + [slot]
+    op = {"free": _guard.OP_FREE, "page_ids": _guard.OP_FREE_PAGE_IDS,
+          "segment": _guard.OP_FREE_SEGMENT}[how]
+    if how == "free":
+      self._both("free", _pad(entries, 2 * self.lmax))
+    elif how == "page_ids":
+      self._both("page_ids", _pad(entries, self.lmax), _jnp.int32(len(entries)))
+    else:
+      self._both("segment", _pad(entries, self.lmax), _jnp.int32(0),
+                 _jnp.int32(len(entries)))
+    assert (self.model.free_pages, self.model.release_pages) == lists
+    if self.status == (0, 0, 0):
+      self.status = (op, why, page)
+
+  # -- merge, snapshots ----------------------------------------------------------------
+  def _housekeeping(self, data):
+    what = data.draw(st.sampled_from(["merge", "backup", "restore"]))
+    if what == "merge":
+      self._both("merge")
+      self.model.merge_and_sort_free()
+    elif what == "backup":
+      self.snap = (self.state, self.ref, self.model.backup_state(),
+                   [list(r) for r in self.reqs], [list(r) for r in self.freed],
+                   self.status)
+    elif self.snap is not None:
+      self.state, self.ref, m, reqs, freed, self.status = self.snap
+      self.model.restore_state(m)
+      self.reqs, self.freed = [list(r) for r in reqs], [list(r) for r in freed]
+
+  # -- invariants ----------------------------------------------------------------------
+  @invariant()
+  def lists_record_and_status_agree(self):
+    free, rel = _st.live_free_pages(self.state).tolist(), _st.live_release_pages(
+        self.state).tolist()
+    assert (free, rel) == (self.model.free_pages, self.model.release_pages)
+    held = _guard.from_free(self.n, np.asarray(free + rel, np.int32))
+    np.testing.assert_array_equal(np.asarray(self.state.guard.held), held)
+    in_use = [s // self.ps for r in self.reqs for s in r]
+    assert sorted(set(in_use)) == np.flatnonzero(held).tolist()
+    assert tuple(np.asarray(self.state.guard.status).tolist()) == self.status
+
+
+def test_the_core_machine_catches_a_silent_double_free():
+  """Negative control: with guard=False the misuse moves go through and the machine
+  fails (the model's lists stay, the pool's do not), or its misuse moves check nothing."""
+
+  class Unguarded(CoreMachine):
+    CONFIG = ("paged", 4, 16, False)
+
+    def __init__(self):
+      super().__init__()
+      off = _dc.replace(self.ref_cfg, guard=False)
+      self.ops = self.ref_ops = _core_ops(off)
+      self.state = self.ref = kv.init(off)
+
+    @invariant()
+    def lists_record_and_status_agree(self):
+      free = _st.live_free_pages(self.state).tolist()
+      assert free == self.model.free_pages
+
+  with pytest.raises(AssertionError):
+    run_state_machine_as_test(
+        Unguarded, settings=settings(SETTINGS, max_examples=20, phases=[Phase.generate],
+                                     print_blob=False))
+
+
+@pytest.mark.parametrize("impl", CORE_IMPLS)
+@pytest.mark.parametrize("config", CORE_CONFIGS,
+                         ids=lambda c: f"{c[0]}-ps{c[1]}-n{c[2]}-sort{int(c[3])}")
+def test_core_state_machine_with_misuse(config, impl):
+  machine = type(f"Core_{config[0]}_{config[1]}_{impl}", (CoreMachine,),
+                 {"CONFIG": config, "IMPL": impl})
+  run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [CORE_CONFIGS[0], CORE_CONFIGS[3]],
+                         ids=lambda c: f"{c[0]}-ps{c[1]}-n{c[2]}-sort{int(c[3])}")
+def test_core_state_machine_with_the_compiled_kernels(config):
+  # The same machine with the Triton kernels compiled for the GPU (the jnp path beside
+  # them on the same device).
+  from gpu import has_gpu  # pylint: disable=g-import-not-at-top
+  if not has_gpu():
+    pytest.skip("needs a CUDA GPU (jax sees none)")
+  machine = type(f"Core_{config[0]}_{config[1]}_gpu", (CoreMachine,),
+                 {"CONFIG": config, "IMPL": "triton"})
   run_state_machine_as_test(machine, settings=SETTINGS)

@@ -47,16 +47,28 @@ def _rng(*key):
 
 
 def _configs(ps, num_pages, kernel="triton_interpret", **kw):
+  # guard=False: these cases free junk ids on purpose (ignored without the ownership
+  # record); tests/test_guard.py checks the kernel with the record against the jnp path.
+  kw.setdefault("guard", False)
   jnp_cfg = kv.AllocatorConfig(size=num_pages * ps, page_size=ps, kernel="jnp",
                                debug=False, **kw)
   return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
 
 
 def _state(cfg, ring, head, length, release_len=0):
-  return kv.init(cfg)._replace(free_ring=jnp.asarray(ring, jnp.int32),
-                               free_head=jnp.asarray(head, jnp.int32),
-                               free_len=jnp.asarray(length, jnp.int32),
-                               release_len=jnp.asarray(release_len, jnp.int32))
+  s = kv.init(cfg)._replace(free_ring=jnp.asarray(ring, jnp.int32),
+                            free_head=jnp.asarray(head, jnp.int32),
+                            free_len=jnp.asarray(length, jnp.int32),
+                            release_len=jnp.asarray(release_len, jnp.int32))
+  if s.guard is None:
+    return s
+  # The ownership record agrees with the free list (traceable: the cases are vmapped):
+  # every page outside the live window is held.
+  n = cfg.num_pages
+  live = ((jnp.arange(n) - s.free_head) % n) < s.free_len
+  held = jnp.ones(n + 1, jnp.int32).at[0].set(0).at[
+      jnp.where(live, s.free_ring, n + 1)].set(0, mode="drop")
+  return s._replace(guard=s.guard._replace(held=held))
 
 
 def _fused(cfg, ring, head, length, rel, ids, num, seq, last, nreq):
@@ -84,7 +96,7 @@ def _runs_kernel(fn, *args) -> bool:
 # Random cases.
 # ---------------------------------------------------------------------------------------
 
-def release_decode_case(rng, ps, num_pages, rows, m):
+def release_decode_case(rng, ps, num_pages, rows, m, junk=True):
   """One case: (ring, head, free_len, release_len, page_ids i32[m], num, seq_lens,
   last_loc, num_reqs) as host int32 values, and info {"clean": the caller's promise
   holds (distinct held pages, no room cut), "valid": the released ids in order}."""
@@ -116,7 +128,8 @@ def release_decode_case(rng, ps, num_pages, rows, m):
   if mode == "release_list":      # a non-empty release list shrinks the room
     rel_len = int(rng.integers(0, n - free + 1))
   # Lay the ids out over m entries with padding: zeros and ids outside 1..n.
-  junk = np.array([0, 0, 0, -1, -n, n + 1, n + 7, 2**31 - 1], np.int32)
+  # junk=False: padding zeros only (with the ownership record other junk is refused).
+  junk = np.array([0, 0, 0, -1, -n, n + 1, n + 7, 2**31 - 1] if junk else [0], np.int32)
   ids = junk[rng.integers(0, junk.size, m)]
   valid = valid[:m]
   at = np.sort(rng.choice(m, size=len(valid), replace=False)) if valid else []
@@ -132,9 +145,9 @@ def release_decode_case(rng, ps, num_pages, rows, m):
           seq, last, np.int32(nreq)), info
 
 
-def _cases(ps, num_pages, rows, m, count, tag):
+def _cases(ps, num_pages, rows, m, count, tag, junk=True):
   rng = _rng(tag, ps, num_pages, rows, m)
-  cases, infos = zip(*[release_decode_case(rng, ps, num_pages, rows, m)
+  cases, infos = zip(*[release_decode_case(rng, ps, num_pages, rows, m, junk)
                        for _ in range(count)])
   return testing.stack(cases), list(infos)
 
@@ -159,16 +172,20 @@ def check_against_model(ps, args, result, info, msg=""):
   assert st.live_free_pages(new_state).tolist() == m.free_pages, msg
 
 
-def check_release_decode(ps, num_pages, rows, m, count, tag, kernel="triton_interpret"):
+def check_release_decode(ps, num_pages, rows, m, count, tag, kernel="triton_interpret",
+                         guard=False):
   """kernel path == jnp composition (vmapped, whole results), and == the model on the
-  clean cases."""
-  jnp_cfg, cfg = _configs(ps, num_pages, kernel)
-  args, infos = _cases(ps, num_pages, rows, m, count, tag)
+  clean cases. guard=True: with the ownership record (states that agree with it, no junk
+  ids but padding), against the jnp path's release_and_alloc_decode (which refuses a
+  release naming a page not held, and then the decode)."""
+  jnp_cfg, cfg = _configs(ps, num_pages, kernel, guard=guard)
+  args, infos = _cases(ps, num_pages, rows, m, count, tag, junk=not guard)
   fused = jax.jit(jax.vmap(functools.partial(_fused, cfg)))
   assert _runs_kernel(fused, *args)
   got = fused(*args)
-  want = jax.jit(jax.vmap(functools.partial(_composed, jnp_cfg)))(*args)
-  msg = f"seed {SEED}, {tag}, ps {ps}"
+  want = jax.jit(jax.vmap(functools.partial(_fused if guard else _composed, jnp_cfg)))(
+      *args)
+  msg = f"seed {SEED}, {tag}, ps {ps}, guard {guard}"
   _assert_same(got, want, msg)
   got = jax.device_get(got)
   for i, info in enumerate(infos):
@@ -181,6 +198,17 @@ def check_release_decode(ps, num_pages, rows, m, count, tag, kernel="triton_inte
 @pytest.mark.parametrize("ps", testing.PAGE_SIZES)
 def test_kernel_equals_composition_and_model(ps):
   check_release_decode(ps, 64, 8, 16, 24, "small")
+
+
+@pytest.mark.parametrize("ps", (16, 1))
+def test_kernel_with_the_ownership_record_equals_the_jnp_path(ps):
+  # Double frees, pages released twice (the room cut) and valid releases: the kernel
+  # refuses (and records) exactly where the jnp path does, and otherwise matches the model.
+  _, infos, got = check_release_decode(ps, 64, 8, 16, 24, "guard", guard=True)
+  status = np.asarray(got[0].guard.status)
+  refused = status[:, 0] != 0
+  assert refused.any() and (~refused).any(), (SEED, status)
+  assert not any(refused[i] for i, info in enumerate(infos) if info["clean"]), SEED
 
 
 @pytest.mark.parametrize("ps", (1, 64))
@@ -264,7 +292,8 @@ def _worked_state(cfg):
 
 @pytest.mark.parametrize("kernel", ("triton_interpret", "jnp"))
 def test_worked_example(kernel):
-  cfg = kv.AllocatorConfig(size=40, page_size=4, kernel=kernel, debug=False)
+  cfg = kv.AllocatorConfig(size=40, page_size=4, kernel=kernel, debug=False,
+                           guard=False)  # 99 is a junk id: ignored without the record
   # Release [9, 0, 3, 99, 2] with num 4: 0 is padding, 99 is outside the pool, 2 lies
   # past num; pages 9 and 3 are prepended as a block: head 8 - 2 = 6, ring[6] = 9,
   # ring[7] = 3, free list [9, 3, 5, 6, 7].

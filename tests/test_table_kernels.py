@@ -137,6 +137,12 @@ def make_cases(ps, n, max_reqs, width, count, tag, rel_b=4, ext_b=4, dec_b=None)
 def _pool_table(cfg, ring, head, free, rel, pages, lens, owned):
   state = kv.init(cfg)._replace(free_ring=ring, free_head=head, free_len=free,
                                 release_len=rel)
+  if state.guard is not None:  # the ownership record agrees: pages off the free list held
+    n = cfg.num_pages
+    live = ((jnp.arange(n) - head) % n) < free
+    held = jnp.ones(n + 1, jnp.int32).at[0].set(0).at[jnp.where(live, ring, n + 1)].set(
+        0, mode="drop")
+    state = state._replace(guard=state.guard._replace(held=held))
   return state, rt.RequestTable(pages, lens, owned)
 
 

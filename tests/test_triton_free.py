@@ -72,7 +72,9 @@ CASES = [(1, 1, 1), (5, 1, 16), (7, 3, 64), (23, 40, 1), (24, 64, 16), (40, 300,
                          _both_blocks(CASES, [(7, 3, 64), (4095, 5000, 1), (4096, 700, 64)]),
                          indirect=["blocks"])
 def test_every_slot_kind_equals_the_sort(n, m, ps, blocks):
-  # A pool with every page held (room for all), freed from every kind of slot vector.
+  # A pool with every page held (room for all), freed from every kind of slot vector;
+  # with the ownership record (the default), so that vectors with junk are refused whole
+  # and the others freed, on both paths alike (the unguarded kernel: the tests below).
   cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False)
   rng = np.random.default_rng([n, m, ps, blocks[1]])
   state = _taken_state(cfg, rng, n)
@@ -111,7 +113,9 @@ def _poisoned(state, rng):
     [(1, 40, 1), (1, 300, 500), (16, 24, 64), (64, 20, 1280), (16, 4100, 96)],
     [(16, 4100, 96)]), indirect=["blocks"])
 def test_free_states_equal_the_sort(ps, n, m, need_sort, blocks):
-  cfg = AllocatorConfig(size=n * ps, page_size=ps, need_sort=need_sort, debug=False)
+  # guard=False: double frees, junk and the room cut (the unguarded contract).
+  cfg = AllocatorConfig(size=n * ps, page_size=ps, need_sort=need_sort, debug=False,
+                        guard=False)
   rng = np.random.default_rng([ps, n, m, need_sort, blocks[1]])
   for taken in (n, n // 2, 0):  # full pool held, half, none
     state = _taken_state(cfg, rng, taken)
@@ -134,7 +138,7 @@ def test_room_cut_and_wrapping_head():
   round the ring's end (head 3: the block's first pages go to the ring's last entries),
   or ends exactly at it (head 0)."""
   ps, n = 4, 50
-  cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False)
+  cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False, guard=False)
   rng = np.random.default_rng(5)
   state = _taken_state(cfg, rng, 10)
   for head, length in [(3, 10), (3, 40), (0, 47), (3, 50), (0, 20)]:
@@ -150,7 +154,7 @@ def test_room_cut_and_wrapping_head():
 def test_vmapped_pools():
   """Stacked pools (ranks.free vmaps `free`): each rank equals its own call."""
   ps, n, m = 16, 64, 40
-  cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False)
+  cfg = AllocatorConfig(size=n * ps, page_size=ps, debug=False, guard=False)
   rng = np.random.default_rng(3)
   states = [_taken_state(cfg, rng, t) for t in (30, 64, 5)]
   stacked = jax.tree.map(lambda *x: jnp.stack(x), *states)

@@ -39,8 +39,9 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
                backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
+    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
     config = AllocatorConfig(size=size, page_size=page_size, need_sort=need_sort,
-                             kind="paged", **extra)
+                             kind="paged", guard=False, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 

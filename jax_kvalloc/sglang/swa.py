@@ -151,8 +151,9 @@ class SWATokenToKVPoolAllocator:
                                                              device, None, need_sort, **kw)
       self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, dtype,
                                                             device, None, need_sort, **kw)
+    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
     self._config = core.SWAConfig(size, size_swa, page_size, need_sort,
-                                  debug=self._debug,
+                                  debug=self._debug, guard=False,
                                   **({"kernel": kernel} if kernel else {}))
     self._host = backend == "host"
     self._jax_device = None

@@ -42,8 +42,9 @@ class TokenToKVPoolAllocator(BaseAllocator):
                debug: Optional[bool] = None, backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
+    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
     config = AllocatorConfig(size=size, page_size=1, need_sort=need_sort, kind="token",
-                             **extra)
+                             guard=False, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 
