@@ -366,10 +366,10 @@ def extend_indices(name: str, free_window: Array, prefix_lens: Array, seq_lens: 
   record's held pages, marked in the kernel's own launch; returns (out, held) then."""
   base, interpret = family(name)
   args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
   if held is not None:
     if not extend_keeps_record(name):
       raise ValueError(f"the {name!r} extend kernel does not keep the ownership record")
-    import pallas_kernels  # pylint: disable=g-import-not-at-top
     return pallas_kernels.extend_indices_triton(*args, page_size=page_size,
                                                 out_len=out_len, interpret=interpret,
                                                 held=held)

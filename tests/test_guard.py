@@ -27,7 +27,7 @@ from jax_kvalloc import state as st
 from jax_kvalloc import swa
 from jax_kvalloc import swa_table
 from pallas_kernels import _guard as kguard
-from pallas_kernels import lowering_check
+import lowering_check
 
 TRITON = "__gpu$xla.gpu.triton"
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
