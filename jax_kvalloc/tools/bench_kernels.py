@@ -45,6 +45,7 @@ import numpy as np
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc.config import KERNELS, AllocatorConfig
 from jax_kvalloc.tools import bench
@@ -124,12 +125,15 @@ def _config(case: Case, kernel: str, **kw) -> AllocatorConfig:
                          kernel=kernel, **kw)
 
 
-def _state(case: Case, taken: int = 0) -> st.AllocatorState:
-  """The pool with `taken` pages already handed out (from the front of the ring)."""
-  s = jax.jit(st.init, static_argnums=0)(_config(case, "jnp"))
-  return s._replace(free_ring=jnp.asarray(case.free_ring),
-                    free_head=jnp.asarray(taken % case.num_pages, jnp.int32),
-                    free_len=jnp.asarray(case.num_pages - taken, jnp.int32))
+def _state(case: Case, taken: int = 0, guarded: bool = True) -> st.AllocatorState:
+  """The pool with `taken` pages already handed out (from the front of the ring), its
+  ownership record (where guarded) agreeing: those pages held."""
+  cfg = _config(case, "jnp", guard=guarded)
+  s = jax.jit(st.init, static_argnums=0)(cfg)
+  return st.with_record(cfg, s._replace(
+      free_ring=jnp.asarray(case.free_ring),
+      free_head=jnp.asarray(taken % case.num_pages, jnp.int32),
+      free_len=jnp.asarray(case.num_pages - taken, jnp.int32)))
 
 
 def jax_call(case: Case, impl: str):
@@ -168,7 +172,9 @@ def jax_call(case: Case, impl: str):
 
   def once():
     if case.op == "free":
-      return st.live_free_pages(jax.jit(fn)(state0, *args))
+      res = jax.jit(fn)(state0, *args)
+      guard.raise_if_refused(res)   # a refused free would time no work
+      return st.live_free_pages(res)
     out, ok = jax.jit(call)(state0, args)[1][:2]
     if not bool(ok):
       raise RuntimeError(f"{case.op} bs={case.bs}: the allocation did not fit")
