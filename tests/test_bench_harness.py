@@ -42,7 +42,7 @@ def _check_doubles(call, carry, inputs):
 
 
 @pytest.mark.parametrize("op,path", [
-    ("decode", "jnp"), ("extend", "jnp"), ("free", "jnp"),
+    ("decode", "jnp"), ("extend", "jnp"), ("free", "jnp"), ("free", "jnp[guard=False]"),
     ("decode", "pallas_interpret"), ("extend", "pallas_interpret")])
 def test_micro_loops_keep_every_call(op, path):
   case = bench_kernels.make_case(op, 16, 16 if op == "decode" else 512, 16, seed=0)

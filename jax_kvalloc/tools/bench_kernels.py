@@ -9,6 +9,9 @@ column's output must equal the first column's. Columns:
              AllocatorConfig.kernel, chained and linked in timing.chain_time. A name may
              carry config fields and free's method: `jnp[guard=False]`,
              `jnp[free=sort]` (freeing.PAGED_FREE: sort, bitmap, triton).
+             --guard on,off runs each such column (and eager) also as X[guard=False],
+             without the ownership record (SPEC 14), beside X: the record's cost
+             (bench.guard_cost; target: +10% at most from bs 64 up).
   fused[...] the one-launch Pallas-Triton kernel alone
              (pallas_kernels.alloc_{decode,extend}_triton) with tuning arguments,
              e.g. `fused[layout=rows]`, `fused[layout=tiles,num_warps=8]`.
@@ -29,7 +32,10 @@ kernel's own GPU time from CUPTI ("bare_us", the figure compared with SGLang's b
 net of that consumer's own cost on the stand-in (a figure that moves was not counting
 all of its work). The chain: each call takes the free-list head the previous one
 returned, the free length held fixed (the pool never runs out, every call does the same
-work).
+work). With the ownership record the allocations carry it from call to call; free's
+chain puts the pages it freed back into the record after each call (one scatter of the
+case's pages, made alike on a spare array without the record), so that every call frees
+held pages, as it would in a serving loop.
 """
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ PALLAS = ("pallas", "triton", "mosaic", "mosaic_gpu", "fused")   # columns that 
 BARE_UNROLL = 128
 BARE_CALLS = 2048
 OUR_KERNELS = "jax_kvalloc_alloc_"   # jax_kvalloc_alloc_{decode,extend}_triton*
+GUARD_TARGET_PCT = 10.0   # the ownership record's cost per call, from bs 64 up (issue 32)
 
 
 @dataclasses.dataclass
@@ -138,11 +145,15 @@ def _state(case: Case, taken: int = 0, guarded: bool = True) -> st.AllocatorStat
 
 def jax_call(case: Case, impl: str):
   """(once: () -> the call's result, call(carry, inputs) -> (carry, outputs), carry,
-  inputs) of a JAX column. The carry is the state; only its head moves from call to call
-  (free: the ring too); every output is returned for the harness to consume."""
+  inputs) of a JAX column. The carry is the state; only its head and ownership record
+  move from call to call (free: the ring too, and the record with the freed pages put
+  back; without a record, the same scatter on a spare array); every output is returned
+  for the harness to consume."""
   base, kw = bench.parse_impl(impl)
   method = kw.pop("free", None)   # free's method (freeing.PAGED_FREE); the rest: config
-  state0, args = _state(case, case.used_pages), tuple(map(jnp.asarray, case.inputs))
+  guarded = kw.get("guard", True)
+  state0 = _state(case, case.used_pages, guarded)
+  args = tuple(map(jnp.asarray, case.inputs))
   if base == "fused":
     import pallas_kernels  # pylint: disable=g-import-not-at-top
     kernel = (functools.partial(pallas_kernels.alloc_decode_triton, **kw)
@@ -157,10 +168,20 @@ def jax_call(case: Case, impl: str):
     fn = functools.partial(freeing.PAGED_FREE[method] if method else freeing.free,
                            _config(case, base, **kw))
 
-    def call(s, x):
+    n = case.num_pages
+
+    def call(c, x):
+      s, spare = (c, None) if guarded else c
       res = fn(s, *x)
-      return (s._replace(free_ring=res.free_ring, free_head=res.free_head),
-              (res.free_head, res.free_len))
+      held = res.guard.held if guarded else spare
+      held = held.at[jnp.where(x[0] > 0, x[0] // case.page_size, n + 1)].set(1, mode="drop")
+      s = s._replace(free_ring=res.free_ring, free_head=res.free_head)
+      out = (res.free_head, res.free_len)
+      if guarded:
+        return s._replace(guard=res.guard._replace(held=held)), out
+      return (s, held), out
+    if not guarded:
+      state0 = (state0, jnp.zeros((n + 1,), jnp.int32))
   else:
     alloc = (allocation.alloc_decode if case.op == "decode" else
              functools.partial(allocation.alloc_extend, max_tokens=case.tokens))
@@ -168,11 +189,12 @@ def jax_call(case: Case, impl: str):
 
     def call(s, x):
       new, out, ok = alloc(cfg, s, *x)
-      return s._replace(free_head=new.free_head), (out, ok, new.free_head, new.free_len)
+      return (s._replace(free_head=new.free_head, guard=new.guard),
+              (out, ok, new.free_head, new.free_len))
 
   def once():
     if case.op == "free":
-      res = jax.jit(fn)(state0, *args)
+      res = jax.jit(fn)(state0 if guarded else state0[0], *args)
       guard.raise_if_refused(res)   # a refused free would time no work
       return st.live_free_pages(res)
     out, ok = jax.jit(call)(state0, args)[1][:2]
@@ -239,10 +261,11 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
   return out
 
 
-def eager_free(case: Case) -> bench.Timed:
-  """free called from Python, one jitted call blocking on its result each time."""
-  fn = jax.jit(functools.partial(freeing.free, _config(case, "jnp")))
-  state0, idx = _state(case, case.used_pages), jnp.asarray(case.free_index)
+def eager_free(case: Case, guarded: bool = True) -> bench.Timed:
+  """free called from Python, one jitted call blocking on its result each time (every
+  call from the same state, which holds the pages it frees)."""
+  fn = jax.jit(functools.partial(freeing.free, _config(case, "jnp", guard=guarded)))
+  state0, idx = _state(case, case.used_pages, guarded), jnp.asarray(case.free_index)
   return bench.host(lambda: jax.block_until_ready(fn(state0, idx)))
 
 
@@ -378,13 +401,13 @@ def cases(o):
           op, bs, t, o.page_size, o.seed))
       row = {"op": op, "bs": bs, "tokens": tokens}
       for impl in o.impls:
-        base, _ = bench.parse_impl(impl)
+        base, kw = bench.parse_impl(impl)
         if (base == "eager") != (op == "free") and base in ("eager", "fused", "sglang"):
           continue  # eager: free only; fused kernels and SGLang's: decode, extend only
         if base in PALLAS and not _accel():
           setup = lambda: bench.skipped("no GPU/TPU: the Pallas kernels need one")
         elif base in ("eager", "torch_ref", "sglang"):
-          setup = {"eager": lambda c=case: eager_free(c()),
+          setup = {"eager": lambda c=case, g=kw.get("guard", True): eager_free(c(), g),
                    "torch_ref": lambda c=case: torch_timed(c()),
                    "sglang": lambda c=case: sglang_timed(c(), o.sglang_kernels)}[base]
         else:
@@ -412,7 +435,9 @@ SUITE = bench.Suite(
                     "consumer of its outputs, net of the consumer's own cost"),
           bench.Dim("--sglang-kernels", None, "SGLang's sglang/kernels/ops/memory/"
                     "allocator.py from its wheel (CUDA)", cli.existing_file)),
-    render=lambda r: render(legacy(r)))
+    render=lambda r: render(legacy(r)), guarded=KERNELS + ("eager",),
+    guard_target=lambda row, col: (GUARD_TARGET_PCT, "%") if row["bs"] >= 64 and (
+        bench.parse_impl(col)[0] in KERNELS) else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -459,7 +484,8 @@ def legacy(record: Dict[str, Any]) -> Dict[str, Any]:
     elif r["op"] == "harness":
       out["loop_overhead_us"] = next(iter(c.values())).get("us")
     else:
-      jax_cells = {i: x for i, x in c.items() if i not in ("eager", "torch_ref", "sglang")}
+      jax_cells = {i: x for i, x in c.items()
+                   if bench.parse_impl(i)[0] not in ("eager", "torch_ref", "sglang")}
       paths += [i for i in jax_cells if i not in paths]
       if c.get("sglang", {}).get("sglang_version"):
         env["sglang"] = c["sglang"]["sglang_version"]
