@@ -222,11 +222,13 @@ def test_table(tmp_path, capsys):
   out = tmp_path / "t.json"
   assert cli.main(["bench", "table", "--quick", "--steps", "decode", "--kernel", "jnp",
                    "--impls", "none,step,sglang", "--reps", "1", "--unroll", "2",
-                   "--json", str(out)]) == 0
+                   "--guard", "on,off", "--json", str(out)]) == 0
   text = capsys.readouterr().out
   assert "share: step_rows" in text and re.search(r"\| decode \|\s+8 \|", text)
+  assert re.search(r"\| decode/8/4 \| step +\|.*\(<= \+1 us\) \|", text)
   (row,) = json.loads(out.read_text())["rows"]
-  assert all(row["cells"][v]["ok"] for v in ("none", "step"))
+  assert all(row["cells"][v]["ok"] for v in ("none", "step", "step[guard=False]"))
+  assert "check" not in row["cells"]["step[guard=False]"]   # the same steps, slots, pool
   sglang = row["cells"].get("sglang")
   assert sglang is None or sglang["us"] > 0, sglang
 
