@@ -10,8 +10,9 @@ column's output must equal the first column's. Columns:
              carry config fields and free's method: `jnp[guard=False]`,
              `jnp[free=sort]` (freeing.PAGED_FREE: sort, bitmap, triton).
              --guard on,off runs each such column (and eager) also as X[guard=False],
-             without the ownership record (SPEC 14), beside X: the record's cost
-             (bench.guard_cost; target: +10% at most from bs 64 up).
+             without the ownership record (SPEC 14), beside X, the two chains timed
+             with their repetitions interleaved: the record's cost (bench.guard_cost;
+             target: +10% at most from bs 64 up).
   fused[...] the one-launch Pallas-Triton kernel alone
              (pallas_kernels.alloc_{decode,extend}_triton) with tuning arguments,
              e.g. `fused[layout=rows]`, `fused[layout=tiles,num_warps=8]`.
@@ -224,7 +225,8 @@ def bare_time(run: Callable[[], Any], name_prefix: str) -> Dict[str, float]:
 def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
   """A JAX column's cell: the chained call, its floor (a stand-in writing its outputs
   like the column: one Pallas launch unless the column is jnp, or auto on the CPU), and
-  with --bare / --extra-consumer the bare kernel time / the +1 consumer check."""
+  with --bare / --extra-consumer the bare kernel time / the +1 consumer check. X and
+  X[guard=False] of one run: the chained figure interleaved with the other's (`_chained`)."""
   _, call, carry, inputs = jax_call(case, impl)
   shapes = jax.eval_shape(call, carry, inputs)[1]
   base, _ = bench.parse_impl(impl)
@@ -245,7 +247,8 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
                stand_in_us=f2["s"] * 1e6, stand_in_extra_consumer_us=f3["s"] * 1e6,
                floor_us=f2["s"] * 1e6)
   else:
-    out = bench.cell(bt.chain_time(call, carry, inputs, **kw))
+    out = bench.cell(_chained(case, impl, opts.impls, kw) or bt.chain_time(
+        call, carry, inputs, **kw))
     out["floor_us"] = bt.chain_time(stand, zero, inputs, **kw)["s"] * 1e6
   if opts.bare and case.op != "free":
     try:
@@ -259,6 +262,24 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
     except Exception as e:  # pylint: disable=broad-except
       out["bare_error"] = bench.error(e)["error"]
   return out
+
+
+_PAIR: Dict[str, Any] = {}   # the last row's guard pair: {"case", "pair", "results"}
+
+
+def _chained(case: Case, impl: str, impls, kw) -> Optional[Dict[str, float]]:
+  """Where the run has both X and X[guard=False] (bench.guard_pairs) and `impl` is one of
+  them: the chain_time figures of both, their repetitions interleaved
+  (timing.chain_time_interleaved, so that a drift of the machine falls on both alike),
+  timed once per row for the two columns; this column's. Else None."""
+  pair = next((p for p in bench.guard_pairs(impls) if impl in p), None)
+  if pair is None:
+    return None
+  if _PAIR.get("case") is not case or _PAIR.get("pair") != pair:
+    variants = [dict(zip(("call", "carry", "inputs"), jax_call(case, i)[1:])) for i in pair]
+    _PAIR.update(case=case, pair=pair, results=dict(zip(pair, bt.chain_time_interleaved(
+        variants, **kw))))
+  return _PAIR["results"][impl]
 
 
 def eager_free(case: Case, guarded: bool = True) -> bench.Timed:
