@@ -480,12 +480,13 @@ class BaseAllocator:
     if self._dp_size == 1:
       parts = [state]
     else:
-      ranks = {jax.numpy.ndim(x) and jax.numpy.shape(x)[0]
-               for x in jax.tree.leaves(state)}
-      if ranks != {len(self._pools)}:
-        raise ValueError(f"state must hold {len(self._pools)} ranks along the leading "
-                         f"axis of every array (dp_ranks={self._dp_ranks}); its arrays' "
-                         f"leading sizes are {sorted(ranks)}")
+      ring = jax.tree.leaves(state)[0]  # the (full) pool's free ring: i32[ranks, pages]
+      if np.ndim(ring) != 2:
+        raise ValueError(f"expected a ranked state (free_ring i32[dp_size, "
+                         f"pages_per_rank]), got free_ring of shape {np.shape(ring)}")
+      if np.shape(ring)[0] != len(self._pools):
+        raise ValueError(f"state has {np.shape(ring)[0]} ranks, this allocator holds "
+                         f"{len(self._pools)} (dp_ranks={self._dp_ranks})")
       parts = [jax.tree.map(lambda x, i=i: x[i], state) for i in range(len(self._pools))]
     checked = [pool.check_state(part) for pool, part in zip(self._pools, parts)]
     for pool, part, lengths in zip(self._pools, parts, checked):
