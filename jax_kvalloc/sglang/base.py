@@ -230,14 +230,15 @@ class BaseAllocator:
       if pool.pending or pool.error is not None:
         pool.poll(self._calls, everything)
 
-  def _host_value(self, dp_rank: Any = 0) -> int:
-    """`_pool_index` for a call that returns a host value: every status read first."""
+  def _settled(self, dp_rank: Any = 0) -> int:
+    """`_pool_index` for a call that returns a host value: every status read first
+    (SPEC 14: a refusal raises here at the latest)."""
     return self._pool_index(dp_rank, everything=True)
 
   def available_size(self, dp_rank: int = 0) -> int:
     """Free slots, released ones included, from the host mirror (no wait once the
     statuses of earlier calls have landed)."""
-    return self._pools[self._host_value(dp_rank)].available_size()
+    return self._pools[self._settled(dp_rank)].available_size()
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -521,7 +522,7 @@ class BaseAllocator:
   def get_all_free_pages(self, dp_rank: int = 0) -> np.ndarray:
     """free_pages ++ release_pages of rank dp_rank (SPEC 10), a host int32 array (reads
     the device)."""
-    state = self._pools[self._host_value(dp_rank)].state
+    state = self._pools[self._settled(dp_rank)].state
     return np.concatenate([_live(state, "free"), _live(state, "release")])
 
   def debug_print(self, dp_rank: Optional[int] = None) -> str:
@@ -529,7 +530,7 @@ class BaseAllocator:
     host mirror: no wait). Returns the string (as SGLang's does). With dp_size > 1 and
     dp_rank None, one line per held rank, prefixed "rank r:"."""
     if dp_rank is not None or self._dp_size == 1:
-      return self._debug_line(self._host_value(0 if dp_rank is None else dp_rank))
+      return self._debug_line(self._settled(0 if dp_rank is None else dp_rank))
     self._poll(everything=True)
     return "\n".join(f"rank {r}: {self._debug_line(i)}"
                      for i, r in enumerate(self._dp_ranks))
@@ -607,7 +608,8 @@ class BaseAllocator:
     dp = f", dp_size={self.dp_size}" if self.dp_size > 1 else ""
     if len(self._pools) != self._dp_size:
       dp += f", dp_ranks={self._dp_ranks}"
-    return (f"{type(self).__name__}(size={c.size}, page_size={c.page_size}, "
+    swa = f", size_swa={c.size_swa}" if hasattr(c, "size_swa") else ""  # SWA pools
+    return (f"{type(self).__name__}(size={c.size}{swa}, page_size={c.page_size}, "
             f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
             f"backend={self.backend!r}{dp})")
 

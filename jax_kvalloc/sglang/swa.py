@@ -99,19 +99,19 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     return self.config.size_swa
 
   def full_available_size(self, dp_rank: int = 0) -> int:
-    return self._pools[self._host_value(dp_rank)].available_size(FULL)
+    return self._pools[self._settled(dp_rank)].available_size(FULL)
 
   def swa_available_size(self, dp_rank: int = 0) -> int:
-    return self._pools[self._host_value(dp_rank)].available_size(SWA)
+    return self._pools[self._settled(dp_rank)].available_size(SWA)
 
   def available_size(self, dp_rank: int = 0) -> int:
     """min(full, SWA) available slots, from the host mirrors."""
-    pool = self._pools[self._host_value(dp_rank)]
+    pool = self._pools[self._settled(dp_rank)]
     return min(pool.available_size(FULL), pool.available_size(SWA))
 
   def new_pages_available(self, num_full_pages: int, num_swa_pages: int,
                           dp_rank: int = 0) -> bool:
-    return self._fits(self._pools[self._host_value(dp_rank)], num_full_pages,
+    return self._fits(self._pools[self._settled(dp_rank)], num_full_pages,
                       num_swa_pages)
 
   @staticmethod
@@ -478,15 +478,6 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       ids = concat(q.page_ids)
       self._free(pool, "full_free_page_ids", ids, 0, (ids.shape[0], 0))
 
-  def __repr__(self) -> str:
-    c = self.config
-    dp = f", dp_size={self.dp_size}" if self.dp_size > 1 else ""
-    if len(self._pools) != self.dp_size:
-      dp += f", dp_ranks={self.dp_ranks}"
-    return (f"SWATokenToKVPoolAllocator(size={c.size}, size_swa={c.size_swa}, "
-            f"page_size={c.page_size}, need_sort={c.need_sort}, debug={c.debug}, "
-            f"backend={self.backend!r}{dp})")
-
 
 class _PoolView:
   """One pool of an SWA allocator as SGLang's `full_attn_allocator` /
@@ -499,7 +490,7 @@ class _PoolView:
     return _PoolView(self._owner, self._side, dp_rank)
 
   def _pool(self) -> Pool:
-    return self._owner._pools[self._owner._host_value(self._rank)]  # pylint: disable=protected-access
+    return self._owner._pools[self._owner._settled(self._rank)]  # pylint: disable=protected-access
 
   @property
   def page_size(self) -> int:

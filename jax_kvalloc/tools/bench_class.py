@@ -174,6 +174,16 @@ def impl_pages(impl: _Impl, n: int) -> np.ndarray:
 
 
 def run_row(impl: _Impl, row: Dict[str, Any], reps: int) -> Dict[str, float]:
+  """The row's timings; for our classes also `status_waits`: the calls of the row (warm
+  ones included) that waited for an earlier call's status (SPEC 14)."""
+  waits = getattr(impl.a, "status_waits", None)
+  result = _run_row(impl, row, reps)
+  if waits is not None:
+    result["status_waits"] = impl.a.status_waits - waits
+  return result
+
+
+def _run_row(impl: _Impl, row: Dict[str, Any], reps: int) -> Dict[str, float]:
   ps = impl.ps
   op, n = row["op"], row["size"]
   if op in ("decode", "decode_after_restore"):
@@ -246,7 +256,7 @@ def stalls(args) -> Dict[str, Any]:
     slow = [t for t in times if t > 0.05]
     out[mode] = {"calls": len(times), "stalls_over_50ms": len(slow),
                  "stall_s": sum(slow), "median_us": statistics.median(times) * 1e6,
-                 "warmup_s": warm_s}
+                 "warmup_s": warm_s, "status_waits": a.status_waits}
     print(f"  stalls {mode}: {len(slow)} of {len(times)} calls > 50 ms, {sum(slow):.2f} s"
           f" (warm-up {warm_s:.1f} s)", flush=True)
   return out
@@ -310,11 +320,17 @@ def table(record: Dict[str, Any]) -> str:
                  ", ".join(f"{k} {r['device']['median_us'] / fl:.1f}x"
                            for k, r in record["rows"].items()
                            if r.get("device", {}).get("median_us")) + ")")
+  waits = {k: r["device"]["status_waits"] for k, r in record["rows"].items()
+           if "status_waits" in r.get("device", {})}
+  if waits:
+    lines.append("device calls that waited for a status: " +
+                 ", ".join(f"{k} {n}" for k, n in waits.items()))
   for name, why in record["skipped"].items():
     lines.append(f"skipped {name}: {why}")
   for mode, st in record.get("stalls", {}).items():
     lines.append(f"stalls ({mode}): {st['stalls_over_50ms']} of {st['calls']} calls over "
-                 f"50 ms, {st['stall_s']:.2f} s in all; warm-up {st['warmup_s']:.1f} s")
+                 f"50 ms, {st['stall_s']:.2f} s in all; warm-up {st['warmup_s']:.1f} s; "
+                 f"{st.get('status_waits', 0)} status waits")
   return "\n".join(lines)
 
 

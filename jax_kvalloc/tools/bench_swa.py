@@ -122,9 +122,7 @@ class _Impl:
     if self.name == "core":
       self.jax.block_until_ready((out, self.state))
       return
-    a = self.a
-    self.jax.block_until_ready((out, a._mapping, a.full_attn_allocator._pools[0].state,  # pylint: disable=protected-access
-                                a.swa_attn_allocator._pools[0].state))  # pylint: disable=protected-access
+    self.jax.block_until_ready((out, self.a._pools[0].state))  # pylint: disable=protected-access
 
   # The calls (core: the state is threaded through self.state).
   def extend(self, pre, pre_h, seq, seq_h, last, n: int):

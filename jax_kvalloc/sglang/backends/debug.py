@@ -69,8 +69,14 @@ class DebugBackend:
     return int(state.free_len), int(state.release_len)
 
   def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
+    """set_state's checks, and a misuse the caller's code recorded raises
+    AllocatorDebugError (the state is not taken)."""
     validate.state_like(state, current, AllocatorState)
-    return validate.state_lengths(state, self.config.num_pages)
+    lengths = validate.state_lengths(state, self.config.num_pages)
+    err = _debug.get_error(state)
+    if err is not None:
+      raise err
+    return lengths
 
   def empty(self) -> Any:
     return np.zeros((0,), np.int32) if self.host_results else jax.device_put(

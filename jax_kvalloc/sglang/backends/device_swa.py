@@ -69,15 +69,31 @@ def _pushed(old: SWAState, new: SWAState, need_sort: bool) -> Array:
                     for o, n in ((old.full, new.full), (old.swa, new.swa))])
 
 
+# Free programs: (state, idx i32[m], info i32[4]) -> (state, i32[2], status), keyed by
+# (op, m, donate). A class call's frees, and a free group's pool frees (pool, page ids?).
+FREES = ("free", "free_swa", "free_swa_segment", "free_segment", "free_full",
+         "free_full_segment")
+POOL_FREES = {"swa_free_page_ids": ("swa", True), "swa_free": ("swa", False),
+              "full_free": ("full", False), "full_free_page_ids": ("full", True)}
+
+
 class SWAOps(Programs):
-  """The SWA pool pair's programs of one SWAConfig (see the module docstring)."""
+  """The SWA pool pair's programs of one SWAConfig (see the module docstring), keyed by
+  (op, *shape, donate)."""
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
-    build = getattr(self, f"_{op}", None)
-    if build is None:
+    if op in ("slice", "pad"):
       return super()._build(op, *shape)
-    donate = shape[-1]
-    return self._jit(build(*shape[:-1]), donate_argnums=(0,) if donate else ())
+    *args, donate = shape
+    if op in FREES:
+      fn = self._free_op(op)
+    elif op in POOL_FREES:
+      fn = self._pool_free(*POOL_FREES[op])
+    elif op in ("take_pages", "take_peers"):
+      fn = getattr(self, f"_{op}")()
+    else:  # alloc, extend, tail, decode (shapes), merge (side), set/clear_mapping
+      fn = getattr(self, f"_{op}")(*args)
+    return self._jit(fn, donate_argnums=(0,) if donate else ())
 
   # -- allocations: (state, packed[, device last_loc]) -> (state, slots, status) --------
   def _acfg(self) -> core.SWAConfig:
@@ -170,35 +186,10 @@ class SWAOps(Programs):
       return new, pushed, _status.first(*statuses)
     return fn
 
-  def _free(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._free_op("free")
-
-  def _free_swa(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._free_op("free_swa")
-
-  def _free_swa_segment(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._free_op("free_swa_segment")
-
-  def _free_segment(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._free_op("free_segment")
-
-  def _free_full(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._free_op("free_full")
-
-  def _free_full_segment(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._free_op("free_full_segment")
-
   # -- free groups: the SWA side resolved at call time, freed at the group's end -------
-  def _take_pages(self, m: int):
+  def _take_pages(self):
     """(state, idx, info) -> (state with the segment's mapping cleared, i32[m'] its SWA
     pages, status): free_swa_segment's first half."""
-    del m
     ps = self.config.page_size
 
     def fn(state, idx, info):
@@ -209,10 +200,9 @@ class SWAOps(Programs):
               _status.make(_status.NO_PEER, bad, i, idx[i]))
     return fn
 
-  def _take_peers(self, m: int):
+  def _take_peers(self):
     """(state, idx, info) -> (state with the idx's pages' mapping cleared, their SWA
     slots i32[m * ps] (0 where none), status 0): free_swa's first half."""
-    del m
     ps = self.config.page_size
 
     def fn(state, idx, info):
@@ -224,13 +214,14 @@ class SWAOps(Programs):
       return state._replace(mapping=mapping), jnp.maximum(peers, 0), _status.make(0, False)
     return fn
 
-  def _pool_free(self, side: str, how: str):
+  def _pool_free(self, side: str, page_ids: bool):
+    """One pool's free of a free group's queue: page ids in order, or slots."""
     cfg = self.config
 
     def fn(state, values, info):
       pool_cfg = getattr(cfg, side)
       values = jnp.where(jnp.arange(values.shape[0]) < info[0], values, 0)
-      if how == "page_ids":
+      if page_ids:
         new_pool = freeing.free_page_ids(pool_cfg, getattr(state, side), values)
       else:
         new_pool = freeing.free(pool_cfg, getattr(state, side), values)
@@ -240,22 +231,6 @@ class SWAOps(Programs):
       return new, pushed, _status.first(*[
           _status.make(_status.NOT_LISTED, short[k] != 0, -1, short[k]) for k in (0, 1)])
     return fn
-
-  def _swa_free_page_ids(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._pool_free("swa", "page_ids")
-
-  def _swa_free(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._pool_free("swa", "slots")
-
-  def _full_free(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._pool_free("full", "slots")
-
-  def _full_free_page_ids(self, m: int):  # m: the padded length (a key of its own)
-    del m
-    return self._pool_free("full", "page_ids")
 
   # -- the rest ----------------------------------------------------------------------------
   def _merge(self, side: int):
@@ -489,11 +464,7 @@ class DebugSWABackend(DeviceSWABackend):
   def _run(self, key, state, shared, *args):
     del shared  # never donated: a refused call keeps the state as it was
     result = self.ops.fn(key + (False,))(state, *args)
-    new = result[0] if isinstance(result, tuple) else result
-    for part in (new.full, new.swa):
-      err = _debug.get_error(part)
-      if err is not None:
-        raise err
+    self._raise_recorded(result if isinstance(result, SWAState) else result[0])
     return result
 
   def translate(self, state, loc):
@@ -527,6 +498,19 @@ class DebugSWABackend(DeviceSWABackend):
     ps = self.config.page_size
     self.peers_check(state, idx if op == "take_peers" else idx[::ps], name, True)
     return super().take(state, op, idx, shared, name)
+
+  def check_state(self, state: Any, current: SWAState) -> Tuple[int, ...]:
+    lengths = super().check_state(state, current)
+    self._raise_recorded(state)
+    return lengths
+
+  @staticmethod
+  def _raise_recorded(state: SWAState) -> None:
+    """AllocatorDebugError for a misuse either pool's debug record holds."""
+    for part in (state.full, state.swa):
+      err = _debug.get_error(part)
+      if err is not None:
+        raise err
 
   def warmup(self, state, **kwargs) -> WarmupReport:
     del state, kwargs  # debug mode compiles its programs on first use
