@@ -294,7 +294,9 @@ class BaseAllocator:
     return plan
 
   def _decode_plan(self, pool: Pool, seq_lens, seq_lens_cpu, last_loc) -> Optional[Plan]:
-    """An alloc_decode batch checked and counted, or None for an empty batch."""
+    """An alloc_decode batch checked and counted, or None for an empty batch. A device
+    seq_lens given beside seq_lens_cpu (as SGLang passes both) goes with it, taken as it
+    is where the backend keeps device arrays (its host copy is what the checks read)."""
     backend = pool.backend
     seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
     plan = backend.decode_plan(seq_arg, last_loc, False)
@@ -307,6 +309,13 @@ class BaseAllocator:
       if seq.shape[0] == 0:
         return None
       plan = backend.decode_plan(seq, last if dev_last is None else dev_last, True)
+    if seq_lens_cpu is not None and backend.keeps_device_arrays:
+      dev_seq = validate.device_ints(seq_lens, "seq_lens")
+      if dev_seq is not None:
+        if dev_seq.shape != (plan.rows,):
+          raise ValueError(f"seq_lens must have shape ({plan.rows},) as seq_lens_cpu, got "
+                           f"{dev_seq.shape}")
+        plan = plan._replace(seq_lens=dev_seq)
     return plan
 
   @staticmethod

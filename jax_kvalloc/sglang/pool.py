@@ -11,11 +11,12 @@ copies it first, so a snapshot costs O(1).
 
 Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call returns what
 it refused. The host backend raises at once. A device status is read back without
-waiting: `record` starts its copy to the host (`copy_to_host_async`), `poll` (at every
-class call) reads the statuses that have landed, and blocks only on one recorded 8 or
-more class calls ago; `drain` (at every call that returns a host value) reads them all.
-A refusal rolls the mirror back to the state's lengths (one read) and raises ValueError;
-the pool then refuses every call until `clear` or `restore`.
+waiting: the backend starts its copy to the host (`copy_to_host_async`) as it launches
+the call, `record` keeps it, `poll` (at every class call) reads the statuses that have
+landed and blocks only on one recorded WITHIN_CALLS or more class calls ago; `poll` with
+`everything` (at every call that returns a host value) reads them all. A refusal rolls
+the mirror back to the state's lengths (one read) and raises ValueError; the pool then
+refuses every call until `clear` or `restore`.
 """
 from __future__ import annotations
 
@@ -130,8 +131,7 @@ class Pool:
     if not self.backend.defers_status:
       self._check(op, read_status(status), rollback=False)
       return
-    status.copy_to_host_async()
-    self.pending.append((call, op, status))
+    self.pending.append((call, op, status))  # its copy to the host already started
 
   def poll(self, call: int, everything: bool = False) -> None:
     """At class call number `call`: raises the refusal seen earlier, reads the statuses
@@ -150,9 +150,9 @@ class Pool:
       self._check(op, read_status(status), rollback=True)
 
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
-    message = _status.message(op, values)
-    if message is None:
+    if not values[0]:  # no refusal
       return
+    message = _status.message(op, values)
     if not rollback:  # read at once: the call changed nothing, the mirror is right
       raise ValueError(message)
     self.pending.clear()

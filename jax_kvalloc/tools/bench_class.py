@@ -7,7 +7,8 @@ ahead of the device; `sync_us` is the mean per call of the same loop with one wa
 end (the throughput bound), reported beside the median.
 
 Implementations (rows are skipped, with the reason, where one cannot run):
-  device      jax_kvalloc's class, backend="device" (jax arrays, no waits)
+  device      jax_kvalloc's class, backend="device" (jax arrays, no waits), called as
+              SGLang's class is: per-request arrays on the device beside host copies
   host        jax_kvalloc's class, backend="host" (numpy state and results)
   sgljax      sglang-jax's host-numpy PagedTokenToKVPoolAllocator, loaded BY PATH from
               --sgljax DIR (default ../shared/anchors/sgljax, see its PROVENANCE.txt; it
@@ -72,8 +73,11 @@ class _Impl:
       self.a = kvs.PagedTokenToKVPoolAllocator(pool, ps, backend=name, device=args.device,
                                               debug=False)
       self.conv = lambda x: np.asarray(x, np.int64)
-      if name == "device":
+      if name == "device":  # as SGLang is called: device arrays and host copies
         self.sync = lambda out: jax.block_until_ready(out)
+        dev = self.a._pools[0].backend.device  # pylint: disable=protected-access
+        self.conv = lambda x: jax.device_put(np.asarray(x, np.int32), dev)
+        self.cpu = lambda x: np.asarray(x, np.int64)
     elif name == "sgljax":
       mod = load_sgljax(args.sgljax)
       self.a = mod.PagedTokenToKVPoolAllocator(pool, ps, None)
@@ -97,14 +101,14 @@ class _Impl:
     if self.name == "sgljax":
       return lambda: self.a.alloc_decode(seq, last)
     s, l = self.conv(seq), self.conv(last)
-    scpu = self.cpu(seq) if self.torch is not None else s
+    scpu = self.cpu(seq) if hasattr(self, "cpu") else s
     return lambda: self.a.alloc_decode(s, scpu, l)
 
   def extend(self, pre, seq, last, n):
     if self.name == "sgljax":
       return lambda: self.a.alloc_extend(pre, seq, last, n)
     p, s, l = self.conv(pre), self.conv(seq), self.conv(last)
-    if self.torch is not None:
+    if hasattr(self, "cpu"):
       pc, sc = self.cpu(pre), self.cpu(seq)
       return lambda: self.a.alloc_extend(p, pc, s, sc, l, n)
     return lambda: self.a.alloc_extend(p, p, s, s, l, n)

@@ -32,12 +32,15 @@ class Plan(NamedTuple):
   """A checked allocation batch: what the class decides on, plus the backend's own data.
 
   rows: requests in the batch (bs); pages: new pages it takes; tokens: slots it returns
-  (alloc_extend's extend_num_tokens; bs for alloc_decode); data: the backend's inputs.
+  (alloc_extend's extend_num_tokens; bs for alloc_decode); data: the backend's inputs;
+  seq_lens: alloc_decode's seq_lens as a device array, where the caller passed one
+  beside its host copy (a backend that keeps device arrays takes it as it is).
   """
   rows: int
   pages: int
   tokens: int
   data: Any
+  seq_lens: Any = None
 
 
 Counts = Tuple[Optional[int], ...]  # per allocator of the pool: entries a free puts on

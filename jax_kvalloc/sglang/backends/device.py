@@ -92,15 +92,12 @@ def decode_rows(bs: int) -> int:
   return bs if 0 < bs <= EXACT_ROWS else rows(bs)
 
 
-def pack(rows_: int, *columns: Any, fills: Tuple[int, ...] = ()) -> np.ndarray:
-  """i32[len(columns) * rows_ + 1]: each column (host ints, or None: all `fill`) padded
-  to rows_ with its fill (0 unless given), then the real row count."""
-  bs = len(next(c for c in columns if c is not None))
+def pack(rows_: int, bs: int, *columns: Any) -> np.ndarray:
+  """i32[len(columns) * rows_ + 1]: each column of `bs` host ints padded with 0 to rows_
+  (padding rows are masked by the count; a None column stays 0: the program takes that
+  one as a device array), then bs."""
   packed = np.zeros((len(columns) * rows_ + 1,), np.int32)
   for k, col in enumerate(columns):
-    fill = fills[k] if k < len(fills) else 0
-    if fill:
-      packed[k * rows_:(k + 1) * rows_] = fill
     if col is not None:
       packed[k * rows_:k * rows_ + bs] = col
   packed[-1] = bs
@@ -183,9 +180,13 @@ class DeviceOps(Programs):
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
     acfg, cfg = self._alloc_cfg, self.config
+    if op == "decode_on_device":  # seq_lens and last_loc device arrays of `rows` rows
+      def decode_fn(ring, head, length, seq, last):
+        s, out, ok = allocation.alloc_decode(acfg, _alloc_state(ring, head, length), seq,
+                                             last)
+        return s.free_head, s.free_len, out, _status.make(_status.REFUSED, ~ok)
+      return self._jit(decode_fn)
     if op in ("alloc", "extend", "decode"):
-      name = {"alloc": "alloc", "extend": "alloc_extend", "decode": "alloc_decode"}[op]
-
       def alloc_fn(ring, head, length, packed, last=None):
         s = _alloc_state(ring, head, length)
         if op == "alloc":
@@ -245,18 +246,23 @@ class DeviceOps(Programs):
     i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
     r = rows(len(pre))
     on_device = isinstance(last, jax.Array)
-    packed = pack(r, pre, seq, None if on_device else last, fills=(0, 0, -1))
+    packed = pack(r, len(pre), pre, seq, None if on_device else last)
     extra = (self.padded(last, r, -1),) if on_device else ()
     return self._allocate(("extend", r, buckets.bucket(total, buckets.MIN_TOKENS)), state,
                           packed, extra, total)
 
-  def alloc_decode(self, state: AllocatorState, seq: Any, last: Any):
+  def alloc_decode(self, state: AllocatorState, seq: Any, last: Any,
+                   seq_dev: Any = None):
     """seq: host ints[bs] (an int64 array or a list); `last`: the same, or a device
-    i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
+    i32[bs] (jax.Array) taken as it is: padded on the device, never read back.
+    `seq_dev`: seq as a device i32[bs], or None; with a device `last` at an exact row
+    count the program takes both as they are (no transfer at all)."""
     bs = len(seq)
     r = decode_rows(bs)
     on_device = isinstance(last, jax.Array)
-    packed = pack(r, seq, None if on_device else last)
+    if on_device and seq_dev is not None and r == bs:
+      return self._allocate(("decode_on_device", r), state, seq_dev, (last,), bs)
+    packed = pack(r, bs, seq, None if on_device else last)
     extra = (self.padded(last, r, -1),) if on_device else ()
     return self._allocate(("decode", r), state, packed, extra, bs)
 
@@ -298,6 +304,13 @@ class DeviceBackend:
     self.ops = DeviceOps.for_config(config)
     self._hc = host.host_config(config)
     self._empty = None
+    self._copy_status = copies_status(self.device)
+
+  def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """A call's (..., status) with the status's copy to the host started (no wait)."""
+    if self._copy_status and result[-1] is not None:
+      result[-1].copy_to_host_async()
+    return result
 
   def init(self) -> AllocatorState:
     state = _INIT(self.config)
@@ -325,7 +338,7 @@ class DeviceBackend:
   def alloc(self, state, need_size, fits):
     if not fits:
       return state, None, None
-    return self.ops.alloc(state, need_size)
+    return self._landing(self.ops.alloc(state, need_size))
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     """Checked input (`checked`: validate.extend_args' result), or host data the host
@@ -353,7 +366,7 @@ class DeviceBackend:
     if not fits:
       return state, None, None
     pre, seq, last = plan.data
-    return self.ops.alloc_extend(state, pre, seq, last, plan.tokens)
+    return self._landing(self.ops.alloc_extend(state, pre, seq, last, plan.tokens))
 
   def decode_plan(self, seq, last, checked):
     """Checked input (host int64 seq_lens; last_loc host int64 or device i32), or host
@@ -375,7 +388,7 @@ class DeviceBackend:
   def alloc_decode(self, state, plan, fits):
     if not fits:
       return state, None, None
-    return self.ops.alloc_decode(state, *plan.data)
+    return self._landing(self.ops.alloc_decode(state, *plan.data, plan.seq_lens))
 
   def free(self, state, idx, values, counts, shared):
     del values  # the program finds the sorted unique pages itself
@@ -388,7 +401,7 @@ class DeviceBackend:
     if counts[0] == 0:  # no room: every page is listed already (only a double free)
       return state, None, None
     state, status = self.ops.free(op, state, values, counts[0], shared)
-    return state, None, status
+    return self._landing((state, None, status))
 
   def merge_and_sort_free(self, state, side, shared):
     del side  # one allocator
@@ -399,6 +412,12 @@ class DeviceBackend:
     return warmup_programs(self.ops, state, max_batch=max_batch, max_tokens=max_tokens,
                            max_free=max_free, exact_sizes=exact_sizes, extend=extend,
                            device_last_loc=device_last_loc)
+
+
+def copies_status(device: Any) -> bool:
+  """Whether a status on `device` (None: the default one) needs its copy to the host
+  started: not on the CPU, where the host reads the device's own buffer."""
+  return (device or jax.devices()[0]).platform != "cpu"
 
 
 def decode_row_sizes(max_batch: int) -> List[int]:
@@ -428,6 +447,9 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
     for last in lasts(r):
       outs.append(ops.fn(("decode", r))(ring, head, length, np.zeros((2 * r + 1,),
                                                                      np.int32), *last))
+    if device_last_loc and r <= EXACT_ROWS:  # seq_lens on the device too
+      outs.append(ops.fn(("decode_on_device", r))(
+          ring, head, length, jnp.ones((r,), jnp.int32), jnp.full((r,), -1, jnp.int32)))
   for r in _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH):
     for last in lasts(r) if extend and cfg.kind == "paged" else ():
       for tokens in token_list:

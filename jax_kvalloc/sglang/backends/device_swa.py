@@ -41,6 +41,7 @@ from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import status as _status
 from jax_kvalloc.sglang.backends.device import DeviceBackend
 from jax_kvalloc.sglang.backends.device import Programs
+from jax_kvalloc.sglang.backends.device import copies_status
 from jax_kvalloc.sglang.backends.device import decode_row_sizes
 from jax_kvalloc.sglang.backends.device import decode_rows
 from jax_kvalloc.sglang.backends.device import pack
@@ -270,6 +271,7 @@ class DeviceSWABackend:
     self.full = DeviceBackend(config.full, device)  # its plans (host checks) and empty
     self.device = self.full.device
     self.ops = SWAOps.for_config(config)
+    self._copy_status = copies_status(self.device)
 
   # -- state -----------------------------------------------------------------------------
   def init(self) -> SWAState:
@@ -299,7 +301,12 @@ class DeviceSWABackend:
     return self.ops.exact(out, n)
 
   def _run(self, key, state, shared, *args):
-    return self.ops.fn(key + (not shared,))(state, *args)
+    """One program; a (state, output, status) result's status starts its copy to the
+    host (no wait)."""
+    result = self.ops.fn(key + (not shared,))(state, *args)
+    if self._copy_status and not isinstance(result, SWAState):
+      result[-1].copy_to_host_async()
+    return result
 
   # -- allocations (the class found that both pools fit) -------------------------------
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
@@ -317,7 +324,7 @@ class DeviceSWABackend:
 
   def _packed_last(self, r: int, columns, last):
     on_device = isinstance(last, jax.Array)
-    packed = pack(r, *columns, None if on_device else last, fills=(0,) * len(columns) + (-1,))
+    packed = pack(r, len(columns[0]), *columns, None if on_device else last)
     return packed, ((self.ops.padded(last, r, -1),) if on_device else ())
 
   def alloc_extend(self, state, plan: Plan, shared):
