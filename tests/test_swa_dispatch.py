@@ -129,3 +129,34 @@ def test_sizes_within_a_bucket_compile_nothing_new(count):
     if bs == 8:
       warm = core_programs()
   assert core_programs() == warm
+
+
+def test_warmup_compiles_every_serving_program():
+  """The SWA class's warm-up (from the base class) compiles what a serving loop within
+  its maxima runs: afterwards prefills, decodes, tail extends, window frees and finishes
+  compile nothing."""
+  a, h = _pair(need_sort=True)
+  # exact_sizes: the output lengths below shorter than their token bucket (7, 14, 8).
+  report = a.warmup(max_batch=2, max_tokens=64, max_free=64, exact_sizes=[7, 8, 14])
+  assert report.programs > 0
+  ops = a._pools[0].backend.ops  # pylint: disable=protected-access
+  before = {k: f._cache_size() for k, f in ops._fns.items()}
+  for bs in (2, 1):
+    z, seq = np.zeros(bs, np.int64), np.full(bs, 2 * PS - 1, np.int64)
+    full = a.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum()))
+    h.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum()))
+    last = np.asarray(full).reshape(bs, -1)[:, -1]
+    _same(a.alloc_decode(seq + 1, seq + 1, last), h.alloc_decode(seq + 1, seq + 1, last))
+    one = np.zeros(1, np.int64)
+    tail = a.alloc_extend_swa_tail(one, one, np.array([8]), np.array([8]), np.array([-1]),
+                                   8, PS)
+    h.alloc_extend_swa_tail(one, one, np.array([8]), np.array([8]), np.array([-1]), 8, PS)
+    rows = np.asarray(full).reshape(bs, -1)
+    for x in (a, h):
+      x.free_swa_segment(rows[:, :PS].reshape(-1), start_pos=0)
+      x.free_full_segment(np.asarray(tail)[:PS], start_pos=0)
+      x.free_segment(np.asarray(tail)[PS:], start_pos=PS)
+      x.free(np.asarray(full))
+  assert {k: f._cache_size() for k, f in ops._fns.items()} == before
+  assert (a.full_available_size(), a.swa_available_size()) == (
+      h.full_available_size(), h.swa_available_size())

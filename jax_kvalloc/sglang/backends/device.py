@@ -411,7 +411,7 @@ class DeviceBackend:
              device_last_loc) -> WarmupReport:
     return warmup_programs(self.ops, state, max_batch=max_batch, max_tokens=max_tokens,
                            max_free=max_free, exact_sizes=exact_sizes, extend=extend,
-                           device_last_loc=device_last_loc)
+                           device_last_loc=device_last_loc, device=self.device)
 
 
 def copies_status(device: Any) -> bool:
@@ -427,13 +427,24 @@ def decode_row_sizes(max_batch: int) -> List[int]:
                     range(EXACT_ROWS + 1)))
 
 
+def placer(device: Any) -> Callable[[Any], Array]:
+  """Host ints to an i32 device array placed as the backend places its arrays (on
+  `device`; None: jax's default, uncommitted), so that warm-up compiles what serving
+  runs."""
+  if device is None:
+    return lambda x: jnp.asarray(np.asarray(x, np.int32))
+  return lambda x: jax.device_put(np.asarray(x, np.int32), device)
+
+
 def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
                     max_tokens: int, max_free: int, exact_sizes: Iterable[int] = (),
-                    extend: bool = True, device_last_loc: bool = False) -> WarmupReport:
+                    extend: bool = True, device_last_loc: bool = False,
+                    device: Any = None) -> WarmupReport:
   """Runs every program of this module up to the maxima on throwaway inputs (the state
   is not changed: allocation programs are pure and the donating ones get copies).
-  `device_last_loc`: also the variants that take last_loc as a device array, and its
-  pads from each of `exact_sizes` rows. Waits at the end."""
+  `device_last_loc`: also the variants that take last_loc (and seq_lens) as device
+  arrays, and its pads from each of `exact_sizes` rows; `device`: the backend's. Waits
+  at the end."""
   cfg = ops.config
   t0 = time.perf_counter()
   outs: List[Any] = []
@@ -442,14 +453,15 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
   for size in token_list:
     outs.append(ops.fn(("alloc", size))(ring, head, length, np.zeros((1,), np.int32)))
   # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
-  lasts = lambda r: [()] + ([(jnp.zeros((r,), jnp.int32),)] if device_last_loc else [])
+  put = placer(device)
+  lasts = lambda r: [()] + ([(put(np.zeros(r)),)] if device_last_loc else [])
   for r in decode_row_sizes(max_batch):
     for last in lasts(r):
       outs.append(ops.fn(("decode", r))(ring, head, length, np.zeros((2 * r + 1,),
                                                                      np.int32), *last))
     if device_last_loc and r <= EXACT_ROWS:  # seq_lens on the device too
       outs.append(ops.fn(("decode_on_device", r))(
-          ring, head, length, jnp.ones((r,), jnp.int32), jnp.full((r,), -1, jnp.int32)))
+          ring, head, length, put(np.ones(r)), put(np.full(r, -1))))
   for r in _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH):
     for last in lasts(r) if extend and cfg.kind == "paged" else ():
       for tokens in token_list:
@@ -469,22 +481,22 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
       target = jnp.copy(ring) if donate else ring
       outs.append(ops.fn(("merge", donate))(target, head, length, state.release_ring,
                                             state.release_head, state.release_len))
-  outs += warmup_exact(ops, exact_sizes, device_last_loc)
+  outs += warmup_exact(ops, exact_sizes, device_last_loc, put)
   jax.block_until_ready(outs)
   return WarmupReport(len(outs), time.perf_counter() - t0)
 
 
-def warmup_exact(ops: Programs, exact_sizes: Iterable[int],
-                 device_last_loc: bool) -> List[Any]:
+def warmup_exact(ops: Programs, exact_sizes: Iterable[int], device_last_loc: bool,
+                 put: Callable[[np.ndarray], Array]) -> List[Any]:
   """The exact-length slices of `exact_sizes` (decode outputs pad to row counts, the
   others to token buckets) and, with device_last_loc, the pads of a device last_loc of
-  each size to its row count."""
+  each size to its row count. `put`: host ints to a device array placed as the state."""
   outs = []
   for size in exact_sizes:
     for length in {decode_rows(size), buckets.bucket(size, buckets.MIN_TOKENS)}:
       if length != size:
-        outs.append(ops.exact(jnp.zeros((length,), jnp.int32), size))
+        outs.append(ops.exact(put(np.zeros(length)), size))
     for r in {rows(size), decode_rows(size)} if device_last_loc else ():
       if r != size:
-        outs.append(ops.padded(jnp.zeros((size,), jnp.int32), r, -1))
+        outs.append(ops.padded(put(np.zeros(size)), r, -1))
   return outs

@@ -45,6 +45,7 @@ from jax_kvalloc.sglang.backends.device import copies_status
 from jax_kvalloc.sglang.backends.device import decode_row_sizes
 from jax_kvalloc.sglang.backends.device import decode_rows
 from jax_kvalloc.sglang.backends.device import pack
+from jax_kvalloc.sglang.backends.device import placer
 from jax_kvalloc.sglang.backends.device import rows
 from jax_kvalloc.sglang.backends.device import warmup_exact
 from jax_kvalloc.warmup import WarmupReport
@@ -419,7 +420,8 @@ class DeviceSWABackend:
     t0 = time.perf_counter()
     ops, outs, ps = self.ops, [], self.config.page_size
     tokens_list = bucket_sizes(max_tokens, buckets.MIN_TOKENS)
-    lasts = lambda r: [()] + ([(jnp.full((r,), -1, jnp.int32),)] if device_last_loc else [])
+    put = placer(self.device)
+    lasts = lambda r: [()] + ([(put(np.full(r, -1)),)] if device_last_loc else [])
     def run(key, *args):  # both variants: copying, and donating (a copy of the state)
       for donate in (False, True):
         target = jax.tree.map(jnp.copy, state) if donate else state
@@ -444,7 +446,7 @@ class DeviceSWABackend:
         run((op, m), np.zeros((m,), np.int32), np.array([0, 0, 0, 0], np.int32))
     for side in (0, 1) if self.config.need_sort else ():
       run(("merge", side))
-    outs += warmup_exact(ops, exact_sizes, device_last_loc)
+    outs += warmup_exact(ops, exact_sizes, device_last_loc, put)
     jax.block_until_ready(outs)
     return WarmupReport(len(outs), time.perf_counter() - t0)
 
