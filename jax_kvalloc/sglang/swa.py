@@ -257,9 +257,10 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     for name, arg in (("prefix_lens", prefix_lens if prefix_lens_cpu is None else
                        prefix_lens_cpu), ("seq_lens", seq_lens if seq_lens_cpu is None
                                           else seq_lens_cpu)):
-      if np.shape(arg) != (1,):
+      shape = tuple(arg.shape) if hasattr(arg, "shape") else np.shape(arg)  # no read
+      if shape != (1,):
         raise ValueError(f"alloc_extend_swa_tail takes one request (as SGLang), got "
-                         f"{name} of shape {np.shape(arg)}")
+                         f"{name} of shape {shape}")
     ext = validate.count(extend_num_tokens, "extend_num_tokens")
     tail = validate.count(swa_tail_len, "swa_tail_len")
     if tail > ext:
@@ -347,7 +348,7 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       return
     ps = self.page_size
     if self._group is not None:
-      self._take(r, "take_pages" if ps == 1 else "take_peers", idx, "free")
+      self._take(r, "take_pages" if ps == 1 else "take_peers", idx, "free_swa")
       self._group[r].slots.append(np.array(idx, copy=True))
       return
     self._free(pool, "free", idx, 0, (self._full_pages(idx), idx.size if ps == 1 else None))
@@ -438,7 +439,9 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
 
   def free_segments(self, segments: Sequence[Tuple[Any, int]], dp_rank: int = 0) -> None:
     """Each (free_index, start_pos) segment of one request through free_segment, in
-    order, every one checked first (consecutive segments must not share a page)."""
+    order, every one checked first (consecutive segments must not share a page). What
+    only the state shows is checked segment by segment: one whose page has no SWA peer
+    is refused, after the segments before it were freed."""
     self._segments(segments, dp_rank, swa=True)
 
   def free_full_segments(self, segments: Sequence[Tuple[Any, int]],
