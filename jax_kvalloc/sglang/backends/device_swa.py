@@ -65,10 +65,26 @@ def _peerless(mapping: Array, slots: Array, reads: Array) -> Tuple[Array, Array]
   return bad.any(), jnp.argmax(bad)
 
 
-def _pushed(old: SWAState, new: SWAState, need_sort: bool) -> Array:
-  """i32[2]: the entries each pool's written list took (full, SWA)."""
-  return jnp.stack([st.freed_list(need_sort, n)[2] - st.freed_list(need_sort, o)[2]
-                    for o, n in ((old.full, new.full), (old.swa, new.swa))])
+def _listed(old: SWAState, new: SWAState, counts: Array,
+            need_sort: bool) -> Tuple[SWAState, Array, Array]:
+  """A free's result checked against `counts` (i32[2], the entries each pool's list must
+  take; -1: any). Returns (state, i32[2] entries taken, status): when a list took other
+  than its count (NOT_LISTED), both pools keep their old heads and lengths, so the free
+  is refused (the entries it wrote lie outside the lists)."""
+  pairs = ((old.full, new.full), (old.swa, new.swa))
+  pushed = jnp.stack([st.freed_list(need_sort, n)[2] - st.freed_list(need_sort, o)[2]
+                      for o, n in pairs])
+  short = jnp.where(counts >= 0, counts - pushed, 0)
+  bad = jnp.any(short != 0)
+  kept = []
+  for o, n in pairs:
+    ring, head, length = st.freed_list(need_sort, n)[:3]
+    _, old_head, old_len = st.freed_list(need_sort, o)[:3]
+    kept.append(st.with_freed_list(need_sort, n, ring, jnp.where(bad, old_head, head),
+                                   jnp.where(bad, old_len, length)))
+  k = jnp.argmax(short != 0)
+  return (new._replace(full=kept[0], swa=kept[1]), jnp.where(bad, 0, pushed),
+          _status.make(_status.NOT_LISTED, bad, -1, short[k]))
 
 
 # Free programs: (state, idx i32[m], info i32[4]) -> (state, i32[2], status), keyed by
@@ -179,13 +195,10 @@ class SWAOps(Programs):
         new = core.free_full(cfg, state, jnp.where(given, idx, 0))
       else:
         new = core.free_full_segment(cfg, state, idx, start, n)
-      pushed = _pushed(state, new, cfg.need_sort)
-      short = jnp.where(info[2:] >= 0, info[2:] - pushed, 0)  # -1: the program counts
-      statuses = [_status.make(_status.NOT_LISTED, short[k] != 0, -1, short[k])
-                  for k in (0, 1)]
+      new, pushed, status = _listed(state, new, info[2:], cfg.need_sort)
       if segment:
-        statuses.insert(0, _status.make(_status.NO_PEER, bad, i, idx[i]))
-      return new, pushed, _status.first(*statuses)
+        status = _status.first(_status.make(_status.NO_PEER, bad, i, idx[i]), status)
+      return new, pushed, status
     return fn
 
   # -- free groups: the SWA side resolved at call time, freed at the group's end -------
@@ -227,11 +240,7 @@ class SWAOps(Programs):
         new_pool = freeing.free_page_ids(pool_cfg, getattr(state, side), values)
       else:
         new_pool = freeing.free(pool_cfg, getattr(state, side), values)
-      new = state._replace(**{side: new_pool})
-      pushed = _pushed(state, new, cfg.need_sort)
-      short = jnp.where(info[2:] >= 0, info[2:] - pushed, 0)
-      return new, pushed, _status.first(*[
-          _status.make(_status.NOT_LISTED, short[k] != 0, -1, short[k]) for k in (0, 1)])
+      return _listed(state, state._replace(**{side: new_pool}), info[2:], cfg.need_sort)
     return fn
 
   # -- the rest ----------------------------------------------------------------------------
