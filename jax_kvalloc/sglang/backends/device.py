@@ -347,20 +347,38 @@ class DeviceBackend:
     if checked is not None:
       return Plan(pre.shape[0], checked.new_pages, checked.total_tokens, (pre, seq, last))
     hc = self._hc
+    last, dev = self._stand_in(last, pre, 1)
     spre = host.small_ints(pre)
     sseq = host.small_ints(seq) if spre is not None else None
     slast = host.small_ints(last) if sseq is not None else None
     if slast is not None:
       plan = host.extend_plan_small(hc, spre, sseq, slast, extend_num_tokens)
       if plan is not None:
-        return Plan(len(spre), plan[1], plan[0], (spre, sseq, slast))
+        return Plan(len(spre), plan[1], plan[0], (spre, sseq, slast if dev is None else dev))
     pre, seq, last = host.i64(pre), host.i64(seq), host.i64(last)
     if pre is None or seq is None or last is None:
       return None
     plan = host.extend_plan(hc, pre, seq, last, extend_num_tokens)
     if plan is None:
       return None
-    return Plan(pre.shape[0], plan[1], plan[0], (pre, seq, last))
+    return Plan(pre.shape[0], plan[1], plan[0], (pre, seq, last if dev is None else dev))
+
+  def _stand_in(self, last: Any, lens: Any, offset: int) -> Tuple[Any, Any]:
+    """(last_loc as the host plans check it, the device last_loc or None). A device
+    int32 last_loc of len(lens) rows is taken as it is, checked by its aligned stand-in
+    (validate.aligned_last_loc of lens); host data, and what the class must check
+    itself (None), as given."""
+    if not isinstance(last, jax.Array):
+      return last, None
+    if last.dtype != jnp.int32 or last.shape != (len(lens),):
+      return None, None
+    small = host.small_ints(lens)
+    if small is not None:
+      ps = self.config.page_size
+      return [(n - offset) % ps if n >= offset else -1 for n in small], last
+    if type(lens) is np.ndarray:
+      return validate.aligned_last_loc(lens, self.config.page_size, offset), last
+    return None, None
 
   def alloc_extend(self, state, plan, fits):
     if not fits:
@@ -374,16 +392,21 @@ class DeviceBackend:
     if checked:
       pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
       return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+    last, dev = self._stand_in(last, seq, 2)
     sseq = host.small_ints(seq)
     slast = host.small_ints(last) if sseq is not None else None
     if slast is not None:
       pages = host.decode_plan_small(self._hc, sseq, slast)
-      return None if pages is None else Plan(len(sseq), pages, len(sseq), (sseq, slast))
+      if pages is None:
+        return None
+      return Plan(len(sseq), pages, len(sseq), (sseq, slast if dev is None else dev))
     seq, last = host.i64(seq), host.i64(last)
     if seq is None or last is None:
       return None
     plan = host.decode_plan(self._hc, seq, last)
-    return None if plan is None else Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last))
+    if plan is None:
+      return None
+    return Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last if dev is None else dev))
 
   def alloc_decode(self, state, plan, fits):
     if not fits:
