@@ -583,15 +583,17 @@ class BaseAllocator:
     """Compiles, before serving, every program a call within these maxima can need.
 
     Device backend: every shape bucket of alloc (up to max_tokens slots), alloc_decode
-    (up to max_batch rows), alloc_extend (every rows x tokens bucket pair), free and
-    free_page_ids (up to max_free indices, default max_tokens; donating and copying
-    variants) and the need_sort merge, plus the exact-length output slices of
-    `exact_sizes` (an output shorter than its bucket is cut by a tiny program compiled
-    once per (bucket, length): list the lengths you expect, e.g. range(1, max_batch + 1)
-    for decode). `device_last_loc=True` when last_loc will come as a device array: also
-    the programs that take it so, and its pads from each of `exact_sizes` rows. The state
-    is not changed. The host backend and debug mode compile nothing here (debug mode
-    compiles its programs on first use). Ranks of one config share their programs.
+    (each batch size up to 64 rows, which run at their exact size, then buckets up to
+    max_batch), alloc_extend (every rows x tokens bucket pair), the frees (up to
+    max_free indices, default max_tokens; donating and copying variants) and the
+    need_sort merge; the SWA class: its programs over both pools alike. Plus the
+    exact-length output slices of `exact_sizes` (an output shorter than its bucket is
+    cut by a tiny program compiled once per (bucket, length): list the lengths you
+    expect). `device_last_loc=True` when last_loc (and seq_lens, page ids, segments'
+    free_index) will come as device arrays: also the programs that take them so, and
+    the pads of a last_loc from each of `exact_sizes` rows. The state is not changed.
+    The host backend and debug mode compile nothing here (debug mode compiles its
+    programs on first use). Ranks of one config share their programs.
 
     Returns WarmupReport(programs, seconds), summed over the ranks. With JAX's
     persistent compilation cache on (jax_kvalloc.warmup.enable_persistent_cache; README

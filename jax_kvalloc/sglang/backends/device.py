@@ -145,6 +145,17 @@ class Programs:
       return x
     return self.fn(("pad", x.shape[0], rows_, fill))(x)
 
+  def with_counts(self, values: Any, m: int, *counts: int) -> Tuple[Any, ...]:
+    """A free program's inputs: `values` padded with 0 to m, then the ints `counts`:
+    one host i32[m + len(counts)] for host values (one transfer), or (the values padded
+    on the device, the counts as a host i32 array) for a device array."""
+    if isinstance(values, jax.Array):
+      return self.padded(values, m, 0), np.array(counts, np.int32)
+    packed = np.zeros((m + len(counts),), np.int32)
+    packed[:values.shape[0]] = values
+    packed[m:] = counts
+    return (packed,)
+
   def exact(self, out: Array, n: int) -> Array:
     """out[:n] without waiting: `out` itself when it has that length, else one launch of
     a cached jitted slice."""
@@ -207,7 +218,9 @@ class DeviceOps(Programs):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
 
-      def free_fn(ring, head, length, other_len, values, count):
+      def free_fn(ring, head, length, other_len, values, count=None):
+        if count is None:  # host values: the counts ride at their end (one transfer)
+          values, count = values[:-2], values[-2:]
         s = body(cfg, _write_state(cfg, ring, head, length, other_len), values)
         ring, new_head, new_len = st.freed_list(cfg.need_sort, s)[:3]
         short = count[0] - (new_len - length)
@@ -275,8 +288,8 @@ class DeviceOps(Programs):
     n = values.shape[0]
     m = buckets.bucket(n, buckets.MIN_FREE)
     ring, head, length, status = self.fn((op, m, not shared))(
-        *st.freed_list(self.config.need_sort, state)[:4], self.padded(values, m, 0),
-        np.array([count, n], np.int32))
+        *st.freed_list(self.config.need_sort, state)[:4],
+        *self.with_counts(values, m, count, n))
     return st.with_freed_list(self.config.need_sort, state, ring, head, length), status
 
   def merge_and_sort_free(self, state: AllocatorState, shared: bool) -> AllocatorState:
@@ -465,9 +478,9 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
                     device: Any = None) -> WarmupReport:
   """Runs every program of this module up to the maxima on throwaway inputs (the state
   is not changed: allocation programs are pure and the donating ones get copies).
-  `device_last_loc`: also the variants that take last_loc (and seq_lens) as device
-  arrays, and its pads from each of `exact_sizes` rows; `device`: the backend's. Waits
-  at the end."""
+  `device_last_loc`: also the variants that take last_loc, seq_lens and page ids as
+  device arrays, and the pads of a last_loc from each of `exact_sizes` rows; `device`:
+  the backend's. Waits at the end."""
   cfg = ops.config
   t0 = time.perf_counter()
   outs: List[Any] = []
@@ -493,12 +506,14 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
   w_ring, w_head, w_len, other = st.freed_list(cfg.need_sort, state)
   names = ["free"] + (["free_page_ids"] if cfg.kind == "paged" else [])
   for m in _warmup.bucket_sizes(max_free, buckets.MIN_FREE):
-    values = np.zeros((m,), np.int32)  # all padding: frees nothing
-    for name in names:
-      for donate in (True, False):
-        target = jnp.copy(w_ring) if donate else w_ring
-        outs.append(ops.fn((name, m, donate))(target, w_head, w_len, other, values,
-                                              np.zeros((2,), np.int32)))
+    for name in names:  # host values; device page ids (free_page_ids, free_segment)
+      inputs = [ops.with_counts(np.zeros(m, np.int32), m, 0, 0)]
+      if name == "free_page_ids" and device_last_loc:
+        inputs.append(ops.with_counts(put(np.zeros(m)), m, 0, 0))
+      for args in inputs:
+        for donate in (True, False):
+          target = jnp.copy(w_ring) if donate else w_ring
+          outs.append(ops.fn((name, m, donate))(target, w_head, w_len, other, *args))
   if cfg.need_sort:
     for donate in (True, False):
       target = jnp.copy(ring) if donate else ring

@@ -175,7 +175,9 @@ class SWAOps(Programs):
     segment = op in ("free_swa_segment", "free_segment") or (
         ps == 1 and op in ("free", "free_swa"))
 
-    def fn(state, idx, info):
+    def fn(state, idx, info=None):
+      if info is None:  # host slots: the counts ride at their end (one transfer)
+        idx, info = idx[:-4], idx[-4:]
       n, start = info[0], info[1]
       given = jnp.arange(idx.shape[0]) < n
       bad = jnp.zeros((), bool)
@@ -207,7 +209,9 @@ class SWAOps(Programs):
     pages, status): free_swa_segment's first half."""
     ps = self.config.page_size
 
-    def fn(state, idx, info):
+    def fn(state, idx, info=None):
+      if info is None:
+        idx, info = idx[:-4], idx[-4:]
       given = jnp.arange(idx.shape[0]) < info[0]
       bad, i = _peerless(state.mapping, idx, given & (jnp.arange(idx.shape[0]) % ps == 0))
       mapping, pages = core.take_segment_pages(state.mapping, idx, ps, given & ~bad)
@@ -220,7 +224,9 @@ class SWAOps(Programs):
     slots i32[m * ps] (0 where none), status 0): free_swa's first half."""
     ps = self.config.page_size
 
-    def fn(state, idx, info):
+    def fn(state, idx, info=None):
+      if info is None:
+        idx, info = idx[:-4], idx[-4:]
       given = jnp.repeat((jnp.arange(idx.shape[0]) < info[0]) & (idx > 0), ps)
       wide = ((idx // ps) * ps)[:, None] + jnp.arange(ps, dtype=jnp.int32)[None, :]
       wide = wide.reshape(-1)
@@ -233,7 +239,9 @@ class SWAOps(Programs):
     """One pool's free of a free group's queue: page ids in order, or slots."""
     cfg = self.config
 
-    def fn(state, values, info):
+    def fn(state, values, info=None):
+      if info is None:
+        values, info = values[:-4], values[-4:]
       pool_cfg = getattr(cfg, side)
       values = jnp.where(jnp.arange(values.shape[0]) < info[0], values, 0)
       if page_ids:
@@ -368,9 +376,9 @@ class DeviceSWABackend:
     program can count (then read: a wait). Returns (state, the counts, status)."""
     n = idx.shape[0]
     m = buckets.bucket(n, buckets.MIN_FREE)
-    info = np.array([n, start] + [-1 if c is None else c for c in counts], np.int32)
+    info = [n, start] + [-1 if c is None else c for c in counts]
     state, pushed, status = self._run((op, m), state, shared,
-                                      self.ops.padded(idx, m, 0), info)
+                                      *self.ops.with_counts(idx, m, *info))
     if None in counts:
       return state, tuple(int(v) for v in np.asarray(pushed)), status
     return state, counts, status
@@ -383,8 +391,7 @@ class DeviceSWABackend:
     del name
     n = idx.shape[0]
     m = buckets.bucket(n, buckets.MIN_FREE)
-    return self._run((op, m), state, shared, self.ops.padded(idx, m, 0),
-                     np.array([n, 0, 0, 0], np.int32))
+    return self._run((op, m), state, shared, *self.ops.with_counts(idx, m, n, 0, 0, 0))
 
   def segment_pages(self, idx: Any) -> Any:
     """A segment's full pages, idx[::page_size] // page_size, where idx lives (a device
@@ -451,8 +458,10 @@ class DeviceSWABackend:
     frees = ["free", "free_swa", "free_full"] + (
         ["free_swa_segment", "free_segment", "free_full_segment"] if ps > 1 else [])
     for m in bucket_sizes(max_free, buckets.MIN_FREE):
-      for op in frees:
-        run((op, m), np.zeros((m,), np.int32), np.array([0, 0, 0, 0], np.int32))
+      for op in frees:  # host slots; device free_index (the segment frees)
+        run((op, m), *ops.with_counts(np.zeros(m, np.int32), m, 0, 0, 0, 0))
+        if "segment" in op and device_last_loc:
+          run((op, m), *ops.with_counts(put(np.zeros(m)), m, 0, 0, 0, 0))
     for side in (0, 1) if self.config.need_sort else ():
       run(("merge", side))
     outs += warmup_exact(ops, exact_sizes, device_last_loc, put)
