@@ -1,4 +1,4 @@
-"""`python -m jax_kvalloc` runs the `jax-kvalloc` command (its default is `simulate`)."""
+"""`python -m jax_kvalloc` runs the `jax-kvalloc` command."""
 from jax_kvalloc.tools.cli import main
 
 if __name__ == "__main__":

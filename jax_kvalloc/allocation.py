@@ -214,7 +214,7 @@ def alloc_extend(config: AllocatorConfig, state: AllocatorState, prefix_lens: Ar
     return _take_pages(s, total_pages, ok), out, ok
 
   # "auto" follows the device that holds the pool (kernels.by_device).
-  return kernels.by_device(config.kernel, state.free_ring, rest)
+  return kernels.by_device(config.kernel, state.free_ring, rest, "alloc_extend")
 
 
 def alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
@@ -282,7 +282,7 @@ def _alloc_decode(config: AllocatorConfig, state: AllocatorState, seq_lens: Arra
   if name is not None:
     return rest(name)
   # "auto" follows the device that holds the pool (kernels.by_device).
-  return kernels.by_device(config.kernel, state.free_ring, rest)
+  return kernels.by_device(config.kernel, state.free_ring, rest, "alloc_decode")
 
 
 def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
@@ -337,4 +337,4 @@ def release_and_alloc_decode(config: AllocatorConfig, state: AllocatorState,
     return _alloc_decode(config, released, seq_lens, last_loc, num_reqs, name=name)
 
   # "auto" follows the device that holds the pool (kernels.by_device).
-  return kernels.by_device(config.kernel, state.free_ring, rest)
+  return kernels.by_device(config.kernel, state.free_ring, rest, "release_decode")

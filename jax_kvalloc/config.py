@@ -16,8 +16,8 @@ MAX_PAGES = 2**30
 KINDS = ("token", "paged")
 # jax_kvalloc.kernels says what each selects; "pallas" and "pallas_interpret" are the
 # older names of the platform's Pallas kernels.
-KERNELS = ("auto", "jnp", "triton", "mosaic", "triton_interpret", "mosaic_interpret",
-           "pallas", "pallas_interpret")
+KERNELS = ("auto", "jnp", "triton", "mosaic_gpu", "mosaic", "triton_interpret",
+           "mosaic_gpu_interpret", "mosaic_interpret", "pallas", "pallas_interpret")
 
 
 def _env_kernel() -> str:
@@ -45,11 +45,12 @@ class AllocatorConfig:
     kind: "paged" (SGLang's PagedTokenToKVPoolAllocator: `free` prepends the sorted,
       unique pages, LIFO) or "token" (SGLang's TokenToKVPoolAllocator: page_size must be 1,
       `free` appends the slots as given, FIFO, without de-duplication).
-    kernel: the implementations the operations run (jax_kvalloc.kernels): "auto" (the
-      Triton kernels on a GPU pool, Mosaic on a TPU pool, XLA on CPU), "jnp", "triton",
-      "mosaic", "triton_interpret", "mosaic_interpret", or the older "pallas" /
-      "pallas_interpret". Default from the environment variable JAX_KVALLOC_KERNEL,
-      else "auto".
+    kernel: the implementations the operations run (jax_kvalloc.kernels): "auto" (on a
+      GPU pool the best usable kernels per operation: Triton, else Mosaic GPU, else XLA;
+      Mosaic on a TPU pool; XLA on CPU), "jnp", "triton", "mosaic_gpu", "mosaic",
+      "triton_interpret", "mosaic_gpu_interpret", "mosaic_interpret", or the older
+      "pallas" / "pallas_interpret". Default from the environment variable
+      JAX_KVALLOC_KERNEL, else "auto".
     debug: carry misuse checks (double free, duplicate outputs, misaligned last_loc,
       reserved or out-of-range frees) through jitted code. Default from JAX_KVALLOC_DEBUG.
   """

@@ -166,8 +166,7 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
 
 
 def _exclusive_prefix(x: Array) -> Array:
-  """i32[W] -> i32[W]: out[i] = sum(x[:i]). One place, so that benchmarks can try other
-  prefix sums (benchmarks/free_methods_gpu.py)."""
+  """i32[W] -> i32[W]: out[i] = sum(x[:i])."""
   return jnp.cumsum(x) - x
 
 
@@ -187,7 +186,7 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
   return kernels.by_device(
       config.kernel, state.free_ring,
       lambda name: PAGED_FREE[paged_free_implementation(config, name, m)](
-          config, state, free_index))
+          config, state, free_index), "free")
 
 
 def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:

@@ -7,11 +7,15 @@ implementation where it has one that suits the call, else XLA's:
   "jnp"      XLA only: jax_kvalloc.index_jnp, freeing's sort or bitmap. The truth that
              every kernel is checked against.
   "triton"   the Pallas-Triton kernels of pallas_kernels (GPU).
+  "mosaic_gpu"
+             the Pallas Mosaic GPU kernels of pallas_kernels (GPU, Hopper and newer;
+             jax >= 0.11).
   "mosaic"   the Pallas-Mosaic kernels of pallas_kernels (TPU).
-  "triton_interpret", "mosaic_interpret"
-             the same kernels in Pallas' interpreter (any platform; for tests).
-  "auto"     the pool's platform decides: "triton" on a GPU, "mosaic" on a TPU, "jnp"
-             elsewhere (CPU).
+  "triton_interpret", "mosaic_gpu_interpret", "mosaic_interpret"
+             the same kernels in Pallas' interpreters (any platform; for tests).
+  "auto"     the pool's platform decides: on a GPU, per operation, the first usable
+             family of GPU_PREFERENCE (`gpu_choice`); "mosaic" on a TPU; "jnp" elsewhere
+             (CPU).
   "pallas", "pallas_interpret"
              the older names: the Pallas kernels of the pool's platform ("mosaic" on a
              TPU, "triton" elsewhere), in the interpreter for the second.
@@ -24,9 +28,15 @@ operation, or the call does not suit it, the operation runs XLA's:
                   or, in debug mode and for batches past `extend_fused_preferred`, XLA's
                   bookkeeping around the index kernel; mosaic: the index kernel
   alloc_decode    jnp; triton: one launch (`alloc_decode_fused`), or the index kernel
-                  (debug mode, past `decode_fused_supported`); mosaic: the index kernel
+                  (debug mode, past `decode_fused_supported`); mosaic_gpu: one launch
+                  (outside debug mode); mosaic: the index kernel
   release_decode  jnp (free_page_ids, then alloc_decode); triton: one launch for a paged
-                  pool without need_sort or debug (`release_alloc_decode_fused`)
+                  pool without need_sort or debug (`release_alloc_decode_fused`);
+                  mosaic_gpu: free_page_ids, then its alloc_decode
+  table           the request table's step (request_table.step_rows and each of its
+                  operations): jnp (the composition); triton, mosaic_gpu: one launch that
+                  writes the pool and the table (two with extend) for a paged pool
+                  without need_sort or debug
   free            sort or bitmap (XLA, by size: freeing.free_method); triton: one memset
                   and three launches for a paged pool outside debug mode, for sizes
                   `pallas_kernels.free_preferred` takes
@@ -34,10 +44,17 @@ operation, or the call does not suit it, the operation runs XLA's:
 The fused Triton calls exist because on a GPU each separate XLA op of the bookkeeping is
 a launch of its own. A need_sort merge stays with the caller, before them.
 
+"auto" on a GPU never breaks: a family that this process cannot use is skipped (Pallas'
+Triton backend missing, or failing to lower a probe kernel: `usable`; Mosaic GPU before
+jax 0.11 or on a GPU older than Hopper), and the choice is said once, as a log line of
+the "jax_kvalloc" logger, not a warning per compile. Pallas' Triton backend is deprecated
+by jax (0.11 on); our kernels silence jax's warning about it (pallas_kernels._util.
+quiet_triton), and the first "auto" that picks it logs one note.
+
 "auto" (and the older names) resolve by the platform of the pool (`by_device`): a
 concrete state's arrays say where they live; under tracing, the platform the program
 will be lowered for when that is known at trace time: the device of an abstract mesh in
-scope (`jax.sharding.use_abstract_mesh`, as pallas_kernels.lowering_check exports for an
+scope (`jax.sharding.use_abstract_mesh`, as tests/lowering_check.py exports for an
 abstract H200 or TPU), else the platform of the only backend this process has (a
 CPU-only host). Only where several backends could run it (a GPU host has a CPU backend
 too) does the choice fall to `lax.platform_dependent` over those platforms, decided when
@@ -45,8 +62,11 @@ lowering.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
-from typing import Callable, Optional, Tuple, TypeVar
+import logging
+from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
 import jax
 # Imported here, not lazily where a kernel is first traced: on jax >= 0.12 importing Pallas
@@ -62,46 +82,210 @@ from jax_kvalloc.state import AllocatorState
 Array = jax.Array
 AllocResult = Tuple[AllocatorState, Array, Array]
 T = TypeVar("T")
+logger = logging.getLogger("jax_kvalloc")
 
 # Names that resolve to themselves on every platform.
-CONCRETE = ("jnp", "triton", "mosaic", "triton_interpret", "mosaic_interpret")
+CONCRETE = ("jnp", "triton", "mosaic_gpu", "mosaic", "triton_interpret",
+            "mosaic_gpu_interpret", "mosaic_interpret")
 # Names whose meaning depends on the pool's platform.
 BY_PLATFORM = ("auto", "pallas", "pallas_interpret")
 
 REGISTRY = {
     "alloc": ("jnp",),
     "alloc_extend": ("jnp", "triton", "mosaic"),
-    "alloc_decode": ("jnp", "triton", "mosaic"),
-    "release_decode": ("jnp", "triton"),
+    "alloc_decode": ("jnp", "triton", "mosaic_gpu", "mosaic"),
+    "release_decode": ("jnp", "triton", "mosaic_gpu"),
     "free": ("sort", "bitmap", "triton"),
+    "table": ("jnp", "triton", "mosaic_gpu"),
+}
+
+# "auto" on a GPU: per operation, the families in order of preference; the first usable
+# one runs it (jnp, always usable, last). The order is what the committed H200 run shows
+# (BENCHMARKS.md, "Mosaic GPU"; benchmarks/results/2026-12-01-h200-mosaic-gpu): Mosaic
+# GPU would go before Triton only where it is at least as fast, which it is nowhere
+# there; it follows Triton only where it beat XLA: the table's step (decode step at
+# bs 64 and 256 faster, 1024 a tie), not alloc_decode (bs 1: slower than XLA's call).
+GPU_PREFERENCE = {
+    "alloc": ("jnp",),
+    "alloc_extend": ("triton", "jnp"),
+    "alloc_decode": ("triton", "jnp"),
+    "release_decode": ("triton", "jnp"),
+    "free": ("triton", "jnp"),
+    "table": ("triton", "mosaic_gpu", "jnp"),
 }
 
 # lax.platform_dependent's keys.
 _PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
-def for_platform(kernel: str, platform: str) -> str:
+def for_platform(kernel: str, platform: str, op: Optional[str] = None) -> str:
   """The concrete name (one of CONCRETE) that `kernel` selects for a pool on `platform`
-  ("cpu", "gpu", "cuda", "rocm", "tpu", ...)."""
+  ("cpu", "gpu", "cuda", "rocm", "tpu", ...) for operation `op` (a key of
+  GPU_PREFERENCE; None: the allocator's decode, the family most operations take)."""
   if kernel not in BY_PLATFORM:
     return kernel
   gpu = platform in ("gpu", "cuda", "rocm")
   if kernel == "auto":
-    return "triton" if gpu else "mosaic" if platform == "tpu" else "jnp"
+    if gpu:
+      return gpu_choice(op or "alloc_decode")
+    if platform == "tpu":
+      return "mosaic"
+    if _SIMULATED_GPU and platform == "cpu":
+      name = gpu_choice(op or "alloc_decode")
+      return name if name == "jnp" else name + "_interpret"
+    return "jnp"
   name = "mosaic" if platform == "tpu" else "triton"
   return name + ("_interpret" if kernel == "pallas_interpret" else "")
 
 
-def resolve(kernel: str) -> str:
+def resolve(kernel: str, op: Optional[str] = None) -> str:
   """The concrete name `kernel` selects on the default backend (eager code and tools;
   the allocator itself resolves by the pool's device, `by_device`)."""
-  return for_platform(kernel, jax.default_backend())
+  return for_platform(kernel, jax.default_backend(), op)
 
 
 def family(name: str) -> Tuple[str, bool]:
-  """("jnp" | "triton" | "mosaic", interpret) of a concrete name."""
-  base, _, mode = name.partition("_")
-  return base, mode == "interpret"
+  """("jnp" | "triton" | "mosaic_gpu" | "mosaic", interpret) of a concrete name."""
+  base, sep, _ = name.partition("_interpret")
+  return base, bool(sep)
+
+
+# ---------------------------------------------------------------------------------------
+# Which GPU families this process can use ("auto" on a GPU).
+# ---------------------------------------------------------------------------------------
+
+def gpu_choice(op: str) -> str:
+  """The family "auto" runs `op` with on a GPU: the first usable one of
+  GPU_PREFERENCE[op] (jnp when none is). A preferred family that is not usable is said
+  once per process (`_say_fallback`), the use of Pallas' Triton backend once too."""
+  prefs = GPU_PREFERENCE.get(op, ("triton", "jnp"))
+  choice = next((name for name in prefs if usable(name)), "jnp")
+  for name in prefs[:prefs.index(choice)] if choice in prefs else prefs:
+    _say_fallback(name)
+  if choice == "triton":
+    _note_triton()
+  return choice
+
+
+def usable(name: str) -> bool:
+  """Whether this process can run family `name` on its GPU: "jnp" always; "triton" when
+  Pallas' Triton backend imports and lowers a probe kernel (`_triton_problem`);
+  "mosaic_gpu" when this jax builds the Mosaic GPU kernels and the GPU (if one is
+  attached) is Hopper or newer."""
+  if name == "jnp":
+    return True
+  if name == "triton":
+    return _triton_problem() is None
+  if name == "mosaic_gpu":
+    return _mosaic_gpu_problem() is None
+  return False
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_problem() -> Optional[str]:
+  """None when Pallas' Triton backend works here, else why not (once per process): it
+  must import, its deprecation must not have been made an error, and a small kernel of
+  ours must lower for an abstract H200 (no GPU needed; in a thread of its own, so that a
+  first use inside a trace starts from a clean trace state)."""
+  try:
+    from jax.experimental.pallas import triton  # pylint: disable=g-import-not-at-top,unused-import
+  except Exception as e:  # pylint: disable=broad-except
+    return f"it does not import ({type(e).__name__}: {e})"
+  try:
+    from jax._src import deprecations  # pylint: disable=g-import-not-at-top
+    if deprecations.is_accelerated("jax-pallas-triton"):
+      return "jax made its deprecation an error"
+  except Exception:  # pylint: disable=broad-except  (no such registry: nothing accelerated)
+    pass
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(_lower_triton_probe).result()
+
+
+def _lower_triton_probe() -> Optional[str]:
+  """Exports our one-launch decode kernel for an abstract H200 (jax.export: the Python
+  side of Pallas' Triton lowering, on any machine); None, or why it failed."""
+  try:
+    from jax import export  # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    from jax.sharding import AbstractMesh  # pylint: disable=g-import-not-at-top
+    try:  # jax >= 0.11 exports it from jax.sharding
+      from jax.sharding import AbstractDevice  # type: ignore[attr-defined]  # pylint: disable=g-import-not-at-top
+    except ImportError:  # jax 0.10
+      from jax._src.mesh import AbstractDevice  # type: ignore[no-redef]  # pylint: disable=g-import-not-at-top
+    from pallas_kernels import triton_decode  # pylint: disable=g-import-not-at-top
+    spec = jax.ShapeDtypeStruct
+    probe = functools.partial(triton_decode.alloc_decode_triton, page_size=4)
+    target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+      export.export(jax.jit(probe), platforms=["cuda"],
+                    disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+                        spec((8,), jnp.int32), *[spec((), jnp.int32)] * 3,
+                        *[spec((4,), jnp.int32)] * 2)
+  except Exception as e:  # pylint: disable=broad-except  (any failure means: not usable)
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"a kernel does not lower ({type(e).__name__}: {first})"
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _mosaic_gpu_problem() -> Optional[str]:
+  """None when the Mosaic GPU kernels can run here, else why not (once per process)."""
+  from pallas_kernels import mosaic_gpu_common  # pylint: disable=g-import-not-at-top
+  if not mosaic_gpu_common.available():
+    return f"jax {jax.__version__} does not build them (jax >= 0.11 does)"
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None  # no GPU attached: exported or simulated, for a Hopper target
+  capability = getattr(devices[0], "compute_capability", None) if devices else None
+  try:
+    if capability is not None and float(capability) < 9.0:
+      return f"the GPU ({devices[0].device_kind}, sm {capability}) is older than Hopper"
+  except (TypeError, ValueError):
+    pass
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _say_fallback(family_name: str) -> None:
+  """One log line (once per process and family): why the family is not usable and what
+  "auto" runs each operation with instead."""
+  why = {"triton": _triton_problem, "mosaic_gpu": _mosaic_gpu_problem}[family_name]()
+  runs = {}
+  for op, prefs in GPU_PREFERENCE.items():
+    if family_name in prefs:
+      chosen = next((n for n in prefs if n != family_name and usable(n)), "jnp")
+      runs.setdefault(_FAMILY_TEXT.get(chosen, chosen), []).append(op)
+  logger.warning("jax_kvalloc: %s is not usable here (%s); kernel='auto' on a GPU runs %s",
+                 _FAMILY_TEXT.get(family_name, family_name), why,
+                 "; ".join(f"{', '.join(ops)} with {text}" for text, ops in runs.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _note_triton() -> None:
+  logger.info("jax_kvalloc: kernel='auto' runs Pallas' Triton kernels on this GPU; jax "
+              "deprecates that backend (its warning is silenced for our kernels), and "
+              "kernel='mosaic_gpu' runs the Mosaic GPU kernels instead")
+
+
+_FAMILY_TEXT = {"triton": "Pallas' Triton backend", "mosaic_gpu": "Mosaic GPU",
+                "jnp": "XLA"}
+
+_SIMULATED_GPU = False
+
+
+@contextlib.contextmanager
+def simulated_gpu() -> Iterator[None]:
+  """Within it, "auto" on a CPU pool resolves as on a GPU (`gpu_choice`), each kernel in
+  its interpreter: the GPU selection, runnable on CPU (tests). Call sites that trace
+  inside it must not be cached across it (jit retraces: the config is the same)."""
+  global _SIMULATED_GPU
+  old, _SIMULATED_GPU = _SIMULATED_GPU, True
+  try:
+    yield
+  finally:
+    _SIMULATED_GPU = old
 
 
 def platform_of(x) -> Optional[str]:
@@ -152,9 +336,11 @@ def trace_platforms(pool: Array) -> Tuple[str, ...]:
   return _backend_platforms()
 
 
-def by_device(kernel: str, pool: Array, fn: Callable[[str], T]) -> T:
-  """fn(name): the allocator's work with `kernel` resolved to a concrete name (one of
-  CONCRETE) for the platform of the device that holds `pool` (an array of the state).
+def by_device(kernel: str, pool: Array, fn: Callable[[str], T],
+              op: Optional[str] = None) -> T:
+  """fn(name): the allocator's work for operation `op` (a key of GPU_PREFERENCE) with
+  `kernel` resolved to a concrete name (one of CONCRETE) for the platform of the device
+  that holds `pool` (an array of the state).
 
   Only the names in BY_PLATFORM depend on it; those trace the one branch of the
   platform known at trace time (`trace_platforms`), or, where several are possible, a
@@ -164,7 +350,7 @@ def by_device(kernel: str, pool: Array, fn: Callable[[str], T]) -> T:
   if kernel not in BY_PLATFORM:
     return fn(kernel)
   platforms = trace_platforms(pool)
-  names = {p: for_platform(kernel, p) for p in platforms}
+  names = {p: for_platform(kernel, p, op) for p in platforms}
   if len(set(names.values())) == 1:
     return fn(next(iter(names.values())))
   branches = {p: (lambda name=name: fn(name)) for p, name in names.items()
@@ -179,7 +365,7 @@ def extend_indices(name: str, free_window: Array, prefix_lens: Array, seq_lens: 
   concrete `name`."""
   base, interpret = family(name)
   args = (free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start)
-  if base == "jnp":
+  if base not in ("triton", "mosaic"):  # jnp, and families with no index kernel
     return index_jnp.extend_indices(*args, page_size=page_size, out_len=out_len)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.extend_indices(*args, page_size=page_size, out_len=out_len,
@@ -192,7 +378,7 @@ def decode_indices(name: str, free_window: Array, seq_lens: Array, last_loc: Arr
   `name`."""
   base, interpret = family(name)
   args = (free_window, seq_lens, last_loc, page_start)
-  if base == "jnp":
+  if base not in ("triton", "mosaic"):  # jnp, and families with no index kernel
     return index_jnp.decode_indices(*args, page_size=page_size)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   return pallas_kernels.decode_indices(*args, page_size=page_size, interpret=interpret,
@@ -242,22 +428,29 @@ def alloc_extend_fused(config: AllocatorConfig, state: AllocatorState, prefix_le
 def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens: Array,
                        last_loc: Array, num_reqs: Optional[Array], *,
                        name: Optional[str] = None) -> Optional[AllocResult]:
-  """allocation.alloc_decode after its need_sort merge, as one Triton kernel launch.
+  """allocation.alloc_decode after its need_sort merge, as one kernel launch (Triton or
+  Mosaic GPU, by `name`'s family).
 
   Args: as allocation.alloc_decode (i32[B] rows, raw); `state` is the state after any
   merge; `name` as in `alloc_extend_fused`. Returns (state, i32[B], bool[] ok),
-  bit-identical to the jnp path, or None where the fused kernel does not apply.
+  bit-identical to the jnp path, or None where no one-launch kernel applies.
   """
-  interpret = fused_triton(config, name)
-  if interpret is None:
+  base, interpret = family(name or resolve(config.kernel, "alloc_decode"))
+  if config.debug or base not in ("triton", "mosaic_gpu"):
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  if not pallas_kernels.decode_fused_supported(seq_lens.shape[0], config.num_pages):
-    return None
-  out, head, length, ok = pallas_kernels.alloc_decode_triton(
-      state.free_ring, state.free_head, state.free_len,
-      _num_reqs(num_reqs, seq_lens.shape[0]), seq_lens, last_loc,
-      page_size=config.page_size, interpret=interpret)
+  b, n = seq_lens.shape[0], config.num_pages
+  if base == "triton":
+    if not pallas_kernels.decode_fused_supported(b, n):
+      return None
+    fn = pallas_kernels.alloc_decode_triton
+  else:
+    if not pallas_kernels.decode_mosaic_gpu_supported(b, n):
+      return None
+    fn = pallas_kernels.alloc_decode_mosaic_gpu
+  out, head, length, ok = fn(
+      state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, b), seq_lens,
+      last_loc, page_size=config.page_size, interpret=interpret)
   return state._replace(free_head=head, free_len=length), out, ok
 
 

@@ -12,9 +12,9 @@ ranks (`put_ranks`) and reads back only those (`get_ranks`). Both work the same 
 process (every rank is local there), so one code path serves both.
 
 Every process must make the same calls in the same order (each call is one program
-over all processes' devices). On jax 0.10.2 with CPU devices, a run of ~200 steps
-dispatched back to back without waiting was seen to hang; a loop that reads each step's
-outputs (as a scheduler does) runs fine there and on jax 0.12.
+over all processes' devices). Read each step's outputs before the next step, as a
+scheduler does: on jax 0.10.2 with CPU devices, hundreds of steps dispatched back to back
+without waiting can hang.
 
 The local rows of a process are always in the order of `process_ranks` (ascending global
 rank). A rank replicated over devices of several processes (a mesh with another axis
@@ -89,18 +89,6 @@ def process_ranks(mesh: jax.sharding.Mesh, axis_name: str, dp_size: int,
   return tuple(sorted(mine))
 
 
-def rank_processes(mesh: jax.sharding.Mesh, axis_name: str,
-                   dp_size: int) -> Tuple[Tuple[int, ...], ...]:
-  """For each rank, the processes that hold it (ascending; one unless the mesh
-  replicates the rank across processes). What a per-process front end needs to refuse,
-  or route, a call for a rank it does not hold."""
-  holders = [set() for _ in range(dp_size)]
-  for device, ranks in _rank_slices(mesh, axis_name, dp_size).items():
-    for r in ranks:
-      holders[r].add(device.process_index)
-  return tuple(tuple(sorted(h)) for h in holders)
-
-
 def put_ranks(local: Any, mesh: jax.sharding.Mesh, axis_name: str, dp_size: int) -> Any:
   """A global ranked array (or pytree of them) from this process's rows.
 
@@ -167,12 +155,3 @@ def get_ranks(x: Any) -> Any:
     return np.stack([rows[r] for r in order])
 
   return jax.tree.map(one, x)
-
-
-def held_ranks(x: Array) -> Tuple[int, ...]:
-  """The global ranks whose rows `get_ranks(x)` returns, ascending."""
-  held = set()
-  for shard in x.addressable_shards:
-    held.update(range(x.shape[0])[shard.index[0]])
-  return tuple(sorted(held))
-

@@ -170,25 +170,29 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
                   name: str, *, max_tokens: int = 0, release=None, extend=None,
                   decode=None):
   """The given phases (release (rows, num), extend (rows, n, num), decode (rows, num); in
-  that order) as one Triton launch (two with extend) that writes the pool and the table
-  (pallas_kernels.table_step_triton), or None where it does not apply: the jnp path,
-  the Mosaic backend, need_sort (a merge may run), debug mode, the token allocator, and
-  sizes pallas_kernels.table_supported refuses. Returns (state, table, the kernel's
-  per-phase results)."""
+  that order) as one launch (two with extend) that writes the pool and the table
+  (pallas_kernels.table_step_triton, or table_step_mosaic_gpu for the Mosaic GPU
+  family), or None where it does not apply: the jnp path, the TPU's Mosaic backend,
+  need_sort (a merge may run), debug mode, the token allocator, and sizes the kernel's
+  `supported` refuses. Returns (state, table, the kernel's per-phase results)."""
   if config.kind != "paged" or config.need_sort or config.debug:
     return None
   impl, interpret = kernels.family(name)
-  if impl != "triton":
+  if impl not in ("triton", "mosaic_gpu"):
     return None
   import pallas_kernels  # pylint: disable=g-import-not-at-top
+  supported, step = ((pallas_kernels.table_supported, pallas_kernels.table_step_triton)
+                     if impl == "triton" else
+                     (pallas_kernels.table_mosaic_gpu_supported,
+                      pallas_kernels.table_step_mosaic_gpu))
   max_reqs, width = table.pages.shape
   size = lambda phase: 0 if phase is None else phase[0].shape[0]
-  if not pallas_kernels.table_supported(
+  if not supported(
       max_reqs=max_reqs, width=width, num_pages=config.num_pages,
       page_size=config.page_size, release=size(release), extend=size(extend),
       max_tokens=max_tokens, decode=size(decode)):
     return None
-  out = pallas_kernels.table_step_triton(
+  out = step(
       state.free_ring, state.free_head, state.free_len, state.release_len, table.pages,
       table.lens, table.owned_from, page_size=config.page_size, release=release,
       extend=extend, max_tokens=max_tokens, decode=decode,
@@ -209,7 +213,7 @@ def _one_launch(config: AllocatorConfig, state: AllocatorState, table: RequestTa
     state2, table2, res = out
     return (state2, table2) + tuple(res[k] for k in pick)
 
-  return kernels.by_device(config.kernel, state.free_ring, run)
+  return kernels.by_device(config.kernel, state.free_ring, run, "table")
 
 
 # ---------------------------------------------------------------------------------------
@@ -418,9 +422,9 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
     (state, table, StepOutputs): the pool and table after all phases and each phase's
     result as its own operation returns it. A refused phase changes nothing, as that
     operation alone; the later phases run on what the earlier ones left. On the Triton
-    backend (paged pool, need_sort and debug off, sizes pallas_kernels.table_supported
-    takes) pallas_kernels.table_step_triton (one launch, two with extend);
-    elsewhere the three calls.
+    and Mosaic GPU families (paged pool, need_sort and debug off, sizes the kernel
+    takes) pallas_kernels.table_step_triton / table_step_mosaic_gpu (one launch, two
+    with extend); elsewhere the three calls.
 
   Raises:
     TypeError / ValueError naming the argument, as the operations do; ValueError when
@@ -465,7 +469,7 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
     s, t, res = got
     return s, t, StepOutputs(**{k: res.get(k) for k in StepOutputs._fields})
 
-  return kernels.by_device(config.kernel, state.free_ring, run)
+  return kernels.by_device(config.kernel, state.free_ring, run, "table")
 
 
 def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,

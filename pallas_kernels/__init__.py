@@ -14,9 +14,14 @@ The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 free_page_ids and alloc_decode run as one launch: `release_alloc_decode_triton`. The
 request table's release, extend and decode (each, or all three together) run as one
 launch that also writes the table (two with extend: the slots by a program per row):
-`table_step_triton`. jax_kvalloc.kernels chooses among them.
+`table_step_triton`.
 
-`lowering_check.export_for` lowers any of them for an abstract TPU v6e or H200 on CPU.
+The same on Pallas' Mosaic GPU backend (Hopper and newer, jax >= 0.11;
+mosaic_gpu_common says what it can express): `alloc_decode_mosaic_gpu` and
+`table_step_mosaic_gpu`, each the same contract as its Triton twin.
+jax_kvalloc.kernels chooses among them.
+
+tests/lowering_check.py lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
 from __future__ import annotations
 
@@ -45,6 +50,10 @@ _LAZY = {
     "free_supported": ("triton_free", "supported"),
     "table_step_triton": ("triton_table", "table_step_triton"),
     "table_supported": ("triton_table", "supported"),
+    "alloc_decode_mosaic_gpu": ("mosaic_gpu_decode", "alloc_decode_mosaic_gpu"),
+    "decode_mosaic_gpu_supported": ("mosaic_gpu_decode", "supported"),
+    "table_step_mosaic_gpu": ("mosaic_gpu_table", "table_step_mosaic_gpu"),
+    "table_mosaic_gpu_supported": ("mosaic_gpu_table", "supported"),
 }
 
 
@@ -104,6 +113,7 @@ def decode_indices(free_window: Array, seq_lens: Array, last_loc: Array,
 
 __all__ = [
     "BACKENDS",
+    "alloc_decode_mosaic_gpu",
     "alloc_decode_triton",
     "alloc_extend_triton",
     "capacity",
@@ -111,6 +121,7 @@ __all__ = [
     "decode_indices",
     "decode_indices_mosaic",
     "decode_indices_triton",
+    "decode_mosaic_gpu_supported",
     "default_backend",
     "extend_fused_preferred",
     "extend_fused_supported",
@@ -122,6 +133,8 @@ __all__ = [
     "free_supported",
     "release_alloc_decode_triton",
     "release_decode_supported",
+    "table_mosaic_gpu_supported",
+    "table_step_mosaic_gpu",
     "table_step_triton",
     "table_supported",
 ]

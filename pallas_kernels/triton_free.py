@@ -40,7 +40,7 @@ from pallas_kernels._util import cdiv
 Array = jax.Array
 
 # Slots per K1 program and pages per K2/K3 program (powers of two), and warps: the best
-# of the H200 block sweep (`benchmarks/free_methods_gpu.py --sweep-blocks`; BENCHMARKS.md).
+# of an H200 block sweep (BENCHMARKS.md, run 11).
 SLOT_BLOCK = 2048
 PAGE_BLOCK = 2048
 NUM_WARPS = 4

@@ -3,8 +3,7 @@
 The kernels are correct for any power-of-two choice (tests/test_pallas_gpu.py checks
 every configuration bit for bit against the jnp path); these defaults are the best or
 within the noise of the best of the H200 measurements that BENCHMARKS.md records
-(`tests/gpu_check.py`, `benchmarks/extend_layouts_gpu.py`, `benchmarks/gpu_profile.py
---decode-variants`).
+(`jax-kvalloc bench kernels --impls fused[...]` times any tuning against the defaults).
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def main(argv):
       table[r] = np.frombuffer(bytes.fromhex(d), np.uint8)
     table[shape.dp] = np.frombuffer(bytes.fromhex(trace.schedule_digest()), np.uint8)
     every = np.asarray(multihost_utils.process_allgather(table)).reshape(nproc, *table.shape)
-    holders = multiprocess.rank_processes(mesh, "dp", shape.dp)
+    holders = rank_trace.rank_processes(mesh, "dp", shape.dp)
     for p in range(nproc):
       assert (every[p, shape.dp] == table[shape.dp]).all(), f"process {p}'s schedule differs"
     agreed = {}

@@ -541,3 +541,22 @@ class RankTrace:
 
   def schedule_digest(self) -> str:
     return hashlib.sha256(" ".join(self.schedule).encode()).hexdigest()
+
+
+def rank_processes(mesh: jax.sharding.Mesh, axis_name: str,
+                   dp_size: int) -> Tuple[Tuple[int, ...], ...]:
+  """For each rank, the processes that hold it (ascending; one unless the mesh
+  replicates the rank across processes)."""
+  holders = [set() for _ in range(dp_size)]
+  for device, held in multiprocess._rank_slices(mesh, axis_name, dp_size).items():  # pylint: disable=protected-access
+    for r in held:
+      holders[r].add(device.process_index)
+  return tuple(tuple(sorted(h)) for h in holders)
+
+
+def held_ranks(x: jax.Array) -> Tuple[int, ...]:
+  """The global ranks whose rows `multiprocess.get_ranks(x)` returns, ascending."""
+  held = set()
+  for shard in x.addressable_shards:
+    held.update(range(x.shape[0])[shard.index[0]])
+  return tuple(sorted(held))

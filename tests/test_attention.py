@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jax_kvalloc import attention
-from pallas_kernels import lowering_check
+import lowering_check
 import attention_cases as ac
 
 TOL = 1e-5

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import pytest
 from jax.interpreters import mlir as jax_mlir
 
-from pallas_kernels import lowering_check, triton_decode, triton_extend
+import lowering_check
+from pallas_kernels import triton_decode, triton_extend
 
 try:
   from jax._src.lib import triton as _triton_lib  # the Triton dialect's Python bindings

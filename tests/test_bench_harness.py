@@ -1,4 +1,4 @@
-"""The benchmark harness cannot lose work (issue 10), checked on the compiled program.
+"""The benchmark harness cannot lose work, checked on the compiled program.
 
 For every timed operation (alloc_decode, alloc_extend, free on the jnp path and, for the
 allocations, the fused Triton kernel in Pallas' interpreter; and the serving step with
@@ -9,6 +9,7 @@ an output went unused, merged with a neighbour's, or hoisted out of the loop. Th
 the benchmarks used before (one output kept per iteration) fails this for decode and
 extend: the counts stay flat (2 -> 2 gathers for jnp decode, 7 -> 7 for jnp extend).
 """
+import argparse
 import dataclasses
 import functools
 import re
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_kvalloc.tools import bench_micro
+from jax_kvalloc.tools import bench_kernels
 from jax_kvalloc.tools import bench_serving
 from jax_kvalloc.tools import timing
 
@@ -44,8 +45,8 @@ def _check_doubles(call, carry, inputs):
     ("decode", "jnp"), ("extend", "jnp"), ("free", "jnp"),
     ("decode", "pallas_interpret"), ("extend", "pallas_interpret")])
 def test_micro_loops_keep_every_call(op, path):
-  case = bench_micro.make_case(op, 16, 16 if op == "decode" else 512, 16, seed=0)
-  _, call, carry, inputs = bench_micro.jax_call(case, path)
+  case = bench_kernels.make_case(op, 16, 16 if op == "decode" else 512, 16, seed=0)
+  _, call, carry, inputs = bench_kernels.jax_call(case, path)
   _check_doubles(call, carry, inputs)
 
 
@@ -63,11 +64,11 @@ def test_serving_scan_keeps_every_step(extra):
   step = functools.partial(bench_serving.serve_step, cfg, case.max_frees, **flags)
   carry = (bench_serving.extra_carry(case, extra) if extra
            else bench_serving.initial_carry(case))
-  call = lambda c, x: bench_serving._step_call(step, c, x)  # pylint: disable=protected-access
+  call = lambda c, x: bench_serving.step_call(step, c, x)
   _check_doubles(call, carry, jax.numpy.zeros((), jax.numpy.int32))
   if extra:  # the extra call is there, not merged into the main one
     plain = functools.partial(bench_serving.serve_step, cfg, case.max_frees)
-    plain_call = lambda c, x: bench_serving._step_call(plain, c, x)  # pylint: disable=protected-access
+    plain_call = lambda c, x: bench_serving.step_call(plain, c, x)
     zero = jax.numpy.zeros((), jax.numpy.int32)
     assert (characteristic_ops(call, carry, zero, 1)
             > characteristic_ops(plain_call, bench_serving.initial_carry(case), zero, 1))
@@ -85,7 +86,6 @@ def test_extra_consumer_check_nets_out_the_consumers_own_cost(monkeypatch):
   consumer that costs 1 us on the stand-in as on the call is not counted as missing
   work; work the call gains under the consumer is. The jnp path's stand-in is an XLA
   one, the Pallas paths' a Pallas kernel."""
-  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
   seen = {}
 
   def fake(variants, **kw):
@@ -94,19 +94,17 @@ def test_extra_consumer_check_nets_out_the_consumers_own_cost(monkeypatch):
     return [{"s": s * 1e-6, "min_s": s * 1e-6, "spread": 0.0, "iters": 2,
              "compile_s": 0.0} for s in (5.0, 8.0, 2.0, 3.0)]
   monkeypatch.setattr(timing, "chain_time_interleaved", fake)
-  case = bench_micro.make_case("decode", 4, 4, 16, seed=0)
-  res, out = bench_micro.time_with_extra_consumer(case, "jnp", unroll=2, min_time=0.0,
-                                                  reps=1)
-  assert seen["n"] == [2, 3, 2, 3] and out.shape == (4,)
-  assert res["s"] == pytest.approx(5e-6)
+  case = bench_kernels.make_case("decode", 4, 4, 16, seed=0)
+  opts = argparse.Namespace(unroll=2, min_time=0.0, reps=1, extra_consumer=True, bare=False)
+  res = bench_kernels.time_jax(case, "jnp", opts)
+  assert seen["n"] == [2, 3, 2, 3]
+  assert res["us"] == pytest.approx(5.0) and res["floor_us"] == pytest.approx(2.0)
   assert res["extra_consumer_change"] == pytest.approx(0.6)
   assert res["extra_consumer_net_change"] == pytest.approx(0.4)
-  cell = {k: res[k] for k in ("extra_consumer_change", "extra_consumer_net_change")}
-  assert bench._consumer_cell(cell) == "+60% (+40%)"  # pylint: disable=protected-access
-  assert bench._consumer_change(cell) == pytest.approx(0.4)  # pylint: disable=protected-access
-  assert bench._consumer_change({"extra_consumer_change": 0.3}) == 0.3  # pylint: disable=protected-access
-  bench_micro.time_with_extra_consumer(case, "pallas_interpret", unroll=2, min_time=0.0,
-                                       reps=1)
+  assert bench_kernels.consumer_cell(res) == "+60% (+40%)"
+  assert bench_kernels.consumer_change(res) == pytest.approx(0.4)
+  assert bench_kernels.consumer_change({"extra_consumer_change": 0.3}) == 0.3
+  bench_kernels.time_jax(case, "pallas_interpret", opts)
   assert seen["stand"].__qualname__.startswith("stand_in_pallas")
 
 
@@ -144,7 +142,7 @@ def test_floor_stand_in_outputs_are_not_broadcasts():
 def test_pallas_stand_in_lowers_for_h200():
   """The Pallas stand-in of the +1 consumer check lowers through Triton for an abstract
   H200 (the real compiler's Python side), not only in the interpreter."""
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
   outs = (jax.ShapeDtypeStruct((1500,), np.int32), jax.ShapeDtypeStruct((), np.bool_),
           jax.ShapeDtypeStruct((), np.int32))
   call = timing.stand_in_pallas(outs)
@@ -182,7 +180,7 @@ def test_bare_chain_launches_every_kernel_on_h200():
   `unroll` fused decode calls holds `unroll` Triton launches, each taking the previous
   one's head (a custom call runs whole, so XLA cannot drop one whose head is used)."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
 
   def call(c, x):
     ring, head, flen = c

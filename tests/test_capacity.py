@@ -206,7 +206,7 @@ def test_auto_compiles_one_branch(monkeypatch):
   hlo = lowered.compile().as_text()
   assert "conditional" not in hlo and "custom-call" not in hlo
   # The TPU lowering of the same call holds the Mosaic kernel (and no Triton).
-  from pallas_kernels import lowering_check  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
   i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
   e = lowering_check.export_for("tpu_v6e", functools.partial(kv.alloc_decode, cfg),
                                 jax.eval_shape(functools.partial(kv.init, cfg)), i32, i32)

@@ -1,17 +1,20 @@
-"""The `jax-kvalloc` command: tiny runs of simulate and bench, their JSON/plot outputs,
-and the leak check firing on deliberately broken runs."""
+"""The `jax-kvalloc` command: its contract (one-line user errors, help and defaults for
+every option), tiny runs of simulate, its JSON/plot outputs, and the leak check firing on
+deliberately broken runs."""
+import argparse
 import dataclasses
 import json
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_kvalloc.tools import cli
-from jax_kvalloc.tools import timing
 from jax_kvalloc.tools import report
+from jax_kvalloc.tools import timing
 from jax_kvalloc.tools import simulate
-from jax_kvalloc.tools import simulate_steps
+from jax_kvalloc.tools import simulate_step
 from jax_kvalloc.tools import workload
 
 # One set of static shapes for every simulate run here, so the step functions compile
@@ -19,7 +22,7 @@ from jax_kvalloc.tools import workload
 TINY = ["--pool-size", "4096", "--max-running", "16", "--max-prefill-tokens", "256",
         "--max-prefill-reqs", "4", "--max-frees", "4", "--prompt-len", "uniform:8:120",
         "--output-len", "uniform:1:40", "--prefix-len", "uniform:16:60",
-        "--num-prefixes", "3", "--rate", "1.5", "--no-progress"]
+        "--num-prefixes", "3", "--rate", "1.5", "--no-progress", "--no-compile-cache"]
 TINY_CFG = simulate.SimConfig(
     num_requests=40, pool_size=4096, page_sizes=(16,), max_running=16,
     max_prefill_tokens=256, max_prefill_reqs=4, max_frees=4, prompt_len="uniform:8:120",
@@ -75,8 +78,8 @@ def test_simulate_exact_page_accounting_without_sharing():
 
 
 def test_leak_check_fires_on_a_dropped_free(capsys):
-  args = ["--num-requests", "40", "--page-size", "16", "--inject-leak"] + TINY
-  assert cli.main(args) == 2  # no command given: simulate is the default
+  args = ["simulate", "--num-requests", "40", "--page-size", "16", "--inject-leak"] + TINY
+  assert cli.main(args) == 2
   err = capsys.readouterr().err
   assert "LEAK CHECK FAILED" in err and "page_size=16" in err
 
@@ -86,7 +89,6 @@ def test_leak_check_fires_when_the_device_free_loses_pages(monkeypatch):
   # must be caught although the scheduler's own bookkeeping is right: the device driver
   # compares the pool with its count inside the loop, every step.
   from jax_kvalloc import request_table  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.tools import simulate_device  # pylint: disable=g-import-not-at-top
   real = request_table.release_rows
 
   def lossy(config, state, table, rows, *, num_rows=None):
@@ -95,26 +97,26 @@ def test_leak_check_fires_when_the_device_free_loses_pages(monkeypatch):
     return real(config, state, table, rows, num_rows=num_rows)
 
   monkeypatch.setattr(request_table, "release_rows", lossy)
-  simulate_device.run_steps.clear_cache()  # drop compiled loops that traced the real one
+  simulate.clear_compiled()  # drop compiled loops that traced the real one
   cfg = dataclasses.replace(TINY_CFG, num_requests=12)
   try:
     with pytest.raises(simulate.LeakCheckError, match="leak check failed at step"):
       simulate.run(cfg, progress=False)
   finally:
-    simulate_device.run_steps.clear_cache()  # and the lossy ones, for the tests after
+    simulate.clear_compiled()  # and the lossy ones, for the tests after
 
 
 def test_free_list_runs():
   import jax_kvalloc as kv  # pylint: disable=g-import-not-at-top
   cfg = kv.AllocatorConfig(size=64, page_size=8)
   s = kv.init(cfg)
-  assert int(simulate_steps.free_list_runs(s)) == 1
+  assert int(simulate_step.free_list_runs(s)) == 1
   # The free list [6, 7, 2, 5] wraps around the ring's end: three runs.
   ring = np.array([2, 5, 0, 0, 0, 0, 6, 7], np.int32)
   s = s._replace(free_ring=ring, free_head=np.int32(6), free_len=np.int32(4))
   assert list(kv.live_free_pages(s)) == [6, 7, 2, 5]
-  assert int(simulate_steps.free_list_runs(s)) == 3
-  assert int(simulate_steps.free_list_runs(s._replace(free_len=np.int32(0)))) == 0
+  assert int(simulate_step.free_list_runs(s)) == 3
+  assert int(simulate_step.free_list_runs(s._replace(free_len=np.int32(0)))) == 0
 
 
 def test_distributions():
@@ -127,7 +129,7 @@ def test_distributions():
   for bad in ("foo:1", "uniform:9:3", "const:x", "lognormal:-1:1"):
     with pytest.raises(ValueError, match="length distribution"):
       workload.parse_dist(bad)
-  with pytest.raises(ValueError, match="pool has only"):
+  with pytest.raises(ValueError, match="--pool-size: request .* needs 12 pages"):
     simulate.run(dataclasses.replace(TINY_CFG, pool_size=64), progress=False)
 
 
@@ -138,7 +140,8 @@ def test_trace_replay(tmp_path, capsys, golden_path):
   picked = [r for t in tids for r in recs[t]]
   path = tmp_path / "t.jsonl"
   traces.write(str(path), picked)
-  assert cli.main(["simulate", "--trace", str(path), "--no-progress"]) == 0
+  assert cli.main(["simulate", "--trace", str(path), "--no-progress",
+                   "--no-compile-cache"]) == 0
   out = capsys.readouterr().out
   assert "page_size=4" in out and "traces replayed" in out and "ok: free" in out
   # A recorded result that the allocator does not reproduce is reported, loudly.
@@ -146,64 +149,108 @@ def test_trace_replay(tmp_path, capsys, golden_path):
   i = next(i for i, r in enumerate(bad) if r["op"] == "alloc_extend" and r["result"])
   bad[i]["result"] = [x + 1 for x in bad[i]["result"]]
   traces.write(str(path), bad)
-  assert cli.main(["simulate", "--trace", str(path), "--no-progress"]) == 3
+  assert cli.main(["simulate", "--trace", str(path), "--no-progress",
+                   "--no-compile-cache"]) == 3
   assert "TRACE MISMATCH" in capsys.readouterr().err
 
 
-def test_bench_quick(tmp_path, capsys):
-  out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-  args = ["bench", "--quick", "--ops", "free", "--no-progress", "--json",
-          str(out_json)]
-  if _has_matplotlib():
-    args += ["--plot", str(out_png)]
-  assert cli.main(args) == 0
-  text = capsys.readouterr().out
-  assert "free (page_size 64" in text and "serving loop" in text and "targets" in text
-  data = json.loads(out_json.read_text())
-  assert {r["op"] for r in data["micro"]} == {"free"}
-  for r in data["micro"]:
-    assert r["check"] == "ok" and r["jax"]["jnp"]["us"] > 0
-  (serv,) = data["serving"]
-  assert serv["ok"] and serv["jit_step_us"] > 0 and serv["scan_us"] > 0
-  if "torch" in data["config"]["paths"]:
-    assert serv["parity"] == "identical"
-    assert all(r["torch"]["us"] > 0 for r in data["micro"])
-  else:  # no torch here (the 3.12 venv): the run says why its column is missing
-    assert any(n.startswith("torch column skipped: ") for n in data["notes"]), data["notes"]
-    assert "note: torch column skipped" in text
-  if _has_matplotlib():
-    assert out_png.stat().st_size > 1000
-  # The tables can be printed again from the JSON, without measuring.
-  assert cli.main(["bench", "--from-json", str(out_json)]) == 0
-  rows = lambda t: [line for line in t.splitlines() if line.startswith("|")]
-  assert rows(capsys.readouterr().out) == rows(text)
+@pytest.mark.parametrize("args,option", [
+    (["--pool-size", "-5"], "--pool-size"),
+    (["--swa-window", "-1"], "--swa-window"),
+    (["--page-size", "0"], "--page-size"),
+    (["--share-prob", "1.5"], "--share-prob"),
+    (["--prompt-len", "uniform:9:3"], "--prompt-len"),
+    (["--swa-window", "64", "--swa-ratio", "0.001"], "--swa-ratio"),
+    (["--pool-size", "64"], "--pool-size"),
+    (["--page-size", "128", "--pool-size", "64"], "--page-size"),
+    (["--num-requests", "100000000"], "--num-requests"),
+    (["--pool-size", "2000000000", "--page-size", "1"], "--pool-size"),
+    (["--trace", "/no/such/file.jsonl"], "--trace"),
+    (["--json", "/no/such/folder/x.json"], "--json"),
+])
+def test_simulate_user_errors_are_one_line(args, option, capsys):
+  # Exit status 2, no traceback, and a last line that names the option; nothing runs.
+  try:
+    code = cli.main(["simulate", "--no-progress", "--no-compile-cache"] + args)
+  except SystemExit as e:  # argparse's own checks
+    code = e.code
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and option in err[0], err
 
 
-def test_bench_degrades_without_torch_or_accelerator(monkeypatch, capsys):
-  from jax_kvalloc.tools import bench_micro  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(bench_micro, "torch_available", lambda: "torch_ref unavailable (test)")
-  args = ["bench", "--quick", "--ops", "decode", "--batch-sizes", "8", "--no-serving",
-          "--paths", "pallas,jnp,torch", "--no-progress"]
+def test_simulate_persistent_cache_reports_hits(tmp_path, capsys):
+  args = ["simulate", "--num-requests", "12", "--page-size", "16", "--compile-cache",
+          str(tmp_path)] + TINY[:-1]  # TINY without --no-compile-cache
+  simulate.clear_compiled()
   assert cli.main(args) == 0
-  text = capsys.readouterr().out
-  assert "torch column skipped" in text and "torch_ref (us)" not in text
-  assert "| 8  |      8 |" in text  # --batch-sizes wins over --quick's grid
+  assert "0 of 1 from the persistent cache" in capsys.readouterr().out
+  assert any(tmp_path.iterdir())
+  simulate.clear_compiled()  # a new process, as far as compiling goes
+  assert cli.main(args) == 0
+  assert "1 of 1 from the persistent cache" in capsys.readouterr().out
   import jax  # pylint: disable=g-import-not-at-top
-  if jax.default_backend() == "cpu":
-    assert "pallas column skipped" in text and "pallas (us)" not in text
+  assert jax.config.jax_compilation_cache_dir is None  # the run put the setting back
+
+
+def _parsers():
+  """Every command's parser and, under bench, every suite's."""
+  for name, _, _ in cli.COMMANDS:
+    parser = cli.build([name])
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # pylint: disable=protected-access
+    p = sub.choices[name]
+    yield p
+    for a in p._actions:  # pylint: disable=protected-access
+      if isinstance(a, argparse._SubParsersAction):  # pylint: disable=protected-access
+        yield from a.choices.values()
+
+
+def test_every_option_has_help_and_a_typed_default():
+  for p in _parsers():
+    assert p.description and not p.description.rstrip().endswith(".."), p.prog
+    text = p.format_help()
+    for a in p._actions:  # pylint: disable=protected-access
+      if a.help != argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction):  # pylint: disable=protected-access
+        assert a.help, (p.prog, a.dest)
+    for bad in ("[[", "['", "(default: None)", "(2, "):
+      assert bad not in text, (p.prog, bad, text)
+
+
+def test_bare_command_lists_the_commands_and_unknown_ones_fail(capsys):
+  assert cli.main([]) == 2
+  out = capsys.readouterr().out
+  assert all(name in out for name, _, _ in cli.COMMANDS)
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench-tabel", "--help"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "invalid choice: 'bench-tabel'" in err
+  assert len(err.strip().splitlines()) == 1
+
+
+def test_user_errors_are_one_line_with_status_2(capsys):
+  for argv, option in ((["simulate", "--pool-size", "-5"], "--pool-size"),
+                       (["simulate", "--trace", "/missing.jsonl"], "--trace"),
+                       (["simulate", "--swa-window", "-1"], "--swa-window"),
+                       (["simulate", "--page-size", "1,x"], "--page-size"),
+                       (["parity", "--impls", "jax,nosuch"], "--impls"),
+                       (["parity"], "TRACE"),
+                       (["report", "NOPE.md"], "FILE")):
+    try:
+      rc = cli.main(argv)
+    except SystemExit as e:
+      rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and option in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
 def test_plot_without_matplotlib(monkeypatch):
-  import sys  # pylint: disable=g-import-not-at-top
-  monkeypatch.setitem(sys.modules, "matplotlib", None)
-  with pytest.raises(RuntimeError, match="pip install"):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+  with pytest.raises(RuntimeError, match="--plot needs matplotlib"):
     report.pyplot()
 
 
 def test_helpers():
-  assert timing.loglog_slope([1, 4, 16], [2, 8, 32]) == pytest.approx(1.0)
-  assert timing.loglog_slope([1, 4, 16], [1, 16, 256]) == pytest.approx(2.0)
   assert cli.int_list("1, 16,64") == [1, 16, 64]
+  assert cli.show([[1, 16], [64]]) == "1,16,64" and cli.show(0.25) == "0.25"
   t = report.table(["a", "b"], [["x", 1], ["yy", 22]])
   assert t.splitlines()[0] == "| a  |  b |" and t.splitlines()[1] == "|----|---:|"
 

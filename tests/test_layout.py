@@ -1,13 +1,14 @@
 """The package layout's dependency rules, checked by parsing every import (lazy ones too).
 
   allocator core (jax_kvalloc/*.py)  may import pallas_kernels; never the class layer
-                                     (jax_kvalloc.sglang), the tooling (jax_kvalloc.tools),
-                                     torch_ref, torch or triton
+                                     (jax_kvalloc.sglang), the tooling (jax_kvalloc.tools,
+                                     jax_kvalloc.serve), torch_ref, torch or triton
   class layer (jax_kvalloc.sglang)   may import the core and pallas_kernels; never the
                                      tooling, torch_ref, torch or triton
   pallas_kernels                     imports nothing of ours (kernels in, arrays out)
   torch_ref                          imports nothing of ours (an independent reference)
   jax_kvalloc.tools                  may import all three
+  jax_kvalloc.serve (the engine)     tooling too: may import the core; nothing else imports it
 No shipped module imports a test helper (tests/*.py).
 """
 import ast
@@ -40,13 +41,15 @@ def imported_modules(source: str, module: str) -> set:
 def _forbidden(module: str):
   """(forbidden prefixes, rule name) for a module of ours."""
   ours = ("jax_kvalloc", "pallas_kernels", "torch_ref")
-  if module.startswith("jax_kvalloc.tools") or module == "jax_kvalloc.__main__":
+  if module.startswith(("jax_kvalloc.tools", "jax_kvalloc.serve")) or (
+      module == "jax_kvalloc.__main__"):
     return (), "tooling"
   if module.startswith("jax_kvalloc.sglang"):
-    return ("jax_kvalloc.tools", "torch_ref", "torch", "triton"), "class layer"
+    return ("jax_kvalloc.tools", "jax_kvalloc.serve", "torch_ref", "torch", "triton"), (
+        "class layer")
   if module.startswith("jax_kvalloc"):
-    return ("jax_kvalloc.sglang", "jax_kvalloc.tools", "torch_ref", "torch", "triton"), (
-        "allocator core")
+    return ("jax_kvalloc.sglang", "jax_kvalloc.tools", "jax_kvalloc.serve", "torch_ref",
+            "torch", "triton"), "allocator core"
   if module.startswith("pallas_kernels"):
     return tuple(o for o in ours if o != "pallas_kernels") + ("torch", "triton"), "pallas_kernels"
   if module.startswith("torch_ref"):
@@ -85,7 +88,7 @@ def test_every_package_has_modules():
   names = {m for m, _ in _modules()}
   for expected in ("jax_kvalloc.allocation", "jax_kvalloc.tools.cli", "pallas_kernels.triton_extend",
                    "torch_ref.paged", "jax_kvalloc.sglang.paged",
-                   "jax_kvalloc.sglang.backends.device"):
+                   "jax_kvalloc.sglang.backends.device", "jax_kvalloc.serve.engine"):
     assert expected in names
 
 
@@ -96,6 +99,7 @@ def test_every_package_has_modules():
     ("jax_kvalloc.allocation", "from jax_kvalloc.sglang import paged\n"),
     ("jax_kvalloc.__init__", "from jax_kvalloc.sglang import TokenToKVPoolAllocator\n"),
     ("jax_kvalloc.ranks", "def f():\n  import jax_kvalloc.sglang.base\n"),
+    ("jax_kvalloc.request_table", "from jax_kvalloc.serve import engine\n"),
     ("jax_kvalloc.sglang.paged", "from jax_kvalloc.tools import traces\n"),
     ("pallas_kernels.triton_extend", "import jax_kvalloc as kv\n"),
     ("pallas_kernels._util", "from kernel_cases import cdiv\n"),

@@ -45,7 +45,7 @@ def test_put_and_get_ranks_round_trip_on_a_permuted_mesh():
   mesh = Mesh(np.array([devs[2], devs[0], devs[3], devs[1]]), ("dp",))
   assert multiprocess.process_ranks(mesh, "dp", 8) == tuple(range(8))
   assert multiprocess.process_ranks(mesh, "dp", 8, process_index=1) == ()
-  assert multiprocess.rank_processes(mesh, "dp", 8) == ((0,),) * 8
+  assert rank_trace.rank_processes(mesh, "dp", 8) == ((0,),) * 8
   rows = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
   tree = {"a": rows, "b": rows[:, 0] > 9}
   x = multiprocess.put_ranks(tree, mesh, "dp", 8)
@@ -55,7 +55,7 @@ def test_put_and_get_ranks_round_trip_on_a_permuted_mesh():
   back = multiprocess.get_ranks(x)
   np.testing.assert_array_equal(back["a"], rows)
   np.testing.assert_array_equal(back["b"], rows[:, 0] > 9)
-  assert multiprocess.held_ranks(x["a"]) == tuple(range(8))
+  assert rank_trace.held_ranks(x["a"]) == tuple(range(8))
 
 
 def test_get_ranks_of_ranks_replicated_over_a_second_axis():
@@ -158,13 +158,13 @@ def test_two_processes_equal_one_every_op(tmp_path, need_sort):
 
 def test_bench_processes_runs(tmp_path):
   """The measurement's tool, tiny (the slow set)."""
-  from jax_kvalloc.tools import bench_processes  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "processes.json"
-  assert bench_processes.main(["--layouts", "1x2,2x1", "--steps", "4", "--chain", "2",
-                               "--reps", "1", "--pages-per-rank", "64", "--decode-rows", "4",
-                               "--ranks-per-device", "2", "--deadline", str(DEADLINE_S),
-                               "--json", str(out)]) == 0
+  assert cli.main(["bench", "processes", "--quick", "--reps", "1", "--deadline",
+                   str(DEADLINE_S), "--json", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
-  assert [(r["processes"], r["ranks"]) for r in rows] == [(1, 4), (2, 4)]
-  assert all(r["collectives"] == {} for r in rows)
-  assert all(len(r["call"]) == r["processes"] and r["call"][0]["n"] == 4 for r in rows)
+  assert [r["layout"] for r in rows] == ["1x2", "2x1"]
+  for r in rows:
+    call = r["cells"]["call"]
+    assert call["collectives"] == {} and len(call["per_process"]) == int(r["layout"][0])
+    assert call["per_process"][0]["n"] == 4 and r["cells"]["chained"]["us"] > 0

@@ -20,7 +20,7 @@ import pytest
 import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
 import pallas_kernels
-from pallas_kernels import lowering_check
+import lowering_check
 from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from model import ModelAllocator
@@ -343,7 +343,9 @@ def test_kernel_choice():
   # registry holds the implementations kernels.REGISTRY names (and their interpreters).
   assert set(kv.config.KERNELS) == set(kernels.CONCRETE + kernels.BY_PLATFORM)
   for name in kernels.CONCRETE:
-    assert kernels.family(name)[0] in kernels.REGISTRY["alloc_extend"]
+    assert kernels.family(name)[0] in kernels.REGISTRY["alloc_decode"]
+  for op, prefs in kernels.GPU_PREFERENCE.items():
+    assert set(prefs) <= set(kernels.REGISTRY[op]) | {"jnp"} and prefs[-1] == "jnp"
   from jax_kvalloc import freeing  # pylint: disable=g-import-not-at-top
   assert set(freeing.PAGED_FREE) == set(kernels.REGISTRY["free"]) | {"triton_interpret"}
 

@@ -63,7 +63,7 @@ def test_fused_allocation_large(ps):
 @pytest.mark.parametrize("tile,window,warps,rows", [
     (256, 256, 1, 256), (512, 256, 2, 16), (2048, 256, 8, 256), (1024, 16, 4, 256)])
 def test_extend_tunings(tile, window, warps, rows):
-  # Every tuning gpu_check.py times computes the same thing.
+  # Every tuning `bench kernels --impls fused[...]` can time computes the same thing.
   ps = 16
   (pre, seq, last, nreq), (ring, head, length) = _extend_cases(
       _rng("tune", tile, rows), ps, 8, rows=rows, max_tokens=16384, num_pages=2000)
@@ -86,9 +86,8 @@ def test_extend_tunings(tile, window, warps, rows):
     (16, 1, {}), (1024, 64, {}), (256, 16, dict(num_warps=8)), (256, 64, dict(tile=256)),
     (64, 3, dict(tile=64, chunks=3, num_warps=2)), (1, 64, {})])
 def test_extend_rows_layout(rows, ps, kwargs):
-  # The rows layout (one program per row and chunk) at the defaults and the tunings
-  # benchmarks/extend_layouts_gpu.py and gpu_check.py time; tiles in
-  # test_extend_tunings.
+  # The rows layout (one program per row and chunk) at the defaults and at tunings;
+  # tiles in test_extend_tunings.
   from test_extend_layouts import _check_kernel  # pylint: disable=g-import-not-at-top
   _check_kernel(ps, rows=rows, max_tokens=16384, num_pages=20000, seed=rows,
                 layout="rows", interpret=INTERPRET, **kwargs)

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 import jax_kvalloc as kv
 import pallas_kernels
 from jax_kvalloc import index_jnp
-from pallas_kernels import lowering_check
+import lowering_check
 import kernel_cases as testing
 
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)

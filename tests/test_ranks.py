@@ -438,13 +438,13 @@ def test_bad_arguments_raise_clear_errors():
 
 def test_bench_ranks_runs_on_host_devices(tmp_path, capsys):
   _mesh(2)
-  from jax_kvalloc.tools import bench_ranks  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "ranks.json"
-  assert bench_ranks.main(["--ops", "decode", "--devices", "1,2", "--ranks-per-device", "2",
-                           "--pages-per-rank", "64", "--decode-rows", "4", "--unroll", "1",
-                           "--min-time", "0.001", "--reps", "1", "--kernel", "jnp",
-                           "--json", str(out)]) == 0
+  assert cli.main(["bench", "ranks", "--quick", "--ops", "decode", "--devices", "1,2",
+                   "--ranks-per-device", "2", "--reps", "1", "--min-time", "0.001",
+                   "--unroll", "1", "--kernel", "jnp", "--json", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
-  assert [(r["devices"], r["ranks"]) for r in rows] == [(1, 0), (1, 2), (2, 4)]
-  assert all(r["collectives"] == {} and r["us"] >= 0 for r in rows)
-  assert "| decode | 2 dev x 2 rank(s) | off |" in capsys.readouterr().out
+  assert [(r["devices"], sorted(r["cells"])) for r in rows] == [
+      (1, ["pool", "ranks"]), (2, ["ranks"])]
+  assert all(r["cells"]["ranks"]["collectives"] == {} for r in rows)
+  assert "| decode/2/2 |" in capsys.readouterr().out

@@ -28,7 +28,7 @@ import pytest
 import jax_kvalloc as kv
 import pallas_kernels
 from jax_kvalloc import state as st
-from pallas_kernels import lowering_check
+import lowering_check
 from pallas_kernels import triton_decode
 from model import ModelAllocator
 import kernel_cases as testing

@@ -1,6 +1,7 @@
 """`jax-kvalloc report`: BENCHMARKS.md's and the README's generated tables equal what the
 command prints from the committed result folders, byte for byte; the verdict rule
-(faster / slower only where interquartile ranges do not overlap); the device runner."""
+(faster / slower only where interquartile ranges do not overlap); the device runner and
+its manifest."""
 import copy
 import json
 import os
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_kvalloc.tools import bench, report, timing
+from jax_kvalloc.tools import bench, bench_kernels, report, timing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -63,12 +64,13 @@ def test_a_missing_file_or_kind_is_named(tmp_path):
   with pytest.raises(report.ReportError, match="kind 'plot'"):
     report.regenerate("<!-- report: plot x -->\n<!-- end report -->\n", str(ROOT))
   (tmp_path / "A.md").write_text(f"x\n<!-- report: bench {RUN13} -->\nold\n<!-- end report -->\n")
-  # --check leaves the file alone and fails; a plain run rewrites it, then --check passes
+  # --check leaves the file alone and fails; a plain run prints; --write rewrites it
   (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
   doc = str(tmp_path / "A.md")
   assert report.run_report([doc], check=True) == 1
+  assert report.run_report([doc]) == 0
   assert "old" in (tmp_path / "A.md").read_text()
-  assert report.run_report([doc], check=False) == 0
+  assert report.run_report([doc], write=True) == 0
   assert "old" not in (tmp_path / "A.md").read_text()
   assert report.run_report([doc], check=True) == 0
 
@@ -97,15 +99,15 @@ def _row(pallas_q, sglang_q):
 
 
 def test_bare_verdicts_follow_the_quartiles():
-  assert bench.bare_verdict(_row(None, None)) == report.NO_SPREAD
-  assert bench.bare_verdict(_row((1.10, 1.20), (1.10, 1.15))) == "tie"
-  assert bench.bare_verdict(_row((1.10, 1.12), (1.20, 1.30))) == "faster"
-  assert bench.bare_verdict(_row((1.30, 1.40), (1.10, 1.15))) == "slower"
+  assert bench_kernels.bare_verdict(_row(None, None)) == report.NO_SPREAD
+  assert bench_kernels.bare_verdict(_row((1.10, 1.20), (1.10, 1.15))) == "tie"
+  assert bench_kernels.bare_verdict(_row((1.10, 1.12), (1.20, 1.30))) == "faster"
+  assert bench_kernels.bare_verdict(_row((1.30, 1.40), (1.10, 1.15))) == "slower"
 
 
 def test_targets_never_judge_linked_ratios_and_miss_only_on_a_clear_loss():
   data = json.loads((ROOT / RUN13).read_text())
-  rows = bench.targets(data)
+  rows = bench_kernels.targets(data)
   assert not any("linked" in t or "torch_ref (same run)" in t for t, _, _ in rows)
   bare = [r for r in rows if "both bare" in r[0] and "every size" in r[0]]
   assert bare and bare[0][2] == report.NO_SPREAD   # run 13 kept no quartiles
@@ -114,13 +116,13 @@ def test_targets_never_judge_linked_ratios_and_miss_only_on_a_clear_loss():
     r["jax"]["pallas"].update(bare_q1_us=m - 0.5, bare_q3_us=m + 0.5)
     r["sglang"].update(bare_q1_us=r["sglang"]["bare_us"] - 0.5,
                        bare_q3_us=r["sglang"]["bare_us"] + 0.5)
-  verdicts = {t: v for t, _, v in bench.targets(data)}
+  verdicts = {t: v for t, _, v in bench_kernels.targets(data)}
   key = next(t for t in verdicts if "both bare" in t and "every size" in t)
   assert verdicts[key] == "met"
   r = data["micro"][2]   # bs 64: ours clearly slower
   r["jax"]["pallas"].update(bare_q1_us=r["sglang"]["bare_q3_us"] + 0.1,
                             bare_q3_us=r["sglang"]["bare_q3_us"] + 0.2)
-  verdicts = {t: v for t, _, v in bench.targets(data)}
+  verdicts = {t: v for t, _, v in bench_kernels.targets(data)}
   assert verdicts[key] == "MISSED at 1/7"
 
 
@@ -147,25 +149,39 @@ def _runner(*args):
 
 def test_runner_lists_and_dry_runs_its_steps():
   steps = [l.split()[0] for l in _runner("--list").stdout.splitlines()]
-  assert {"gpu-tests", "decode", "extend", "free", "serving", "bench-table", "bench-class",
-          "simulate", "demo"} <= set(steps)
-  out = _runner("--dry-run", "smoke", "decode", "demo")
+  assert {"gpu-tests", "decode", "extend", "free", "free-methods", "extend-layouts",
+          "serving", "table", "class", "swa", "simulate", "ranks"} <= set(steps)
+  out = _runner("--dry-run", "smoke", "decode", "simulate")
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
-  assert len(lines) == 2 and "--ops decode" in lines[0] and "--bare" in lines[0]
-  assert "/decode.json" in lines[0] and "-smoke/" in lines[0] and " demo" in lines[1]
+  assert len(lines) == 2 and "bench kernels --ops decode" in lines[0] and "--bare" in lines[0]
+  assert "/decode.json" in lines[0] and "-smoke/" in lines[0] and " simulate " in lines[1]
   bad = _runner("--dry-run", "smoke", "nosuchstep")
   assert bad.returncode == 2 and "unknown step: nosuchstep" in bad.stderr
-  assert _runner("--dry-run", "bad name", "demo").returncode == 2
+  assert _runner("--dry-run", "bad name", "serving").returncode == 2
+
+
+def test_every_runner_step_parses(capsys):
+  """Each step's command line is accepted by the command it runs (no GPU needed)."""
+  from jax_kvalloc.tools import cli  # pylint: disable=g-import-not-at-top
+  steps = [l.split()[0] for l in _runner("--list").stdout.splitlines()]
+  env = dict(os.environ, SGLANG_KERNELS=str(RUNNER))  # any file: only parsed here
+  out = subprocess.run(["bash", str(RUNNER), "--dry-run", "x", *steps], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30, env=env, check=True)
+  for line in out.stdout.splitlines():
+    argv = line.split()
+    if "jax_kvalloc" in argv:
+      argv = argv[argv.index("jax_kvalloc") + 1:]
+      parser = cli.build(argv)
+      parser.parse_args(argv)
 
 
 def test_runner_passes_per_step_arguments():
-  env = dict(os.environ, ARGS_demo="--attention toy", TIMEOUT_demo="7")
-  out = subprocess.run(["bash", str(RUNNER), "--dry-run", "x", "demo"], cwd=ROOT,
+  env = dict(os.environ, ARGS_serving="--steps 10", TIMEOUT_serving="7")
+  out = subprocess.run(["bash", str(RUNNER), "--dry-run", "x", "serving"], cwd=ROOT,
                        capture_output=True, text=True, timeout=30, env=env, check=False)
-  assert out.stdout.split() == ["timeout", "7", "python3", "-m", "jax_kvalloc", "demo",
-                                "--attention", "pallas", "--repeat", "3", "--attention",
-                                "toy"]   # the step's own arguments, then ARGS_demo last
+  words = out.stdout.split()
+  assert words[:2] == ["timeout", "7"] and words[-2:] == ["--steps", "10"]
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
@@ -178,25 +194,21 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
 
 
 def test_manifest_of_a_run(tmp_path, monkeypatch):
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("manifest", ROOT / "benchmarks" / "manifest.py")
-  manifest = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(manifest)
   (tmp_path / "decode.json").write_text("{}")
   steps = tmp_path / "steps.tsv"
-  steps.write_text("decode\t0\t42\tpython -m jax_kvalloc bench --ops decode\n"
+  steps.write_text("decode\t0\t42\tpython -m jax_kvalloc bench kernels --ops decode\n"
                    "serving\t-1\t0\tskipped: 5 s of BUDGET left\n")
   kernels = tmp_path / "allocator.py"
   kernels.write_text("# kernels\n")
   (tmp_path / "VERSION").write_text("sglang 0.5.23 (wheel x.whl)\n")
   monkeypatch.setenv("COMMIT", "abc1234")
   # torch and triton take long to import here; the rule is the same for any module
-  monkeypatch.setattr(manifest, "VERSION_MODULES", ("numpy", "jax", "no_such_module_x"))
-  m = manifest.manifest(str(tmp_path), "bash benchmarks/run_device.sh t decode", str(steps),
-                        str(kernels))
+  monkeypatch.setattr(bench, "VERSION_MODULES", ("numpy", "jax", "no_such_module_x"))
+  m = bench.manifest(str(tmp_path), "bash benchmarks/run_device.sh t decode", str(steps),
+                     str(kernels))
   assert m["commit"] == "abc1234" and m["command"].endswith("t decode")
   assert m["steps"][0] == {"name": "decode", "exit": 0, "seconds": 42,
-                           "command": "python -m jax_kvalloc bench --ops decode"}
+                           "command": "python -m jax_kvalloc bench kernels --ops decode"}
   assert m["steps"][1]["exit"] == -1
   import hashlib  # pylint: disable=g-import-not-at-top
   assert m["sglang"]["sha256"] == hashlib.sha256(b"# kernels\n").hexdigest()

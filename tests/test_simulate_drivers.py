@@ -1,15 +1,17 @@
-"""`jax-kvalloc simulate`: the device driver (the scheduler inside a jitted loop) and the
-host driver (a host scheduler, one jitted call per step) make the same decisions on the
-same workload: step kinds, admissions, finishes, evictions, prefix hits, the slots of
-every allocation (a checksum per step), the pool's page counts, and the final free and
-release lists and request table."""
+"""`jax-kvalloc simulate`: the drivers run one policy (jax_kvalloc.tools.simulate_step);
+the device driver (many steps per call, in a loop on the device) and the host driver (one
+jitted call per step) make the same decisions step by step, and so do the step's two
+forms (unneeded table phases skipped in lax.cond on the CPU, or run with no rows through
+the fused `step_rows`, as on accelerators). Each record holds the step kind, admissions,
+finishes, evictions, prefix hits, the pool's counts on both sides and a checksum of every
+allocation's slots."""
 import dataclasses
 
 import numpy as np
 import pytest
 
 from jax_kvalloc.tools import simulate
-from jax_kvalloc.tools import simulate_steps as steps
+from jax_kvalloc.tools import simulate_step as steps
 
 # Small pools under pressure: admission waits, cached prefixes get evicted, need_sort
 # merges run. One set of shapes per page size and need_sort, shared by every case.
@@ -24,31 +26,36 @@ def _run(cfg):
   return simulate.run(cfg, progress=False).results[0]
 
 
-def _check_same(cfg):
-  dev = _run(dataclasses.replace(cfg, driver="device"))
-  host = _run(dataclasses.replace(cfg, driver="host"))
-  assert dev.records.shape == host.records.shape, (dev.steps, host.steps)
-  diff = np.argwhere(dev.records != host.records)
+def _check_same(a, b):
+  assert a.records.shape == b.records.shape, (a.steps, b.steps)
+  diff = np.argwhere(a.records != b.records)
   if diff.size:
     i, col = diff[0]
-    raise AssertionError(f"step {i + 1}: {steps.RECORD[col]} device "
-                         f"{dev.records[i, col]} host {host.records[i, col]}\n"
-                         f"device {dict(zip(steps.RECORD, dev.records[i]))}\n"
-                         f"host   {dict(zip(steps.RECORD, host.records[i]))}")
-  assert dev.free_list_final == host.free_list_final
-  assert dev.release_list_final == host.release_list_final
-  for r in (dev, host):
-    assert r.leak_check.startswith("ok") and r.alloc_failures == 0
-    assert r.requests_done == cfg.num_requests
-  assert dev.sim_time == host.sim_time and dev.runs_final == host.runs_final
-  assert dev.calls >= dev.steps / cfg.steps_per_call
+    cols = steps.record_columns(bool(a.swa_window))
+    raise AssertionError(f"step {i + 1}: {cols[col]} {a.records[i, col]} against "
+                         f"{b.records[i, col]}\n{dict(zip(cols, a.records[i]))}\n"
+                         f"{dict(zip(cols, b.records[i]))}")
+  assert a.free_list_final == b.free_list_final
+  assert a.release_list_final == b.release_list_final
+  assert a.sim_time == b.sim_time and a.runs_final == b.runs_final
+
+
+@pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+def test_drivers_make_the_same_decisions(swa):
+  cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=True)
+  if swa:
+    cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3)
+  dev = _run(cfg)
+  host = _run(dataclasses.replace(cfg, driver="host"))
+  _check_same(dev, host)
+  assert dev.calls >= dev.steps / cfg.steps_per_call and host.calls >= host.steps
+  assert np.any(dev.records[:, steps.COL["runs"]] > 0)
   # The report names what each driver costs.
   for res, row, absent in ((dev, "steps per host round trip", "launch time"),
                            (host, "launch time per step p50 / p99 (us)", "round trip")):
     names = [n for n, _ in simulate.summary_rows(simulate.SimResult({}, "", {}, [res]))]
     assert row in names and "wall time per step (us)" in names
-    assert not any(absent in n for n in names) and "step time p50 (us)" not in names
-  return dev
+    assert not any(absent in n for n in names) and "op time p50 (us)" not in names
 
 
 CASES = [(ps, sort, share) for ps in (1, 16, 64) for sort in (False, True)
@@ -57,38 +64,46 @@ CASES = [(ps, sort, share) for ps in (1, 16, 64) for sort in (False, True)
 
 @pytest.mark.parametrize("ps,need_sort,share", CASES,
                          ids=[f"ps{p}-sort{int(s)}-share{int(h)}" for p, s, h in CASES])
-def test_drivers_make_the_same_decisions(ps, need_sort, share):
+def test_policy_under_pressure(ps, need_sort, share):
   cfg = dataclasses.replace(BASE, page_sizes=(ps,), need_sort=need_sort,
                             share_prob=BASE.share_prob if share else 0.0)
-  res = _check_same(cfg)
+  res = _run(cfg)
   c = steps.COL
+  assert res.leak_check.startswith("ok") and res.alloc_failures == 0
+  assert res.requests_done == cfg.num_requests
   assert res.prefill_steps > 0 and res.decode_steps > 0
+  assert np.all(res.records[:, c["ok"]] == 1)
   if share:
     assert res.prefix_hits > 0
     assert res.evictions > 0, "the workload should make admission evict cached prefixes"
-    # The pool, not the rows, limited admission at times (cached prefixes fill it).
-    assert res.peak_reserved > 0.8
+    assert res.peak_reserved > 0.8  # the pool, not the rows, limited admission at times
   else:
     assert res.prefix_hits == 0 and res.evictions == 0
-  assert np.all(res.records[:, c["ok"]] == 1)
 
 
-def test_branch_free_loop_makes_the_same_decisions(monkeypatch):
-  # The device loop without conditionals (both allocations every step, the one not
-  # taken with no rows; an option for accelerators where a branch costs a host sync).
-  monkeypatch.setenv("JAX_KVALLOC_SIM_BRANCHES", "masked")
-  _check_same(dataclasses.replace(BASE, page_sizes=(16,), need_sort=True))
+@pytest.mark.parametrize("form", ["need_sort", "fused", "triton", "swa"])
+def test_branch_free_step_makes_the_same_decisions(monkeypatch, form):
+  # The accelerators' form: every table phase every step, the ones not needed with no
+  # rows: need_sort's merge must stay where the branches put it; without need_sort the
+  # three pool phases go through one step_rows (on a GPU pool, the Triton table kernel:
+  # here in its interpreter, on a smaller workload).
+  cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=form in ("need_sort", "swa"))
+  if form == "swa":
+    cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3)
+  if form == "triton":
+    cfg = dataclasses.replace(cfg, num_requests=12, output_len="uniform:1:20")
+  branched = _run(cfg)
+  monkeypatch.setattr(simulate, "branches", lambda: False)
+  if form == "triton":
+    cfg = dataclasses.replace(cfg, kernel="triton_interpret")
+  _check_same(_run(cfg), branched)
 
 
-@pytest.mark.parametrize("ps,need_sort", [(16, False), (64, True)])
-def test_drivers_make_the_same_decisions_with_an_swa_pool(ps, need_sort):
-  # --swa-window: both pools' counts, the window frees and which pool stopped an
-  # admission are record columns, compared step by step like the rest.
-  cfg = dataclasses.replace(BASE, page_sizes=(ps,), need_sort=need_sort, swa_window=40,
-                            swa_ratio=0.3, pool_size=1024 if ps == 16 else 2048)
-  res = _check_same(cfg)
-  c = steps.COL
-  assert res.records.shape[1] == len(steps.RECORD + steps.SWA_RECORD)
-  assert res.window_frees > 0 and res.refused_swa > 0 and res.prefix_hits == 0
-  assert np.all(res.records[:, c["swa_device_pages"]] ==
-                res.swa_num_pages - res.records[:, c["swa_used"]])
+def test_step_cap_is_exact():
+  # A run that needs more steps than max_steps stops after exactly max_steps, on both
+  # drivers (the device loop checks the cap inside each call).
+  for driver in simulate.DRIVERS:
+    cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=True, max_steps=5,
+                              driver=driver)
+    with pytest.raises(RuntimeError, match="no progress after 5 steps"):
+      simulate.run(cfg, progress=False)

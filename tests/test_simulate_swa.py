@@ -5,11 +5,12 @@ pools, window 0 equal to the run without an SWA pool, and the arguments' errors.
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from jax_kvalloc.tools import simulate
-from jax_kvalloc.tools import simulate_steps as steps
+from jax_kvalloc.tools import simulate_step as steps
 
 # A small pool under pressure: prompts longer than the window and than the prefill
 # budget (chunked), both pools stop admissions at times.
@@ -44,6 +45,7 @@ def model(cfg: simulate.SimConfig, lay: simulate.Layout):
   recs = []
   while not (done >= n_req and not fifo):
     arrived = int(np.sum(wl.arrival <= clock))
+    empties = [r for r in range(r_) if phase[r] == empty]  # before this step's frees
     pops, fifo = fifo[:f_], fifo[f_:]
     for r in pops:
       free += cdiv(seq[r], ps)
@@ -67,7 +69,6 @@ def model(cfg: simulate.SimConfig, lay: simulate.Layout):
         break
       batch.append((r, min(prompt[r] - seq[r], budget)))
       budget -= batch[-1][1]
-    empties = [r for r in range(r_) if phase[r] == empty]
     admitted = refused = 0
     need_f = need_s = 0
     while len(batch) < b_ and budget > 0 and admitted < len(empties) and \
@@ -206,19 +207,19 @@ def test_leak_check_fires_on_a_dropped_swa_free():
 
 def test_final_leak_check_covers_both_pools_and_the_mapping():
   lay = simulate.make_layout(BASE, BASE.workload(), 16)
-  state, table = simulate.init_pool(lay)
+  state, table, _ = jax.jit(steps.init_carry, static_argnums=0)(lay)
   res = simulate.PageSizeResult(16, lay.num_pages, "auto")
-  simulate.final_leak_check_swa(res, lay, state, table)
+  simulate.final_leak_check(res, lay, state, table)
   assert res.leak_check.startswith("ok") and f"SWA free {lay.swa_pages}" in res.leak_check
   lost = state._replace(swa=state.swa._replace(free_len=state.swa.free_len - 1))
   with pytest.raises(simulate.LeakCheckError, match="SWA pool.*1 pages missing"):
-    simulate.final_leak_check_swa(res, lay, lost, table)
+    simulate.final_leak_check(res, lay, lost, table)
   mapped = state._replace(mapping=state.mapping.at[17].set(5))
   with pytest.raises(simulate.LeakCheckError, match="1 full slots still map"):
-    simulate.final_leak_check_swa(res, lay, mapped, table)
+    simulate.final_leak_check(res, lay, mapped, table)
   busy = table._replace(lens=table.lens.at[2].set(3))
   with pytest.raises(simulate.LeakCheckError, match=r"rows \[2\]"):
-    simulate.final_leak_check_swa(res, lay, state, busy)
+    simulate.final_leak_check(res, lay, state, busy)
 
 
 @pytest.mark.parametrize("change,match", [

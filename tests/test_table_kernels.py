@@ -27,14 +27,16 @@ import pytest
 
 import jax_kvalloc as kv
 import pallas_kernels
+from jax_kvalloc import kernels
 from jax_kvalloc import request_table as rt
-from pallas_kernels import lowering_check
+import lowering_check
 from pallas_kernels import triton_table
 import test_request_table as trt
 from model import ModelAllocator
 from gpu import needs_gpu
 
 KERNEL_NAME = "jax_kvalloc_table_step_triton"
+KERNEL_NAMES = {"triton": KERNEL_NAME, "mosaic_gpu": "jax_kvalloc_table_step_mosaic_gpu"}
 TRITON = lowering_check.TRITON_CUSTOM_CALL
 POISON = 1_000_000
 SEED = int(os.environ.get("JAX_KVALLOC_TEST_SEED",
@@ -176,6 +178,12 @@ def _configs(ps, n, kernel="pallas_interpret"):
   return jnp_cfg, dataclasses.replace(jnp_cfg, kernel=kernel)
 
 
+def _kernel_name(kernel):
+  """The table kernel's name in a jaxpr of `kernel`'s step ("auto" as resolved here)."""
+  family = kernels.family(kernels.resolve(kernel, "table"))[0]
+  return KERNEL_NAMES["mosaic_gpu" if family == "mosaic_gpu" else "triton"]
+
+
 def _assert_same(a, b, msg):
   la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
   assert len(la) == len(lb), msg
@@ -192,10 +200,11 @@ def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret
   max_tokens = max_tokens or 8 * ps + 16
   args = make_cases(ps, n, max_reqs, width, count, tag, **sizes)
   got_fns, want_fns = _op_fns(cfg, max_tokens), _op_fns(jnp_cfg, max_tokens)
+  name = _kernel_name(kernel)
   refused = {}
   for op in ops:
     fn = jax.jit(jax.vmap(got_fns[op]))
-    assert KERNEL_NAME in str(jax.make_jaxpr(fn)(*args)), op
+    assert name in str(jax.make_jaxpr(fn)(*args)), op
     got = fn(*args)
     want = jax.jit(jax.vmap(want_fns[op]))(*args)
     _assert_same(got, want, f"seed {SEED}, {tag}, ps {ps}, {op}")
@@ -318,7 +327,7 @@ def check_scan_of_steps(kernel, steps, tag):
 
   run = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))
   init = (kv.init(cfg), rt.init_table(cfg, trt.MAX_REQS, trt.MAX_PAGES))
-  assert KERNEL_NAME in str(jax.make_jaxpr(run)(init, xs))
+  assert _kernel_name(kernel) in str(jax.make_jaxpr(run)(init, xs))
   (state, table), ys = run(init, xs)
   model, outs = trt._model_program(cfg, prog, max_tokens)  # pylint: disable=protected-access
   trt._check_program(outs, ys)  # pylint: disable=protected-access

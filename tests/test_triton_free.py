@@ -20,7 +20,7 @@ import pallas_kernels
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
-from pallas_kernels import lowering_check
+import lowering_check
 from pallas_kernels import triton_free
 from test_free_methods import _slot_inputs, _taken_state
 from gpu import needs_gpu

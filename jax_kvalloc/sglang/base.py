@@ -1,8 +1,9 @@
-"""What both SGLang-compatible classes share: input checks, free groups, snapshots and
-data-parallel ranks, over one `Pool` per rank (jax_kvalloc.sglang.pool), each running
-its calls on a backend (jax_kvalloc.sglang.backends: "device", "host", or debug mode).
+"""What the SGLang-compatible classes share (token, paged and SWA): input checks, free
+groups, snapshots, statuses and data-parallel ranks, over one `Pool` per rank
+(jax_kvalloc.sglang.pool), each running its calls on a backend
+(jax_kvalloc.sglang.backends: "device", "host", or debug mode).
 
-Backends (`backend=` on both constructors):
+Backends (`backend=` on every constructor):
   * "device" (default): the state is an `AllocatorState` of jax arrays on the class's
     device, ready to hand to jitted code; calls launch without waiting and return jax
     arrays.
@@ -12,11 +13,12 @@ Backends (`backend=` on both constructors):
     double free, say); the call was refused inside, so the state is as it was.
 
 Waits (device backend). None in the steady state: `available_size()` reads the host
-mirror; allocations, `free` of host data, and `free_page_ids` / `free_segment(s)` of host
-data or of device arrays launch and return (a device array's count is its shape; its
-values are trusted, as SGLang does, and checked in debug mode only). What still reads
-the device: `free` of a device array (the count of distinct pages needs its values,
-as SGLang's `free` reads them in torch.unique); the `free_pages`/`release_pages` views;
+mirror (once the statuses of earlier calls have landed, see below); allocations, `free`
+of host data, and `free_page_ids` / `free_segment(s)` of host data or of device arrays
+launch and return (a device array's count is its shape; its values are checked on the
+device, a refusal coming back as the call's status). What still reads the device:
+`free` of a device array (the count of distinct pages needs its values, as SGLang's
+`free` reads them in torch.unique); the `free_pages`/`release_pages` views;
 `restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); and
 debug mode.
 

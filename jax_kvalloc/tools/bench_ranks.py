@@ -1,73 +1,57 @@
-"""Data-parallel ranks over devices: time per step at a fixed load per rank.
+"""`jax-kvalloc bench ranks` and `bench processes`: data-parallel ranks at a fixed load
+per rank, over devices and over processes.
 
-    python -m jax_kvalloc.tools.bench_ranks --devices 1,2 --json benchmarks/ranks.json
+ranks: for each device count n (a mesh of the first n devices, axis "dp") and ranks per
+device, the ranked state (jax_kvalloc.ranks) holds n * ranks_per_device ranks sharded
+over the mesh, and one step runs every rank's alloc_decode (or alloc_extend) as a jitted
+shard_map, chained in timing.chain_time. The step's outputs feed the next step inside
+the carry (decode: each row's new slot is its next last_loc; extend: the prefix grows),
+so nothing is dead and the harness's link has nothing left to reduce (a reduction over
+a sharded output would add an all-reduce); each step keeps the head the previous one
+returned and resets the free length, so every step does the same work. With perfect
+scaling the time per step does not change with n; "collectives" counts the compiled
+program's cross-device ops (none expected). Columns: pool (one rank's load on a plain
+pool: no rank axis, vmap or shard_map), ranks, need_sort (need_sort pools: the merge
+present, never taken), select (need_sort with the merge as a plain lax.cond, which vmap
+turns into a select that sorts every pool every step). On CPU force host devices first:
+XLA_FLAGS=--xla_force_host_platform_device_count=2.
 
-For each device count n (a mesh of the first n devices, axis "dp") and each number of
-ranks per device, the ranked state (jax_kvalloc.ranks) holds n * ranks_per_device ranks,
-sharded over the mesh, and one step runs every rank's alloc_decode (or alloc_extend) as
-a jitted shard_map. Every rank carries the same load whatever n is, so with perfect
-scaling the time per step does not change with n: each device works on its own ranks
-and the compiled program has no cross-device communication (checked on the timed
-program, reported as `collectives`).
-
-Timing is jax_kvalloc.tools.timing's chain harness: the calls are chained inside one
-jitted loop. The step's outputs feed the next step inside the carry (decode: each row's
-new slot is its next last_loc, its length grows by one; extend: the prefix grows by the
-extension, the slots' max goes into a checksum), so nothing is dead, and the harness's
-link has no outputs left to reduce (a reduction over a sharded output would add an
-all-reduce to every call). As in the microbenchmarks (bench_micro), each step keeps the
-free-list head the previous one returned but resets the free length, so the pool never
-runs out and every step does the same work.
-
-The baseline rows ("pool") time the single-pool function on one device with one rank's
-load (no rank axis, no vmap, no shard_map): the cost of the rank machinery is the
-difference with the 1-device, 1-rank row. With --need-sort the ranks run need_sort pools
-(the merge branch present but not taken); the time should match need_sort off, since
-the merge (a sort of the pool) runs only on a shortfall, also under vmap. With
---compare-select those rows are timed again with the merge as a plain `lax.cond`, which
-vmap turns into a select that sorts every rank's pool on every step (what the allocator
-did before jax_kvalloc.gated). Chained need_sort calls in one loop iteration (--unroll > 1)
-also pay a copy of the rings between XLA's conditionals; --unroll 1 avoids it.
-
-On CPU, force host devices first (they share the CPU's cores, so expect no scaling):
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m jax_kvalloc.tools.bench_ranks
+processes: for each layout PxD (P processes of D CPU devices each,
+jax_kvalloc.tools.local_processes) every rank's alloc_decode, in every process: "call"
+one jitted call per step whose slots come back to the host (per-step wall time; "cpu_us"
+the process's CPU time per step), "chained" --chain steps in one jitted loop.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
 import json
+import os
+import pathlib
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import tempfile
+import time
+from typing import Any, Dict, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
 from jax_kvalloc import ranks
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.tools import bench
+from jax_kvalloc.tools import cli
+from jax_kvalloc.tools import local_processes
 from jax_kvalloc.tools import timing
 
 
-@dataclasses.dataclass(frozen=True)
-class Load:
-  """One rank's work per step."""
-  pages_per_rank: int = 1 << 16
-  page_size: int = 16
-  decode_rows: int = 64           # alloc_decode: rows per rank
-  extend_rows: int = 8            # alloc_extend: rows per rank ...
-  extend_tokens: int = 64         # ... each extended by this many tokens (page-aligned)
-
-
-def _config(load: Load, dp: int, need_sort: bool, kernel: str) -> AllocatorConfig:
-  return AllocatorConfig(size=dp * load.pages_per_rank * load.page_size,
-                         page_size=load.page_size, need_sort=need_sort, kind="paged",
-                         kernel=kernel, debug=False)
+def _config(o, dp: int, need_sort: bool) -> AllocatorConfig:
+  return AllocatorConfig(size=dp * o.pages_per_rank * o.page_size, page_size=o.page_size,
+                         need_sort=need_sort, kind="paged", kernel=o.kernel, debug=False)
 
 
 @contextlib.contextmanager
@@ -85,176 +69,236 @@ def plain_cond_merge():
     allocation.maybe_merge = saved
 
 
-def _steady(state: st.AllocatorState, free_len: jax.Array) -> st.AllocatorState:
-  """Keeps the head the step moved, restores the free length: the pool never runs dry."""
-  return state._replace(free_len=free_len)
-
-
-def _decode_step(config: AllocatorConfig, carry):
+def decode_step(config: AllocatorConfig, carry):
+  """(state, seq, last, check) -> the same after one alloc_decode (see the docstring)."""
   state, seq, last, check = carry
   full = state.free_len
   state, out, ok = allocation.alloc_decode(config, state, seq, last)
-  # The new slot is the row's next last_loc; a refused step would give 0 (never here).
-  return (_steady(state, full), seq + 1, out, check + ok.astype(jnp.int32))
+  return (state._replace(free_len=full), seq + 1, out, check + ok.astype(jnp.int32))
 
 
-def _extend_step(config: AllocatorConfig, load: Load, carry):
-  state, pre, check = carry
-  full = state.free_len
-  seq = pre + load.extend_tokens
-  last = jnp.full_like(pre, -1)  # prefixes stay page-aligned: last_loc is not read
-  state, out, ok = allocation.alloc_extend(
-      config, state, pre, seq, last, max_tokens=load.extend_rows * load.extend_tokens)
-  return (_steady(state, full), seq, check + jnp.max(out) + ok.astype(jnp.int32))
-
-
-def _rank_carry(load: Load, op: str, rank_state: st.AllocatorState):
-  """The carry of one rank (or of a stack of ranks, via vmap) at step 0."""
+def _step(config: AllocatorConfig, o, op: str):
   if op == "decode":
-    # Row r holds 1 + r % ps tokens in page r + 1: rows reach a new page at staggered steps.
-    r = jnp.arange(load.decode_rows, dtype=jnp.int32)
-    seq = 2 + r % load.page_size
-    last = (r + 1) * load.page_size + seq - 2
-    return (rank_state, seq, last, jnp.zeros((), jnp.int32))
-  pre = jnp.zeros((load.extend_rows,), jnp.int32)
-  return (rank_state, pre, jnp.zeros((), jnp.int32))
+    return lambda c: decode_step(config, c)
+
+  def extend(carry):
+    state, pre, check = carry
+    full, seq = state.free_len, pre + o.extend_tokens
+    state, out, ok = allocation.alloc_extend(  # page-aligned prefixes: last_loc unread
+        config, state, pre, seq, jnp.full_like(pre, -1),
+        max_tokens=o.extend_rows * o.extend_tokens)
+    return (state._replace(free_len=full), seq, check + jnp.max(out) + ok.astype(jnp.int32))
+  return extend
 
 
-def _step_fn(config: AllocatorConfig, load: Load, op: str):
+def _carry(o, op: str, state: st.AllocatorState):
+  """One rank's carry at step 0: row r holds 1 + r % ps tokens in page r + 1, so rows
+  reach a new page at staggered steps."""
   if op == "decode":
-    return lambda c: _decode_step(config, c)
-  return lambda c: _extend_step(config, load, c)
+    r = jnp.arange(o.decode_rows, dtype=jnp.int32)
+    seq = 2 + r % o.page_size
+    return (state, seq, (r + 1) * o.page_size + seq - 2, jnp.zeros((), jnp.int32))
+  return (state, jnp.zeros((o.extend_rows,), jnp.int32), jnp.zeros((), jnp.int32))
 
 
-def time_ranks(load: Load, op: str, devices: Sequence[jax.Device], ranks_per_device: int,
-               *, need_sort: bool, kernel: str, unroll: int, min_time: float,
-               reps: int, select: bool = False) -> Dict[str, Any]:
-  """µs per step of `op` on every rank, the ranks sharded over `devices` (select: the
-  merge as a plain lax.cond, see plain_cond_merge)."""
-  if select:
-    with plain_cond_merge():
-      row = time_ranks(load, op, devices, ranks_per_device, need_sort=need_sort,
-                       kernel=kernel, unroll=unroll, min_time=min_time, reps=reps)
-    return dict(row, select=True)
-  n = len(devices)
-  dp = n * ranks_per_device
-  config = _config(load, dp, need_sort, kernel)
-  rc = ranks.rank_config(config, dp)
-  mesh = Mesh(np.array(devices), ("dp",))
-  step = jax.vmap(_step_fn(rc, load, op))  # each device: its own ranks, one vmap
-  sharded = ranks.shard(lambda *c: step(c), mesh, "dp")
-  init = jax.vmap(lambda s: _rank_carry(load, op, s))(ranks.init_ranks(config, dp))
-  carry = jax.device_put(init, ranks.rank_sharding(mesh, "dp"))
-  call = lambda c, inputs: (tuple(sharded(*c)), ())
-  res = timing.chain_time(call, carry, (), unroll=unroll, min_time=min_time, reps=reps)
-  hlo = timing.chain_loop(call, unroll).lower(
-      carry, (), timing.sink_init(call, carry, ()), np.int32(1)).compile().as_text()
-  return {"op": op, "devices": n, "ranks_per_device": ranks_per_device, "ranks": dp,
-          "need_sort": need_sort, "select": select, "us": res["s"] * 1e6, "spread": res["spread"],
-          "collectives": ranks.collectives_in(hlo)}
-
-
-def time_pool(load: Load, op: str, *, kernel: str, unroll: int, min_time: float,
-              reps: int) -> Dict[str, Any]:
-  """µs per step of one rank's load on a plain single pool (no rank axis)."""
-  config = _config(load, 1, False, kernel)
-  step = _step_fn(config, load, op)
-  carry = _rank_carry(load, op, st.init(config))
-  res = timing.chain_time(lambda c, i: (step(c), ()), carry, (), unroll=unroll,
-                          min_time=min_time, reps=reps)
-  return {"op": op, "devices": 1, "ranks_per_device": 0, "ranks": 0, "need_sort": False,
-          "select": False, "us": res["s"] * 1e6, "spread": res["spread"], "collectives": {}}
-
-
-def run(load: Load, device_counts: Sequence[int], ranks_per_device: Sequence[int],
-        ops: Sequence[str], *, need_sort: bool, kernel: str, unroll: int, min_time: float,
-        reps: int, compare_select: bool = False,
-        on_row: Optional[Callable[[List[Dict[str, Any]]], None]] = None
-        ) -> List[Dict[str, Any]]:
-  """Every row; `on_row(rows so far)` after each (partial results survive a time limit)."""
+def ranks_timed(o, op: str, n: int, per_device: int, impl: str) -> bench.Timed:
   devices = jax.devices()
-  rows = []
+  if impl == "pool":
+    config = _config(o, 1, False)
+    step = _step(config, o, op)
+    return bench.chained(lambda c, i: (step(c), ()), _carry(o, op, st.init(config)), ())
+  if n > len(devices):
+    raise bench.Skip(f"{n} devices: only {len(devices)} ({devices[0].platform})")
+  dp = n * per_device
+  config = _config(o, dp, impl != "ranks")
+  mesh = jax.sharding.Mesh(np.array(devices[:n]), ("dp",))
+  step = jax.vmap(_step(ranks.rank_config(config, dp), o, op))
+  sharded = ranks.shard(lambda *c: step(c), mesh, "dp")
+  carry = jax.device_put(jax.vmap(lambda s: _carry(o, op, s))(ranks.init_ranks(config, dp)),
+                         ranks.rank_sharding(mesh, "dp"))
+  call = lambda c, inputs: (tuple(sharded(*c)), ())
 
-  def add(row):
-    rows.append(row)
-    print(_line(row), file=sys.stderr)
-    if on_row is not None:
-      on_row(rows)
-
-  for op in ops:
-    add(time_pool(load, op, kernel=kernel, unroll=unroll, min_time=min_time, reps=reps))
-    for n in device_counts:
-      if n > len(devices):
-        print(f"skipping {n} devices: only {len(devices)} ({devices[0].platform})",
-              file=sys.stderr)
-        continue
-      for r in ranks_per_device:
-        variants = [(False, False)] + ([(True, False)] if need_sort else [])
-        variants += [(True, True)] if compare_select else []
-        for ns, select in variants:
-          add(time_ranks(load, op, devices[:n], r, need_sort=ns, kernel=kernel,
-                         unroll=unroll, min_time=min_time, reps=reps, select=select))
-  return rows
-
-
-def _line(row: Dict[str, Any]) -> str:
-  who = ("pool (no ranks)" if not row["ranks"] else
-         f"{row['devices']} dev x {row['ranks_per_device']} rank(s)")
-  coll = ", ".join(f"{k} x{v}" for k, v in row["collectives"].items()) or "none"
-  sort = ("on, plain cond" if row.get("select") else "on") if row["need_sort"] else "off"
-  return (f"| {row['op']} | {who} | {sort} | "
-          f"{row['us']:.1f} | {row['spread']:.2f} | {coll} |")
+  def measure(opts):
+    with plain_cond_merge() if impl == "select" else contextlib.nullcontext():
+      out = bench.chained(call, carry, ()).measure(opts)
+      hlo = timing.chain_loop(call, opts.unroll).lower(
+          carry, (), timing.sink_init(call, carry, ()), np.int32(1)).compile().as_text()
+    return dict(out, collectives=ranks.collectives_in(hlo))
+  return bench.Timed(measure)
 
 
-def table(rows: Sequence[Dict[str, Any]], load: Load, platform: str) -> str:
-  """A markdown table of the rows."""
-  head = (f"{platform}: {load.pages_per_rank} pages of {load.page_size} per rank; decode "
-          f"{load.decode_rows} rows/rank, extend {load.extend_rows} rows x "
-          f"{load.extend_tokens} tokens/rank\n\n"
-          "| op | placement | need_sort | us/step | spread | collectives |\n"
-          "|---|---|---|---|---|---|")
-  return "\n".join([head] + [_line(r) for r in rows])
+def ranks_cases(o):
+  if o.extend_tokens % o.page_size:
+    raise cli.UsageError("--extend-tokens", "must be a multiple of --page-size "
+                         "(page-aligned prefixes)")
+  for op in o.ops:
+    for i, (n, r) in enumerate((n, r) for n in o.devices for r in o.ranks_per_device):
+      row = {"op": op, "devices": n, "ranks_per_device": r}
+      for impl in RANKS.impls:
+        if impl != "pool" or i == 0:
+          yield bench.Case(row, impl, functools.partial(ranks_timed, o, op, n, r, impl))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--devices", default="1,2", help="device counts, e.g. 1,2")
-  p.add_argument("--ranks-per-device", default="1,4")
-  p.add_argument("--ops", default="decode,extend")
-  p.add_argument("--pages-per-rank", type=int, default=Load.pages_per_rank)
-  p.add_argument("--page-size", type=int, default=Load.page_size)
-  p.add_argument("--decode-rows", type=int, default=Load.decode_rows)
-  p.add_argument("--extend-rows", type=int, default=Load.extend_rows)
-  p.add_argument("--extend-tokens", type=int, default=Load.extend_tokens)
-  p.add_argument("--need-sort", action="store_true",
-                 help="also time need_sort pools (the merge branch, never taken)")
-  p.add_argument("--compare-select", action="store_true",
-                 help="also time need_sort ranks with the merge as a plain lax.cond")
-  p.add_argument("--kernel", default="auto")
-  p.add_argument("--unroll", type=int, default=8)
-  p.add_argument("--min-time", type=float, default=0.05)
-  p.add_argument("--reps", type=int, default=5)
-  p.add_argument("--json", help="write the rows (and the load) to this file")
-  a = p.parse_args(argv)
-  if a.extend_tokens % a.page_size:
-    p.error("--extend-tokens must be a multiple of --page-size (page-aligned prefixes)")
-  load = Load(a.pages_per_rank, a.page_size, a.decode_rows, a.extend_rows, a.extend_tokens)
-  ints = lambda s: [int(x) for x in s.split(",") if x]
-  platform = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
-
-  def save(rows):
-    if a.json:
-      with open(a.json, "w") as f:
-        json.dump({"platform": platform, "load": dataclasses.asdict(load), "rows": rows}, f,
-                  indent=1)
-
-  rows = run(load, ints(a.devices), ints(a.ranks_per_device), a.ops.split(","),
-             need_sort=a.need_sort, kernel=a.kernel, unroll=a.unroll,
-             min_time=a.min_time, reps=a.reps, compare_select=a.compare_select,
-             on_row=save)
-  print(table(rows, load, platform))
-  return 0
+RANKS = bench.Suite(
+    name="ranks", help="data-parallel ranks over devices at a fixed load per rank, against "
+    "one rank's load on a plain pool", impls=("pool", "ranks", "need_sort", "select"),
+    default_impls=("pool", "ranks"), cases=ranks_cases, compare=(("ranks", "pool"),),
+    defaults=(("unroll", 8),),
+    dims=(bench.Dim("--devices", [1, 2], "device counts"),
+          bench.Dim("--ranks-per-device", [1, 4], "ranks per device"),
+          bench.Dim("--ops", ["decode", "extend"], "operations",
+                    cli.name_list(("decode", "extend"))),
+          bench.Dim("--pages-per-rank", 1 << 16, "pool pages per rank", quick=64),
+          bench.Dim("--page-size", 16, "page size"),
+          bench.Dim("--decode-rows", 64, "alloc_decode rows per rank", quick=4),
+          bench.Dim("--extend-rows", 8, "alloc_extend rows per rank", quick=2),
+          bench.Dim("--extend-tokens", 64, "tokens per extended row (page-aligned)",
+                    quick=16),
+          bench.Dim("--kernel", "auto", "AllocatorConfig.kernel")))
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+# ---------------------------------------------------------------------------------------
+# Over processes.
+# ---------------------------------------------------------------------------------------
+
+WORKER_OPTIONS = ("ranks_per_device", "pages_per_rank", "page_size", "decode_rows",
+                  "steps", "chain")
+
+
+def worker(a: argparse.Namespace) -> None:
+  """One process of a layout: times its ranks' decode steps and writes p{worker}.json."""
+  with local_processes.start(a.worker, a.num_processes, a.port, a.devices_per_process):
+    from jax_kvalloc import multiprocess  # pylint: disable=g-import-not-at-top
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.array(devices), ("dp",))
+    dp, ps = len(devices) * a.ranks_per_device, a.page_size
+    config = AllocatorConfig(size=dp * a.pages_per_rank * ps, page_size=ps, kernel="jnp")
+    r = ranks.ranks_allocator(config, dp, mesh=mesh, axis_name="dp")
+    k = len(multiprocess.process_ranks(mesh, "dp", dp))
+    i = np.arange(a.decode_rows, dtype=np.int32)
+    seq = multiprocess.put_ranks(np.tile(2 + i % ps, (k, 1)), mesh, "dp", dp)
+    last = multiprocess.put_ranks(np.tile((i + 1) * ps + i % ps, (k, 1)), mesh, "dp", dp)
+    step = jax.vmap(lambda c: decode_step(ranks.rank_config(config, dp), c))
+    chained = jax.jit(ranks.shard(lambda s, q, l: jax.lax.fori_loop(
+        0, a.chain, lambda _, c: step(c), (s, q, l, jnp.zeros(q.shape[:1], jnp.int32))),
+                                  mesh, "dp"))
+    found = ranks.collectives_in(chained.lower(r.init(), seq, last).compile().as_text())
+    found.update(ranks.collectives_in(r.alloc_decode.lower(r.init(), seq, last)
+                                      .compile().as_text()))
+
+    def calls():
+      state, times = r.init(), []
+      for _ in range(a.steps):
+        t0 = time.perf_counter()
+        state, slots, ok = r.alloc_decode(state, seq, last)
+        multiprocess.get_ranks(slots)
+        times.append(time.perf_counter() - t0)
+      assert multiprocess.get_ranks(ok).all()
+      return times
+
+    def chains():
+      times = []
+      for _ in range(max(1, a.steps // a.chain)):
+        state = jax.block_until_ready(r.init())
+        t0 = time.perf_counter()
+        multiprocess.get_ranks(chained(state, seq, last)[3])
+        times.append((time.perf_counter() - t0) / a.chain)
+      return times
+
+    cpu = lambda: sum(os.times()[:2])
+    calls(), chains()  # compile and warm up
+    out = {"call": [], "chained": [], "cpu": []}
+    for _ in range(a.reps):
+      c0 = cpu()
+      out["call"] += calls()
+      out["cpu"].append((cpu() - c0) / a.steps)
+      out["chained"] += chains()
+    (pathlib.Path(a.out) / f"p{a.worker}.json").write_text(json.dumps(
+        dict(out, collectives=found)))
+
+
+@functools.lru_cache(maxsize=4)
+def _layout(o_items: tuple, processes: int, devices: int) -> Dict[str, Any]:
+  """Every process's times for one layout (run once for both columns)."""
+  o = dict(o_items)
+  with tempfile.TemporaryDirectory() as tmp:
+    common = ["--num-processes", str(processes), "--port", str(local_processes.free_port()),
+              "--out", tmp, "--devices-per-process", str(devices), "--reps", str(o["reps"])]
+    for name in WORKER_OPTIONS:
+      common += ["--" + name.replace("_", "-"), str(o[name])]
+    results = local_processes.run(
+        [[sys.executable, "-m", "jax_kvalloc.tools.bench_ranks", "--worker", str(w)] + common
+         for w in range(processes)], deadline_s=o["deadline"], env=local_processes.child_env())
+    for res in results:
+      if res.returncode:
+        raise RuntimeError(f"a worker exited {res.returncode}:\n{res.stderr[-4000:]}")
+    return [json.loads((pathlib.Path(tmp) / f"p{w}.json").read_text())
+            for w in range(processes)]
+
+
+def _summary(times: Sequence[float]) -> Dict[str, float]:
+  t = np.asarray(times) * 1e6
+  med = float(np.median(t))
+  return {"us": med, "spread": float((np.percentile(t, 90) - np.percentile(t, 10)) / med),
+          "n": int(t.size)}
+
+
+def processes_timed(o, layout: str, how: str) -> bench.Timed:
+  processes, devices = (int(x) for x in layout.split("x"))
+  items = tuple(sorted((k, getattr(o, k)) for k in WORKER_OPTIONS + ("deadline",)))
+
+  def measure(opts):
+    per = _layout(items + (("reps", opts.reps),), processes, devices)
+    every = [t for p in per for t in p[how]]
+    q1, q3 = timing.quartiles(every)
+    out = {"us": float(np.median(every)) * 1e6, "q1_us": q1 * 1e6, "q3_us": q3 * 1e6,
+           "per_process": [_summary(p[how]) for p in per],
+           "collectives": {k: v for p in per for k, v in p["collectives"].items()}}
+    if how == "call":
+      out["cpu_us"] = [_summary(p["cpu"]) for p in per]
+    return out
+  return bench.Timed(measure)
+
+
+def _layouts(text: str):
+  items = [x.split("x") for x in text.split(",") if x]
+  if not items or any(len(x) != 2 or not all(v.isdigit() and int(v) > 0 for v in x)
+                      for x in items):
+    raise argparse.ArgumentTypeError(f"expected PxD,... (e.g. 1x2,2x2), got {text!r}")
+  return ["x".join(x) for x in items]
+
+
+def processes_cases(o):
+  if o.steps < o.chain or (o.pages_per_rank - o.decode_rows - 1) * o.page_size < (
+      o.steps * o.decode_rows):
+    raise cli.UsageError("--steps", "must be >= --chain, and each rank's pool must last "
+                         "--steps steps (pages_per_rank * page_size >= steps * decode_rows "
+                         "+ a page per row)")
+  for layout in o.layouts:
+    for how in ("call", "chained"):
+      yield bench.Case({"layout": layout, "ranks_per_device": o.ranks_per_device}, how,
+                       functools.partial(processes_timed, o, layout, how))
+
+
+PROCESSES = bench.Suite(
+    name="processes", help="a ranked decode step over several JAX processes on this "
+    "machine against one process", impls=("call", "chained"), cases=processes_cases,
+    defaults=(("reps", 3),),
+    dims=(bench.Dim("--layouts", ["1x2", "1x4", "2x2"], "processes x CPU devices per "
+                    "process", _layouts, quick=["1x2", "2x1"]),
+          bench.Dim("--ranks-per-device", 4, "ranks per device", quick=2),
+          bench.Dim("--pages-per-rank", 4096, "pool pages per rank", quick=64),
+          bench.Dim("--page-size", 16, "page size"),
+          bench.Dim("--decode-rows", 64, "alloc_decode rows per rank", quick=4),
+          bench.Dim("--steps", 200, "timed steps per repetition", quick=4),
+          bench.Dim("--chain", 50, "steps per chained call", quick=2),
+          bench.Dim("--deadline", 600, "seconds per layout")))
+
+
+if __name__ == "__main__":  # a worker of `bench processes`
+  p = argparse.ArgumentParser()
+  for flag in ("worker", "num-processes", "devices-per-process", "port", "reps") + tuple(
+      n.replace("_", "-") for n in WORKER_OPTIONS):
+    p.add_argument("--" + flag, type=int)
+  p.add_argument("--out")
+  worker(p.parse_args())

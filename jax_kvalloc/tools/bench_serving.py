@@ -1,35 +1,32 @@
-"""The serving-loop benchmark of `jax-kvalloc bench`: N decode steps of a running batch,
-each step freeing the requests that finished in the previous one (one free group) and
-allocating one slot per request (alloc_decode), with the token table (SGLang's
-req_to_token) on the device: last_loc is gathered from it, new slots are written to it,
-and finished rows are freed from it.
+"""`jax-kvalloc bench serving` and `bench simulate`: whole serving steps.
 
-Every row is a request with a fixed target length that restarts (as a new request)
-after it finishes, so the batch stays full and the pool never runs out. Three ways:
+serving: N decode steps of a full batch, each step freeing the requests that finished in
+the previous one (one free group) and allocating one slot per request (alloc_decode),
+with the token table (SGLang's req_to_token) on the device: last_loc is gathered from
+it, new slots are written to it. A row that reaches its target length restarts as a new
+request, so the batch stays full and the pool never runs out. Columns:
 
-  jit/step   one jitted call per step (state and table donated), as a scheduler would
-             call it; per-step wall time, async (synchronizing only at the end) and
-             synchronizing once per step (reading the step's `ok` on the host, as a
-             scheduler must before it trusts the indices);
-  scan       all steps inside one `fori_loop` (device time per step, the harness of
-             jax_kvalloc.tools.timing), and the same loop with the allocator calls
-             replaced by stand-ins: the difference is what the allocator adds per step;
-  torch_ref  eager, the way SGLang calls it: host seq_lens, free_group_begin, free of the
-             finished rows' slots, free_group_end, last_loc gather, alloc_decode, write;
-             async and synchronizing once per step (torch.cuda.synchronize).
+  jit, jit_sync  one jitted call per step (state and table donated), host time per step:
+                 waiting only at the end, or reading each step's `ok` (as a scheduler
+                 must before it trusts the indices); jit_none: the step with the
+                 allocator calls replaced by stand-ins
+  scan, scan_*   the step chained in timing.chain_time (device time per step): scan_none
+                 the stand-in step (scan - scan_none: what the allocator adds per step),
+                 scan_extra_alloc / scan_extra_free one more alloc_decode / free per step
+                 on a dummy pool, scan_pages the release by free_page_ids (request order,
+                 no sort), scan_fused release_and_alloc_decode (one launch on GPU)
+  torch, torch_sync  torch_ref eager, as SGLang's scheduler calls it (free_group_begin,
+                 free, free_group_end, last_loc gather, alloc_decode, table write)
 
-Every per-step wall time is the median over runs, for JAX and torch alike; the headline
-ratio is the synchronizing one.
-
-Both sides run the same steps from the same state; their final tables, lengths and free
-lists must be identical (a parity check of the whole loop).
+jit and torch run the same steps from the same state and must end with identical
+tables, lengths and free lists (their outputs). simulate: `jax-kvalloc simulate`'s run
+per page size and driver (device: the scheduler's loop on the device; host: one jitted
+call per step), its median step time and the quartiles over steps.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from typing import Any, Dict
 
 import jax
@@ -37,14 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import allocation
-from jax_kvalloc.tools import timing as bt
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.tools import bench
+from jax_kvalloc.tools import bench_kernels
+from jax_kvalloc.tools import timing as bt
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ServingCase:
   bs: int
   page_size: int
@@ -58,7 +57,8 @@ class ServingCase:
 
 def make_case(bs: int, page_size: int, steps: int, seed: int, len_lo: int = 64,
               len_hi: int = 1024) -> ServingCase:
-  """Rows at random points of their lives, holding exactly the pages their tokens need."""
+  """Rows at random points of their lives, holding exactly the pages their tokens need;
+  the free group sized for the most rows that finish in one step over `steps`."""
   if page_size < 2:
     raise ValueError("the serving-loop benchmark needs page_size >= 2 (alloc_decode)")
   rng = np.random.default_rng([seed, bs, page_size])
@@ -70,18 +70,14 @@ def make_case(bs: int, page_size: int, steps: int, seed: int, len_lo: int = 64,
   perm = (rng.permutation(num_pages) + 1).astype(np.int64)
   ctx = per_row * ps
   table = np.zeros((bs, ctx), np.int64)
-  at = 0
-  j = np.arange(ctx)
+  at, j = 0, np.arange(ctx)
   for r in range(bs):
     k = -(-int(seq0[r]) // ps)
-    pages = perm[at:at + k]
+    table[r, :k * ps] = perm[at:at + k][j[:k * ps] // ps] * ps + j[:k * ps] % ps
     at += k
-    table[r, :k * ps] = pages[j[:k * ps] // ps] * ps + j[:k * ps] % ps
-  # The most rows that finish in one step over the run sizes the free group.
   seq, pending, most = seq0.copy(), np.zeros(bs, bool), 1
   for _ in range(steps + 64):
     seq[pending] = 0
-    pending[:] = False
     seq += 1
     pending = seq >= target
     most = max(most, int(pending.sum()))
@@ -95,13 +91,12 @@ def _config(case: ServingCase) -> AllocatorConfig:
 
 
 def initial_carry(case: ServingCase):
-  cfg = _config(case)
-  s = jax.jit(st.init, static_argnums=0)(cfg)
-  n = case.num_pages
-  ring = np.zeros(n, np.int32)
+  """(state, table, seq, target, pending, ok_so_far) at step 0."""
+  s = jax.jit(st.init, static_argnums=0)(_config(case))
+  ring = np.zeros(case.num_pages, np.int32)
   ring[:case.free0.size] = case.free0
-  s = s._replace(free_ring=jnp.asarray(ring), free_len=jnp.asarray(case.free0.size,
-                                                                  jnp.int32))
+  s = s._replace(free_ring=jnp.asarray(ring),
+                 free_len=jnp.asarray(case.free0.size, jnp.int32))
   return (s, jnp.asarray(case.table0), jnp.asarray(case.seq0), jnp.asarray(case.target),
           jnp.zeros(case.bs, bool), jnp.ones((), bool))
 
@@ -112,19 +107,15 @@ RELEASES = ("sorted", "pages", "fused")
 def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = True,
                free: bool = True, extra: str = "", release: str = "sorted"):
   """One decode step of the loop (pure). carry = (state, table, seq, target, pending,
-  ok_so_far).
+  ok_so_far), plus a 7th element with `extra` (see `extra_carry`).
 
   alloc=False / free=False replace alloc_decode / free by stand-ins (slot = last_loc + 1,
-  state unchanged): the bookkeeping-only baseline. release: how the finished rows go
-  back: "sorted" (`free` of their slots: sorted unique pages), "pages" (free_page_ids of
-  their pages, in request order, no sort), "fused" (the same pages through
-  release_and_alloc_decode: the release and the alloc_decode in one call, one kernel
-  launch on GPU). extra="alloc" / "free" runs one more
-  alloc_decode / free per step on the same inputs against a dummy state carried as a 7th
-  carry element (see `extra_carry`), so the difference from the plain step is what one
-  call of it costs in this loop; its inputs get the harness link of the dummy state
-  (timing.link: 0, but unknown to XLA) so that XLA cannot share work between the two
-  calls, and its outputs stay in the carry.
+  state unchanged). release: "sorted" (`free` of the finished rows' slots), "pages"
+  (free_page_ids of their pages, request order, no sort), "fused" (the same pages through
+  release_and_alloc_decode, one launch on GPU). extra="alloc" / "free" runs one more
+  alloc_decode / free per step on the same inputs against the dummy pool of the 7th carry
+  element, its inputs linked to that pool (timing.link) so that XLA shares no work
+  between the two calls, its outputs kept in the carry.
   """
   if release not in RELEASES:
     raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
@@ -178,13 +169,12 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, alloc: bool = 
   table = table.at[jnp.where(active, rows, bs), seq_new - 1].set(out, mode="drop")
   seq = jnp.where(active, seq_new, seq)
   pending = pending | (active & (seq >= target))
-  out_carry = (state, table, seq, target, pending, ok_all & ok)
-  return out_carry + ((dummy,) if extra else ())
+  return (state, table, seq, target, pending, ok_all & ok) + ((dummy,) if extra else ())
 
 
 def extra_carry(case: ServingCase, extra: str):
-  """The 7th carry element for serve_step(extra=...): a dummy pool that never runs out
-  (its free length stays fixed: full for alloc, empty for free) and the extra indices."""
+  """initial_carry plus the dummy pool of serve_step(extra=...): it never runs out (its
+  free length stays fixed: full for alloc, empty for free), and the extra outputs."""
   s = jax.jit(st.init, static_argnums=0)(_config(case))
   zero = jnp.zeros((), jnp.int32)
   if extra == "free":
@@ -193,29 +183,7 @@ def extra_carry(case: ServingCase, extra: str):
                                      zero)),)
 
 
-def _per_step_host(jit_step, carry, steps: int, *, sync: bool):
-  """(seconds per step, final carry) of `steps` calls from Python, reading each step's
-  ok on the host (sync) or synchronizing only at the end. The carry is donated: use the
-  one returned."""
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    carry = jit_step(carry)
-    if sync and not bool(carry[5]):
-      raise RuntimeError("the serving loop ran out of pages")
-  jax.block_until_ready(carry)
-  return (time.perf_counter() - t0) / steps, carry
-
-
-def _median_per_step(jit_step, carry, steps: int, *, sync: bool, runs: int = 3):
-  """(median seconds per step over `runs` runs, final carry)."""
-  times = []
-  for _ in range(runs):
-    t, carry = _per_step_host(jit_step, carry, steps, sync=sync)
-    times.append(t)
-  return statistics.median(times), carry
-
-
-def _step_call(step, carry, x):
+def step_call(step, carry, x):
   """A serving step as a chained call of timing.chain_time: x (i32[], 0) is added to the
   lengths, so the link of the previous step's outputs reaches this step's inputs."""
   state, table, seq, *rest = carry
@@ -225,50 +193,50 @@ def _step_call(step, carry, x):
       jax.tree_util.tree_leaves(extra))
 
 
-def run_jax(case: ServingCase, steps: int, warmup: int, *, unroll: int, min_time: float,
-            reps: int) -> Dict[str, Any]:
-  """jit/step (async, syncing once per step, bookkeeping-only) and the scan variants;
-  also the final table, lengths and free list after warmup + steps steps (parity)."""
-  cfg = _config(case)
-  jit_step = jax.jit(functools.partial(serve_step, cfg, case.max_frees), donate_argnums=0)
-  t0 = time.perf_counter()
-  carry = jax.block_until_ready(jit_step(initial_carry(case)))
-  compile_s = time.perf_counter() - t0
-  for _ in range(warmup - 1):
-    carry = jit_step(carry)
-  _, carry = _per_step_host(jit_step, carry, steps, sync=False)
-  final = jax.device_get(carry)   # after warmup + steps steps: the parity point
-  async_s, carry = _median_per_step(jit_step, carry, steps, sync=False)
-  sync_s, carry = _median_per_step(jit_step, carry, steps, sync=True)
-  jit_base = jax.jit(functools.partial(serve_step, cfg, case.max_frees, alloc=False,
-                                       free=False), donate_argnums=0)
-  base_s, _ = _median_per_step(jit_base, jit_base(initial_carry(case)), steps, sync=False)
-  out = {"jit_step_us": async_s * 1e6, "jit_step_sync_us": sync_s * 1e6,
-         "jit_step_baseline_us": base_s * 1e6, "compile_s": compile_s,
-         "ok": bool(final[5]), "table": final[1], "seq": final[2],
-         "free_pages": st.live_free_pages(final[0])}
-  variants = {"": {}, "_baseline": dict(alloc=False, free=False),
-              "_extra_alloc": dict(extra="alloc"), "_extra_free": dict(extra="free"),
-              "_pages": dict(release="pages"), "_fused": dict(release="fused")}
-  for name, flags in variants.items():
-    carry0 = extra_carry(case, flags["extra"]) if "extra" in flags else initial_carry(case)
-    step = functools.partial(serve_step, cfg, case.max_frees, **flags)
-    # The whole step is the chained call; its carry is its output (all consumed: the
-    # link reduces the new lengths, table and flags into the next step's inputs).
-    res = bt.chain_time(lambda c, x: _step_call(step, c, x), carry0, jnp.zeros((), jnp.int32),
-                        unroll=unroll, min_time=min_time, reps=reps)
-    out[f"scan{name}_us"] = res["s"] * 1e6
-    if not name:
-      out["scan_spread"] = res["spread"]
-  out["scan_alloc_us"] = out["scan_us"] - out["scan_baseline_us"]
-  out["scan_alloc_pages_us"] = out["scan_pages_us"] - out["scan_baseline_us"]
-  out["scan_alloc_fused_us"] = out["scan_fused_us"] - out["scan_baseline_us"]
-  return out
+VARIANTS = {"scan": {}, "scan_none": dict(alloc=False, free=False),
+            "scan_extra_alloc": dict(extra="alloc"), "scan_extra_free": dict(extra="free"),
+            "scan_pages": dict(release="pages"), "scan_fused": dict(release="fused")}
 
 
-def run_torch(case: ServingCase, steps: int, warmup: int) -> Dict[str, Any]:
-  """The same loop through torch_ref, eager, as SGLang's scheduler drives its allocator."""
-  import torch  # pylint: disable=g-import-not-at-top
+def _final(carry) -> tuple:
+  """The parity point: table, lengths and free list (host copies)."""
+  c = jax.device_get(carry)
+  return (np.asarray(c[1]), np.asarray(c[2]), np.asarray(st.live_free_pages(c[0])))
+
+
+@functools.lru_cache(maxsize=4)
+def _jit_step(case: ServingCase, none: bool):
+  flags = dict(alloc=False, free=False) if none else {}
+  return jax.jit(functools.partial(serve_step, _config(case), case.max_frees, **flags),
+                 donate_argnums=0)
+
+
+def jit_timed(case: ServingCase, o, *, sync: bool = False, none: bool = False) -> bench.Timed:
+  """One jitted call per step; the output: the state after warmup + steps steps."""
+  step = _jit_step(case, none)
+  box = {"carry": step(initial_carry(case))}
+  for _ in range(o.warmup + o.steps - 1):
+    box["carry"] = step(box["carry"])
+  final = _final(box["carry"])
+
+  def one():
+    box["carry"] = step(box["carry"])
+    if sync and not bool(box["carry"][5]):
+      raise RuntimeError("the serving loop ran out of pages")
+  return bench.host(one, lambda: jax.block_until_ready(box["carry"]), n=o.steps,
+                    output=None if none else lambda: final)
+
+
+def scan_timed(case: ServingCase, variant: str) -> bench.Timed:
+  flags = VARIANTS[variant]
+  step = functools.partial(serve_step, _config(case), case.max_frees, **flags)
+  carry = extra_carry(case, flags["extra"]) if "extra" in flags else initial_carry(case)
+  return bench.chained(lambda c, x: step_call(step, c, x), carry, jnp.zeros((), jnp.int32))
+
+
+def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
+  """The same loop through torch_ref's eager class, as SGLang's scheduler drives it."""
+  torch = bench_kernels._torch()  # pylint: disable=protected-access
   import torch_ref  # pylint: disable=g-import-not-at-top
   cuda = torch.cuda.is_available()
   dev = torch.device("cuda" if cuda else "cpu")
@@ -276,83 +244,93 @@ def run_torch(case: ServingCase, steps: int, warmup: int) -> Dict[str, Any]:
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
                                                 False)
   alloc.free_pages = torch.as_tensor(case.free0.astype(np.int64), device=dev)
-  table = torch.as_tensor(case.table0, device=dev)
+  table = torch.tensor(case.table0, device=dev)  # a copy: the steps write it
   seq_cpu = torch.as_tensor(case.seq0.astype(np.int64))
-  seq = seq_cpu.to(dev, copy=True)
-  target = case.target.astype(np.int64)
-  pending = np.zeros(case.bs, bool)
+  box = {"seq": seq_cpu.to(dev, copy=True), "pending": np.zeros(case.bs, bool)}
   rows = torch.arange(case.bs, device=dev)
-  sync = torch.cuda.synchronize if cuda else (lambda: None)
+  wait = torch.cuda.synchronize if cuda else (lambda: None)
 
   def step():
-    nonlocal seq, pending
-    done = np.flatnonzero(pending)
+    done = np.flatnonzero(box["pending"])
     if done.size:
       alloc.free_group_begin()
       alloc.free(torch.cat([table[int(r), :int(seq_cpu[r])] for r in done]))
       alloc.free_group_end()
       seq_cpu[done] = 0
-      seq = seq_cpu.to(dev, copy=True)
-      pending[done] = False
+      box["seq"] = seq_cpu.to(dev, copy=True)
     seq_cpu.add_(1)
-    seq.add_(1)
-    last = table[rows, (seq - 2).clamp_(min=0)]
-    out = alloc.alloc_decode(seq, seq_cpu, last)
+    seq = box["seq"].add_(1)
+    out = alloc.alloc_decode(seq, seq_cpu, table[rows, (seq - 2).clamp_(min=0)])
     if out is None:
       raise RuntimeError("torch_ref alloc_decode failed in the serving loop")
     table[rows, seq - 1] = out.to(torch.int32)
-    pending = seq_cpu.numpy() >= target
+    box["pending"] = seq_cpu.numpy() >= case.target
+    if sync:
+      wait()
 
-  def per_step(n: int, sync_each: bool) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-      step()
-      if sync_each:
-        sync()
-    sync()
-    return (time.perf_counter() - t0) / n
-
-  for _ in range(warmup):
+  for _ in range(o.warmup + o.steps):
     step()
-  sync()
-  per_step(steps, False)
-  # The parity point (copies: on CPU .cpu() is the tensor itself, which later steps change).
-  result = {"table": table.cpu().numpy().copy(), "seq": seq_cpu.numpy().astype(np.int32),
-            "free_pages": alloc.free_pages.cpu().numpy().copy()}
-  result["torch_step_us"] = statistics.median(per_step(steps, False)
-                                              for _ in range(3)) * 1e6
-  result["torch_step_sync_us"] = statistics.median(per_step(steps, True)
-                                                   for _ in range(3)) * 1e6
-  result["method"] = "eager torch_ref calls" + (" (Triton kernels)" if cuda else " (CPU)")
-  return result
+  final = (table.cpu().numpy().copy(), seq_cpu.numpy().astype(np.int32),
+           alloc.free_pages.cpu().numpy().copy())
+  return bench.host(step, wait, n=o.steps, output=lambda: final)
 
 
-def run(*, batch_sizes, page_size: int, steps: int, warmup: int, unroll: int,
-        min_time: float, reps: int, seed: int, torch_on: bool, progress=None):
-  rows = []
-  for bs in batch_sizes:
-    case = make_case(bs, page_size, steps + warmup, seed)
-    if progress:
-      progress(f"serving bs={bs} jax")
-    row: Dict[str, Any] = {"bs": bs, "page_size": page_size, "steps": steps,
-                           "max_frees": case.max_frees, "num_pages": case.num_pages}
-    jx = run_jax(case, steps, warmup, unroll=unroll, min_time=min_time, reps=reps)
-    row.update({k: v for k, v in jx.items() if k not in ("table", "seq", "free_pages")})
-    row["parity"] = "jax only"
-    if torch_on:
-      if progress:
-        progress(f"serving bs={bs} torch_ref")
-      try:
-        tr = run_torch(case, steps, warmup)
-        row["torch_step_us"] = tr["torch_step_us"]
-        row["torch_step_sync_us"] = tr["torch_step_sync_us"]
-        row["torch_method"] = tr["method"]
-        same = (np.array_equal(jx["table"], tr["table"]) and
-                np.array_equal(jx["seq"], tr["seq"]) and
-                np.array_equal(np.asarray(jx["free_pages"], np.int64),
-                               np.asarray(tr["free_pages"], np.int64)))
-        row["parity"] = "identical" if same else "MISMATCH"
-      except Exception as e:  # pylint: disable=broad-except
-        row["torch_error"] = f"{type(e).__name__}: {e}"[:300]
-    rows.append(row)
-  return rows
+def cases(o):
+  for bs in o.batch_sizes:
+    case = functools.lru_cache(1)(lambda bs=bs: make_case(bs, o.page_size,
+                                                          o.steps + o.warmup, o.seed))
+    row = {"bs": bs, "page_size": o.page_size, "steps": o.steps}
+    setups = {"jit": lambda c=case: jit_timed(c(), o),
+              "jit_sync": lambda c=case: jit_timed(c(), o, sync=True),
+              "jit_none": lambda c=case: jit_timed(c(), o, none=True),
+              "torch": lambda c=case: torch_timed(c(), o, sync=False),
+              "torch_sync": lambda c=case: torch_timed(c(), o, sync=True)}
+    setups.update({v: functools.partial(lambda c, v: scan_timed(c(), v), case, v)
+                   for v in VARIANTS})
+    for impl in SERVING.impls:
+      yield bench.Case(row, impl, setups[impl])
+
+
+SERVING = bench.Suite(
+    name="serving", help="a serving loop of decode steps (free group, alloc_decode, token "
+    "table): jitted per step, chained in one loop, torch_ref eager",
+    impls=("jit", "jit_sync", "jit_none") + tuple(VARIANTS) + ("torch", "torch_sync"),
+    cases=cases, defaults=(("unroll", 8),),
+    dims=(bench.Dim("--batch-sizes", [64, 256, 1024], "batch sizes", quick=[16]),
+          bench.Dim("--page-size", 64, "page size (>= 2)"),
+          bench.Dim("--steps", 1000, "timed steps per run", quick=50),
+          bench.Dim("--warmup", 20, "steps before the parity point", quick=5),
+          bench.Dim("--seed", 0, "seed of the initial lengths and pool")),
+    render=lambda r: bench_kernels.render(bench_kernels.legacy(r)))
+
+
+# ---------------------------------------------------------------------------------------
+# The main job.
+# ---------------------------------------------------------------------------------------
+
+def simulate_timed(o, page_size: int, driver: str) -> bench.Timed:
+  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
+
+  def measure(opts) -> Dict[str, Any]:
+    del opts
+    cfg = simulate.SimConfig(num_requests=o.num_requests, page_sizes=(page_size,),
+                             driver=driver, kernel=o.kernel, seed=o.seed)
+    r = simulate.run(cfg, progress=False).results[0]
+    q1, q3 = bt.quartiles(r.step_us)
+    return {"us": float(np.median(r.step_us)), "q1_us": q1, "q3_us": q3,
+            "min_us": min(r.step_us), "steps": r.steps, "compile_s": r.compile_s,
+            "wall_s": r.wall_s, "alloc_failures": r.alloc_failures,
+            "leak_check": r.leak_check}
+  return bench.Timed(measure)
+
+
+SIMULATE = bench.Suite(
+    name="simulate", help="the main job (jax-kvalloc simulate) per page size and driver: "
+    "time per scheduler step", impls=("device", "host"),
+    cases=lambda o: (bench.Case({"page_size": ps}, d, functools.partial(
+        simulate_timed, o, ps, d)) for ps in o.page_sizes for d in ("device", "host")),
+    dims=(bench.Dim("--page-sizes", [1, 16, 64], "page sizes", quick=[16]),
+          bench.Dim("--num-requests", 600, "requests in the workload", quick=40),
+          bench.Dim("--kernel", "auto", "AllocatorConfig.kernel"),
+          bench.Dim("--seed", 0, "seed of the workload")),
+    compare=(("device", "host"),))

@@ -1,31 +1,83 @@
-"""The `jax-kvalloc` command (`python -m jax_kvalloc` runs `simulate` with defaults).
+"""The `jax-kvalloc` command: one subcommand per tool, user errors in one line.
 
-  jax-kvalloc simulate [options]   a serving workload through the allocator (default)
-  jax-kvalloc bench [options]      microbenchmarks and the serving-loop benchmark
-  jax-kvalloc parity [options]     lock-step parity: jax_kvalloc, torch_ref, SGLang
-  jax-kvalloc demo [options]       a toy decoder served through the request table
-  jax-kvalloc bench-table [options] the serving loop through the request table, in one jit
-  jax-kvalloc bench-swa [options]  SWA extend / decode / window free beside SGLang's SWA class
-  jax-kvalloc report [--check] [DOC...]  BENCHMARKS.md's / README's tables from results
-
-`jax-kvalloc COMMAND --help` lists each command's options.
+A command is one line of COMMANDS: (name, module, help). The module defines
+`add_arguments(parser)` and `run(args) -> int` (the exit status), or `add_parser(sub)`
+(whose `sub.add_parser(name, ...)` returns the command's parser) and `run_cli(args)`;
+only the named command's module is imported. Its options take the types below (`int_list`,
+`name_list`, `positive`, `existing_file`, ...), so that a bad value fails inside argparse,
+and a check that needs the run's context raises `UsageError(option, what is allowed)`.
+Either way the command prints one line, `jax-kvalloc CMD: error: --option: ...`, and exits
+with status 2; any other exception is an internal error and keeps its traceback.
+`Formatter` prints every option's default as a user would type it (`1,16,64`).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-from jax_kvalloc.config import KERNELS
+COMMANDS = (
+    ("simulate", "jax_kvalloc.tools.simulate_cli",
+     "a simulated serving workload through the allocator"),
+    ("bench", "jax_kvalloc.tools.bench",
+     "benchmark suites: kernels, serving loop, request table, classes, SWA, ranks, "
+     "processes, simulate"),
+    ("parity", "jax_kvalloc.tools.parity",
+     "replay allocator traces through jax_kvalloc, torch_ref and SGLang in lock step"),
+    ("report", "jax_kvalloc.tools.report",
+     "BENCHMARKS.md's and the README's generated tables from the result folders"),
+    ("serve", "jax_kvalloc.serve.cli",
+     "generate with a real model (SmolLM2-135M GGUF) through the request table"),
+)
 
-COMMANDS = ("simulate", "bench", "parity", "demo", "bench-table", "bench-class", "bench-swa",
-            "report")
+
+class UsageError(Exception):
+  """A user error found after parsing: `option` and what it allows, shown in one line."""
+
+  def __init__(self, option: str, message: str):
+    super().__init__(f"{option}: {message}")
+
+
+class Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line (no usage block) and exit with 2."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def show(value: Any, sep: str = ",") -> str:
+  """A default as a user types it: lists joined by `sep`, nested lists flattened."""
+  if isinstance(value, (list, tuple)):
+    return sep.join(show(v, sep) for v in value)
+  if isinstance(value, float):
+    return f"{value:g}"
+  return str(value)
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+  """Appends "(default: X)" to an option's help, X as a user types it; nothing for
+  flags, None, or help that already names its default."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ""
+    d = action.default
+    if (d is None or d is False or d is argparse.SUPPRESS or "default" in text
+        or isinstance(action, (argparse._StoreConstAction, argparse._HelpAction))):  # pylint: disable=protected-access
+      return text
+    sep = " " if action.nargs in ("*", "+") else ","
+    return f"{text} (default: {show(d, sep)})".replace("%", "%%")
+
+
+def _split(text: str) -> List[str]:
+  return [v for v in str(text).replace(" ", "").split(",") if v]
 
 
 def int_list(text: str) -> List[int]:
-  """'1,16,64' -> [1, 16, 64] (argparse type)."""
+  """'1,16,64' -> [1, 16, 64], each >= 1 (argparse type)."""
   try:
-    values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+    values = [int(v) for v in _split(text)]
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
   if not values or min(values) < 1:
@@ -33,178 +85,92 @@ def int_list(text: str) -> List[int]:
   return values
 
 
-def name_list(choices: Sequence[str]):
+def name_list(choices: Sequence[str]) -> Callable[[str], List[str]]:
+  """An argparse type: a comma-separated, non-empty subset of `choices`."""
   def parse(text: str) -> List[str]:
-    values = [v for v in str(text).replace(" ", "").split(",") if v]
-    bad = [v for v in values if v not in choices]
-    if bad or not values:
+    values = _split(text)
+    if not values or any(v not in choices for v in values):
       raise argparse.ArgumentTypeError(
           f"expected a comma-separated subset of {','.join(choices)}, got {text!r}")
     return values
   return parse
 
 
-def _flatten(lists) -> List[int]:
-  out: List[int] = []
-  for x in lists:
-    out.extend(x)
-  return out
+def positive(kind: Callable[[str], Any] = int, minimum: Any = 1,
+             maximum: Optional[Any] = None) -> Callable[[str], Any]:
+  """An argparse type: `kind(text)` within [minimum, maximum]."""
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+      top = f" and <= {maximum}" if maximum is not None else ""
+      raise argparse.ArgumentTypeError(f"must be >= {minimum}{top}, got {text!r}")
+    return value
+  parse.__name__ = kind.__name__
+  return parse
 
 
-def simulate_parser(sub) -> argparse.ArgumentParser:
-  from jax_kvalloc.tools.simulate import SimConfig  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.tools.workload import ARRIVALS  # pylint: disable=g-import-not-at-top
-  d = SimConfig()
-  p = sub.add_parser(
-      "simulate", help="drive a serving workload through the allocator (default command)",
-      description="Drives a serving workload through the allocator on the default JAX "
-      "device (requests arrive, share prefixes, prefill in batches, decode, finish and "
-      "are freed in free groups, under admission control that never over-commits the "
-      "pool) once per page size, and prints a table per page size. Length "
-      "distributions: const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX], "
-      "exp:MEAN[:MAX].",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  a = p.add_argument
-  a("--num-requests", type=int, default=d.num_requests, help="requests in the workload")
-  a("--pool-size", type=int, default=d.pool_size, help="usable KV slots in the pool")
-  a("--page-size", type=int_list, nargs="+", default=[list(d.page_sizes)],
-    help="page size(s) to compare, e.g. 1,16,64 (1 = SGLang's token allocator)")
-  a("--need-sort", action="store_true", help="park frees in release_pages (PD mode)")
-  a("--arrival", choices=ARRIVALS, default=d.arrival, help="arrival pattern")
-  a("--rate", type=float, default=d.rate, help="requests per step (poisson, uniform)")
-  a("--prompt-len", default=d.prompt_len, help="prompt tokens after the shared prefix")
-  a("--output-len", default=d.output_len, help="generated tokens per request")
-  a("--num-prefixes", type=int, default=d.num_prefixes,
-    help="shared-prefix groups (system prompts); 0 = no sharing")
-  a("--prefix-len", default=d.prefix_len, help="tokens of each shared prefix")
-  a("--share-prob", type=float, default=d.share_prob,
-    help="probability that a request starts with a shared prefix")
-  a("--max-running", type=int, default=d.max_running, help="request slots (decode batch)")
-  a("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-    help="tokens per prefill batch (longer prompts are chunked)")
-  a("--max-prefill-reqs", type=int, default=d.max_prefill_reqs, help="requests per prefill")
-  a("--max-frees", type=int, default=d.max_frees, help="rows freed per free group")
-  a("--seed", type=int, default=d.seed)
-  a("--driver", choices=("device", "host"), default=d.driver,
-    help="device: the scheduler runs on the device, --steps-per-call steps per host "
-    "round trip; host: the host schedules and launches one jitted call per step")
-  a("--steps-per-call", type=int, default=d.steps_per_call,
-    help="scheduler iterations per jitted call (device driver)")
-  a("--kernel", choices=KERNELS, default=d.kernel,
-    help="implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, jnp "
-    "on CPU)")
-  a("--swa-window", type=int, default=d.swa_window,
-    help="tokens of a sliding window: run on the SWA allocator (a full pool and an SWA "
-    "pool; each step frees the SWA pages that left the window; page sizes > 1, no prefix "
-    "sharing); 0 = off")
-  a("--swa-ratio", type=float, default=d.swa_ratio,
-    help="with --swa-window: SWA pool slots = this * --pool-size, in whole pages")
-  a("--trace", metavar="FILE", help="replay a recorded trace file (jax_kvalloc.traces / "
-    "golden format) instead of the synthetic workload")
-  a("--json", metavar="FILE", help="also write the results as JSON")
-  a("--json-series", action="store_true",
-    help="include the per-step series (pool usage, step time) in the JSON")
-  a("--plot", metavar="FILE.png", help="draw pool usage over time and the per-step time "
-    "distribution (needs matplotlib)")
-  a("--no-progress", action="store_true", help="no progress bar")
-  a("--inject-leak", action="store_true", help=argparse.SUPPRESS)
-  return p
+def existing_file(text: str) -> str:
+  """An argparse type: a path to a file that exists."""
+  if not os.path.isfile(text):
+    raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+  return text
 
 
-def run_simulate(args) -> int:
-  from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
-  cfg = simulate.SimConfig(
-      num_requests=args.num_requests, pool_size=args.pool_size,
-      page_sizes=tuple(_flatten(args.page_size)), need_sort=args.need_sort,
-      arrival=args.arrival, rate=args.rate, prompt_len=args.prompt_len,
-      output_len=args.output_len, num_prefixes=args.num_prefixes,
-      prefix_len=args.prefix_len, share_prob=args.share_prob,
-      max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-      max_prefill_reqs=args.max_prefill_reqs, max_frees=args.max_frees, seed=args.seed,
-      kernel=args.kernel, driver=args.driver, steps_per_call=args.steps_per_call,
-      inject_leak=args.inject_leak, swa_window=args.swa_window, swa_ratio=args.swa_ratio)
-  if args.plot:
-    report.pyplot()  # fail before the run, not after it
-  progress = not args.no_progress
-  try:
-    if args.trace:
-      result = simulate.run_trace(cfg, args.trace, progress=progress)
-    else:
-      result = simulate.run(cfg, progress=progress)
-  except simulate.LeakCheckError as e:
-    print(f"\nLEAK CHECK FAILED: {e}", file=sys.stderr)
-    return 2
-  except AssertionError as e:  # traces.TraceMismatch: a replayed op disagreed
-    print(f"\nTRACE MISMATCH: {e}", file=sys.stderr)
-    return 3
-  what = f"trace {args.trace}" if args.trace else (
-      f"{cfg.num_requests} requests, {cfg.arrival} arrivals at {cfg.rate}/step, pool "
-      f"{cfg.pool_size} slots, prompt {cfg.prompt_len} (+ shared prefix {cfg.prefix_len}"
-      f" with p={cfg.share_prob} over {cfg.num_prefixes} groups), output {cfg.output_len}"
-      f", need_sort={cfg.need_sort}, seed {cfg.seed}") + (
-          f"; SWA window {cfg.swa_window} tokens, SWA pool {cfg.swa_ratio} x the full "
-          f"pool" if cfg.swa_window and not args.trace else "")
-  v = result.versions
-  print(f"jax-kvalloc simulate: {what}")
-  print(f"device {result.device}; kernel={cfg.kernel}; jax {v['jax']}, python {v['python']}")
-  rows = simulate.summary_rows(result)
-  print(report.table(["metric"] + [f"page_size={p}" for p in rows[0][1]],
-                     [[name] + vals for name, vals in rows[1:]]))
-  if args.json:
-    report.write_json(args.json, simulate.to_json(result, series=args.json_series))
-    print(f"wrote {args.json}")
-  if args.plot:
-    simulate.plot(result, args.plot)
-    print(f"wrote {args.plot}")
-  failures = sum(r.alloc_failures for r in result.results)
-  if failures and not args.trace:
-    print(f"\nALLOCATION FAILURES: {failures} (admission control should prevent every one)",
-          file=sys.stderr)
-    return 1
-  return 0
+def existing_dir(text: str) -> str:
+  """An argparse type: a path to a folder that exists."""
+  if not os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"no such folder: {text!r}")
+  return text
+
+
+class _Sub:
+  """The `sub` of a module's `add_parser(sub)`: hands it the command's parser (with this
+  module's Formatter, whatever formatter_class it asks for)."""
+
+  def __init__(self, parser: argparse.ArgumentParser):
+    self.parser = parser
+
+  def add_parser(self, name: str, **kw) -> argparse.ArgumentParser:
+    del name
+    self.parser.description = kw.get("description")
+    return self.parser
+
+
+def build(argv: Sequence[str]) -> argparse.ArgumentParser:
+  """The parser; the arguments of the command named first in `argv` only (lazy imports)."""
+  parser = Parser(prog="jax-kvalloc", formatter_class=Formatter,
+                  description="A JAX KV-cache slot allocator: its tools.",
+                  epilog="`jax-kvalloc COMMAND --help` lists a command's options.")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+  for name, module, text in COMMANDS:
+    p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                       formatter_class=Formatter)
+    if argv and argv[0] == name:
+      mod = importlib.import_module(module)
+      if hasattr(mod, "add_arguments"):
+        mod.add_arguments(p)
+      else:
+        mod.add_parser(_Sub(p))
+      p.set_defaults(run=getattr(mod, "run", None) or getattr(mod, "run_cli"))
+  return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of the `jax-kvalloc` console script and of `python -m jax_kvalloc`."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv and argv[0] == "parity":  # its own parser: options as documented in parity.py
-    from jax_kvalloc.tools import parity  # pylint: disable=g-import-not-at-top
-    return parity.main(argv[1:])
-  parser = argparse.ArgumentParser(
-      prog="jax-kvalloc", description=__doc__.split("\n\n")[0].strip() + ".",
-      epilog="Without a command, runs `simulate`.")
-  sub = parser.add_subparsers(dest="command",
-                              metavar="{simulate,bench,parity,demo,bench-table,bench-class,bench-swa,report}")
-  simulate_parser(sub)
-  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
-  bench.add_parser(sub)
-  from jax_kvalloc.tools import demo  # pylint: disable=g-import-not-at-top
-  demo.add_parser(sub)
-  from jax_kvalloc.tools import bench_table  # pylint: disable=g-import-not-at-top
-  bench_table.add_parser(sub)
-  from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
-  bench_class.add_parser(sub)
-  from jax_kvalloc.tools import bench_swa  # pylint: disable=g-import-not-at-top
-  bench_swa.add_parser(sub)
-  from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
-  report.add_parser(sub)
-  if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
-    argv = ["simulate"] + argv
+  parser = build(argv)
   args = parser.parse_args(argv)
-  if args.command == "bench":
-    return bench.run_cli(args)
-  if args.command == "demo":
-    return demo.run_cli(args)
-  if args.command == "bench-table":
-    return bench_table.run_cli(args)
-  if args.command == "bench-class":
-    return bench_class.main_args(args)
-  if args.command == "bench-swa":
-    return bench_swa.main_args(args)
-  if args.command == "report":
-    return report.run_report(args.docs, check=args.check)
-  return run_simulate(args)
+  if not args.command:
+    parser.print_help()
+    return 2
+  try:
+    return args.run(args)
+  except UsageError as e:
+    print(f"jax-kvalloc {args.command}: error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,57 +1,27 @@
-"""Cross-implementation parity: replays allocator traces through jax_kvalloc, torch_ref
-and (when installed) SGLang itself, step by step, and reports the first mismatch.
+"""`jax-kvalloc parity`: allocator traces replayed through jax_kvalloc, torch_ref and (when
+installed) SGLang itself in lock step; the first mismatch reported.
 
-    jax-kvalloc parity TRACE.jsonl [--device cpu|cuda] [--kernel jnp|triton|...]
+    jax-kvalloc parity TRACE.jsonl [TRACE2.jsonl ...] [options]
     jax-kvalloc parity --generate N --seed S [--steps K] [--write OUT.jsonl]
 
-The trace format (JSON lines of operations, optionally with expected results and lists)
-is documented in jax_kvalloc.traces. After every step it compares each implementation's
-result (slot ids, or failure), full free_pages and release_pages lists and
-available_size against the trace's recorded fields (where given) and against the first
-implementation, jax_kvalloc. Exit status: 0 all steps matched, 1 a mismatch (the message names the trace, the step,
-the op and the first differing index), 2 bad arguments or trace file, 3 a required
-implementation is not available.
+A trace (the JSON-lines format of jax_kvalloc.tools.traces) is replayed step by step:
+the first implementation (the lead) against the trace's recorded fields, every other one
+against the lead: each step's result (slot ids or failure), the full free and release
+lists (SGLang's release list as a set: newer releases keep it unordered) and
+available_size. `--generate` draws seeded serving workloads instead (traces.SchedulerSim:
+arrivals, shared prefixes, chunked prefills, decode, speculative steps with snapshots
+and rollbacks, free groups, evictions, pools that run out), driven by the lead with a
+leak check at every step. On a mismatch it prints the trace, step, op and arguments,
+which implementations disagree and the field's first differing index, and saves the
+trace up to there (--write, else a temporary file) for replay.
 
-Usage
------
-    python -m torch_ref.parity TRACE.jsonl [TRACE2.jsonl ...] [options]
-    python -m torch_ref.parity --generate N --seed S [--steps K] [options]
+Exit status: 0 all steps matched, 1 a mismatch, 2 bad arguments or trace file, 3 a
+requested implementation is not available.
 
-replays traces (the JSON-lines format documented in jax_kvalloc.traces: one operation a
-line, optionally with its expected result, free_pages, release_pages and available_size)
-through jax_kvalloc, torch_ref and, when the `sglang` package is importable, SGLang's own
-allocator, in lock step. After every step it compares each one's result (slot ids or
-failure), full free and release lists (SGLang's release list as a set: newer releases
-keep it unordered) and available_size with the trace and with jax_kvalloc. `--generate`
-makes seeded serving workloads instead (arrivals, shared prefixes, chunked prefill
-batches, decode, speculative steps with snapshots and rollbacks, random finishes, free
-groups, evictions; page sizes 1, 4, 16, 64; need_sort on and off; pools that run out),
-driven by jax_kvalloc, with a leak check at every step.
-
-Options: --device cpu|cuda (default cpu); --kernel jnp|triton|triton_interpret|auto|...
-(jax_kvalloc's index kernel, default jnp); --torch-kernel triton|torch|auto or a comma
-list such as triton,torch to compare both (default triton; on cpu it sets
-TRITON_INTERPRET=1); --impls jax,torch (which to run besides SGLang, the first one
-leading; `--impls torch` checks torch_ref alone against a file's recorded results);
---sglang auto|on|off; --steps K (default 300) --page-sizes 1,4,16,64 --scale ci|long
-(pool and batch sizes, default ci on cpu and long on cuda) --need-sort mixed|on|off;
---segment-prob P (chance that a finished request is freed through SPEC 10's
-free_segment / free_page_ids, default 0.25; 0 gives the traces of earlier versions);
---write OUT.jsonl saves the generated traces (and, on a mismatch, the trace up to it,
-for replay); --quiet.
-
-It prints one line per trace and a summary ("parity OK: ... steps ... matched by ..."),
-or the first mismatch: trace, step, op and arguments, which implementations disagree,
-and the field (result, free_pages, release_pages, available_size) with its first
-differing index (or, if one raised, its exception), and saves the trace up to there.
-Exit status 0 (all matched), 1 (mismatch or exception), 2 (bad arguments or trace
-file), 3 (a requested implementation is unavailable).
-
-Examples:
-    python -m torch_ref.parity my_trace.jsonl --torch-kernel torch      # quick, CPU
-    python -m torch_ref.parity --generate 12 --seed 300 --steps 250     # Triton interp.
-    python -m torch_ref.parity --device cuda --kernel triton --torch-kernel triton,torch
-        --generate 4 --seed 1000 --steps 3000                           # H200, one line
+    jax-kvalloc parity my_trace.jsonl --torch-kernel torch             # quick, CPU
+    jax-kvalloc parity --generate 12 --seed 300 --steps 250            # Triton interp.
+    jax-kvalloc parity --device cuda --kernel triton --torch-kernel triton,torch \
+        --generate 4 --seed 1000 --steps 3000                          # a GPU
 """
 from __future__ import annotations
 
@@ -64,6 +34,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from jax_kvalloc.config import KERNELS
+from jax_kvalloc.tools.cli import UsageError, existing_file, int_list, name_list, positive
 from jax_kvalloc.tools import traces
 
 
@@ -261,66 +232,59 @@ def run_generated(config: traces.WorkloadConfig, impls: Sequence[Impl],
 # The command.
 # ---------------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-      prog="jax-kvalloc parity",
-      description="Replay allocator traces through jax_kvalloc, torch_ref and SGLang in "
-                  "lock step; report the first mismatch.")
-  p.add_argument("trace", nargs="*", help="trace files (JSON lines, see jax_kvalloc.traces)")
-  p.add_argument("--generate", type=int, default=0, metavar="N",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  first = __doc__.split("\n\n")[0].split(": ", 1)[1]
+  p.description = first[0].upper() + first[1:]
+  p.epilog = "\n\n".join(__doc__.split("\n\n")[3:])
+  p.add_argument("trace", nargs="*", type=existing_file, metavar="TRACE",
+                 help="trace files (JSON lines, see jax_kvalloc.tools.traces)")
+  p.add_argument("--generate", type=positive(minimum=0), default=0, metavar="N",
                  help="also generate N workload traces (seeds S..S+N-1)")
-  p.add_argument("--seed", type=int, default=0, metavar="S")
-  p.add_argument("--steps", type=int, default=300, help="operations per generated trace")
-  p.add_argument("--page-sizes", default="1,4,16,64",
-                 help="page sizes generated traces draw from (comma-separated)")
+  p.add_argument("--seed", type=int, default=0, metavar="S", help="the first seed")
+  p.add_argument("--steps", type=positive(), default=300,
+                 help="operations per generated trace")
+  p.add_argument("--page-sizes", type=int_list, default=[1, 4, 16, 64],
+                 help="page sizes generated traces draw from")
   p.add_argument("--scale", choices=sorted(traces.SCALES), default=None,
                  help="pool and batch sizes of generated traces (default: ci on cpu, "
                       "long on cuda)")
-  p.add_argument("--need-sort", choices=("mixed", "on", "off"), default="mixed")
-  p.add_argument("--segment-prob", type=float, default=0.25, metavar="P",
-                 help="chance that a generated trace frees a finished request through "
-                      "free_segment/free_page_ids (SPEC 10); 0: traces of earlier "
-                      "versions")
+  p.add_argument("--need-sort", choices=("mixed", "on", "off"), default="mixed",
+                 help="need_sort of generated traces")
+  p.add_argument("--segment-prob", type=positive(float, 0.0, 1.0), default=0.25,
+                 metavar="P", help="chance that a generated trace frees a finished request "
+                 "through free_segment/free_page_ids (SPEC 10); 0: traces of earlier "
+                 "versions")
   p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                  help="device of the jax and torch allocators")
-  p.add_argument("--kernel", default="jnp",
-                 choices=KERNELS, help="jax_kvalloc's implementations (jax_kvalloc.kernels)")
-  p.add_argument("--torch-kernel", default="triton",
-                 help="torch_ref's index path: triton, torch or auto, or a comma list to "
-                      "compare several (triton on cpu runs Triton's interpreter, "
-                      "TRITON_INTERPRET=1, set automatically)")
+  p.add_argument("--kernel", default="jnp", choices=KERNELS,
+                 help="jax_kvalloc's implementations (jax_kvalloc.kernels)")
+  p.add_argument("--torch-kernel", default=["triton"],
+                 type=name_list(("triton", "torch", "auto")),
+                 help="torch_ref's index paths to compare, of triton,torch,auto (triton on "
+                      "cpu runs Triton's interpreter, TRITON_INTERPRET=1, set here)")
   p.add_argument("--sglang", choices=("auto", "on", "off"), default="auto",
                  help="compare with the installed SGLang too (auto: when importable)")
-  p.add_argument("--impls", default="jax,torch",
-                 help="implementations to compare besides SGLang, the first leading "
-                      "(default jax,torch; jax-host is jax_kvalloc's host backend; e.g. "
-                      "torch alone checks torch_ref against a trace file's recorded "
-                      "results without compiling any jax)")
+  p.add_argument("--impls", default=["jax", "torch"],
+                 type=name_list(("jax", "jax-host", "torch")),
+                 help="implementations besides SGLang, the first leading (jax-host: "
+                      "jax_kvalloc's host backend; torch alone checks torch_ref against a "
+                      "trace file's recorded results without compiling any jax)")
   p.add_argument("--write", metavar="OUT.jsonl",
                  help="write the generated traces (or, on a mismatch, the trace so far)")
   p.add_argument("--quiet", action="store_true", help="print only the summary")
-  return p
 
 
 def _build(args: argparse.Namespace) -> List[Impl]:
-  """The implementations the arguments ask for; RuntimeError/ImportError if one is
+  """The implementations the arguments ask for; ImportError/RuntimeError if one is
   unavailable."""
-  torch_kernels = [k.strip() for k in args.torch_kernel.split(",") if k.strip()]
-  if not torch_kernels or set(torch_kernels) - {"triton", "torch", "auto"}:
-    raise RuntimeError(f"--torch-kernel {args.torch_kernel!r}: use triton, torch, auto "
-                       f"or a comma list of them")
   makers = {"jax": lambda: [jax_impl(args.kernel, args.device)],
             "jax-host": lambda: [jax_impl(args.kernel, args.device, "host")],
-            "torch": lambda: [torch_impl(k, args.device) for k in torch_kernels]}
-  names = [n.strip() for n in args.impls.split(",") if n.strip()]
-  unknown = [n for n in names if n not in makers]
-  if unknown or not names:
-    raise RuntimeError(f"--impls: unknown {unknown}; choose from {sorted(makers)}")
-  if "torch" in names and "triton" in torch_kernels:
+            "torch": lambda: [torch_impl(k, args.device) for k in args.torch_kernel]}
+  if "torch" in args.impls and "triton" in args.torch_kernel:
     if args.device == "cpu":
       os.environ["TRITON_INTERPRET"] = "1"   # before torch_ref.triton_kernels is imported
     import triton  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  impls = [impl for n in names for impl in makers[n]()]
+  impls = [impl for n in args.impls for impl in makers[n]()]
   if args.sglang != "off":
     from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
     err = sglang_oracle.import_error()
@@ -333,16 +297,14 @@ def _build(args: argparse.Namespace) -> List[Impl]:
   return impls
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  args = _parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
   if not args.trace and not args.generate:
-    _parser().error("give a trace file or --generate N")
+    raise UsageError("TRACE", "give a trace file or --generate N")
   try:
-    page_sizes = tuple(int(x) for x in args.page_sizes.split(","))
     inputs = [(path, traces.read(path)) for path in args.trace]
-  except (OSError, ValueError) as e:
-    print(f"parity: {e}", file=sys.stderr)
-    return 2
+  except ValueError as e:
+    raise UsageError("TRACE", str(e))
+  page_sizes = tuple(args.page_sizes)
   if args.device == "cuda":
     # jax and torch share the GPU: keep jax from taking 75% of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -393,5 +355,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   return 0
 
 
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
-"""Plain-text tables, JSON files and (optional) matplotlib for the CLI's reports, the
-verdict rule of every comparison, and `jax-kvalloc report`, which prints BENCHMARKS.md's
-and the README's generated tables again from the result folders they cite."""
+"""Markdown tables, JSON files and (optional) matplotlib for the tools, the verdict rule
+of every comparison, and `jax-kvalloc report`: BENCHMARKS.md's and the README's generated
+tables printed again from the result folders they cite."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,8 @@ import os
 import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from jax_kvalloc.tools import cli
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
@@ -109,13 +111,15 @@ def pyplot():
 # `<!-- end report -->`; KIND and ARGs say what to print from which result files (paths
 # relative to the repository root, under benchmarks/results/<run folder>/), and each
 # block ends by citing them. Prose outside the blocks is written by hand.
-#   bench FILE...            `jax-kvalloc bench --from-json FILE...`'s tables
-#   bench-class FILE         `jax-kvalloc bench-class`'s table of that run
-#   bench-swa FILE           `jax-kvalloc bench-swa`'s table of that run
+#   bench FILE               the tables `jax-kvalloc bench` printed for that record
+#   bench-class FILE         the same (kept for the markers of earlier class runs)
+#   bench-swa FILE           the same (kept for the markers of earlier SWA runs)
 #   headline SPEC...         the bare kernel comparison and the in-step allocator share;
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
-#   verdicts FILE...         the bare verdict of every (op, bs) the `bench` files share,
+#   verdicts FILE...         the bare verdict of every (op, bs) the kernels files share,
 #                            file by file, and whether they agree (a re-run's check)
+#   mosaic-gpu FILE          the Mosaic GPU run of issue 33 (Mosaic GPU, Triton, XLA),
+#                            recorded before the harness
 
 _BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
                     re.S)
@@ -125,7 +129,8 @@ class ReportError(ValueError):
   """A marker that names an unknown kind or a file that is not there."""
 
 
-def _load(root: str, path: str) -> Dict[str, Any]:
+def load(path: str, root: str = "") -> Dict[str, Any]:
+  """A result file (JSON); ReportError naming it when it is not there."""
   full = os.path.join(root, path)
   if not os.path.exists(full):
     raise ReportError(f"report marker names {path!r}: no such file under {root!r}")
@@ -133,41 +138,63 @@ def _load(root: str, path: str) -> Dict[str, Any]:
     return json.load(f)
 
 
+def _legacy_class_table(record: Dict[str, Any]) -> str:
+  """The fixed-width table of the class runs before the harness (medians, ratios)."""
+  impls = [n for n in ("device", "host", "sgljax", "torch_ref", "sglang")
+           if any(n in r for r in record["rows"].values())]
+  head = f"{'row':28s}" + "".join(f"{n:>11s}" for n in impls) + "  host/sgljax  device/sglang"
+  lines = [head, "-" * len(head)]
+  for key, res in record["rows"].items():
+    med = {n: res.get(n, {}).get("median_us") for n in impls}
+    ratio = lambda a, b: (f"{med[b] / med[a]:8.2f}x" if med.get(a) and med.get(b)
+                          else "       -")
+    lines.append(f"{key:28s}" + "".join(f"{med[n]:11.1f}" if med[n] is not None else
+                                        f"{'-':>11s}" for n in impls)
+                 + f"     {ratio('host', 'sgljax')}     {ratio('device', 'sglang')}")
+  lines += [f"skipped {name}: {why}" for name, why in record["skipped"].items()]
+  lines += [f"stalls ({mode}): {s['stalls_over_50ms']} of {s['calls']} calls over 50 ms, "
+            f"{s['stall_s']:.2f} s in all; warm-up {s['warmup_s']:.1f} s"
+            for mode, s in record.get("stalls", {}).items()]
+  return "\n".join(lines)
+
+
+def tables(record: Dict[str, Any]) -> str:
+  """What `jax-kvalloc bench` printed for a record, whichever run wrote it."""
+  from jax_kvalloc.tools import bench, bench_classes, bench_kernels  # pylint: disable=g-import-not-at-top
+  if "suite" in record:
+    return bench.render(record)
+  if "micro" in record:  # kernels and serving runs before the harness
+    return bench_kernels.render(record)
+  if any("q1_us" in c for cells in record["rows"].values() for c in cells.values()):
+    rows = [{"row": k, "cells": {i: dict(c, us=c["median_us"]) for i, c in v.items()
+                                 if i != "verdicts"}} for k, v in record["rows"].items()]
+    return bench.table(dict(record, rows=rows), bench_classes.SWA)
+  return _legacy_class_table(record)
+
+
 def _cite(paths: Sequence[str]) -> str:
   return "Source: " + ", ".join(f"[`{p.split('benchmarks/results/')[-1]}`]({p})"
                                 for p in paths) + "\n"
 
 
-def _bench_block(root: str, paths: Sequence[str]) -> str:
-  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
-  missing = [p for p in paths if not os.path.exists(os.path.join(root, p))]
-  if missing:
-    raise ReportError(f"report marker names {missing[0]!r}: no such file under {root!r}")
-  result = bench.load_json([os.path.join(root, p) for p in paths])
-  text = bench.render(result, result.get("notes", ()))
+def _tables_block(root: str, paths: Sequence[str]) -> str:
+  (path,) = paths
+  text = tables(load(path, root))
   return "```\n" + text.rstrip("\n") + "\n```\n" + _cite(paths)
-
-
-def _bench_class_block(root: str, paths: Sequence[str]) -> str:
-  from jax_kvalloc.tools import bench_class  # pylint: disable=g-import-not-at-top
-  (path,) = paths
-  return "```\n" + bench_class.table(_load(root, path)) + "\n```\n" + _cite(paths)
-
-
-def _bench_swa_block(root: str, paths: Sequence[str]) -> str:
-  from jax_kvalloc.tools import bench_swa  # pylint: disable=g-import-not-at-top
-  (path,) = paths
-  return "```\n" + bench_swa.table(_load(root, path)).rstrip("\n") + "\n```\n" + _cite(paths)
 
 
 def _run_name(path: str) -> str:
   """'run14' from '.../2026-11-30-h200x2-run14/decode-scan.json' (the folder's short name)."""
-  folder = path.rstrip("/").split("/")[-2]
-  return folder.split("-", 4)[-1]
+  return path.rstrip("/").split("/")[-2].split("-", 4)[-1]
+
+
+def _kernels(root: str, path: str) -> Dict[str, Any]:
+  from jax_kvalloc.tools import bench_kernels  # pylint: disable=g-import-not-at-top
+  return bench_kernels.legacy(load(path, root))
 
 
 def _headline_block(root: str, specs: Sequence[str]) -> str:
-  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench_kernels as bk  # pylint: disable=g-import-not-at-top
   kernel_rows, serving_rows, cited = [], [], []
   for spec in specs:
     kind, _, rest = spec.partition("=")
@@ -175,28 +202,27 @@ def _headline_block(root: str, specs: Sequence[str]) -> str:
     if kind not in ("decode", "extend", "serving") or not path:
       raise ReportError(f"headline spec {spec!r}: expected decode=FILE:BS,..., "
                         "extend=FILE:BS,... or serving=FILE")
-    data = _load(root, path)
+    data = _kernels(root, path)
     cited.append(path)
     link = f"[{_run_name(path)}]({path})"
     if kind == "serving":
       for r in data["serving"]:
         fused = r.get("scan_alloc_fused_us")
         serving_rows.append([r["bs"], fmt_us(fused), fmt_us(r["scan_alloc_us"]),
-                             fmt_us(r.get("scan_alloc_pages_us")),
-                             "-" if fused is None else
-                             ("yes" if fused <= bench.SCAN_ALLOC_TARGET_US else "no"),
+                             fmt_us(r.get("scan_alloc_pages_us")), "-" if fused is None
+                             else ("yes" if fused <= bk.SCAN_ALLOC_TARGET_US else "no"),
                              link])
       continue
     want = [int(b) for b in sizes.split(",")] if sizes else None
     for r in data["micro"]:
       if r["op"] != kind or (want is not None and r["bs"] not in want):
         continue
-      pb, sg = bench._bare_cells(r)  # pylint: disable=protected-access
+      pb, sg = bk.bare_cells(r)
       kernel_rows.append([kind, r["bs"], r["tokens"], fmt_us(pb.get("bare_us")),
                           fmt_us(sg.get("bare_us")),
                           fmt_ratio(sg["bare_us"] / pb["bare_us"]
                                     if pb.get("bare_us") and sg.get("bare_us") else None),
-                          bench.bare_verdict(r) or "-", link])
+                          bk.bare_verdict(r) or "-", link])
   out = []
   if kernel_rows:
     out.append(table(["op", "bs", "tokens", "pallas bare (us)", "SGLang bare (us)",
@@ -205,24 +231,24 @@ def _headline_block(root: str, specs: Sequence[str]) -> str:
   if serving_rows:
     out.append(table(["serving bs", "allocator in scan, fused release+decode (us)",
                       "separate calls: free (us)", "separate calls: page release (us)",
-                      f"fused <= {bench.SCAN_ALLOC_TARGET_US:.0f} us", "run"],
+                      f"fused <= {bk.SCAN_ALLOC_TARGET_US:.0f} us", "run"],
                      serving_rows, align="rrrrrl"))
   return "\n\n".join(out) + "\n\n" + _cite(cited)
 
 
 def _verdicts_block(root: str, paths: Sequence[str]) -> str:
   """One row per (op, bs) that every file measured bare: each file's verdict (pallas
-  bare against SGLang bare, report.verdict) and whether all agree."""
-  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  bare against SGLang bare) and whether all agree."""
+  from jax_kvalloc.tools import bench_kernels as bk  # pylint: disable=g-import-not-at-top
   if len(paths) < 2:
-    raise ReportError(f"verdicts needs two or more bench files, got {list(paths)}")
+    raise ReportError(f"verdicts needs two or more kernels files, got {list(paths)}")
   per_file = []
   for path in paths:
     found = {}
-    for r in _load(root, path)["micro"]:
-      v = bench.bare_verdict(r)
+    for r in _kernels(root, path)["micro"]:
+      v = bk.bare_verdict(r)
       if v is not None:
-        pb, sg = bench._bare_cells(r)  # pylint: disable=protected-access
+        pb, sg = bk.bare_cells(r)
         found[(r["op"], r["bs"])] = (v, sg["bare_us"] / pb["bare_us"])
     per_file.append(found)
   keys = sorted(set.intersection(*(set(f) for f in per_file)))
@@ -230,18 +256,74 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
     raise ReportError(f"verdicts: the files {list(paths)} share no bare (op, bs) row")
   rows = []
   for key in keys:
-    cells = [f"{f[key][0]} ({fmt_ratio(f[key][1])})" for f in per_file]
     same = len({f[key][0] for f in per_file}) == 1
-    rows.append([key[0], key[1], *cells, "yes" if same else "NO"])
+    rows.append([key[0], key[1], *(f"{f[key][0]} ({fmt_ratio(f[key][1])})" for f in per_file),
+                 "yes" if same else "NO"])
   agree = sum(r[-1] == "yes" for r in rows)
   header = ["op", "bs", *(_run_name(p) for p in paths), "same verdict"]
   return (table(header, rows, align="lr" + "r" * (len(paths) + 1)) +
           f"\n\n{agree} of {len(rows)} verdicts agree.\n\n" + _cite(paths))
 
 
-_KINDS = {"bench": _bench_block, "bench-class": _bench_class_block,
-          "bench-swa": _bench_swa_block, "headline": _headline_block,
-          "verdicts": _verdicts_block}
+def mosaic_gpu_tables(rows: Sequence[Dict[str, Any]]) -> str:
+  """The tables of the Mosaic GPU run's record (benchmarks/mosaic_gpu.py at de1bdb2,
+  before its figures became the harness's kernels and table suites): per operation and
+  size, each family's median (q1-q3) in us, and the verdicts of Mosaic GPU against Triton
+  and XLA (`verdict`). Rows a run's budget skipped are left out."""
+  rows = [r for r in rows if "skipped" not in r]
+  def cell(c, prefix=""):
+    if not c or f"{prefix}us" not in c:
+      return (c or {}).get("error", "-")[:40]
+    return (f"{fmt_us(c[prefix + 'us'])} ({fmt_us(c[prefix + 'q1_us'])}-"
+            f"{fmt_us(c[prefix + 'q3_us'])})")
+
+  def vs(a, b, prefix=""):
+    return verdict(iqr(a, prefix), iqr(b, prefix))
+
+  out = []
+  dec = [r for r in rows if r["op"] == "decode"]
+  if dec:
+    header = ["bs", "mosaic_gpu (us)", "triton (us)", "jnp (us)", "mosaic_gpu bare",
+              "triton bare", "mosaic_gpu vs triton (bare)", "mosaic_gpu vs jnp"]
+    body = [[r["bs"], cell(r["mosaic_gpu"]), cell(r["triton"]), cell(r["jnp"]),
+             cell(r["mosaic_gpu"], "bare_"), cell(r["triton"], "bare_"),
+             vs(r["mosaic_gpu"], r["triton"], "bare_"), vs(r["mosaic_gpu"], r["jnp"])]
+            for r in dec]
+    out.append("alloc_decode, page size 64: the whole jitted call, linked (median, "
+               "q1-q3, us per call); bare = the kernel's own GPU time (CUPTI)\n"
+               + table(header, body))
+  for step in ("decode", "extend"):
+    tab = [r for r in rows if r["op"] == f"table_{step}"]
+    if not tab:
+      continue
+    header = ["bs", "stand-ins (us)", "mosaic_gpu share", "triton share", "jnp share",
+              "mosaic_gpu kernels", "triton kernels", "mosaic_gpu vs triton",
+              "mosaic_gpu vs jnp"]
+    body = [[r["bs"], fmt_us(r["none"].get("us")), cell(r["mosaic_gpu"], "share_"),
+             cell(r["triton"], "share_"), cell(r["jnp"], "share_"),
+             fmt_us(r["mosaic_gpu"].get("kernels_us")),
+             fmt_us(r["triton"].get("kernels_us")),
+             vs(r["mosaic_gpu"], r["triton"], "share_"),
+             vs(r["mosaic_gpu"], r["jnp"], "share_")] for r in tab]
+    out.append(f"request table, {step} step (step_rows), page size 64: share = step - "
+               "stand-ins (median, q1-q3 of the step, us per step); kernels = the "
+               "jax_kvalloc kernels' GPU time per step (CUPTI)\n" + table(header, body))
+  return "\n\n".join(out)
+
+
+def _mosaic_gpu_block(root: str, paths: Sequence[str]) -> str:
+  (path,) = paths
+  data = load(path, root)
+  skipped = [f"{r['op']} {r['bs']}" for r in data["rows"] if "skipped" in r]
+  note = (f"\n\nNot measured (the run's budget ran out first): {', '.join(skipped)}."
+          if skipped else "")
+  return ("```\n" + mosaic_gpu_tables(data["rows"]) + "\n```" + note + "\n\n"
+          + _cite(paths))
+
+
+_KINDS = {"bench": _tables_block, "bench-class": _tables_block,
+          "bench-swa": _tables_block, "headline": _headline_block,
+          "verdicts": _verdicts_block, "mosaic-gpu": _mosaic_gpu_block}
 
 
 def generate_block(spec: str, root: str) -> str:
@@ -263,41 +345,52 @@ def blocks(text: str) -> List[str]:
   return [m.group("spec") for m in _BLOCK.finditer(text)]
 
 
-def run_report(docs: Sequence[str], *, check: bool) -> int:
-  """Regenerates each doc's blocks (root: the doc's folder). check=True writes nothing
-  and returns 1, with a unified diff on stdout, where a committed block differs."""
+def run_report(paths: Sequence[str], *, check: bool = False, write: bool = False) -> int:
+  """Each result file's tables, and each Markdown file's generated blocks (root: the
+  file's folder) printed again; write=True rewrites the Markdown files, check=True writes
+  nothing and returns 1 with a unified diff where a committed block differs."""
   import difflib  # pylint: disable=g-import-not-at-top
   status = 0
-  for doc in docs:
-    with open(doc) as f:
-      old = f.read()
-    new = regenerate(old, os.path.dirname(os.path.abspath(doc)))
-    n = len(blocks(old))
-    if new == old:
-      print(f"{doc}: {n} generated block(s) up to date")
+  for path in paths:
+    if path.endswith(".json"):
+      print(tables(load(path)))
       continue
-    if check:
+    with open(path) as f:
+      old = f.read()
+    new = regenerate(old, os.path.dirname(os.path.abspath(path)))
+    n = len(blocks(old))
+    if not (check or write):
+      for m in _BLOCK.finditer(new):
+        print(f"{path}: <!-- report: {m.group('spec')} -->\n{m.group('body')}")
+    elif new == old:
+      print(f"{path}: {n} generated block(s) up to date")
+    elif check:
       status = 1
       sys.stdout.writelines(difflib.unified_diff(
-          old.splitlines(True), new.splitlines(True), doc, doc + " (generated)"))
-      print(f"{doc}: generated blocks differ from `jax-kvalloc report`")
+          old.splitlines(True), new.splitlines(True), path, path + " (generated)"))
+      print(f"{path}: generated blocks differ from `jax-kvalloc report`")
     else:
-      with open(doc, "w") as f:
+      with open(path, "w") as f:
         f.write(new)
-      print(f"{doc}: rewrote {n} generated block(s)")
+      print(f"{path}: rewrote {n} generated block(s)")
   return status
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-  p = sub.add_parser(
-      "report", help="regenerate BENCHMARKS.md's and the README's tables from result "
-      "folders",
-      description="Prints again every block between `<!-- report: KIND ARG... -->` and "
-      "`<!-- end report -->` in the given Markdown files from the result files the "
-      "marker names (benchmarks/results/<run>/...), and writes the files. Prose outside "
-      "the blocks is left alone. --check writes nothing and fails on a difference.")
-  p.add_argument("docs", nargs="*", default=["BENCHMARKS.md", "README.md"],
-                 help="Markdown files (default: BENCHMARKS.md README.md)")
-  p.add_argument("--check", action="store_true",
-                 help="write nothing; exit 1 with a diff if a block is out of date")
-  return p
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  p.description = (
+      "Prints every block between `<!-- report: KIND ARG... -->` and `<!-- end report\n"
+      "-->` of the given Markdown files again from the result files the marker names\n"
+      "(benchmarks/results/<run>/...), and the tables of the given result files (.json).\n"
+      "--write rewrites the Markdown files; --check fails on a difference.")
+  p.add_argument("paths", nargs="*", default=["BENCHMARKS.md", "README.md"],
+                 type=cli.existing_file, metavar="FILE",
+                 help="Markdown files and result files (.json)")
+  g = p.add_mutually_exclusive_group()
+  g.add_argument("--write", action="store_true",
+                 help="rewrite the Markdown files' generated blocks")
+  g.add_argument("--check", action="store_true",
+                 help="write nothing; exit 1 with a diff where a block is out of date")
+
+
+def run(args: argparse.Namespace) -> int:
+  return run_report(args.paths, check=args.check, write=args.write)

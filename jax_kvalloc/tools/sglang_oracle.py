@@ -153,42 +153,13 @@ class SGLangAllocator:
   def available_size(self) -> int:
     return int(self._a.available_size())
 
-  def alloc(self, need_size: int):
-    return self._a.alloc(need_size)
-
-  def alloc_extend(self, *args):
-    return self._a.alloc_extend(*args)
-
-  def alloc_decode(self, *args):
-    return self._a.alloc_decode(*args)
-
-  def free(self, free_index: torch.Tensor) -> None:
-    self._a.free(free_index)
-
-  # SPEC 10 (sglang >= 0.5.23): the newer frees, passed through.
-  def free_page_ids(self, page_ids: torch.Tensor) -> None:
-    self._a.free_page_ids(page_ids)
-
-  def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-    self._a.free_segment(free_index, start_pos=start_pos)
-
-  def free_segments(self, segments) -> None:
-    self._a.free_segments(segments)
-
   def get_all_free_pages(self) -> torch.Tensor:
     return torch.cat([self.free_pages.reshape(-1).cpu(), self.release_pages.reshape(-1)])
 
-  def free_group_begin(self) -> None:
-    self._a.free_group_begin()
-
-  def free_group_end(self) -> None:
-    self._a.free_group_end()
-
-  def merge_and_sort_free(self) -> None:
-    self._a.merge_and_sort_free()
-
-  def clear(self) -> None:
-    self._a.clear()
+  def __getattr__(self, name: str) -> Any:
+    """alloc, alloc_extend, alloc_decode, free, free_page_ids, free_segment(s), the free
+    groups, merge_and_sort_free and clear: SGLang's own methods."""
+    return getattr(self.__dict__["_a"], name)
 
   def backup_state(self) -> Any:
     if hasattr(self._a, "backup_state"):

@@ -134,12 +134,12 @@ def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
   res.runs_final = runs[-1] if runs else 0
 
 
-def run_trace(path: str, *, kernel: str = "auto", runs_every: int = 16,
-              progress: bool = True) -> List[PageSizeResult]:
-  """Replays every trace in `path`; returns one aggregated result per page size."""
+def run_trace(all_traces: Dict[Any, List[Any]], *, kernel: str = "auto",
+              runs_every: int = 16, progress: bool = True) -> List[PageSizeResult]:
+  """Replays every trace of `all_traces` (jax_kvalloc.tools.traces.read's {trace id:
+  records}); returns one aggregated result per page size."""
   import tqdm  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
-  all_traces = traces.read(path)
   by_ps: Dict[int, List[Any]] = collections.defaultdict(list)
   for tid, recs in all_traces.items():
     by_ps[traces.init_args(recs[0].get("args", {}))["page_size"]].append(tid)

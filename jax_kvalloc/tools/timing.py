@@ -1,60 +1,53 @@
-"""The one timing harness of `jax-kvalloc bench` (and tests/gpu_check.py).
+"""How every benchmark takes a time (jax_kvalloc.tools.bench's harness uses these).
 
-JAX: `chain_time(call, carry, inputs)` compiles ONE function that runs `unroll` chained
-calls `call(carry, inputs) -> (carry, outputs)` per iteration of a `fori_loop` with a
-traced trip count, times it at 1 and at n iterations (n grown until a run takes
-`min_time`), and reports the slope per call (median over repetitions). What keeps every
-call's work in the program, whatever XLA does (on CPU and GPU it expands optimization
-barriers before fusion, so a barrier alone does not keep calls apart):
+Device time per call, JAX: `chain_time(call, carry, inputs)` compiles ONE function that
+runs `unroll` chained calls `call(carry, inputs) -> (carry, outputs)` per iteration of a
+`fori_loop` with a traced trip count, times it at 1 and at n iterations (n grown until a
+run takes `min_time`) and reports the slope per call, median over repetitions. What keeps
+every call's work in the program, whatever XLA does (on CPU and GPU it expands
+optimization barriers before fusion, so a barrier alone does not keep calls apart):
 
-- The link: after each call, every output array is reduced (max) into one scalar
-  `dep = sum(min(max(output), 0))`, which is 0 at run time (outputs are slots, counts and
-  flags, all >= 0) but unknown to XLA. dep is added to the next call's inputs and to the
-  sink the loop returns. So every output of every call is consumed, the next call's
-  inputs depend on it (nothing input-only can be hoisted out of the loop), and a
-  reduction separates consecutive calls (XLA never fuses a reduction into a consumer of
-  another shape), so no two calls share a kernel. The link's own cost (one reduction,
-  one add to the inputs) is part of every figure. The torch and SGLang graphs pay the
-  same link written in torch (bench_micro.torch_linked), but there it is 4-5 eager
-  kernels per call where XLA fuses it into one or two, so a ratio of two linked
-  figures measures the links as much as the allocators: comparisons across sides use
-  each kernel's own GPU time (`kernel_time`, CUPTI) instead.
-- The carry, inputs and outputs also pass `jax.lax.optimization_barrier` between calls
-  (what keeps them apart on TPU, where barriers survive).
-- The fold (consumers >= 2, the default): at the end of each iteration every output of
-  every call is also XOR-folded into a per-output sink. With the link as its only
-  consumer, XLA fused a jnp output into the link's reduction and never wrote it to
-  memory (H200, 2026-11-30: jnp decode figures 4-37% low); a second consumer makes it
-  write every output, as a caller would need.
-- `consumers=3` adds a third consumer (every output summed into one more sink): a figure
-  that moves by more than its noise under it was not counting all of its work
-  (`jax-kvalloc bench --extra-consumer`). That consumer has a cost of its own, so the
-  check also times a stand-in that writes the same outputs the same way (`stand_in`,
-  an XLA fusion, for jnp; `stand_in_pallas`, one Pallas kernel launch, for Pallas) at
-  both consumer counts, and the four loops' repetitions are interleaved
-  (`chain_time_interleaved`) so that drift falls on all of them alike.
+- The link: after each call every output array is reduced into one scalar `dep =
+  sum(min(max(output), 0))`: 0 at run time (outputs are slots, counts and flags, all
+  >= 0) but unknown to XLA, added to the next call's inputs and to the loop's sink. So
+  every output is consumed, the next call depends on it (nothing can be hoisted), and a
+  reduction separates consecutive calls (no two share a kernel). The link's cost is part
+  of every figure; torch pays its link in eager kernels (`torch_linked`), so linked
+  figures are never compared across sides: each kernel's own GPU time is (`kernel_time`).
+- The carry, inputs and outputs pass `jax.lax.optimization_barrier` between calls (what
+  keeps them apart on TPU, where barriers survive).
+- The fold (consumers >= 2, the default): every output is also XOR-folded into a
+  per-output sink, so that XLA writes it to memory, as a caller needs.
+- `consumers=3` adds one more consumer (every output summed): a figure that moves by more
+  than that consumer's own cost (timed on `stand_in` / `stand_in_pallas`, interleaved by
+  `chain_time_interleaved`) was not counting all of its work.
 
-`chain_loop` builds the loop alone, so that tests can compile it at two unroll counts and
-count the call's characteristic ops (tests/test_bench_harness.py).
-
-torch: `torch_graph_time` captures `unroll` calls in one CUDA graph and times replays with
-CUDA events, reporting the same slope statistic as `chain_time`; `host_time` times plain calls from Python (synchronizing at the end), which
-is how a scheduler pays for eager calls.
+`chain_loop(..., linked=False)` ("bare") is valid only for a call that is one custom
+call, which XLA runs whole; `kernel_time` reads its GPU time from `cuda_activities`.
+Host time: `host_time` (calls back to back), `per_call` (each call alone). torch:
+`torch_graph_time`, replays of a CUDA graph, with `chain_time`'s statistic.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import statistics
 import time
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 MAX_ITERS = 1 << 16
+DEFAULT_CONSUMERS = 2
 Call = Callable[[Any, Any], Tuple[Any, Any]]
+
+
+class TimingError(RuntimeError):
+  """A measurement that cannot be told apart from noise (a slope that is not positive):
+  reported as an error, never as a time of 0."""
 
 
 def _wall(fn: Callable[[], Any]) -> float:
@@ -80,13 +73,6 @@ def link(outputs: Any) -> jax.Array:
   return dep
 
 
-def _add(inputs: Any, dep: jax.Array) -> Any:
-  return jax.tree_util.tree_map(lambda x: x + dep.astype(x.dtype), inputs)
-
-
-DEFAULT_CONSUMERS = 2
-
-
 def sink_init(call: Call, carry: Any, inputs: Any,
               consumers: int = DEFAULT_CONSUMERS) -> Any:
   """The sink `chain_loop` folds outputs into: (i32[] link sum, per-output XOR folds when
@@ -99,49 +85,26 @@ def sink_init(call: Call, carry: Any, inputs: Any,
   return (zero, folds) + ((zero,) if consumers >= 3 else ())
 
 
-def _sum_fold(total, outs_per_call):
-  for o in outs_per_call:
-    for x in jax.tree_util.tree_leaves(o):
-      total = total + jnp.sum(_as_bits(x))
-  return total
-
-
-def _xor_fold(folds, outs_per_call):
-  per_leaf = zip(*[jax.tree_util.tree_leaves(o) for o in outs_per_call])
-  out = []
-  for acc, col in zip(folds, per_leaf):
-    for x in col:
-      acc = acc ^ _as_bits(x)
-    out.append(acc)
-  return tuple(out)
-
-
 @functools.lru_cache(maxsize=16)
 def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
                linked: bool = True):
   """jit(carry, inputs, sink, n) -> (carry, inputs, sink) after n iterations of `unroll`
-  chained, linked calls (see the module docstring). `sink` from `sink_init`. Memoized on
-  its arguments (`call` by identity unless it defines equality), so that timing and
-  profiling the same call object compile its loop once.
-
-  linked=False ("bare") drops the link: only the call's scalar outputs reach the sink and
-  the inputs stay the same. That is valid only for a call that is one custom call (a
-  fused Pallas kernel): XLA never runs part of one, and the next call depends on it
-  through the carry; for anything else XLA may drop or hoist work."""
+  chained, linked calls (module docstring); `sink` from `sink_init`. Memoized (`call` by
+  identity), so timing and profiling one call object compile its loop once. linked=False
+  ("bare"): only the call's scalar outputs reach the sink and the inputs stay the same."""
   barrier = jax.lax.optimization_barrier
 
   @jax.jit
   def run(carry, inputs, sink, n):
     def iteration(_, c):
       carry, inputs, sink = c
-      total = sink[0]
-      outs = ()
+      total, outs = sink[0], ()
       for _ in range(unroll):
         carry, inputs, outs = barrier((carry, inputs, outs))
         carry, out = call(carry, inputs)
         if linked:
           dep = link(out)
-          inputs = _add(inputs, dep)
+          inputs = jax.tree_util.tree_map(lambda x, d=dep: x + d.astype(x.dtype), inputs)
         else:
           dep = link([x for x in jax.tree_util.tree_leaves(out) if not jnp.ndim(x)])
         total = total + dep
@@ -149,16 +112,22 @@ def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
       if consumers < 2:
         return carry, inputs, (total,)
       carry, inputs, outs = barrier((carry, inputs, outs))
-      folds = (total, _xor_fold(sink[1], outs))
+      folds = []
+      for acc, col in zip(sink[1], zip(*[jax.tree_util.tree_leaves(o) for o in outs])):
+        for x in col:
+          acc = acc ^ _as_bits(x)
+        folds.append(acc)
+      new = (total, tuple(folds))
       if consumers >= 3:
-        folds = folds + (_sum_fold(sink[2], outs),)
-      return carry, inputs, folds
+        new += (sink[2] + sum(jnp.sum(_as_bits(x)) for o in outs
+                              for x in jax.tree_util.tree_leaves(o)),)
+      return carry, inputs, new
     return jax.lax.fori_loop(0, n, iteration, (carry, inputs, sink))
   return run
 
 
 def _prepared(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-              consumers: int, linked: bool):
+              consumers: int = DEFAULT_CONSUMERS, linked: bool = True):
   """(timed(n) -> seconds of one run of n iterations, n, compile seconds): the loop
   compiled and n grown until a run takes `min_time` (and 8 runs of 1 iteration)."""
   run = chain_loop(call, unroll, consumers, linked)
@@ -173,8 +142,7 @@ def _prepared(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: flo
 
 
 def quartiles(values) -> Tuple[float, float]:
-  """(first, third) quartile of `values` (linear interpolation between order statistics,
-  numpy's default; a single value is both)."""
+  """(first, third) quartile (numpy's linear interpolation; one value is both)."""
   q1, q3 = np.percentile(np.asarray(list(values), np.float64), [25, 75])
   return float(q1), float(q3)
 
@@ -188,22 +156,22 @@ def _result(ta, tb, n: int, unroll: int, compile_s: float) -> Dict[str, float]:
           "q1_s": q1, "q3_s": q3, "iters": n, "compile_s": compile_s}
 
 
-def _noise_error(n: int, med: float) -> "TimingError":
-  return TimingError(
-      f"the run of {n} iterations was not slower than the run of 1 (median slope "
-      f"{med * 1e6:.3g} us): noise dominates this measurement; raise --min-time")
+def _checked(res: Dict[str, float]) -> Dict[str, float]:
+  if res["s"] <= 0:
+    raise TimingError(
+        f"the run of {res['iters']} iterations was not slower than the run of 1 (median "
+        f"slope {res['s'] * 1e6:.3g} us): noise dominates this measurement; raise "
+        f"--min-time")
+  return res
 
 
 def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
                reps: int, consumers: int = DEFAULT_CONSUMERS,
                linked: bool = True) -> Dict[str, float]:
   """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
-  one jit (see the module docstring).
-
-  Returns {"s": median over repetitions of the per-call slope, "min_s": the slope of the
-  fastest run of each length, "spread": (max - min) / median of the slopes, "q1_s" /
-  "q3_s": the slopes' quartiles, "iters": n, "compile_s": first call}.
-  """
+  one jit (module docstring): {"s": median per-call slope, "min_s": the slope of the
+  fastest run of each length, "spread": (max - min) / median, "q1_s", "q3_s", "iters",
+  "compile_s"}. TimingError when noise outweighs the work even at MAX_ITERS."""
   timed, n, compile_s = _prepared(call, carry, inputs, unroll=unroll, min_time=min_time,
                                   consumers=consumers, linked=linked)
   while True:
@@ -213,66 +181,46 @@ def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: fl
       tb.append(timed(n))
     res = _result(ta, tb, n, unroll, compile_s)
     if res["s"] > 0 or n >= MAX_ITERS:
-      break
+      return _checked(res)
     n *= 4  # noise outweighed the work: time longer runs rather than report 0
-  if res["s"] <= 0:
-    raise _noise_error(n, res["s"])
-  return res
 
 
-def chain_time_interleaved(variants, *, unroll: int, min_time: float,
-                           reps: int) -> list:
-  """`chain_time` of several variants, each a dict(call, carry, inputs, consumers), with
-  their repetitions interleaved (rep 1 of every variant, then rep 2, ...), so that a
-  drift of the machine (clocks, the other lane's load on the shared host) falls on all
-  of them alike: what a comparison between them needs. Returns one result per variant,
-  as chain_time's."""
+def chain_time_interleaved(variants: List[Dict[str, Any]], *, unroll: int,
+                           min_time: float, reps: int) -> List[Dict[str, float]]:
+  """`chain_time` of several variants, each a dict(call, carry, inputs, consumers), their
+  repetitions interleaved (rep 1 of every variant, then rep 2, ...), so that a drift of
+  the machine falls on all of them alike. One result per variant."""
   prepared = [_prepared(v["call"], v["carry"], v["inputs"], unroll=unroll,
-                        min_time=min_time, consumers=v.get("consumers", DEFAULT_CONSUMERS),
-                        linked=True) for v in variants]
+                        min_time=min_time, consumers=v.get("consumers", DEFAULT_CONSUMERS))
+              for v in variants]
   times = [([], []) for _ in variants]
   for _ in range(reps):
     for (timed, n, _), (ta, tb) in zip(prepared, times):
       ta.append(timed(1))
       tb.append(timed(n))
-  out = []
-  for (_, n, compile_s), (ta, tb) in zip(prepared, times):
-    res = _result(ta, tb, n, unroll, compile_s)
-    if res["s"] <= 0:
-      raise _noise_error(n, res["s"])
-    out.append(res)
-  return out
-
-
-class TimingError(RuntimeError):
-  """A measurement that cannot be told apart from noise (a slope that is not positive):
-  reported as an error, never as a time of 0."""
+  return [_checked(_result(ta, tb, n, unroll, c))
+          for (_, n, c), (ta, tb) in zip(prepared, times)]
 
 
 def loop_overhead(*, unroll: int, min_time: float, reps: int) -> float:
-  """Seconds per call of a near-empty call (one scalar add, scalar output) in the same
-  harness: the floor of what `chain_time` can report (link and loop share included)."""
-  call = lambda c, x: (c + x, c)
-  res = chain_time(call, jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32), unroll=unroll,
-                   min_time=min_time, reps=reps)
-  return res["s"]
+  """Seconds per call of a near-empty call (one scalar add) in the same harness."""
+  return chain_time(lambda c, x: (c + x, c), jnp.zeros((), jnp.int32),
+                    jnp.ones((), jnp.int32), unroll=unroll, min_time=min_time,
+                    reps=reps)["s"]
 
 
 def stand_in(out_shapes: Any) -> Call:
   """A call (c, x) -> (c + 1, outputs of `out_shapes`) that does no other work. Each
   array output is iota + a loop-variant scalar (not a broadcast, which XLA could fold
-  into its consumers' reductions), so its consumers cost what they cost on a real
-  call's outputs."""
+  into its consumers), so its consumers cost what they cost on a real call's outputs."""
   def fill(o, v):
     if not o.shape:
       return jnp.full(o.shape, v, o.dtype)
-    iota = jax.lax.broadcasted_iota(jnp.int32, o.shape, 0)
-    return (iota + v).astype(o.dtype)
+    return (jax.lax.broadcasted_iota(jnp.int32, o.shape, 0) + v).astype(o.dtype)
 
   def call(c, x):
     first = jax.tree_util.tree_leaves(x)[0].reshape(-1)[0]
-    outs = jax.tree_util.tree_map(lambda o: fill(o, first + c), out_shapes)
-    return c + 1, outs
+    return c + 1, jax.tree_util.tree_map(lambda o: fill(o, first + c), out_shapes)
   return call
 
 
@@ -295,11 +243,9 @@ def _stand_in_body(x_ref, *out_refs, p):
 
 
 def stand_in_pallas(out_shapes: Any, interpret: bool = False) -> Call:
-  """`stand_in`, but its outputs written by one Pallas-Triton kernel launch (GPU; Pallas'
-  interpreter with interpret=True), the way the "pallas" path's fused kernels write
-  theirs: consumers read them from memory, as they read that path's outputs, instead of
-  fusing the producer as they can with an XLA stand-in. The floor of the Pallas
-  figures' +1 consumer check (bench_micro)."""
+  """`stand_in` with its outputs written by one Pallas-Triton kernel launch (Pallas'
+  interpreter with interpret=True), as the Pallas paths write theirs: the floor of their
+  +1 consumer check and of their floor column."""
   from pallas_kernels import _util  # pylint: disable=g-import-not-at-top
   leaves, treedef = jax.tree_util.tree_flatten(out_shapes)
   p = _StandInParams(tuple(max(int(np.prod(o.shape)), 1) for o in leaves),
@@ -308,61 +254,89 @@ def stand_in_pallas(out_shapes: Any, interpret: bool = False) -> Call:
   class _Kernel(_util.TritonCall):
     def spec(self):
       outs = tuple(jax.ShapeDtypeStruct((n,), d) for n, d in zip(p.sizes, p.dtypes))
-      grid = (-(-max(p.sizes) // STAND_IN_BLOCK),)
-      return outs, _stand_in_body, grid
+      return outs, _stand_in_body, (-(-max(p.sizes) // STAND_IN_BLOCK),)
 
   kernel = _Kernel("jax_kvalloc_bench_stand_in", p, 4, interpret)
 
   def call(c, x):
-    first = jax.tree_util.tree_leaves(x)[0].reshape(-1)[:1]
-    outs = kernel.run(first + c)
+    outs = kernel.run(jax.tree_util.tree_leaves(x)[0].reshape(-1)[:1] + c)
     outs = [o.reshape(leaf.shape) for o, leaf in zip(outs, leaves)]
     return c + 1, jax.tree_util.tree_unflatten(treedef, outs)
   return call
 
 
-def floor_time(out_shapes: Any, inputs: Any, *, unroll: int, min_time: float, reps: int
-               ) -> Dict[str, float]:
-  """Per-call seconds of `stand_in(out_shapes)` in the same harness: what the link, the
-  loop and the consumers cost at these sizes, plus one small XLA kernel."""
-  return chain_time(stand_in(out_shapes), jnp.zeros((), jnp.int32), inputs, unroll=unroll,
-                    min_time=min_time, reps=reps)
-
-
 def host_time(fn: Callable[[], Any], *, sync: Callable[[], None], min_time: float,
-              reps: int) -> Dict[str, float]:
-  """Per-call seconds of `fn()` called back to back from Python, `sync()` at the end."""
+              reps: int, n: Optional[int] = None) -> Dict[str, float]:
+  """Per-call seconds of `fn()` called back to back from Python, `sync()` at the end of
+  each run of n calls (n given, or grown until a run takes min_time): median over
+  `reps` runs, their quartiles and min."""
   for _ in range(3):
     fn()
   sync()
-  n = 1
-  while True:
+  fixed, n, times = n is not None, n or 1, []
+  while len(times) < reps:
     t0 = time.perf_counter()
     for _ in range(n):
       fn()
     sync()
     t = time.perf_counter() - t0
-    if t >= min_time or n >= MAX_ITERS:
-      break
-    n *= 2
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(n):
-      fn()
-    sync()
-    times.append((time.perf_counter() - t0) / n)
+    if not fixed and t < min_time and n < MAX_ITERS:
+      n *= 2
+      continue
+    times.append(t / n)
   med = statistics.median(times)
-  return {"s": med, "spread": (max(times) - min(times)) / med if med > 0 else 0.0,
-          "iters": n}
+  q1, q3 = quartiles(times)
+  return {"s": med, "min_s": min(times), "q1_s": q1, "q3_s": q3, "iters": n,
+          "spread": (max(times) - min(times)) / med if med > 0 else 0.0}
+
+
+def per_call(call: Callable[[], Any], *, before: Optional[Callable[[], Any]] = None,
+             sync: Optional[Callable[[Any], None]] = None,
+             wait: Callable[[Any], None] = lambda out: None, reps: int,
+             warm: int = 3) -> Dict[str, float]:
+  """Host seconds of each call of `call()` alone, after the untimed `before()` and with
+  `sync(its result)` timed in when given: median, quartiles and min over `reps` calls
+  after `warm` untimed ones; "sync_s": the mean per call of the whole loop, with one
+  `wait(last result)` at its end (the throughput bound of asynchronous calls)."""
+  sync_or_wait = sync or wait
+  for _ in range(warm):
+    if before:
+      before()
+    sync_or_wait(call())
+  times, out = [], None
+  t_all = time.perf_counter()
+  for _ in range(reps):
+    if before:
+      before()
+    t0 = time.perf_counter()
+    out = call()
+    if sync:
+      sync(out)
+    times.append(time.perf_counter() - t0)
+  wait(out)
+  med = statistics.median(times)
+  q1, q3 = quartiles(times)
+  return {"s": med, "q1_s": q1, "q3_s": q3, "min_s": min(times), "iters": reps,
+          "spread": (max(times) - min(times)) / med if med > 0 else 0.0,
+          "sync_s": (time.perf_counter() - t_all) / reps}
+
+
+LAUNCH = re.compile(r"= [^=]*? (fusion|custom-call|gather|scatter|sort|reduce|copy|"
+                    r"dynamic-update-slice|dynamic-slice|while|conditional|call)\(")
+
+
+def launches(compiled_text: str) -> Dict[str, int]:
+  """The kernel-like ops of a compiled program's ENTRY computation, by kind."""
+  ops = LAUNCH.findall(compiled_text[compiled_text.index("ENTRY"):])
+  return {k: ops.count(k) for k in sorted(set(ops))}
 
 
 def cuda_activities(run: Callable[[], Any]) -> list:
   """Every GPU activity (kernel, memcpy, memset) of `run()`, from CUPTI through
-  torch.profiler, which records the whole process's launches (JAX's included), as
+  torch.profiler (which records the whole process's launches, JAX's included), as
   (start us, duration us, category, name), by start. Needs torch with CUDA."""
-  import os  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -372,27 +346,23 @@ def cuda_activities(run: Callable[[], Any]) -> list:
   try:
     prof.export_chrome_trace(path)
     with open(path) as f:
-      events = json.load(f)["traceEvents"]
+      return activities_of(json.load(f)["traceEvents"])
   finally:
     os.unlink(path)
-  return activities_of(events)
 
 
 def activities_of(trace_events: list) -> list:
   """The GPU activities of a Chrome trace's events (see `cuda_activities`)."""
-  acts = [(float(e["ts"]), float(e.get("dur", 0.0)), e.get("cat", ""), e.get("name", ""))
-          for e in trace_events if e.get("ph") == "X"
-          and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-  return sorted(acts)
+  return sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("cat", ""),
+                 e.get("name", "")) for e in trace_events if e.get("ph") == "X"
+                and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
 
 
 def kernel_time(activities: list, name_prefix: str, *, min_count: int) -> Dict[str, float]:
-  """The GPU execution time of the kernels whose name starts with `name_prefix`: {"s":
-  median duration, "min_s", "spread": (max - min) / median, "count"}. This is the kernel
-  alone, launch excluded, the same on both sides of a comparison however each was
-  launched; "q1_s" / "q3_s" are the durations' quartiles. TimingError when fewer than
-  `min_count` such kernels ran (a profile that lost records, or a name that matches
-  nothing)."""
+  """The GPU execution time of the kernels whose name starts with `name_prefix` (launch
+  excluded, the same on both sides of a comparison however each was launched): {"s":
+  median, "min_s", "spread", "q1_s", "q3_s", "count"}. TimingError when fewer than
+  `min_count` ran (a profile that lost records, or a name that matches nothing)."""
   durs = [d * 1e-6 for _, d, cat, name in activities
           if cat == "kernel" and name.startswith(name_prefix)]
   if len(durs) < min_count:
@@ -423,13 +393,22 @@ def torch_graph(fn: Callable[[], Any], unroll: int):
   return graph
 
 
+def torch_linked(call: Callable[[], Any], inputs) -> Callable[[], Any]:
+  """call() followed by the harness's link in torch: dep = min(max(out), 0) added to every
+  input tensor in place (as in `chain_loop`)."""
+  def linked():
+    out = call()
+    dep = out.amax().clamp(max=0)
+    for x in inputs:
+      x.add_(dep)
+    return out
+  return linked
+
+
 def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
                      reps: int) -> Dict[str, float]:
-  """Per-call seconds of `fn` (CUDA work only) from replays of a graph of `unroll` calls,
-  the statistic `chain_time` reports for JAX: the slope between a run of 1 replay and a
-  run of n (n grown until a run takes `min_time`), median over `reps` repetitions, so
-  that the cost of starting a run (the first replay's launch, the events) falls out on
-  both sides alike. Returns chain_time's keys less "compile_s"."""
+  """Per-call seconds of `fn` (CUDA work only) from replays of a graph of `unroll` calls:
+  `chain_time`'s slope between a run of 1 replay and a run of n, with CUDA events."""
   import torch  # pylint: disable=g-import-not-at-top
   graph = torch_graph(fn, unroll)
   start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -450,22 +429,4 @@ def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
   for _ in range(reps):
     ta.append(timed(1))
     tb.append(timed(n))
-  del graph
-  res = _result(ta, tb, n, unroll, 0.0)
-  del res["compile_s"]
-  if res["s"] <= 0:
-    raise _noise_error(n, res["s"])
-  return res
-
-
-def loglog_slope(x, y) -> float:
-  """Least-squares slope of log(y) against log(x) (1 = linear growth)."""
-  x, y = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
-  if x.size < 2:
-    return float("nan")
-  return float(np.polyfit(x, y, 1)[0])
-
-
-def summarize(res: Dict[str, float]) -> Tuple[float, float]:
-  """(microseconds, spread) of a timing result."""
-  return res["s"] * 1e6, res["spread"]
+  return _checked(_result(ta, tb, n, unroll, 0.0))

@@ -1,0 +1,392 @@
+"""`jax-kvalloc bench class` and `bench swa`: one SGLang-style class call at a time.
+
+class: host time per call as a serving loop sees it, consecutive calls with the same
+inputs, each timed alone with perf_counter (median, quartiles); "sync_us" is the mean
+per call of the same loop with one wait at the end (the throughput bound of the
+asynchronous implementations). Columns (a column that cannot run is skipped with why):
+
+  device     jax_kvalloc's class, backend="device" (jax arrays, no waits), called as
+             SGLang's class is (per-request arrays on the device beside host copies);
+             constructor arguments in brackets, e.g. `device[kernel=jnp]`; its cells
+             also count `status_waits`, the calls that waited for an earlier call's
+             status (SPEC 14)
+  host       jax_kvalloc's class, backend="host" (NumPy state and results)
+  sgljax     sglang-jax's host-NumPy PagedTokenToKVPoolAllocator, loaded by path from
+             --sgljax (default ../shared/anchors/sgljax; third-party code, never copied)
+  torch_ref  torch_ref's eager class (plain torch on CPU, Triton on CUDA)
+  sglang     SGLang's own PagedTokenToKVPoolAllocator (jax_kvalloc.tools.sglang_oracle)
+
+Rows: decode/B (alloc_decode of B requests, one in page_size starting a page), extend/R
+(alloc_extend of R requests of --extend-tokens tokens from random prefixes), free/T (T
+slots of whole pages, allocated again untimed before each call),
+decode_after_restore/B and free_after_restore/T (the call right after restore_state),
+floor (device: a jitted x + 1, timed alike), stalls/cold and stalls/warm (--stalls N
+random alloc_extend + free calls on a fresh device class, before and after `warmup`:
+the calls over 50 ms are compile stalls).
+
+swa: the SWA allocator (SPEC 13), each call followed by a wait for everything it
+produced (outputs and state), so the figure is the call's latency as a scheduler step
+sees it. Columns: class (our SWATokenToKVPoolAllocator, device backend), core (the
+functional jax_kvalloc.swa ops, jitted with the state donated), sglang (SGLang 0.5.23's
+SWATokenToKVPoolAllocator with a stand-in kvcache, installed or from --sglang-bundle).
+Rows: swa_extend/R (R requests of --extend-tokens tokens; the previous call's slots are
+freed untimed), swa_decode/B, swa_window_free/R (free_swa of R requests' oldest page).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+import time
+from typing import Any, Dict
+
+import numpy as np
+
+from jax_kvalloc.tools import bench
+from jax_kvalloc.tools import cli
+from jax_kvalloc.tools import timing
+
+DEFAULT_SGLJAX = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "anchors" /
+                  "sgljax")
+
+
+def load_sgljax(folder: str) -> Any:
+  """sglang-jax's allocator module, imported by path from `folder` (never copied)."""
+  path = pathlib.Path(folder) / "sgljax_allocator.py"
+  if not path.exists():
+    raise bench.Skip(f"--sgljax {folder}: no sgljax_allocator.py there")
+  spec = importlib.util.spec_from_file_location("_sgljax_allocator_anchor", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _torch_device():
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise bench.Skip(f"needs torch ({e})")
+  return torch, "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ClassImpl:
+  """One paged class behind the calls the rows time; inputs converted once, untimed."""
+
+  def __init__(self, spec: str, o):
+    name, kw = bench.parse_impl(spec)
+    self.name, self.ps, pool = name, o.page_size, o.pool
+    self.wait = lambda out: None
+    if name in ("device", "host"):
+      import jax  # pylint: disable=g-import-not-at-top
+      import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
+      self.a = kvs.PagedTokenToKVPoolAllocator(pool, self.ps, backend=name, device=o.device,
+                                              **dict(dict(debug=False), **kw))
+      self.conv = self.cpu = lambda x: np.asarray(x, np.int64)
+      if name == "device":
+        self.wait = jax.block_until_ready
+        dev = self.a._pools[0].backend.device  # pylint: disable=protected-access
+        self.conv = lambda x: jax.device_put(np.asarray(x, np.int32), dev)
+    elif name == "sgljax":
+      self.a = load_sgljax(o.sgljax).PagedTokenToKVPoolAllocator(pool, self.ps, None)
+      self.conv = self.cpu = lambda x: np.asarray(x, np.int32)
+    else:
+      torch, dev = _torch_device()
+      if name == "torch_ref":
+        import torch_ref  # pylint: disable=g-import-not-at-top
+        self.a = torch_ref.PagedTokenToKVPoolAllocator(pool, self.ps, device=dev)
+      else:
+        from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
+        if sglang_oracle.import_error():
+          raise bench.Skip(sglang_oracle.import_error())
+        self.a = sglang_oracle.SGLangAllocator(pool, self.ps, False, "paged", dev)
+      self.conv = lambda x: torch.as_tensor(np.asarray(x, np.int64), device=dev)
+      self.cpu = lambda x: torch.as_tensor(np.asarray(x, np.int64))
+      if dev == "cuda":
+        self.wait = lambda out: torch.cuda.synchronize()
+
+  def decode(self, seq, last):
+    if self.name == "sgljax":
+      return lambda: self.a.alloc_decode(seq, last)
+    s, sc, l = self.conv(seq), self.cpu(seq), self.conv(last)
+    return lambda: self.a.alloc_decode(s, sc, l)
+
+  def extend(self, pre, seq, last, n):
+    if self.name == "sgljax":
+      return lambda: self.a.alloc_extend(pre, seq, last, n)
+    args = (self.conv(pre), self.cpu(pre), self.conv(seq), self.cpu(seq), self.conv(last), n)
+    return lambda: self.a.alloc_extend(*args)
+
+  def pages(self, n: int) -> np.ndarray:
+    """n pages handed out (host ints)."""
+    out = self.a.alloc(n * self.ps)
+    if out is None:
+      raise RuntimeError(f"{self.name}: pool too small for the rows")
+    return np.asarray(out.cpu() if hasattr(out, "cpu") else out)[::self.ps] // self.ps
+
+
+def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
+  impl = ClassImpl(spec, o)
+  ps, rng = impl.ps, np.random.default_rng(0)
+  before = None
+  if op in ("decode", "decode_after_restore"):
+    seq = ps * rng.integers(0, 4, n) + rng.integers(2, ps + 1, n)   # seq % ps != 1 ...
+    seq[::ps] = ps * rng.integers(1, 4, len(seq[::ps])) + 1        # ... but these
+    call = impl.decode(seq, impl.pages(n) * ps + (seq - 2) % ps)
+  elif op == "extend":
+    pre = rng.integers(0, 4 * ps, n)
+    last = np.where(pre > 0, impl.pages(n) * ps + (pre - 1) % ps, -1)
+    call = impl.extend(pre, pre + o.extend_tokens, last, n * o.extend_tokens)
+  else:  # free: T slots of whole pages, taken back (LIFO) untimed before each call
+    need = -(-n // ps) * ps
+    held = impl.a.alloc(need)
+    idx = held[:n] if hasattr(held, "cpu") else np.asarray(held)[:n]
+    call = lambda: impl.a.free(idx)
+    before = lambda: impl.a.alloc(need)
+  if op.endswith("_after_restore"):
+    snap = impl.a.backup_state()
+    before = lambda: impl.a.restore_state(snap)
+
+  def measure(opts):
+    waits = getattr(impl.a, "status_waits", None)
+    out = bench.cell(timing.per_call(call, before=before, wait=impl.wait, reps=opts.reps))
+    if before is not None:  # the loop's mean then includes `before`
+      del out["sync_us"]
+    if waits is not None:
+      out["status_waits"] = impl.a.status_waits - waits
+    return out
+  return bench.Timed(measure)
+
+
+def floor_timed(o) -> bench.Timed:
+  """A jitted x + 1 of an i32[8] on the device backend's device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
+  x = jax.device_put(np.zeros(8, np.int32), resolve_device(o.device))
+  fn = jax.jit(lambda v: v + 1)
+  return bench.per_call(lambda: fn(x), wait=jax.block_until_ready)
+
+
+def stalls_timed(mode: str, o) -> bench.Timed:
+  """Compile stalls: --stalls random alloc_extend + free calls (1..--stall-max-batch
+  requests) on a fresh device class, after `warmup` up to the same maxima (warm)."""
+  import jax_kvalloc.sglang as kvs  # pylint: disable=g-import-not-at-top
+
+  def measure(opts) -> Dict[str, Any]:
+    del opts
+    a = kvs.PagedTokenToKVPoolAllocator(o.pool, o.page_size, device=o.device, debug=False)
+    warm_s = (a.warmup(max_batch=o.stall_max_batch,
+                       max_tokens=o.stall_max_batch * o.extend_tokens).seconds
+              if mode == "warm" else 0.0)
+    rng, times = np.random.default_rng(1), []
+    for _ in range(o.stalls):
+      bs = int(rng.integers(1, o.stall_max_batch + 1))
+      z, seq = np.zeros(bs, np.int64), rng.integers(1, o.extend_tokens + 1, bs)
+      t0 = time.perf_counter()
+      if a.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum())) is not None:
+        a.free(o.page_size * np.arange(1, bs + 1))  # a slot of each of pages 1..bs
+      times.append(time.perf_counter() - t0)
+      a.clear()
+    slow = [t for t in times if t > 0.05]
+    return {"us": float(np.median(times)) * 1e6, "calls": len(times),
+            "stalls_over_50ms": len(slow), "stall_s": sum(slow), "warmup_s": warm_s,
+            "status_waits": a.status_waits}
+  return bench.Timed(measure)
+
+
+def class_cases(o):
+  rows = ([("decode", b) for b in o.decode] + [("extend", r) for r in o.extend]
+          + [("free", t) for t in o.free] + [("decode_after_restore", b) for b in
+                                             o.restore_decode]
+          + [("free_after_restore", t) for t in o.restore_free])
+  for op, n in rows:
+    for spec in o.impls:
+      yield bench.Case({"op": op, "size": n}, spec, functools.partial(class_timed, spec,
+                                                                      op, n, o))
+  yield bench.Case({"op": "floor", "size": "jit"}, "device", lambda: floor_timed(o))
+  for mode in ("cold", "warm") if o.stalls else ():
+    yield bench.Case({"op": "stalls", "size": mode}, "device",
+                     functools.partial(stalls_timed, mode, o))
+
+
+def class_render(record: Dict[str, Any]) -> str:
+  lines = [bench.table(record, CLASS)]
+  waits = [f"{r['op']}/{r['size']} {r['cells']['device']['status_waits']}"
+           for r in record["rows"] if "status_waits" in r["cells"].get("device", {})
+           and r["op"] != "stalls"]
+  if waits:
+    lines.append("device calls that waited for a status: " + ", ".join(waits))
+  for r in record["rows"]:
+    s = r["cells"].get("device", {})
+    if "stalls_over_50ms" in s:
+      lines.append(f"stalls ({r['size']}): {s['stalls_over_50ms']} of {s['calls']} calls "
+                   f"over 50 ms, {s['stall_s']:.2f} s in all; warm-up {s['warmup_s']:.1f} s; "
+                   f"{s.get('status_waits', 0)} status waits")
+  return "\n".join(lines)
+
+
+CLASS = bench.Suite(
+    name="class", help="one SGLang-style class call per implementation: jax_kvalloc's "
+    "device and host backends, sglang-jax, torch_ref, SGLang", cases=class_cases,
+    impls=("device", "host", "sgljax", "torch_ref", "sglang"), render=class_render,
+    compare=(("host", "sgljax"), ("device", "sglang"), ("host", "sglang")),
+    defaults=(("reps", 50),),
+    dims=(bench.Dim("--sgljax", str(DEFAULT_SGLJAX), "folder holding sglang-jax's "
+                    "sgljax_allocator.py (loaded by path)", str),
+          bench.Dim("--pool", 1 << 24, "pool slots", quick=1 << 16),
+          bench.Dim("--page-size", 16, "page size"),
+          bench.Dim("--device", None, "jax device of the device backend (default: jax's)",
+                    str),
+          bench.Dim("--decode", [1, 8, 64, 256, 1024, 4096], "decode rows", quick=[1, 9]),
+          bench.Dim("--extend", [1, 4, 16, 64, 256, 1024], "extend rows", quick=[2]),
+          bench.Dim("--extend-tokens", 64, "new tokens per extended request", quick=8),
+          bench.Dim("--free", [64, 1024, 16384, 65536], "free sizes (slots)", quick=[64]),
+          bench.Dim("--restore-decode", [64], "decode rows after restore_state", quick=[8]),
+          bench.Dim("--restore-free", [1024], "free sizes after restore_state", quick=[64]),
+          bench.Dim("--stalls", 0, "random alloc_extend + free calls of the compile-stall "
+                    "count (0: off)"),
+          bench.Dim("--stall-max-batch", 256, "largest batch of the stall calls")))
+
+
+# ---------------------------------------------------------------------------------------
+# SWA.
+# ---------------------------------------------------------------------------------------
+
+class SWAImpl:
+  """One SWA implementation; slots in and out in its own arrays (`ints` converts)."""
+
+  def __init__(self, name: str, o):
+    self.name, self.ps = name, o.page_size
+    size, size_swa, ps = o.size, o.size_swa, o.page_size
+    if name in ("class", "core"):
+      import jax  # pylint: disable=g-import-not-at-top
+      from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
+      self.jax, dev = jax, resolve_device(o.device)
+      self.ints = lambda x: jax.device_put(np.asarray(x, np.int32), dev)
+      self.host = lambda x: np.asarray(x, np.int64)
+      if name == "class":
+        from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator  # pylint: disable=g-import-not-at-top
+        self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, o.device, None, False,
+                                           backend="device", debug=False)
+        return
+      from jax_kvalloc import swa as core  # pylint: disable=g-import-not-at-top
+      self.cfg = core.SWAConfig(size, size_swa, ps, False, debug=False)
+      self.state = jax.device_put(core.init(self.cfg), dev)
+      jit = lambda f, **kw: jax.jit(f, static_argnums=0, donate_argnums=1, **kw)
+      self.fns = {"alloc_extend": jit(core.alloc_extend, static_argnames=("max_tokens",)),
+                  "alloc_decode": jit(core.alloc_decode), "free": jit(core.free),
+                  "free_swa": jit(core.free_swa), "free_full": jit(core.free_full)}
+      return
+    from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
+    if sglang_oracle.import_error() is not None:
+      try:
+        sglang_oracle.use_bundle(o.sglang_bundle)
+      except FileNotFoundError as e:
+        raise bench.Skip(str(e))
+    if sglang_oracle.import_error():
+      raise bench.Skip(sglang_oracle.import_error())
+    torch, dev = _torch_device()
+    cls, standin = sglang_oracle.sglang_swa_class()
+    self.torch, self.dev = torch, dev
+    self.a = cls(size, size_swa, ps, torch.float16, dev, standin(), False)
+    self.ints = lambda x: torch.as_tensor(np.asarray(x, np.int64), device=dev)
+    self.host = lambda x: torch.as_tensor(np.asarray(x, np.int64))
+
+  def sync(self, out: Any) -> None:
+    """Waits for `out` and for the allocator's state."""
+    if self.name == "sglang":
+      if self.dev == "cuda":
+        self.torch.cuda.synchronize()
+    elif self.name == "core":
+      self.jax.block_until_ready((out, self.state))
+    else:
+      a = self.a
+      self.jax.block_until_ready((out, a._pools[0].state))  # pylint: disable=protected-access
+
+  def __call__(self, op: str, *args, **kw):
+    """The op on the class, or on the core with the state threaded through."""
+    if self.name != "core":
+      return getattr(self.a, op)(*args)
+    if op.startswith("alloc"):
+      if op == "alloc_extend":
+        args, kw = (args[0], args[2], args[4]), dict(max_tokens=args[5])
+      else:
+        args = (args[0], args[2])
+      self.state, out, ok = self.fns[op](self.cfg, self.state, *args, **kw)
+      return out, ok
+    self.state = self.fns[op](self.cfg, self.state, *args)
+
+  def prefill(self, lens: np.ndarray):
+    """alloc_extend of len(lens) requests from prefix 0: the full slots."""
+    z = np.zeros(len(lens), np.int64)
+    out = self("alloc_extend", self.ints(z), self.host(z), self.ints(lens), self.host(lens),
+               self.ints(np.full(len(lens), -1)), int(lens.sum()))
+    if self.name == "core":
+      out = out[0] if bool(out[1]) else None
+    if out is None:
+      raise RuntimeError(f"{self.name}: pool too small for the rows")
+    return out
+
+
+def decode_lens(b: int, ps: int, seed: int = 0) -> np.ndarray:
+  """seq_lens of a decode batch of b rows: rows 0, ps, 2ps, ... start a page (seq % ps
+  == 1), the others continue one."""
+  rng = np.random.default_rng(seed)
+  seq = ps * rng.integers(1, 4, b) + rng.integers(2, ps + 1, b)
+  seq[::ps] = ps * rng.integers(1, 4, len(seq[::ps])) + 1
+  return seq.astype(np.int64)
+
+
+def swa_timed(name: str, op: str, n: int, o) -> bench.Timed:
+  impl, ps, held = SWAImpl(name, o), o.page_size, {}
+  if op == "swa_extend":
+    z, seq = np.zeros(n, np.int64), np.full(n, o.extend_tokens, np.int64)
+    args = (impl.ints(z), impl.host(z), impl.ints(seq), impl.host(seq),
+            impl.ints(np.full(n, -1)), n * o.extend_tokens)
+    before = lambda: impl("free", held.pop("out")) if "out" in held else None
+    def call():
+      res = impl("alloc_extend", *args)
+      held["out"] = res[0] if impl.name == "core" else res
+      return res
+  elif op == "swa_decode":
+    seq = decode_lens(n, ps)
+    last = impl.prefill(seq - 1)[impl.ints(np.cumsum(seq - 1) - 1)]
+    args = (impl.ints(seq), impl.host(seq), last)
+    before, call = None, lambda: impl("alloc_decode", *args)
+  else:  # swa_window_free: each request's oldest page leaves the window
+    def before():
+      if "idx" in held:
+        impl("free_full", held["idx"])
+      held["idx"] = impl.prefill(np.full(n, ps, np.int64))
+    call = lambda: impl("free_swa", held["idx"])
+  return bench.per_call(call, before=before, sync=impl.sync)
+
+
+OPS = ("swa_extend", "swa_decode", "swa_window_free")
+
+
+def swa_cases(o):
+  for op, sizes in zip(OPS, (o.extend, o.decode, o.window_free)):
+    for n in sizes if op in o.ops else ():
+      for name in o.impls:
+        yield bench.Case({"op": op, "size": n}, name,
+                         functools.partial(swa_timed, name, op, n, o))
+
+
+SWA = bench.Suite(
+    name="swa", help="the SWA allocator's extend, decode and window free per call: our "
+    "class and core beside SGLang 0.5.23's SWA class", impls=("class", "core", "sglang"),
+    cases=swa_cases, compare=(("class", "sglang"), ("core", "sglang")),
+    defaults=(("reps", 50),),
+    dims=(bench.Dim("--ops", list(OPS), "rows to time", cli.name_list(OPS)),
+          bench.Dim("--size", 1 << 20, "full pool slots", quick=2048),
+          bench.Dim("--size-swa", 1 << 18, "SWA pool slots", quick=1024),
+          bench.Dim("--page-size", 16, "page size", quick=4),
+          bench.Dim("--device", None, "jax device of ours (default: jax's)", str),
+          bench.Dim("--extend", [1, 16, 64], "extend rows", quick=[2]),
+          bench.Dim("--extend-tokens", 64, "new tokens per request", quick=6),
+          bench.Dim("--decode", [1, 64, 256, 1024], "decode rows", quick=[5]),
+          bench.Dim("--window-free", [16, 256, 1024], "window-free rows", quick=[3]),
+          bench.Dim("--sglang-bundle", None, "SGLang bundle folder "
+                    "(benchmarks/sglang_bundle.sh) appended to sys.path when sglang is not "
+                    "installed (default: $JAX_KVALLOC_SGLANG_BUNDLE, else "
+                    "<repo>/.sglang_py312)", str)))

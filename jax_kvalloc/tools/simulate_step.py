@@ -1,0 +1,657 @@
+"""The simulator's policy: one scheduler iteration, written once, as array code (`step`).
+
+`jax-kvalloc simulate` runs it under one of two drivers (jax_kvalloc.tools.simulate):
+`--driver device` runs `run_steps`, many iterations per jitted call in a loop on the
+device; `--driver host` launches the jitted `host_step`, one iteration per call, from a
+Python loop, as a host scheduler with a device-resident table would. The drivers make the
+same decisions because they run the same function.
+
+An iteration, on the scheduler's state (`Sched`: per request row and per prefix group):
+  1. arrivals join the queue (request ids [head, arrived), in arrival order);
+  2. up to `frees` finished rows leave the free-group queue (a ring, in finishing order);
+  3. a prefill batch: rows still prefilling (in admission order) take their next chunk,
+     then queued requests are admitted in order while the batch has room (`batch` rows,
+     `tokens` tokens), a row was empty at the start of the iteration and the request's
+     whole lifetime fits in the pages not promised to running requests. The first request
+     that does not fit may evict unused cached prefixes (least recently used first, as
+     many as the free group has room for); if that admits it, it is the last admission.
+     A request whose group's prefix is cached borrows its pages;
+  4. the step: a prefill when the batch is not empty, else a decode of every decoding row
+     (or only the free group), else nothing: the clock moves to the next arrival (an
+     idle iteration, no record);
+  5. a row that completed its prompt hands its group's prefix (whole pages) to the cache
+     when none is cached; a row that generated its last token joins the free queue.
+
+The table work of an iteration (`_table_step`): the free group (`release_rows` of the
+finished rows and the evicted cache rows), the borrows, the extend or decode, and the
+hand-overs, through the request table (SPEC 11; `step_rows` for the three pool phases).
+Admission counts pages with the allocator's arithmetic, so no allocation may fail; every
+record carries the device's status (ok, free + released pages, a checksum of the slots)
+for the driver to compare with the scheduler's count.
+
+SWA mode (`Layout.swa`, simulate's --swa-window): the pool is an SWAState and the table an
+SWATable of request rows only (SPEC 13). Step 2 also frees every row's SWA pages wholly
+before seq - window (`window_rows`); admission also counts the SWA pool (`swa_need`); no
+prefix cache (the workload's groups are -1 then), so no borrows and no eviction.
+
+`Layout.branch` (static) picks how the table phases that a decode-only step does not need
+are skipped: inside one `lax.cond` (on the CPU, where a branch is cheap and a phase over a
+large table is not) or by running them with no rows (on accelerators, where a branch
+costs a round trip to the host, and the three pool phases are one `step_rows`). The
+decisions are the same either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvalloc import request_table as rt
+from jax_kvalloc import state as st
+from jax_kvalloc import swa as swa_core
+from jax_kvalloc import swa_table
+from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.index_jnp import cdiv
+from jax_kvalloc.swa import SWAConfig, SWAState
+
+Array = jax.Array
+i32 = jnp.int32
+EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
+KIND_PREFILL, KIND_DECODE = 1, 2
+ERR_STUCK = 1
+
+# One row per step (an iteration that ran a prefill or a decode), from either driver.
+RECORD = ("kind",          # 1 prefill, 2 decode
+          "admitted",      # requests admitted (the next ones in arrival order)
+          "finished",      # requests that generated their last token
+          "evicted",       # prefix-cache entries evicted
+          "evict_code",    # sum of (g + 1) * 2**j over the j-th evicted group g
+          "hits",          # admitted requests that borrow a cached prefix
+          "tokens",        # tokens allocated
+          "pages",         # pages allocated
+          "used",          # pages in use after the step (the scheduler's count)
+          "waste",         # unused slots inside the live requests' own pages
+          "running",       # requests holding a row
+          "committed",     # pages promised to running requests, not yet taken
+          "runs",          # free-list runs after every runs_every-th iteration; else -1
+          "ok",            # every table operation of the step succeeded (device status)
+          "device_pages",  # free + released pages on the device after the step
+          "checksum")      # `checksum` of the slots allocated
+SWA_RECORD = ("swa_used",          # SWA pages in use after the step (the scheduler's count)
+              "swa_committed",     # SWA pages reserved by running requests, not held
+              "window_freed",      # SWA pages the step's window frees released
+              "swa_device_pages",  # free + released SWA pages on the device after the step
+              "refused")           # the next admission did not fit: 1 full pool, 2 SWA, 3 both
+COL = {name: i for i, name in enumerate(RECORD + SWA_RECORD)}
+
+
+def record_columns(swa: bool) -> Tuple[str, ...]:
+  """The record's columns (SWA mode appends SWA_RECORD)."""
+  return RECORD + SWA_RECORD if swa else RECORD
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static sizes of one page size's run (jax_kvalloc.tools.simulate.make_layout)."""
+  acfg: AllocatorConfig
+  rows: int          # R request rows
+  groups: int        # G prefix-cache rows, one per group, after the request rows
+  batch: int         # B requests per prefill
+  tokens: int        # T prefill token budget (the extend's slot array)
+  frees: int         # F rows per free group
+  width: int         # page columns per table row
+  prefix_width: int  # page columns a cached prefix can span
+  swa: Optional[SWAConfig] = None  # SWA mode: both pools (acfg is swa.full)
+  window: int = 0                  # SWA mode: the window in tokens
+  branch: bool = True              # skip unneeded table phases in lax.cond (module doc)
+  inject_leak: bool = False        # test hook: the first finished request's free is lost
+
+  @property
+  def swa_pages(self) -> int:
+    return self.swa.swa.num_pages if self.swa is not None else 0
+
+  @property
+  def num_pages(self) -> int:
+    return self.acfg.num_pages
+
+
+class Workload(NamedTuple):
+  """The requests on the device (i32), and the step cap."""
+  arrival: Array     # i32[N] non-decreasing
+  group: Array       # i32[N] prefix group or -1
+  prompt: Array      # i32[N] prompt tokens, shared prefix included
+  output: Array      # i32[N]
+  prefix_len: Array  # i32[max(G, 1)]
+  max_steps: Array   # i32[] no step runs once this many have
+
+
+class Sched(NamedTuple):
+  """The scheduler's state."""
+  phase: Array        # i32[R] EMPTY / PREFILL / DECODE / FREEING
+  seq: Array          # i32[R] tokens held
+  prompt: Array       # i32[R]
+  out: Array          # i32[R]
+  gen: Array          # i32[R] tokens generated
+  own: Array          # i32[R] first token the row owns (page aligned)
+  group: Array        # i32[R]
+  hit: Array          # i32[R] 1: holds a reference on its group's cache entry
+  reserved: Array     # i32[R] pages of its own it may ever hold
+  admitted_at: Array  # i32[R]
+  finished_at: Array  # i32[R] FREEING rows: the step they finished (ties: row order)
+  swa_from: Array     # i32[R] SWA mode: first page column whose SWA page is held
+  swa_reserved: Array  # i32[R] SWA mode: SWA pages it may hold from now on
+  empty: Array        # i32[R] a stack of the empty rows; the first n_empty are
+  n_empty: Array      # i32[]
+  prefilling: Array   # i32[B] rows still prefilling, in admission order (at most B)
+  n_prefilling: Array  # i32[]
+  cache_tokens: Array  # i32[G]
+  refcount: Array     # i32[G]
+  last_used: Array    # i32[G]
+  free_pages: Array   # i32[] the scheduler's count of free + released pages
+  swa_free: Array     # i32[] SWA mode: the same for the SWA pool
+  clock: Array        # i32[]
+  head: Array         # i32[] next request to admit
+  steps: Array        # i32[] steps so far
+  done: Array         # i32[] requests finished
+  error: Array        # i32[] 0, or ERR_STUCK
+  forget: Array       # i32[] test hook: row whose release loses its pages; -1 none, -2 done
+
+
+class Carry(NamedTuple):
+  state: object   # AllocatorState, or SWAState in SWA mode
+  table: object   # RequestTable (request rows, then one row per prefix group) or SWATable
+  sched: Sched
+
+
+class Plan(NamedTuple):
+  """An iteration's table work. Entries at index >= the matching count are padding."""
+  free_rows: Array     # i32[F] the free group's rows, in order
+  num_free: Array
+  forget: Array        # i32[] the row whose pages the test hook drops (-1: none)
+  borrow_rows: Array   # i32[B] admitted rows that start from a cached prefix
+  borrow_src: Array    # i32[B] the cache rows they borrow from
+  borrow_pages: Array  # i32[B] whole pages borrowed
+  num_borrow: Array
+  ext_rows: Array      # i32[B] rows to extend, in batch order
+  ext_n: Array         # i32[B] tokens each
+  num_ext: Array
+  dec_rows: Array      # i32[R] rows to decode
+  num_dec: Array
+  ins_rows: Array      # i32[R] rows whose prefix pages go to the cache after the step
+  ins_dst: Array       # i32[R] the cache rows
+  ins_pages: Array     # i32[R] pages handed over
+  num_ins: Array
+  window: Array        # i32[] SWA mode: rows whose window frees run (0 or R)
+
+
+def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=False):
+  """SWA pages a request may hold at most from now on (numpy or jax arrays): after a step
+  that extends it from L to L + n tokens, having freed the pages wholly before
+  L - window, it holds ceil((L + n) / ps) - floor((L - window) / ps)
+  <= ceil((window + n) / ps) + 1 pages, with n <= min(prompt, tokens) while it prefills
+  and n = 1 once it decodes (`decoding`, bool or bool array); never more than its whole
+  length's pages."""
+  xp, up = (np, cdiv) if isinstance(prompt, np.ndarray) else (jnp, _up)
+  n = xp.where(decoding, 1, xp.minimum(prompt, tokens))
+  return xp.minimum(up(prompt + output, ps), up(window + n, ps) + 1)
+
+
+def init_carry(lay: Layout) -> Carry:
+  """An empty pool and table, and an idle scheduler (traceable; jit it with lay static)."""
+  r, g = lay.rows, lay.groups
+  if lay.swa is not None:
+    state = swa_core.init(lay.swa)
+    table = swa_table.init_table(lay.swa, r, lay.width)
+  else:
+    state = st.init(lay.acfg)
+    table = rt.init_table(lay.acfg, r + g, lay.width)
+  z = lambda n, v=0: jnp.full((n,), v, i32)
+  s = lambda v: jnp.full((), v, i32)
+  sched = Sched(
+      phase=z(r), seq=z(r), prompt=z(r), out=z(r), gen=z(r), own=z(r), group=z(r, -1),
+      hit=z(r), reserved=z(r), admitted_at=z(r), finished_at=z(r), swa_from=z(r),
+      swa_reserved=z(r), empty=jnp.arange(r - 1, -1, -1, dtype=i32), n_empty=s(r),
+      prefilling=z(lay.batch), n_prefilling=s(0), cache_tokens=z(g), refcount=z(g),
+      last_used=z(g, -1), free_pages=s(lay.num_pages), swa_free=s(lay.swa_pages),
+      clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0), forget=s(-1))
+  return Carry(state, table, sched)
+
+
+# Small-vector helpers: O(n * m) compares and reductions instead of sorts, cumsums and
+# scatters (n, m are at most max_running): XLA fuses them into few kernels.
+def _get(x: Array, i: Array) -> Array:
+  """x[i] for indices inside x (clamped; no negative-index handling)."""
+  return jnp.take(x, i, mode="clip")
+
+
+def _div(a: Array, n: int) -> Array:
+  """a // n for a >= 0 (one division, where // on signed ints is several operations)."""
+  return jax.lax.div(a, jnp.asarray(n, a.dtype))
+
+
+def _up(a: Array, n: int) -> Array:
+  """ceil(a / n) for a >= 0."""
+  return _div(a + (n - 1), n)
+
+
+def _excl_cumsum(x: Array) -> Array:
+  i = jnp.arange(x.shape[0])
+  return jnp.sum(jnp.where(i[None, :] < i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
+
+
+def _at(idx: Array, n: int, values=1) -> Array:
+  """i32[n]: out[i] = sum of values over the entries with idx == i (0 where none; idx
+  outside [0, n) matches nothing)."""
+  v = jnp.broadcast_to(jnp.asarray(values, i32), idx.shape)
+  m = idx[None, :] == jnp.arange(n, dtype=idx.dtype)[:, None]
+  return jnp.sum(jnp.where(m, v[None, :], 0), axis=1)
+
+
+def _compact(values: Array, keep: Array) -> Array:
+  """values[keep], in order, at the front (0 after)."""
+  pos = _excl_cumsum(keep.astype(i32))
+  return _at(jnp.where(keep, pos, values.shape[0]), values.shape[0], values)
+
+
+def stopped(wl: Workload, c: Sched) -> Array:
+  """bool[]: every request done and freed, the scheduler stuck, or the step cap reached."""
+  n_req = wl.arrival.shape[0]
+  return (((c.done >= n_req) & ~jnp.any(c.phase == FREEING)) | (c.error != 0)
+          | (c.steps >= wl.max_steps))
+
+
+def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
+  """One scheduler iteration (the module docstring's five parts) and its table work.
+
+  Returns (carry, i32[len(record_columns)] record); the record's kind is 0 when no step
+  ran (an idle iteration, or the run is over: `stopped`), and then nothing changed but
+  the clock (or the error flag).
+  """
+  c = carry.sched
+  ps, r_, g_, b_, t_, f_ = (lay.acfg.page_size, lay.rows, lay.groups, lay.batch,
+                            lay.tokens, lay.frees)
+  swa = lay.swa is not None
+  n_req = wl.arrival.shape[0]
+  rows = jnp.arange(r_, dtype=i32)
+  go = ~stopped(wl, c)
+  # 1-2. Arrivals; the free group: the rows that finished first (at most F).
+  arrived = jnp.sum(wl.arrival <= c.clock).astype(i32)
+  freeing = c.phase == FREEING
+  key = c.finished_at * r_ + rows
+  order = jnp.sum((key[None, :] < key[:, None]) & freeing[None, :], axis=1)
+  gone = freeing & (order < f_) & go
+  npop = jnp.sum(gone).astype(i32)
+  pop_rows = _at(jnp.where(gone, order, f_), f_, rows)
+  held = _up(c.seq, ps) - _div(c.own, ps)
+  free_pages = c.free_pages + jnp.sum(jnp.where(gone, held, 0))
+  phase = jnp.where(gone, EMPTY, c.phase)
+  live = (phase == PREFILL) | (phase == DECODE)
+  avail = free_pages - jnp.sum(jnp.where(live, c.reserved - held, 0))
+  swa_free, swa_from = c.swa_free, c.swa_from
+  if swa:  # the finished rows' SWA pages, then every row's pages that left the window
+    swa_free += jnp.sum(jnp.where(gone, _up(c.seq, ps) - swa_from, 0))
+    win_end = jnp.clip(_div(jnp.maximum(c.seq - lay.window, 0), ps), 0, lay.width)
+    win_end = jnp.where((phase != EMPTY) & go, jnp.maximum(win_end, swa_from), swa_from)
+    window_freed = jnp.sum(win_end - swa_from)
+    swa_from = win_end
+    swa_free += window_freed
+    avail_swa = swa_free - jnp.sum(jnp.where(live, jnp.maximum(
+        c.swa_reserved - (_up(c.seq, ps) - swa_from), 0), 0))
+  # 3a. Rows still prefilling, in admission order, while the budget lasts.
+  p = jnp.arange(b_, dtype=i32)
+  pf = jnp.clip(c.prefilling, 0, r_ - 1)
+  rem = jnp.where(p < c.n_prefilling, _get(c.prompt, pf) - _get(c.seq, pf), 0)
+  before = _excl_cumsum(rem)
+  cont = (p < c.n_prefilling) & (before < t_) & go
+  n_cont = jnp.sum(cont).astype(i32)
+  # 3b. Queued requests, in arrival order (candidate j: request head + j).
+  q = jnp.minimum(c.head + p, n_req - 1)
+  valid = (c.head + p < arrived) & go
+  g, p_q, o_q = _get(wl.group, q), _get(wl.prompt, q), _get(wl.output, q)
+  gc = jnp.maximum(g, 0)
+  hit = valid & (g >= 0) & (_get(c.cache_tokens, gc) > 0)
+  pre0 = jnp.where(hit, _get(c.cache_tokens, gc), 0)
+  need = jnp.where(valid, _up(p_q + o_q, ps) - _div(pre0, ps), 0)
+  spent_q = jnp.sum(jnp.where(cont, jnp.minimum(rem, t_ - before), 0)) + _excl_cumsum(
+      jnp.where(valid, p_q - pre0, 0))
+  room = valid & (n_cont + p < b_) & (spent_q < t_) & (p < c.n_empty)
+  need_before = _excl_cumsum(need)
+  fits = room & (need_before + need <= avail)
+  if swa:
+    need_swa = jnp.where(valid, swa_need(p_q, o_q, lay.window, t_, ps), 0)
+    fits_swa = _excl_cumsum(need_swa) + need_swa <= avail_swa
+    fits_full, fits = fits, fits & fits_swa
+  k0 = jnp.min(jnp.where(fits, b_, p))
+  at = jnp.minimum(k0, b_ - 1)
+  blocked = (k0 < b_) & _get(room, at) & ~_get(fits, at)
+  if swa:  # no prefix cache, nothing to evict: which pool stopped the admission
+    k, n_evict, evict_code = k0, jnp.zeros((), i32), jnp.zeros((), i32)
+    cache_tokens, evicted = c.cache_tokens, jnp.zeros((f_,), i32)
+    refused = ((blocked & ~_get(fits_full, at)).astype(i32)
+               + 2 * (blocked & ~_get(fits_swa, at)))
+  else:  # the blocked request may evict unused cached prefixes, LRU first
+    groups = jnp.arange(g_, dtype=i32)
+    in_use = c.refcount + _at(jnp.where(hit & (p < k0), g, g_), g_)
+    evictable = (c.cache_tokens > 0) & (in_use == 0) & (groups != _get(g, at)) & blocked
+    lru_key = c.last_used * g_ + groups
+    lru = jnp.sum((lru_key[None, :] < lru_key[:, None]) & evictable[None, :], axis=1)
+    pages_g = jnp.where(evictable, _div(c.cache_tokens, ps), 0)
+    deficit = _get(need, at) - (avail - _get(need_before, at))
+    got_before = jnp.sum(jnp.where(evictable[None, :] & (lru[None, :] < lru[:, None]),
+                                   pages_g[None, :], 0), axis=1)
+    evict = (evictable & (jnp.sum(pages_g) >= deficit) & (got_before < deficit)
+             & (lru < f_ - npop))
+    gained = jnp.sum(jnp.where(evict, pages_g, 0))
+    k = k0 + (blocked & (gained >= deficit)).astype(i32)
+    n_evict = jnp.sum(evict).astype(i32)
+    evict_code = jnp.sum(jnp.where(evict, (groups + 1) << lru, 0))
+    free_pages += gained
+    cache_tokens = jnp.where(evict, 0, c.cache_tokens)
+    evicted = _at(jnp.where(evict, npop + lru, f_), f_, r_ + groups)  # after the finished
+  adm = p < k
+  adm_rows = _get(c.empty, c.n_empty - 1 - p)  # off the top of the stack
+
+  # The batch: position i holds the i-th prefilling row, then the admitted requests.
+  # (Admissions happen only when every prefilling row got its chunk, so the batch is
+  # the first n_cont + k positions.)
+  j = jnp.clip(p - c.n_prefilling, 0, b_ - 1)
+  old = p < c.n_prefilling
+  new = ~old & (p - c.n_prefilling < k)
+  brow = jnp.where(old, pf, _get(adm_rows, j))
+  n_batch = n_cont + k
+  seq0 = jnp.where(new, _get(pre0, j), _get(c.seq, brow))
+  prompt_b = jnp.where(new, _get(p_q, j), _get(c.prompt, brow))
+  group_b = jnp.where(new, _get(g, j), _get(c.group, brow))
+  hit_b = jnp.where(new, _get(hit, j), _get(c.hit, brow) > 0)
+  spent_a = jnp.minimum(spent_q, t_)
+  chunk = jnp.where(p < n_batch, jnp.where(
+      old, jnp.minimum(rem, t_ - before), jnp.minimum(p_q - pre0, t_ - spent_a)[j]), 0)
+  # 4. The step's kind.
+  decoding = (phase == DECODE) & go
+  n_dec = jnp.sum(decoding).astype(i32)
+  nfree = npop + n_evict
+  is_pre = n_batch > 0
+  is_dec = ~is_pre & ((n_dec > 0) | (nfree > 0))
+  kind = jnp.where(is_pre, KIND_PREFILL, jnp.where(is_dec, KIND_DECODE, 0))
+  dec = decoding & ~is_pre
+  # 5. Hand-overs: a row that completed its prompt, first of its group in the batch.
+  completes = is_pre & (p < n_batch) & (seq0 + chunk == prompt_b)
+  gb = jnp.maximum(group_b, 0)
+  aligned = _div(_get(wl.prefix_len, gb), ps) * ps
+  own_b = jnp.where(new, _get(pre0, j), _get(c.own, brow))
+  eligible = (completes & (group_b >= 0) & ~hit_b & (_get(cache_tokens, gb) == 0)
+              & (own_b == 0) & (aligned > 0))
+  earlier = jnp.any(eligible[None, :] & (group_b[None, :] == group_b[:, None])
+                    & (p[None, :] < p[:, None]), axis=1)
+  ins = eligible & ~earlier
+  # Back to rows: row r's batch entry, where it has one (one reduction for every field).
+  listed = (p < c.n_prefilling + k)
+  m = (brow[None, :] == rows[:, None]) & listed[None, :]
+  fields = dict(new=new, ins=ins, chunk=chunk, seq0=seq0, need=_get(need, j), own=own_b,
+                aligned=aligned, hit=hit_b, completes=completes, out=_get(o_q, j),
+                group=group_b, prompt=prompt_b)
+  if swa:
+    fields["need_swa"] = _get(need_swa, j)
+  got = jnp.sum(jnp.where(m[:, :, None], jnp.stack(
+      [jnp.asarray(v, i32) for v in fields.values()], axis=1)[None], 0), axis=1)
+  row = dict(zip(fields, got.T))
+  adm_r, ins_r = row["new"] > 0, row["ins"] > 0
+  grow = jnp.where(is_pre, row["chunk"], dec.astype(i32))
+  seq = jnp.where(adm_r, row["seq0"], c.seq)
+  pages = jnp.sum(_up(seq + grow, ps) - _up(seq, ps))
+  seq = seq + grow
+  reserved = jnp.where(adm_r, row["need"], c.reserved)
+  own = jnp.where(ins_r, row["aligned"], jnp.where(adm_r, row["own"], c.own))
+  reserved = jnp.where(ins_r, reserved - _div(own, ps), reserved)
+  hit_r = jnp.where(adm_r, row["hit"], c.hit) | ins_r
+  gen = jnp.where(adm_r, 0, c.gen) + dec
+  phase = jnp.where(adm_r, PREFILL, phase)
+  phase = jnp.where(row["completes"] > 0, DECODE, phase)
+  out = jnp.where(adm_r, row["out"], c.out)
+  prompt = jnp.where(adm_r, row["prompt"], c.prompt)
+  fin = dec & (gen >= out)
+  phase = jnp.where(fin, FREEING, phase)
+  n_fin = jnp.sum(fin).astype(i32)
+  group = jnp.where(adm_r, row["group"], c.group)
+  admitted_at = jnp.where(adm_r, c.clock, c.admitted_at)
+  # The groups: admitted hits take a reference; hand-overs fill the cache.
+  adm_hit_g = _at(jnp.where(adm & hit, g, g_), g_)
+  ins_g = _at(jnp.where(ins, group_b, g_), g_)
+  cache_tokens = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, aligned),
+                           cache_tokens)
+  refcount = jnp.where(ins_g > 0, 1, c.refcount + adm_hit_g)
+  refcount -= _at(jnp.where(fin & (hit_r > 0), group, g_), g_)
+  last_used = jnp.where(adm_hit_g > 0, c.clock, c.last_used)
+  last_used = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, jnp.where(
+      new, c.clock, _get(c.admitted_at, brow))), last_used)
+  keep = listed & ~completes
+  n_empty = c.n_empty - k
+  empty = c.empty.at[jnp.where(jnp.arange(f_) < npop, n_empty + jnp.arange(f_), r_)].set(
+      pop_rows, mode="drop")
+  forget, forget_now = c.forget, jnp.full((), -1, i32)
+  if lay.inject_leak:
+    forget_now = jnp.where(jnp.any(gone & (rows == forget)), forget, -1)
+    forget = jnp.where(forget_now >= 0, -2, forget)
+    forget = jnp.where((forget == -1) & (n_fin > 0), jnp.min(jnp.where(fin, rows, r_)),
+                       forget)
+  swa_reserved = c.swa_reserved
+  if swa:
+    swa_from = jnp.where(adm_r, 0, swa_from)
+    swa_reserved = jnp.where(adm_r, row["need_swa"], swa_reserved)
+    # A decoding row's reservation: the window and one token.
+    swa_reserved = jnp.where(row["completes"] > 0, swa_need(
+        prompt, out, lay.window, t_, ps, decoding=True), swa_reserved)
+    swa_free -= pages
+  # The idle iteration: the clock jumps to the next arrival, or the scheduler is stuck.
+  idle = go & (kind == 0)
+  stuck = idle & ((c.head < arrived) | (arrived >= n_req))
+  nxt = _get(wl.arrival, jnp.minimum(arrived, n_req - 1))
+  clock = jnp.where(kind > 0, c.clock + 1,
+                    jnp.where(idle & ~stuck, jnp.maximum(c.clock + 1, nxt), c.clock))
+  sched = Sched(
+      phase=phase, seq=seq, prompt=prompt, out=out, gen=gen, own=own, group=group,
+      hit=hit_r.astype(i32), reserved=reserved, admitted_at=admitted_at,
+      finished_at=jnp.where(fin, c.steps, c.finished_at), swa_from=swa_from,
+      swa_reserved=swa_reserved, empty=empty, n_empty=n_empty + npop,
+      prefilling=_compact(brow, keep), n_prefilling=jnp.sum(keep).astype(i32),
+      cache_tokens=cache_tokens, refcount=refcount, last_used=last_used,
+      free_pages=free_pages - pages, swa_free=swa_free, clock=clock, head=c.head + k,
+      steps=c.steps + (kind > 0), done=c.done + n_fin,
+      error=jnp.where(stuck, ERR_STUCK, c.error), forget=forget)
+
+  # The table work: the free group (finished rows, then evicted cache rows), the borrows
+  # (every admitted row; 0 pages without a cache hit), the extend or decode, hand-overs.
+  ins_pos = _excl_cumsum(ins.astype(i32))
+  ins_at = jnp.where(ins, ins_pos, b_)
+  plan = Plan(
+      free_rows=jnp.where(jnp.arange(f_) < npop, pop_rows, evicted), num_free=nfree,
+      forget=forget_now, borrow_rows=adm_rows, borrow_src=r_ + gc,
+      borrow_pages=jnp.where(hit, _div(pre0, ps), 0), num_borrow=k,
+      ext_rows=jnp.where(p < n_batch, brow, 0), ext_n=chunk,
+      num_ext=jnp.where(is_pre, n_batch, 0),
+      dec_rows=_compact(rows, dec), num_dec=jnp.where(is_dec, n_dec, 0),
+      ins_rows=_at(ins_at, b_, brow), ins_dst=_at(ins_at, b_, r_ + group_b),
+      ins_pages=_at(ins_at, b_, _div(aligned, ps)), num_ins=jnp.sum(ins).astype(i32),
+      window=jnp.where(go & (window_freed > 0), r_, 0) if swa else jnp.zeros((), i32))
+  with jax.named_scope("table"):
+    state, table, status = _table_step(lay, carry.state, carry.table, plan)
+
+  live = phase != EMPTY
+  held = _up(seq, ps) - _div(own, ps)
+  active = (phase == PREFILL) | (phase == DECODE)
+  per_row_sums = dict(waste=jnp.where(live, held * ps - (seq - own), 0), running=live,
+                      committed=jnp.where(active, reserved - held, 0), tokens=grow)
+  if swa:
+    swa_held = jnp.where(live, _up(seq, ps) - swa_from, 0)
+    per_row_sums["swa_committed"] = jnp.where(active, jnp.maximum(
+        swa_reserved - swa_held, 0), 0)
+  sums = jnp.sum(jnp.stack([jnp.asarray(v, i32) for v in per_row_sums.values()]), axis=1)
+  vals = dict(zip(per_row_sums, sums))
+  vals.update(
+      kind=kind, admitted=k, finished=n_fin, evicted=n_evict, evict_code=evict_code,
+      hits=jnp.sum(adm & hit), pages=pages, used=lay.num_pages - sched.free_pages,
+      runs=-1, ok=status[0], device_pages=status[1], checksum=status[2])
+  if swa:
+    vals.update(swa_used=lay.swa_pages - swa_free, window_freed=window_freed,
+                swa_device_pages=status[3], refused=refused)
+  rec = jnp.stack([jnp.asarray(vals[name], i32) for name in record_columns(swa)])
+  return Carry(state, table, sched), rec
+
+
+def checksum(slots: Array, count: Array) -> Array:
+  """i32[]: sum of (i + 1) * slots[i] over the first `count` slots, wrapping."""
+  i = jnp.arange(slots.shape[0], dtype=jnp.uint32)
+  s = jnp.where(i < count.astype(jnp.uint32), slots.astype(jnp.uint32), 0)
+  return jnp.sum((i + 1) * s, dtype=jnp.uint32).astype(i32)
+
+
+def _pools(state):
+  return (state.full, state.swa) if isinstance(state, SWAState) else (state,)
+
+
+def _hide_release(state, hide, keep=None):
+  """The state with its release list(s) empty when `hide` (an allocation of no rows must
+  not run need_sort's merge that an empty free list would trigger), or, with `keep`,
+  the release lengths of `keep` put back."""
+  if hide is False:
+    return state
+  src = _pools(keep) if keep is not None else None
+  new = [p._replace(release_len=jnp.where(hide, 0 if src is None else src[i].release_len,
+                                          p.release_len))
+         for i, p in enumerate(_pools(state))]
+  return state._replace(full=new[0], swa=new[1]) if isinstance(state, SWAState) else new[0]
+
+
+def _table_step(lay: Layout, state, table, p: Plan):
+  """The plan's table operations: (state, table, i32[3] status: ok, free + released
+  pages, the slots' checksum; SWA mode adds the SWA pool's free + released pages)."""
+  swa = lay.swa is not None
+  tbl, cfg = (swa_table, lay.swa) if swa else (rt, lay.acfg)
+  ps, nrows = lay.acfg.page_size, table.lens.shape[0]
+  if lay.inject_leak:  # the forgotten row's pages are no longer the row's to free
+    f = jnp.where(p.forget >= 0, p.forget, nrows)
+    if swa:
+      table = table._replace(lens=table.lens.at[f].set(0, mode="drop"))
+    else:
+      end = cdiv(table.lens[jnp.minimum(f, nrows - 1)], ps)
+      table = table._replace(owned_from=table.owned_from.at[f].set(end, mode="drop"))
+  fused = not swa and not lay.branch and not cfg.need_sort
+
+  def changes(s, t):
+    """The borrows (into rows that were empty before this step's free group), the free
+    group, the window frees, the extend (and, fused, the decode) and the hand-overs."""
+    ok = jnp.ones((), bool)
+    if not swa:
+      with jax.named_scope("borrow"):
+        t, ok = rt.borrow_pages(cfg, t, p.borrow_rows, t.pages[p.borrow_src,
+                                                              :lay.prefix_width],
+                                p.borrow_pages, num_rows=p.num_borrow)
+    if fused:  # the three pool phases in one step_rows
+      s, t, o = jax.named_scope("step_rows")(rt.step_rows)(
+          cfg, s, t, release=p.free_rows, num_release=p.num_free, extend=p.ext_rows,
+          n=p.ext_n, num_extend=p.num_ext, max_tokens=lay.tokens, decode=p.dec_rows,
+          num_decode=p.num_dec)
+      ok = ok & o.release_ok & o.extend_ok & o.decode_ok
+      slots = (o.extend_slots, o.decode_slots)
+    else:
+      with jax.named_scope("release"):
+        s, t, ok_r = tbl.release_rows(cfg, s, t, p.free_rows, num_rows=p.num_free)
+      ok = ok & ok_r
+      if swa:
+        with jax.named_scope("window"):
+          s, t, ok_w = swa_table.window_rows(cfg, s, t, jnp.arange(nrows, dtype=i32),
+                                             lay.window, num_rows=p.window)
+        ok = ok & ok_w
+      hide = (p.num_ext == 0) if cfg.need_sort else False  # no merge without rows
+      with jax.named_scope("extend"):
+        s2, t, slots_e, ok_e = tbl.extend_rows(cfg, _hide_release(s, hide), t,
+                                               p.ext_rows, p.ext_n, max_tokens=lay.tokens,
+                                               num_rows=p.num_ext)
+      s, ok, slots = _hide_release(s2, hide, keep=s), ok & ok_e, (slots_e,)
+    if not swa:
+      with jax.named_scope("hand_over"):
+        t, ok_h = _hand_over(cfg, t, p, lay.prefix_width)
+      ok = ok & ok_h
+    return (s, t, ok) + slots
+
+  if fused:  # accelerators: no branch
+    state, table, ok, slots_e, slots_d = changes(state, table)
+  else:  # skipped on the steps that only decode (CPU); the decode, masked, after it
+    changes = jax.named_scope("changes")(changes)
+    if lay.branch:
+      skip = lambda s, t: (s, t, jnp.ones((), bool), jnp.zeros((lay.tokens,), i32))
+      state, table, ok, slots_e = jax.lax.cond(
+          (p.num_free > 0) | (p.num_ext > 0) | (p.window > 0), changes, skip, state, table)
+    else:
+      state, table, ok, slots_e = changes(state, table)
+    with jax.named_scope("decode"):
+      state, table, slots_d, ok_d = tbl.decode_rows(cfg, state, table, p.dec_rows,
+                                                    num_rows=p.num_dec)
+    ok = ok & ok_d
+  count_e = jnp.sum(jnp.where(jnp.arange(lay.batch) < p.num_ext, p.ext_n, 0))
+  status = [ok.astype(i32)] + [st.available_size(c, s) // ps for c, s in zip(
+      (cfg.full, cfg.swa) if swa else (cfg,), _pools(state))]
+  status.insert(2, checksum(slots_e, count_e) + checksum(slots_d, p.num_dec))
+  return state, table, jnp.stack(status)
+
+
+def _hand_over(cfg: AllocatorConfig, table, p: Plan, prefix_width: int):
+  """Cache row ins_dst[i] (empty) takes the first ins_pages[i] pages of row ins_rows[i],
+  which keeps them as a borrowed prefix. Returns (table, ok)."""
+  ids = table.pages[p.ins_rows, :prefix_width]
+  table, ok = rt.borrow_pages(cfg, table, p.ins_dst, ids, p.ins_pages, num_rows=p.num_ins)
+  nrows = table.lens.shape[0]
+  real = jnp.arange(p.ins_rows.shape[0]) < p.num_ins
+  owned = table.owned_from.at[jnp.where(real, p.ins_dst, nrows)].set(0, mode="drop")
+  owned = owned.at[jnp.where(real & ok, p.ins_rows, nrows)].set(p.ins_pages, mode="drop")
+  return table._replace(owned_from=owned), ok
+
+
+def free_list_runs(state) -> Array:
+  """Runs of consecutive page ids in the (full) pool's free list, in list order (i32[]);
+  0 if empty. [5, 6, 7, 2, 3] has 2 runs. Traceable."""
+  state = state.full if isinstance(state, SWAState) else state
+  n = state.free_ring.shape[0]
+  w = st.ring_window(state.free_ring, state.free_head, state.free_len, n)
+  i = jnp.arange(n)
+  brk = (i >= 1) & (i < state.free_len) & (w != jnp.roll(w, 1) + 1)
+  return jnp.where(state.free_len > 0, 1 + jnp.sum(brk), 0).astype(i32)
+
+
+@jax.named_scope("census")
+def _with_runs(rec: Array, state) -> Array:
+  """The record with the free-list census in its runs column, when a step ran."""
+  at = COL["runs"]
+  return rec.at[at].set(jnp.where(rec[COL["kind"]] > 0, free_list_runs(state), -1))
+
+
+@functools.partial(jax.jit, static_argnames=("lay", "blocks", "runs_every"),
+                   donate_argnames=("carry",))
+def run_steps(lay: Layout, wl: Workload, carry: Carry, *, blocks: int, runs_every: int
+              ) -> Tuple[Carry, Array, Array]:
+  """The device driver's call: blocks * runs_every iterations (`step`), the free-list
+  census after every runs_every-th. Returns (carry, i32[blocks * runs_every, C] records
+  (kind 0: no step ran), bool[] `stopped`)."""
+  def block(carry, _):
+    carry, recs = jax.lax.scan(lambda x, _: step(lay, wl, x), carry, None,
+                               length=runs_every)
+    return carry, recs.at[-1].set(_with_runs(recs[-1], carry.state))
+
+  carry, recs = jax.lax.scan(block, carry, None, length=blocks)
+  return carry, recs.reshape(blocks * runs_every, -1), stopped(wl, carry.sched)
+
+
+@functools.partial(jax.jit, static_argnames=("lay",), donate_argnames=("carry",))
+def host_step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array, Array]:
+  """The host driver's call: one iteration (`step`). Returns (carry, i32[C] record,
+  bool[] `stopped`); the runs column is -1 (`census` gives it)."""
+  carry, rec = step(lay, wl, carry)
+  return carry, rec, stopped(wl, carry.sched)
+
+
+census = jax.jit(free_list_runs)
+census.__doc__ = "free_list_runs, jitted (the host driver's free-list census)."
