@@ -105,6 +105,8 @@ HEAVY_TESTS = [
     ("test_simulate_swa.py", "test_final_leak_check_covers_both_pools_and_the_mapping",
      "compiles the SWA loop"),
     ("test_swa_dispatch.py", "test_one_launch_per_steady_call", "compiles every SWA program"),
+    ("test_swa_dispatch.py", "test_warmup_compiles_every_serving_program",
+     "the SWA class's warm-up compiles every serving program"),
     ("test_readme.py", "*", "every README example (about 50 s of compiles)"),
     ("test_swa_no_wait.py", "test_swa_device_class_serving_does_not_wait", "long serving sequence"),
     ("test_swa_no_wait.py", "test_swa_debug_mode_checks_device_segments", "debug compiles"),

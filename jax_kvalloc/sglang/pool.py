@@ -23,6 +23,8 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
+import jax
+from jax._src import config as _config
 import numpy as np
 
 from jax_kvalloc import validate
@@ -31,11 +33,17 @@ from jax_kvalloc.sglang.backends import Backend
 from jax_kvalloc.sglang.backends import status as _status
 
 WITHIN_CALLS = 8  # a device refusal raises at the latest this many class calls later
+_GUARD = getattr(_config, "transfer_guard_device_to_host", None)  # its current value
 
 
 def read_status(status: Any) -> np.ndarray:
-  """A status as host ints (a device one: its host copy once landed, else a wait)."""
-  return np.asarray(status)
+  """A status as host ints (a device one: its host copy once landed, else a wait). The
+  class's own read, so a transfer guard the caller set (jax.transfer_guard_device_to_
+  host) does not apply to it."""
+  if _GUARD is not None and _GUARD.value in (None, "allow"):
+    return np.asarray(status)
+  with jax.transfer_guard_device_to_host("allow"):
+    return np.asarray(status)
 
 
 class AllocatorSnapshot(NamedTuple):
