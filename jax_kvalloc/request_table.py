@@ -440,10 +440,13 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
 
   Raises:
     TypeError / ValueError naming the argument, as the operations do; ValueError when
-    extend is given without n.
+    extend is given without n or without max_tokens.
   """
   if extend is not None and n is None:
     raise ValueError("n must be given with extend (tokens per extended row)")
+  if extend is not None and max_tokens < 1:
+    raise ValueError(f"max_tokens must be given with extend (the static length of the "
+                     f"extend slots, >= the tokens extended), got max_tokens={max_tokens}")
   phases = {}
   if release is not None:
     rows, _, num = _static_batch(table, release)

@@ -237,9 +237,12 @@ def attention_inputs(config: SWAConfig, state: SWAState, table: SWATable, rows: 
                      num_rows: Optional[Array] = None) -> SWAAttentionInputs:
   """Attention inputs for the rows: full pages for full-attention layers, and the SWA
   pages (translated through the mapping) of the pages holding a token at position
-  >= lens - window, left-aligned, for sliding-window layers."""
+  >= lens - window, left-aligned, for sliding-window layers. Padding rows and rows
+  outside the table have length 0 and no pages, and num_seqs counts neither."""
   ps, width = config.page_size, table.pages.shape[1]
-  rows, real, _ = _batch(table, rows, num_rows)
+  rows_in = validate.as_i32(rows, "rows")
+  rows, real, _ = _batch(table, rows_in, num_rows)
+  real = real & (rows_in >= 0) & (rows_in < table.lens.shape[0])  # outside: padding
   lens = jnp.where(real, table.lens[rows], 0)
   q = jnp.where(real, validate.as_i32(q_lens, "q_lens"), 0)
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -430,8 +430,10 @@ def device_ints(x: Any, name: str) -> Any:
   naming `name` for a non-integer dtype, ValueError for a rank other than 1."""
   if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
     return None
+  if x.dtype == jnp.int32 and x.ndim == 1:  # the common case, without the checks below
+    return x
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
   if x.ndim != 1:
     raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
-  return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+  return x.astype(jnp.int32)

@@ -103,6 +103,10 @@ HEAVY_TESTS = [
     ("test_simulate_swa.py", "test_final_leak_check_covers_both_pools_and_the_mapping",
      "compiles the SWA loop"),
     ("test_swa_dispatch.py", "test_one_launch_per_steady_call", "compiles every SWA program"),
+    ("test_swa_dispatch.py", "test_warmup_compiles_every_serving_program",
+     "the SWA class's warm-up compiles every serving program"),
+    ("test_swa_dispatch.py", "test_sizes_within_a_bucket_compile_nothing_new",
+     "compiles the SWA extend and decode programs"),
     ("test_readme.py", "*", "every README example (about 50 s of compiles)"),
     ("test_swa_no_wait.py", "test_swa_device_class_serving_does_not_wait", "long serving sequence"),
     ("test_swa_no_wait.py", "test_swa_debug_mode_checks_device_segments", "debug compiles"),
@@ -175,6 +179,10 @@ HEAVY_TESTS = [
 # predicate on the item.
 _NAMED = lambda *parts: lambda it: any(p in it.name for p in parts)  # noqa: E731
 EXHAUSTIVE_TESTS = [
+    ("test_swa.py", "test_device_class_matches_sglang_0_5_23", 0,
+     "the device SWA class against SGLang 0.5.23 (the class code is one for every backend: "
+     "test_host_class_matches_sglang_0_5_23 runs it against SGLang, test_swa_dispatch the "
+     "device programs against the host backend, test_swa_no_wait against the model)"),
     ("test_golden.py", "test_golden_trace", 30, "traces past the first 30 cases"),
     ("test_random_traces.py", "test_classes_match_model_on_random_traces", 6, "more seeds"),
     ("test_properties.py", "test_allocator_state_machine", 6, "more hypothesis machines"),

@@ -251,7 +251,9 @@ def test_class(tmp_path, capsys):
   assert ("sgljax" in rec["skipped"]) != (
       bench_classes.DEFAULT_SGLJAX / "sgljax_allocator.py").exists()
   assert rows["stalls/warm"]["device"]["calls"] == 3
-  assert "host vs sgljax" in capsys.readouterr().out
+  assert rows["decode/1"]["device"]["status_waits"] >= 0  # counted (SPEC 14)
+  text = capsys.readouterr().out
+  assert "host vs sgljax" in text and "device calls that waited for a status" in text
 
 
 def _swa_opts(**kw):

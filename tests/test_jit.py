@@ -143,3 +143,33 @@ def test_donated_state_is_reused_in_place():
   # ...and the donated input is consumed (every backend jax supports donates, CPU too).
   assert old.is_deleted()
   np.testing.assert_array_equal(kv.live_free_pages(new), np.arange(1, 257))
+
+
+@pytest.mark.parametrize("bs", [1, 33])
+def test_class_decode_is_one_launch(monkeypatch, bs):
+  """A steady alloc_decode of up to 64 requests is one program launch (no slice of a
+  bucket-sized output, no pad of a device last_loc), with host inputs and with device
+  seq_lens / last_loc beside host copies (as SGLang passes them); same slots."""
+  from jax_kvalloc.sglang.backends import device as device_ops  # pylint: disable=g-import-not-at-top
+  launches = []
+  orig = device_ops.Programs.fn
+  monkeypatch.setattr(device_ops.Programs, "fn", lambda self, key: (
+      launches.append(key), orig(self, key))[1])
+  ps = 4
+  outs = []
+  for on_device in (False, True):
+    a = kvs.PagedTokenToKVPoolAllocator(256 * ps, ps, kernel="jnp", debug=False)
+    a.alloc(ps)                                           # page 1 held: slots 4..7
+    seq = np.full(bs, 2 * ps + 1)                         # each row starts a page
+    last = np.full(bs, 2 * ps - 1)
+    args = ((jnp.asarray(seq, jnp.int32), seq, jnp.asarray(last, jnp.int32)) if on_device
+            else (seq, seq, last))
+    for _ in range(2):                                     # the first call compiles
+      del launches[:]
+      out = a.alloc_decode(*args)
+      assert len(launches) == 1, launches
+      outs.append(np.asarray(out))
+      a.clear()
+      a.alloc(ps)
+  np.testing.assert_array_equal(outs[0], outs[2])
+  np.testing.assert_array_equal(outs[0], ps * np.arange(2, bs + 2))

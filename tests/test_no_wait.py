@@ -19,6 +19,7 @@ import pytest
 
 import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
+from jax_kvalloc.sglang import pool as pool_module
 import jax.numpy as jnp
 from model import ModelAllocator
 from serving_driver import run_workload
@@ -26,6 +27,7 @@ from gpu import needs_gpu
 
 
 ARRAY_TYPES = (type(jnp.zeros((1,))),)  # jax's ArrayImpl (its methods are patchable)
+_READ_STATUS = lambda status, _asarray=np.asarray: _asarray(status)  # noqa: E731
 
 
 class DeviceRead(AssertionError):
@@ -55,6 +57,9 @@ def no_device_reads():
       mp.setattr(np, mod_name, wrapped)
     mp.setattr(jax, "device_get", refuse("jax.device_get"))
     mp.setattr(jax, "block_until_ready", refuse("jax.block_until_ready"))
+    # The statuses of earlier calls (SPEC 14): read once landed, without a wait in a
+    # steady loop (the classes count any wait in `status_waits`).
+    mp.setattr(pool_module, "read_status", _READ_STATUS)
     yield
   finally:
     mp.undo()
@@ -225,8 +230,8 @@ class MirrorChecked:
       result = attr(*args, **kwargs)
       a = self._impl
       st = a._pools[0].state  # pylint: disable=protected-access
-      assert (a._pools[0].free_len, a._pools[0].release_len) == (int(st.free_len), int(st.release_len)), (
-          f"after {name}: mirror {(a._pools[0].free_len, a._pools[0].release_len)} != state "
+      assert a._pools[0].lengths() == (int(st.free_len), int(st.release_len)), (
+          f"after {name}: mirror {a._pools[0].lengths()} != state "
           f"{(int(st.free_len), int(st.release_len))}")
       self.checks += 1
       return result

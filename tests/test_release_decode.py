@@ -96,23 +96,27 @@ def _runs_kernel(fn, *args) -> bool:
 # Random cases.
 # ---------------------------------------------------------------------------------------
 
-def release_decode_case(rng, ps, num_pages, rows, m, junk=True):
+def release_decode_case(rng, ps, num_pages, rows, m, junk=True, double=False):
   """One case: (ring, head, free_len, release_len, page_ids i32[m], num, seq_lens,
   last_loc, num_reqs) as host int32 values, and info {"clean": the caller's promise
-  holds (distinct held pages, no room cut), "valid": the released ids in order}."""
+  holds (distinct held pages, no room cut), "valid": the released ids in order}.
+  double=True: the ids name at least one free page (a double free), none cut off."""
   n = num_pages
   seq, last, nreq = testing.decode_rows(rng, ps, rows)
   real = np.arange(rows) < nreq
   need = int(np.sum(real & (testing.cdiv(seq, ps) > testing.cdiv(seq - 1, ps))))
   pick = testing._pick  # pylint: disable=protected-access
-  kind = pick(rng, {"exact": 3, "short": 2, "plenty": 3, "empty_pool": 0.5})
+  kind = pick(rng, {"exact": 3, "short": 2, "plenty": 3,
+                    "empty_pool": 0 if double else 0.5})
   k = int(rng.integers(0, min(m, n) + 1)) if rng.random() < 0.85 else 0
+  if double:
+    k = min(k, m - 1)
   if kind == "empty_pool":
     free = 0
   else:
     free = {"exact": need - k, "short": need - k - 1,
             "plenty": need - k + int(rng.integers(0, n + 1))}[kind]
-  free = int(np.clip(free, 0, n))
+  free = int(np.clip(free, 1 if double else 0, n))
   k = min(k, n - free)
   perm = (rng.permutation(n) + 1).astype(np.int32)
   head = int(rng.integers(0, n))
@@ -120,7 +124,7 @@ def release_decode_case(rng, ps, num_pages, rows, m, junk=True):
   ring[(head + np.arange(free)) % n] = perm[:free]
   held = perm[free:]
   valid = list(rng.permutation(held)[:k])
-  mode = pick(rng, {"clean": 6, "double": 1, "release_list": 1})
+  mode = "double" if double else pick(rng, {"clean": 6, "double": 1, "release_list": 1})
   rel_len = 0
   if mode == "double" and free:   # pages already free, given again: the room cut
     valid += list(rng.choice(perm[:free], size=min(free, 1 + int(rng.integers(0, 4))),
@@ -135,7 +139,7 @@ def release_decode_case(rng, ps, num_pages, rows, m, junk=True):
   at = np.sort(rng.choice(m, size=len(valid), replace=False)) if valid else []
   ids[at] = valid
   num = m
-  if rng.random() < 0.3:  # num cuts the ids (possibly through the valid ones)
+  if rng.random() < 0.3 and not double:  # num cuts the ids (possibly through the valid ones)
     num = int(rng.integers(-1, m + 1))
   if rng.random() < 0.08 and nreq:  # a real row with seq_lens < 1: the decode is refused
     seq[int(rng.integers(0, nreq))] = int(rng.integers(-3, 1))
@@ -145,10 +149,11 @@ def release_decode_case(rng, ps, num_pages, rows, m, junk=True):
           seq, last, np.int32(nreq)), info
 
 
-def _cases(ps, num_pages, rows, m, count, tag, junk=True):
+def _cases(ps, num_pages, rows, m, count, tag, junk=True, doubles=0):
+  """count cases; the first `doubles` of them double frees."""
   rng = _rng(tag, ps, num_pages, rows, m)
-  cases, infos = zip(*[release_decode_case(rng, ps, num_pages, rows, m, junk)
-                       for _ in range(count)])
+  cases, infos = zip(*[release_decode_case(rng, ps, num_pages, rows, m, junk, i < doubles)
+                       for i in range(count)])
   return testing.stack(cases), list(infos)
 
 
@@ -179,7 +184,8 @@ def check_release_decode(ps, num_pages, rows, m, count, tag, kernel="triton_inte
   ids but padding), against the jnp path's release_and_alloc_decode (which refuses a
   release naming a page not held, and then the decode)."""
   jnp_cfg, cfg = _configs(ps, num_pages, kernel, guard=guard)
-  args, infos = _cases(ps, num_pages, rows, m, count, tag, junk=not guard)
+  args, infos = _cases(ps, num_pages, rows, m, count, tag, junk=not guard,
+                       doubles=4 if guard else 0)
   fused = jax.jit(jax.vmap(functools.partial(_fused, cfg)))
   assert _runs_kernel(fused, *args)
   got = fused(*args)

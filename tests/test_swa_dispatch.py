@@ -1,21 +1,21 @@
 """The SWA class's device backend launches one program per steady serving call.
 
-Every program the class can start is counted: the core programs of
-jax_kvalloc.sglang.swa_device (with the pool's pad / slice programs it starts), every
-program of the pools' device backends (DeviceOps._fn) and the class module's own jitted
-helpers. At bucket sizes, alloc_extend, alloc_extend_swa_tail, alloc_decode (host or
-device last_loc), free_swa (the window free), free, free_swa_segment and free_segment
-(device free_index) are one launch each, and sizes within a bucket compile nothing new
-in the core programs. Outputs are checked against the host backend in lock step.
+Every program the class can start is counted: every program of the device backends'
+program caches (device.Programs.fn: the SWA programs of backends.device_swa with the pad
+/ slice programs they share) and the SWA backend's own jitted helpers. At bucket sizes,
+alloc_extend, alloc_extend_swa_tail, alloc_decode (host or device last_loc), free_swa
+(the window free), free, free_swa_segment and free_segment (device free_index) are one
+launch each, and sizes within a bucket compile nothing new. Outputs are checked against
+the host backend in lock step.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kvalloc.sglang import swa_device
 from jax_kvalloc.sglang import swa as swa_cls
 from jax_kvalloc.sglang.backends import device as dev_backend
+from jax_kvalloc.sglang.backends import device_swa
 
 PS = 4
 
@@ -31,16 +31,11 @@ def count(monkeypatch):
       return fn(*args, **kwargs)
     return wrapper
 
-  orig_fn = dev_backend.DeviceOps._fn
-  monkeypatch.setattr(dev_backend.DeviceOps, "_fn",
+  orig_fn = dev_backend.Programs.fn
+  monkeypatch.setattr(dev_backend.Programs, "fn",
                       lambda self, key: counted(orig_fn(self, key)))
-  for name in ("_TRANSLATE", "_swa_last_loc"):
-    monkeypatch.setattr(swa_cls, name, counted(getattr(swa_cls, name)))
-  for name in ("_SET", "_CLEAR", "_TAIL", "_SEGMENT"):
-    monkeypatch.setattr(swa_cls, name, tuple(counted(f) for f in getattr(swa_cls, name)))
-  # swa_device's pad / slice go through DeviceOps (counted there); its core programs:
-  orig_run = swa_device.run
-  monkeypatch.setattr(swa_device, "run", counted(orig_run))
+  for name in ("_TRANSLATE", "_SEGMENT_PAGES"):
+    monkeypatch.setattr(device_swa, name, counted(getattr(device_swa, name)))
   return lambda: n[0]
 
 
@@ -115,13 +110,14 @@ def test_one_launch_per_steady_call(count, need_sort):
 
 
 def test_sizes_within_a_bucket_compile_nothing_new(count):
+  # alloc_extend's rows and tokens pad to buckets; alloc_decode runs at its exact size
+  # (a program per size up to 64 rows: one launch, no slice), so only extend is shared.
   del count
   a, h = _pair()
+  ops = a._pools[0].backend.ops  # pylint: disable=protected-access
 
   def core_programs():
-    fns = [swa_device.program(a._config, op, shape, d)
-           for op, shape in (("decode", (8,)), ("extend", (8, 64))) for d in (True, False)]
-    return swa_device.program.cache_info().currsize, [f._cache_size() for f in fns]
+    return {k: f._cache_size() for k, f in ops._fns.items() if k[0] in ("extend",)}
 
   for bs in (8, 3):  # 8 first: the bucket's programs compile
     seq = np.full(bs, 2 * PS - 1, np.int64)
@@ -133,3 +129,34 @@ def test_sizes_within_a_bucket_compile_nothing_new(count):
     if bs == 8:
       warm = core_programs()
   assert core_programs() == warm
+
+
+def test_warmup_compiles_every_serving_program():
+  """The SWA class's warm-up (from the base class) compiles what a serving loop within
+  its maxima runs: afterwards prefills, decodes, tail extends, window frees and finishes
+  compile nothing."""
+  a, h = _pair(need_sort=True)
+  # exact_sizes: the output lengths below shorter than their token bucket (7, 14, 8).
+  report = a.warmup(max_batch=2, max_tokens=64, max_free=64, exact_sizes=[7, 8, 14])
+  assert report.programs > 0
+  ops = a._pools[0].backend.ops  # pylint: disable=protected-access
+  before = {k: f._cache_size() for k, f in ops._fns.items()}
+  for bs in (2, 1):
+    z, seq = np.zeros(bs, np.int64), np.full(bs, 2 * PS - 1, np.int64)
+    full = a.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum()))
+    h.alloc_extend(z, z, seq, seq, np.full(bs, -1), int(seq.sum()))
+    last = np.asarray(full).reshape(bs, -1)[:, -1]
+    _same(a.alloc_decode(seq + 1, seq + 1, last), h.alloc_decode(seq + 1, seq + 1, last))
+    one = np.zeros(1, np.int64)
+    tail = a.alloc_extend_swa_tail(one, one, np.array([8]), np.array([8]), np.array([-1]),
+                                   8, PS)
+    h.alloc_extend_swa_tail(one, one, np.array([8]), np.array([8]), np.array([-1]), 8, PS)
+    rows = np.asarray(full).reshape(bs, -1)
+    for x in (a, h):
+      x.free_swa_segment(rows[:, :PS].reshape(-1), start_pos=0)
+      x.free_full_segment(np.asarray(tail)[:PS], start_pos=0)
+      x.free_segment(np.asarray(tail)[PS:], start_pos=PS)
+      x.free(np.asarray(full))
+  assert {k: f._cache_size() for k, f in ops._fns.items()} == before
+  assert (a.full_available_size(), a.swa_available_size()) == (
+      h.full_available_size(), h.swa_available_size())

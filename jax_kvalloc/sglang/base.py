@@ -1,8 +1,9 @@
-"""What both SGLang-compatible classes share: input checks, free groups, snapshots and
-data-parallel ranks, over one `Pool` per rank (jax_kvalloc.sglang.pool), each running
-its calls on a backend (jax_kvalloc.sglang.backends: "device", "host", or debug mode).
+"""What the SGLang-compatible classes share (token, paged and SWA): input checks, free
+groups, snapshots, statuses and data-parallel ranks, over one `Pool` per rank
+(jax_kvalloc.sglang.pool), each running its calls on a backend
+(jax_kvalloc.sglang.backends: "device", "host", or debug mode).
 
-Backends (`backend=` on both constructors):
+Backends (`backend=` on every constructor):
   * "device" (default): the state is an `AllocatorState` of jax arrays on the class's
     device, ready to hand to jitted code; calls launch without waiting and return jax
     arrays.
@@ -12,17 +13,28 @@ Backends (`backend=` on both constructors):
     double free, say); the call was refused inside, so the state is as it was.
 
 Waits (device backend). None in the steady state: `available_size()` reads the host
-mirror; allocations, `free` of host data, and `free_page_ids` / `free_segment(s)` of host
-data or of device arrays launch and return (a device array's count is its shape; its
-values are trusted, as SGLang does, and checked in debug mode only). What still reads
-the device: `free` of a device array (the count of distinct pages needs its values,
-as SGLang's `free` reads them in torch.unique); the `free_pages`/`release_pages` views;
+mirror (once the statuses of earlier calls have landed, see below); allocations, `free`
+of host data, and `free_page_ids` / `free_segment(s)` of host data or of device arrays
+launch and return (a device array's count is its shape; its values are checked on the
+device, a refusal coming back as the call's status). What still reads the device:
+`free` of a device array (the count of distinct pages needs its values, as SGLang's
+`free` reads them in torch.unique); the `free_pages`/`release_pages` views;
 `restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); and
 debug mode.
 
 Bad input raises before anything changes (jax_kvalloc.validate: TypeError, ValueError or
 RuntimeError naming the argument and value), so after an exception the allocator is as
 it was.
+
+Refusals (SPEC 14). What only the device can find (a device array naming page 0, say)
+comes back as each call's status (jax_kvalloc.sglang.backends.status), read without
+waiting (jax_kvalloc.sglang.pool): a refusal raises ValueError naming the operation at
+the latest at the next call that returns a host value (`available_size` and the other
+sizes, `backup_state`, `free_group_end`, `debug_print`, the views, `state`) and within 8
+calls; the refused call changed nothing and the host mirror is rolled back to the
+state's lengths; every call then raises until `clear()` or `restore_state`.
+`status_waits` counts the statuses a call had to wait for (none in a steady serving
+loop, where each has landed long before it is needed).
 
 Snapshots cost O(1): `backup_state` keeps references to the current rings, which a later
 free copies first (copy-on-write, jax_kvalloc.sglang.pool).
@@ -52,7 +64,7 @@ ranks stacked in dp_ranks order) and the views (None at ranks held elsewhere) co
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +73,7 @@ import numpy as np
 from jax_kvalloc import ranks as _ranks
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import make_backend
 from jax_kvalloc.sglang.pool import AllocatorSnapshot
 from jax_kvalloc.sglang.pool import Pool
@@ -117,18 +130,25 @@ def concat(parts: List[Any]) -> Any:
 
 
 class _Queued(NamedTuple):
-  """One rank's frees queued in an open free group: slot frees, then page-id frees."""
+  """One rank's frees queued in an open free group: slot frees, then page-id frees
+  (an SWA pool's full side), and the SWA side's page ids and slots."""
   slots: List[np.ndarray]
   page_ids: List[Any]
+  swa_page_ids: List[Any]
+  swa_slots: List[Any]
+
+  @classmethod
+  def empty(cls) -> "_Queued":
+    return cls([], [], [], [])
 
 
 class BaseAllocator:
   """SGLang's allocator interface over `dp_size` pools (see the module docstring)."""
 
-  def __init__(self, config: AllocatorConfig, dtype: Any = None, device: Any = None,
+  def __init__(self, config: Any, dtype: Any = None, device: Any = None,
                kvcache: Any = None, backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
-    rank_config = _ranks.rank_config(config, dp_size)  # validates dp_size
+    rank_config = self._rank_config(config, dp_size)  # validates dp_size
     held = check_dp_ranks(dp_ranks, dp_size)
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * dp_size
     if len(devices) != dp_size:
@@ -145,6 +165,12 @@ class BaseAllocator:
     self._pools = [Pool(rank_config, make_backend(backend, rank_config, devices[r]))
                    for r in held]
     self._group: Optional[List[_Queued]] = None  # per held rank, while a group is open
+    self._calls = 0  # class calls so far: a device refusal raises within 8 of them
+
+  @staticmethod
+  def _rank_config(config: Any, dp_size: int) -> Any:
+    """The config of one rank's pool (ValueError for a dp_size that does not fit)."""
+    return _ranks.rank_config(config, dp_size)
 
   # -- attributes SGLang exposes -----------------------------------------------------
   @property
@@ -175,9 +201,18 @@ class BaseAllocator:
   def get_kvcache(self) -> Any:
     return self._kvcache
 
-  def _pool_index(self, dp_rank: Any) -> int:
+  @property
+  def status_waits(self) -> int:
+    """How many statuses of device calls were read before they had landed (each a
+    wait): the 8-call limit, or a call returning a host value right after a launch."""
+    return sum(pool.waits for pool in self._pools)
+
+  def _pool_index(self, dp_rank: Any, everything: bool = False) -> int:
     """Where in self._pools rank dp_rank's pool is (TypeError / ValueError naming it
-    otherwise, and ValueError for a rank held by another process)."""
+    otherwise, and ValueError for a rank held by another process). Every call goes
+    through here first: it reads the statuses that have landed (`_poll`; all of them
+    when `everything`)."""
+    self._poll(everything)
     if type(dp_rank) is int:
       i = self._index.get(dp_rank)
       if i is not None:
@@ -189,9 +224,23 @@ class BaseAllocator:
                        f"dp_ranks={self._dp_ranks} of dp_size={self._dp_size})")
     return i
 
+  def _poll(self, everything: bool = False) -> None:
+    """Counts a class call and reads the device statuses that have landed (every one
+    when `everything`: the call returns a host value); raises a refusal."""
+    self._calls += 1
+    for pool in self._pools:
+      if pool.pending or pool.error is not None:
+        pool.poll(self._calls, everything)
+
+  def _settled(self, dp_rank: Any = 0) -> int:
+    """`_pool_index` for a call that returns a host value: every status read first
+    (SPEC 14: a refusal raises here at the latest)."""
+    return self._pool_index(dp_rank, everything=True)
+
   def available_size(self, dp_rank: int = 0) -> int:
-    """Free slots, released ones included. Never waits: read from the host mirror."""
-    return self._pools[self._pool_index(dp_rank)].available_size()
+    """Free slots, released ones included, from the host mirror (no wait once the
+    statuses of earlier calls have landed)."""
+    return self._pools[self._settled(dp_rank)].available_size()
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -207,8 +256,81 @@ class BaseAllocator:
     if need_size == 0:
       return pool.backend.empty()
     pages = need_size // self.page_size
-    return pool.allocate(pages > pool.free_len, pages,  # SPEC 4.1's need_sort trigger
-                         lambda s, fits: pool.backend.alloc(s, need_size, fits))
+    return self._allocate(pool, "alloc", pages > pool.sides[0].free_len, pages,  # SPEC 4.1
+                          lambda s, fits: pool.backend.alloc(s, need_size, fits))
+
+  def _allocate(self, pool: Pool, op: str, trigger: bool, pages: int,
+                run: Callable[[Any, bool], Tuple[Any, Any, Any]]) -> Any:
+    """What every single-pool allocation ends with: the need_sort merge when its SPEC
+    trigger fired, then run(state, fits) -> (state, slots or None, status), fits =
+    `pages` fit the free list."""
+    pool.merge_if(trigger)
+    fits = pages <= pool.sides[0].free_len
+    return pool.allocate(op, self._calls, (pages,), lambda s, _: run(s, fits))
+
+  def _extend_plan(self, pool: Pool, prefix_lens, prefix_lens_cpu, seq_lens,
+                   seq_lens_cpu, last_loc, extend_num_tokens,
+                   num_new_pages: Optional[int]) -> Optional[Plan]:
+    """An alloc_extend batch checked and counted (the *_cpu copies used when given), or
+    None for an empty batch; ValueError / TypeError naming what is wrong otherwise."""
+    backend = pool.backend
+    pre_arg = prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu
+    seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+    plan = backend.extend_plan(pre_arg, seq_arg, last_loc, extend_num_tokens, None)
+    if plan is None:  # input the backend's own checks did not take: the checks that name
+      pre = validate.host_ints(pre_arg, "prefix_lens")  # what is wrong
+      seq = validate.host_ints(seq_arg, "seq_lens")
+      dev_last = self._device_last_loc(pool, last_loc, pre.shape[0])
+      last = validate.host_last_loc(last_loc, dev_last, pre, self.page_size, 1)
+      checked = validate.extend_args(pre, seq, last, extend_num_tokens,
+                                     page_size=self.page_size,
+                                     num_slots=pool.backend.pools[0].num_slots)
+      if num_new_pages is not None:
+        validate.num_new_pages(num_new_pages, checked.new_pages)
+      if pre.shape[0] == 0:
+        return None
+      last = last if dev_last is None else dev_last
+      plan = backend.extend_plan(pre, seq, last, checked.total_tokens, checked)
+    elif num_new_pages is not None:
+      validate.num_new_pages(num_new_pages, plan.pages)
+    return plan
+
+  def _decode_plan(self, pool: Pool, seq_lens, seq_lens_cpu, last_loc) -> Optional[Plan]:
+    """An alloc_decode batch checked and counted, or None for an empty batch. A device
+    seq_lens given beside seq_lens_cpu (as SGLang passes both) goes with it, taken as it
+    is where the backend keeps device arrays (its host copy is what the checks read)."""
+    backend = pool.backend
+    seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+    plan = backend.decode_plan(seq_arg, last_loc, False)
+    if plan is None:  # the checks that name what is wrong
+      seq = validate.host_ints(seq_arg, "seq_lens")
+      dev_last = self._device_last_loc(pool, last_loc, seq.shape[0])
+      last = validate.host_last_loc(last_loc, dev_last, seq, self.page_size, 2)
+      validate.decode_args(seq, last, page_size=self.page_size,
+                           num_slots=pool.backend.pools[0].num_slots)
+      if seq.shape[0] == 0:
+        return None
+      plan = backend.decode_plan(seq, last if dev_last is None else dev_last, True)
+    if seq_lens_cpu is not None and backend.keeps_device_arrays:
+      dev_seq = validate.device_ints(seq_lens, "seq_lens")
+      if dev_seq is not None:
+        if dev_seq.shape != (plan.rows,):
+          raise ValueError(f"seq_lens must have shape ({plan.rows},) as seq_lens_cpu, got "
+                           f"{dev_seq.shape}")
+        plan = plan._replace(seq_lens=dev_seq)
+    return plan
+
+  @staticmethod
+  def _device_last_loc(pool: Pool, last_loc, bs: int):
+    """last_loc as a backend that keeps device arrays takes a jax.Array (as it is,
+    never read back); None where the host checks apply."""
+    if not pool.backend.keeps_device_arrays or bs == 0:
+      return None
+    return validate.device_last_loc(last_loc, bs)
+
+  def _keeps(self, r: int) -> bool:
+    """Whether rank r's backend takes device arrays as they are (never read back)."""
+    return self._pools[r].backend.keeps_device_arrays
 
   # -- free ----------------------------------------------------------------------------
   def free(self, free_index, dp_rank: int = 0) -> None:
@@ -231,20 +353,20 @@ class BaseAllocator:
       return
     self._free_now(self._pools[r], idx)
 
-  def _free_now(self, pool: Pool, idx: np.ndarray) -> None:
+  def _free_now(self, pool: Pool, idx: np.ndarray, op: str = "free") -> None:
     if self.config.kind == "paged":  # the sorted unique pages reach the list (SPEC 4.4)
       values = np.unique(idx // self.page_size)
     else:                            # the slots as given, FIFO (SPEC 3)
       values = idx
-    pool.write(lambda s, count, shared: pool.backend.free(s, idx, values, count, shared),
-               values.shape[0])
+    pool.write(op, self._calls, (values.shape[0],),
+               lambda s, counts, shared: pool.backend.free(s, idx, values, counts, shared))
 
-  def _free_page_ids_now(self, pool: Pool, ids: Any) -> None:
+  def _free_page_ids_now(self, pool: Pool, ids: Any, op: str = "free_page_ids") -> None:
     """Prepends checked, distinct page ids (host int64 or device i32) as one block."""
     if isinstance(ids, np.ndarray):
       ids = ids.astype(np.int32)
-    pool.write(lambda s, count, shared: pool.backend.free_page_ids(s, ids, count, shared),
-               ids.shape[0])
+    pool.write(op, self._calls, (ids.shape[0],),
+               lambda s, counts, shared: pool.backend.free_page_ids(s, ids, counts, shared))
 
   # A single pool has no sliding-window peer: SGLang's free_full* are the plain frees
   # (free_segment(s) as each class defines them).
@@ -263,26 +385,32 @@ class BaseAllocator:
   def merge_and_sort_free(self, dp_rank: int = 0) -> None:
     """release_pages merged, sorted, into free_pages (SPEC 6)."""
     pool = self._pools[self._pool_index(dp_rank)]
-    if pool.release_len > 0:
-      pool.merge()
+    for side in range(len(pool.sides)):
+      pool.merge_if(True, side)
 
   # -- free groups ---------------------------------------------------------------------
   def free_group_begin(self) -> None:
     """Opens a free group on every held rank: frees are queued until free_group_end
     (SPEC 7; page-id frees in a second queue, SPEC 10)."""
+    self._poll()
     validate.group_begin(self._group)
-    self._group = [_Queued([], []) for _ in self._pools]
+    self._group = [_Queued.empty() for _ in self._pools]
 
   def free_group_end(self) -> None:
     """Closes the free group: on each held rank, the queued slot frees as one `free`,
     then the queued page-id frees as one block in front (SPEC 7 and 10)."""
+    self._poll(everything=True)
     validate.group_end(self._group)
     queued, self._group = self._group, None
     for pool, q in zip(self._pools, queued):
-      if q.slots:
-        self._free_now(pool, np.concatenate(q.slots))
-      if q.page_ids:
-        self._free_page_ids_now(pool, concat(q.page_ids))
+      self._flush(pool, q)
+
+  def _flush(self, pool: Pool, q: _Queued) -> None:
+    """One rank's queued frees, in SPEC 7 and 10's order."""
+    if q.slots:
+      self._free_now(pool, np.concatenate(q.slots), "free_group_end")
+    if q.page_ids:
+      self._free_page_ids_now(pool, concat(q.page_ids), "free_group_end")
 
   # -- state ---------------------------------------------------------------------------
   def clear(self, dp_rank: Optional[int] = None) -> None:
@@ -296,7 +424,7 @@ class BaseAllocator:
     for r in targets:
       self._pools[r].clear()
       if self._group is not None:
-        self._group[r] = _Queued([], [])
+        self._group[r] = _Queued.empty()
     if dp_rank is None or self._dp_size == 1:
       self._group = None
 
@@ -304,6 +432,7 @@ class BaseAllocator:
     """A snapshot that `restore_state` puts back exactly (SPEC 8): an AllocatorSnapshot,
     or with dp_size > 1 a RankedSnapshot of every held rank. O(1) per rank: the snapshot
     holds the current rings, which are copied only if a later free writes them."""
+    self._poll(everything=True)
     snaps = tuple(pool.snapshot() for pool in self._pools)
     if self._dp_size == 1:
       return snaps[0]
@@ -330,7 +459,7 @@ class BaseAllocator:
                          f"dp_ranks={self._dp_ranks}")
       snaps = state.ranks
     for pool, snap in zip(self._pools, snaps):
-      validate.snapshot(snap, pool.config, AllocatorSnapshot)
+      pool.check_snapshot(snap)
     for pool, snap in zip(self._pools, snaps):
       pool.restore(snap)
 
@@ -341,6 +470,7 @@ class BaseAllocator:
     With dp_size > 1, every held rank's state stacked along a leading axis in dp_ranks
     order (a new array, O(pool): the state jax_kvalloc.ranks works on; ranks on
     different devices cannot be stacked)."""
+    self._poll(everything=True)
     states = [pool.hold() for pool in self._pools]
     return states[0] if self._dp_size == 1 else _ranks.stack_ranks(states)
 
@@ -358,22 +488,19 @@ class BaseAllocator:
     lengths (a wait). The caller may still hold these arrays, so the next write copies
     rather than donates.
     """
+    self._poll(everything=True)
     if self._dp_size == 1:
       parts = [state]
     else:
-      if _ranks.num_ranks(state) != len(self._pools):
-        raise ValueError(f"state has {_ranks.num_ranks(state)} ranks, this allocator "
-                         f"holds {len(self._pools)} (dp_ranks={self._dp_ranks})")
-      parts = [_ranks.rank_state(state, i) for i in range(len(self._pools))]
-    checked = []
-    for pool, part in zip(self._pools, parts):
-      lengths = pool.check_state(part)
-      if part.debug is not None:
-        from jax_kvalloc import debug as _debug  # pylint: disable=g-import-not-at-top
-        err = _debug.get_error(part)
-        if err is not None:
-          raise err
-      checked.append(lengths)
+      ring = jax.tree.leaves(state)[0]  # the (full) pool's free ring: i32[ranks, pages]
+      if np.ndim(ring) != 2:
+        raise ValueError(f"expected a ranked state (free_ring i32[dp_size, "
+                         f"pages_per_rank]), got free_ring of shape {np.shape(ring)}")
+      if np.shape(ring)[0] != len(self._pools):
+        raise ValueError(f"state has {np.shape(ring)[0]} ranks, this allocator holds "
+                         f"{len(self._pools)} (dp_ranks={self._dp_ranks})")
+      parts = [jax.tree.map(lambda x, i=i: x[i], state) for i in range(len(self._pools))]
+    checked = [pool.check_state(part) for pool, part in zip(self._pools, parts)]
     for pool, part, lengths in zip(self._pools, parts, checked):
       pool.take(part, lengths)
 
@@ -383,12 +510,14 @@ class BaseAllocator:
     """The free list in order (slot ids for the token allocator), i32[len]; with
     dp_size > 1 a list, rank r's at [r] (None for a rank held by another process).
     Reads the device (device backend)."""
+    self._poll(everything=True)
     return self._per_rank([_live(pool.state, "free") for pool in self._pools])
 
   @property
   def release_pages(self):
     """The release list in order (need_sort), i32[len]; a list per rank as free_pages.
     Reads the device (device backend)."""
+    self._poll(everything=True)
     return self._per_rank([_live(pool.state, "release") for pool in self._pools])
 
   def _per_rank(self, held: List[Any]) -> Any:
@@ -404,7 +533,7 @@ class BaseAllocator:
   def get_all_free_pages(self, dp_rank: int = 0) -> np.ndarray:
     """free_pages ++ release_pages of rank dp_rank (SPEC 10), a host int32 array (reads
     the device)."""
-    state = self._pools[self._pool_index(dp_rank)].state
+    state = self._pools[self._settled(dp_rank)].state
     return np.concatenate([_live(state, "free"), _live(state, "release")])
 
   def debug_print(self, dp_rank: Optional[int] = None) -> str:
@@ -412,14 +541,15 @@ class BaseAllocator:
     host mirror: no wait). Returns the string (as SGLang's does). With dp_size > 1 and
     dp_rank None, one line per held rank, prefixed "rank r:"."""
     if dp_rank is not None or self._dp_size == 1:
-      return self._debug_line(self._pool_index(0 if dp_rank is None else dp_rank))
+      return self._debug_line(self._settled(0 if dp_rank is None else dp_rank))
+    self._poll(everything=True)
     return "\n".join(f"rank {r}: {self._debug_line(i)}"
                      for i, r in enumerate(self._dp_ranks))
 
   def _debug_line(self, r: int) -> str:
-    pool = self._pools[r]
-    free, released = pool.free_len, pool.release_len
-    num_pages = pool.config.num_pages
+    lists = self._pools[r].sides[0]
+    free, released = lists.free_len, lists.release_len
+    num_pages = lists.num_pages
     group = ""
     if self._group is not None:
       q = self._group[r]
@@ -455,19 +585,21 @@ class BaseAllocator:
     """Compiles, before serving, every program a call within these maxima can need.
 
     Device backend: every shape bucket of alloc (up to max_tokens slots), alloc_decode
-    (up to max_batch rows), alloc_extend (every rows x tokens bucket pair), free and
-    free_page_ids (up to max_free indices, default max_tokens; donating and copying
-    variants) and the need_sort merge, plus the exact-length output slices of
-    `exact_sizes` (an output shorter than its bucket is cut by a tiny program compiled
-    once per (bucket, length): list the lengths you expect, e.g. range(1, max_batch + 1)
-    for decode). `device_last_loc=True` when last_loc will come as a device array: also
-    the programs that take it so, and its pads from each of `exact_sizes` rows. The state
-    is not changed. The host backend and debug mode compile nothing here (debug mode
-    compiles its programs on first use). Ranks of one config share their programs.
+    (each batch size up to 64 rows, which run at their exact size, then buckets up to
+    max_batch), alloc_extend (every rows x tokens bucket pair), the frees (up to
+    max_free indices, default max_tokens; donating and copying variants) and the
+    need_sort merge; the SWA class: its programs over both pools alike. Plus the
+    exact-length output slices of `exact_sizes` (an output shorter than its bucket is
+    cut by a tiny program compiled once per (bucket, length): list the lengths you
+    expect). `device_last_loc=True` when last_loc (and seq_lens, page ids, segments'
+    free_index) will come as device arrays: also the programs that take them so, and
+    the pads of a last_loc from each of `exact_sizes` rows. The state is not changed.
+    The host backend and debug mode compile nothing here (debug mode compiles its
+    programs on first use). Ranks of one config share their programs.
 
     Returns WarmupReport(programs, seconds), summed over the ranks. With JAX's
-    persistent compilation cache on (jax_kvalloc.warmup.enable_persistent_cache; README
-    "Compile once") a second process loads these programs from disk.
+    persistent compilation cache on (jax_kvalloc.warmup.enable_persistent_cache) a
+    second process loads these programs from disk.
     """
     for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
       validate.count(value, name)
@@ -489,7 +621,8 @@ class BaseAllocator:
     dp = f", dp_size={self.dp_size}" if self.dp_size > 1 else ""
     if len(self._pools) != self._dp_size:
       dp += f", dp_ranks={self._dp_ranks}"
-    return (f"{type(self).__name__}(size={c.size}, page_size={c.page_size}, "
+    swa = f", size_swa={c.size_swa}" if hasattr(c, "size_swa") else ""  # SWA pools
+    return (f"{type(self).__name__}(size={c.size}{swa}, page_size={c.page_size}, "
             f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
             f"backend={self.backend!r}{dp})")
 

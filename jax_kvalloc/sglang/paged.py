@@ -75,30 +75,16 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       or num_new_pages.
     """
     pool = self._pools[self._pool_index(dp_rank)]
-    backend = pool.backend
-    pre_arg = prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu
-    seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
-    plan = backend.extend_plan(pre_arg, seq_arg, last_loc, extend_num_tokens, None)
-    if plan is None:  # input the backend's own checks did not take: the checks that name
-      pre = validate.host_ints(pre_arg, "prefix_lens")  # what is wrong
-      seq = validate.host_ints(seq_arg, "seq_lens")
-      dev_last = self._device_last_loc(backend, last_loc, pre.shape[0])
-      last = validate.host_last_loc(last_loc, dev_last, pre, self.page_size, 1)
-      checked = validate.extend_args(pre, seq, last, extend_num_tokens,
-                                     page_size=self.page_size,
-                                     num_slots=self.config.num_slots)
-      if num_new_pages is not None:
-        validate.num_new_pages(num_new_pages, checked.new_pages)
-      if pre.shape[0] == 0:  # SPEC 4.2's trigger still fires: 0 // ps + 0 + 1 > free
-        pool.merge_if(1 > pool.free_len)
-        return backend.empty()
-      last = last if dev_last is None else dev_last
-      plan = backend.extend_plan(pre, seq, last, checked.total_tokens, checked)
-    elif num_new_pages is not None:
-      validate.num_new_pages(num_new_pages, plan.pages)
+    plan = self._extend_plan(pool, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                             last_loc, extend_num_tokens, num_new_pages)
+    if plan is None:  # SPEC 4.2's trigger still fires: 0 // ps + 0 + 1 > free
+      pool.merge_if(1 > pool.sides[0].free_len)
+      return pool.backend.empty()
     # SPEC 4.2's need_sort trigger counts every row, empty ones too.
-    return pool.allocate(plan.tokens // self.page_size + plan.rows + 1 > pool.free_len,
-                         plan.pages, lambda s, fits: backend.alloc_extend(s, plan, fits))
+    return self._allocate(
+        pool, "alloc_extend",
+        plan.tokens // self.page_size + plan.rows + 1 > pool.sides[0].free_len,
+        plan.pages, lambda s, fits: pool.backend.alloc_extend(s, plan, fits))
 
   def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, dp_rank: int = 0):
     """One slot per request for its new token (SPEC 4.3), or None if the pages needed
@@ -120,28 +106,12 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       outside the pool or breaking (last_loc + 2) % page_size == seq_lens % page_size.
     """
     pool = self._pools[self._pool_index(dp_rank)]
-    backend = pool.backend
-    seq_arg = seq_lens if seq_lens_cpu is None else seq_lens_cpu
-    plan = backend.decode_plan(seq_arg, last_loc, False)
-    if plan is None:  # the checks that name what is wrong
-      seq = validate.host_ints(seq_arg, "seq_lens")
-      dev_last = self._device_last_loc(backend, last_loc, seq.shape[0])
-      last = validate.host_last_loc(last_loc, dev_last, seq, self.page_size, 2)
-      validate.decode_args(seq, last, page_size=self.page_size,
-                           num_slots=self.config.num_slots)
-      if seq.shape[0] == 0:
-        return backend.empty()
-      plan = backend.decode_plan(seq, last if dev_last is None else dev_last, True)
-    return pool.allocate(plan.rows > pool.free_len, plan.pages,  # SPEC 4.3's trigger
-                         lambda s, fits: backend.alloc_decode(s, plan, fits))
-
-  @staticmethod
-  def _device_last_loc(backend, last_loc, bs: int):
-    """last_loc as a backend that keeps device arrays takes a jax.Array (as it is,
-    never read back); None where the host checks apply."""
-    if not backend.keeps_device_arrays or bs == 0:
-      return None
-    return validate.device_last_loc(last_loc, bs)
+    plan = self._decode_plan(pool, seq_lens, seq_lens_cpu, last_loc)
+    if plan is None:
+      return pool.backend.empty()
+    return self._allocate(pool, "alloc_decode", plan.rows > pool.sides[0].free_len,
+                          plan.pages,  # SPEC 4.3's trigger
+                          lambda s, fits: pool.backend.alloc_decode(s, plan, fits))
 
   # -- page-id frees (SPEC 10) ---------------------------------------------------------
   def free_page_ids(self, page_ids, dp_rank: int = 0) -> None:
@@ -217,9 +187,6 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
       # Each segment is prepended in turn, so the last one ends up in front: one block
       # of the segments in reverse order is the same list, in one call.
       self._free_page_ids_now(self._pools[r], concat(checked[::-1]))
-
-  def _keeps(self, r: int) -> bool:
-    return self._pools[r].backend.keeps_device_arrays
 
   def _segment(self, r: int, free_index, start_pos) -> Tuple[int, int, Any]:
     """Checks one segment: (start_pos, its token count, its pages: host int64, or a

@@ -1,112 +1,286 @@
-"""One pool of an SGLang-compatible class: its state over a backend, the host mirror of
-its list lengths, and the copy-on-write flags of its rings.
+"""One pool of an SGLang-compatible class (one data-parallel rank): its state over a
+backend, the host mirror of its list lengths, the copy-on-write flags of its rings, and
+the statuses of its recent calls.
 
-The mirror (`free_len`, `release_len`: SGLang's `*_cpu` copies give every page count) is
-exact, so the class decides on the host, without reading the device, whether a call
-fits and whether need_sort merges first; `available_size` reads it. The flags say whether
-something outside (a snapshot, the `state` handed to jitted code) still holds a ring: a
-write to a held ring copies it first, so a snapshot costs O(1).
+The mirror (`Lists`: SGLang's `*_cpu` copies give every page count) lets the class decide
+on the host, without reading the device, whether a call fits and whether need_sort
+merges first; `available_size` reads it. An SWA pool holds two allocators (full and
+sliding-window) and so two mirrors. The flags say whether something outside (a
+snapshot, the `state` handed to jitted code) still holds a ring: a write to a held ring
+copies it first, so a snapshot costs O(1).
+
+Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call returns what
+it refused. The host backend raises at once. A device status is read back without
+waiting: the backend starts its copy to the host (`copy_to_host_async`) as it launches
+the call, `record` keeps it, `poll` (at every class call) reads the statuses that have
+landed and blocks only on one recorded WITHIN_CALLS or more class calls ago; `poll` with
+`everything` (at every call that returns a host value) reads them all. A refusal rolls
+the mirror back to the state's lengths (one read) and raises ValueError; the pool then
+refuses every call until `clear` or `restore`.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, NamedTuple, Optional, Tuple
+
+import jax
+from jax._src import config as _config
+import numpy as np
 
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.sglang.backends import Backend
-from jax_kvalloc.state import AllocatorState
+from jax_kvalloc.sglang.backends import status as _status
+
+WITHIN_CALLS = 8  # a device refusal raises at the latest this many class calls later
+_GUARD = getattr(_config, "transfer_guard_device_to_host", None)  # its current value
+
+
+def read_status(status: Any) -> np.ndarray:
+  """A status as host ints (a device one: its host copy once landed, else a wait). The
+  class's own read, so a transfer guard the caller set (jax.transfer_guard_device_to_
+  host) does not apply to it."""
+  if _GUARD is not None and _GUARD.value in (None, "allow"):
+    return np.asarray(status)
+  with jax.transfer_guard_device_to_host("allow"):
+    return np.asarray(status)
 
 
 class AllocatorSnapshot(NamedTuple):
   """What `backup_state` returns: the state, the config it belongs to and the lengths
-  (free_len, release_len) as host ints, so that restoring it needs no device read."""
-  config: AllocatorConfig
-  state: AllocatorState
-  lengths: Optional[Tuple[int, int]] = None
+  (free_len, release_len; an SWA pool's: full then SWA) as host ints, so that restoring
+  it needs no device read."""
+  config: Any
+  state: Any
+  lengths: Optional[Tuple[int, ...]] = None
+
+
+class Lists:
+  """The host mirror of one allocator's free and release lists: their lengths, and
+  whether a snapshot still holds their rings."""
+  __slots__ = ("num_pages", "page_size", "need_sort", "free_len", "release_len",
+               "free_shared", "release_shared")
+
+  def __init__(self, config: AllocatorConfig):
+    self.num_pages, self.page_size = config.num_pages, config.page_size
+    self.need_sort = config.need_sort
+    self.reset(config.num_pages, 0)
+
+  def reset(self, free_len: int, release_len: int, shared: bool = False) -> None:
+    self.free_len, self.release_len = free_len, release_len
+    self.free_shared = self.release_shared = shared
+
+  def available(self) -> int:
+    """Pages free or released."""
+    return self.free_len + self.release_len
+
+  def room(self, count: int) -> int:
+    """`count` cut to the room left (only double frees can overflow a list)."""
+    return min(count, self.num_pages - self.free_len - self.release_len)
+
+  def give(self, count: int) -> None:
+    """`count` entries (cut by `room`) reached release_pages (need_sort) or free_pages."""
+    if self.need_sort:
+      self.release_len += count
+    else:
+      self.free_len += count
+
+  def written_shared(self) -> bool:
+    """Whether the ring a free writes (release_pages with need_sort) is held."""
+    return self.release_shared if self.need_sort else self.free_shared
+
+  def written(self, count: int) -> None:
+    """The ring a free writes is fresh now, unless nothing reached it."""
+    if count:
+      if self.need_sort:
+        self.release_shared = False
+      else:
+        self.free_shared = False
+
+  def merged(self) -> None:
+    self.free_len, self.release_len = self.free_len + self.release_len, 0
+    self.free_shared = False
 
 
 class Pool:
-  """One pool (one data-parallel rank): state, mirror and flags over `backend`."""
+  """One pool (one data-parallel rank): state, mirror, flags and statuses over
+  `backend` (see the module docstring)."""
 
-  def __init__(self, config: AllocatorConfig, backend: Backend):
+  def __init__(self, config: Any, backend: Backend):
     self.config = config
     self.backend = backend
+    self.sides = tuple(Lists(c) for c in backend.pools)
+    self.pending: collections.deque = collections.deque()  # (call, op, status array)
+    self.waits = 0       # statuses read before they had landed (each a wait)
+    self.error: Optional[ValueError] = None
     self.clear()
 
   def clear(self) -> None:
-    """Back to the initial state (SPEC 2)."""
+    """Back to the initial state (SPEC 2); forgets any refusal."""
     self.state = self.backend.init()
-    self.free_shared = self.release_shared = False
-    self.free_len, self.release_len = self.config.num_pages, 0
+    for side in self.sides:
+      side.reset(side.num_pages, 0)
+    self._forget()
 
-  def available_size(self) -> int:
-    return (self.free_len + self.release_len) * self.config.page_size
+  def _forget(self) -> None:
+    self.pending.clear()
+    self.error = None
+
+  def available_size(self, side: int = 0) -> int:
+    lists = self.sides[side]
+    return lists.available() * lists.page_size
+
+  # -- statuses ------------------------------------------------------------------------
+  def record(self, op: str, status: Any, call: int) -> None:
+    """Keeps the status of the backend call just made (class call number `call`): read
+    at once where the backend does not defer it (debug mode), else when it lands."""
+    if status is None:
+      return
+    if not self.backend.defers_status:
+      self._check(op, read_status(status), rollback=False)
+      return
+    self.pending.append((call, op, status))  # its copy to the host already started
+
+  def poll(self, call: int, everything: bool = False) -> None:
+    """At class call number `call`: raises the refusal seen earlier, reads the statuses
+    that have landed, and waits for those recorded WITHIN_CALLS calls ago (all of them
+    when `everything`: a call that returns a host value)."""
+    if self.error is not None:
+      raise ValueError(str(self.error))
+    pending = self.pending
+    while pending:
+      at, op, status = pending[0]
+      if not status.is_ready():
+        if not (everything or at <= call - WITHIN_CALLS):
+          return
+        self.waits += 1
+      pending.popleft()
+      self._check(op, read_status(status), rollback=True)
+
+  def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
+    if not values[0]:  # no refusal
+      return
+    message = _status.message(op, values)
+    if not rollback:  # read at once: the call changed nothing, the mirror is right
+      raise ValueError(message)
+    self.pending.clear()
+    self.set_lengths(self.backend.lengths(self.state))  # one read: the state's counts
+    self.error = ValueError(f"{message} (found after the call: a device status is read "
+                            f"without waiting; every call raises until clear() or "
+                            f"restore_state())")
+    raise ValueError(str(self.error))
+
+  # -- the mirror ----------------------------------------------------------------------
+  def lengths(self) -> Tuple[int, ...]:
+    """(free_len, release_len) of each allocator of the pool, flat."""
+    return tuple(v for s in self.sides for v in (s.free_len, s.release_len))
+
+  def set_lengths(self, lengths: Tuple[int, ...], shared: bool = False) -> None:
+    for i, side in enumerate(self.sides):
+      side.reset(lengths[2 * i], lengths[2 * i + 1], shared)
+
+  def any_shared(self) -> bool:
+    return any(s.free_shared or s.release_shared for s in self.sides)
 
   # -- snapshots and states from outside -------------------------------------------------
-  def hold(self) -> AllocatorState:
+  def hold(self) -> Any:
     """The state, now held outside: the next write to a ring copies it."""
-    self.free_shared = self.release_shared = True
+    for side in self.sides:
+      side.free_shared = side.release_shared = True
     return self.state
 
   def snapshot(self) -> AllocatorSnapshot:
-    return AllocatorSnapshot(self.config, self.hold(), (self.free_len, self.release_len))
+    return AllocatorSnapshot(self.config, self.hold(), self.lengths())
+
+  def check_snapshot(self, snap: Any) -> None:
+    """`restore_state`'s checks of one rank's snapshot (TypeError / ValueError)."""
+    validate.snapshot(snap, self.config, AllocatorSnapshot)
+    if snap.lengths is not None and len(snap.lengths) != 2 * len(self.sides):
+      raise ValueError(f"state.lengths={snap.lengths} must hold {2 * len(self.sides)} "
+                       f"ints (free_len, release_len per allocator)")
 
   def restore(self, snap: AllocatorSnapshot) -> None:
-    """Puts back a snapshot the caller checked (validate.snapshot). O(1); a snapshot
-    without lengths (built by hand) has them read from its state (a wait)."""
+    """Puts back a checked snapshot. O(1); a snapshot without lengths (built by hand)
+    has them read from its state (a wait). Forgets the calls since and any refusal."""
     self.state = self.backend.adopt(snap.state)
-    self.free_shared = self.release_shared = True
-    if snap.lengths is None:
-      self.free_len = int(self.state.free_len)
-      self.release_len = int(self.state.release_len)
-    else:
-      self.free_len, self.release_len = snap.lengths
+    lengths = snap.lengths
+    if lengths is None:
+      lengths = self.backend.lengths(self.state)
+    self.set_lengths(tuple(lengths), shared=True)
+    self._forget()
 
-  def check_state(self, state: AllocatorState) -> Tuple[int, int]:
+  def check_state(self, state: Any) -> Tuple[int, ...]:
     """`set_state`'s checks (shapes, dtypes, then the lengths and heads: a wait).
     Returns the lengths; TypeError / ValueError naming the field, nothing changed."""
-    validate.state_like(state, self.state, AllocatorState)
-    return validate.state_lengths(state, self.config.num_pages)
+    return self.backend.check_state(state, self.state)
 
-  def take(self, state: AllocatorState, lengths: Tuple[int, int]) -> None:
+  def take(self, state: Any, lengths: Tuple[int, ...]) -> None:
     """Takes a state `check_state` passed (held outside: writes copy first)."""
     self.state = self.backend.adopt(state)
-    self.free_shared = self.release_shared = True
-    self.free_len, self.release_len = lengths
+    self.set_lengths(lengths, shared=True)
 
   # -- operations ------------------------------------------------------------------------
-  def merge_if(self, shortfall: bool) -> None:
+  def merge_if(self, shortfall: bool, side: int = 0) -> None:
     """The need_sort merge that a shortfall triggers (SPEC 4.2), decided on the host."""
-    if shortfall and self.config.need_sort and self.release_len > 0:
-      self.merge()
+    lists = self.sides[side]
+    if shortfall and lists.need_sort and lists.release_len > 0:
+      self.merge(side)
 
-  def merge(self) -> None:
-    """free_pages = sort(free_pages ++ release_pages) (SPEC 6)."""
-    self.state = self.backend.merge_and_sort_free(self.state, self.free_shared)
-    self.free_shared = False
-    self.free_len, self.release_len = self.free_len + self.release_len, 0
+  def merge(self, side: int = 0) -> None:
+    """free_pages = sort(free_pages ++ release_pages) (SPEC 6) in allocator `side`."""
+    lists = self.sides[side]
+    whole = self.backend.writes_whole_state
+    self.state = self.backend.merge_and_sort_free(
+        self.state, side, self.any_shared() if whole else lists.free_shared)
+    self._wrote(whole)
+    lists.merged()
 
-  def allocate(self, trigger: bool, pages: int,
-               run: Callable[[AllocatorState, bool], Tuple[AllocatorState, Any]]) -> Any:
-    """What every allocation ends with: the need_sort merge when its SPEC trigger fired,
-    then run(state, fits) -> (state, slots or None), fits = `pages` fit the free list;
-    the pages taken leave the mirror."""
-    self.merge_if(trigger)
-    self.state, out = run(self.state, pages <= self.free_len)
+  def _wrote(self, whole: bool) -> None:
+    if whole:  # every part of the state is a fresh array now
+      for s in self.sides:
+        s.free_shared = s.release_shared = False
+
+  def update(self, run: Callable[[Any, bool], Any]) -> Any:
+    """A call that writes the state but no list (the SWA mapping): run(state, shared)
+    -> state."""
+    whole = self.backend.writes_whole_state
+    self.state = run(self.state, self.any_shared() if whole else False)
+    self._wrote(whole)
+
+  def allocate(self, op: str, call: int, takes: Tuple[int, ...],
+               run: Callable[[Any, bool], Tuple[Any, Any, Any]]) -> Any:
+    """One allocation call (or any call returning an output and a status: `takes` 0):
+    run(state, shared) -> (state, slots or None, status), where `shared` says a held
+    part must be copied, not donated (a plain pool's allocations write no ring); the
+    pages `takes[i]` leave allocator i's mirror when slots come back."""
+    whole = self.backend.writes_whole_state
+    self.state, out, status = run(self.state, whole and self.any_shared())
+    self.record(op, status, call)
     if out is not None:
-      self.free_len -= pages
+      self._wrote(whole)
+      for side, pages in zip(self.sides, takes):
+        side.free_len -= pages
     return out
 
-  def write(self, free: Callable[[AllocatorState, int, bool], AllocatorState],
-            count: int) -> None:
-    """A free through free(state, count, shared): `count` entries reach the list, cut to
-    the room left; the ring it writes is copied first when held."""
-    count = min(count, self.config.num_pages - self.free_len - self.release_len)
-    if self.config.need_sort:
-      self.state = free(self.state, count, self.release_shared)
-      self.release_shared = self.release_shared and count == 0
-      self.release_len += count
+  def write(self, op: str, call: int, counts: Tuple[Optional[int], ...],
+            free: Callable[[Any, Tuple[Optional[int], ...], bool], Tuple[Any, Any, Any]]
+            ) -> Any:
+    """One free call: free(state, counts, shared) -> (state, out, status), counts[i]
+    the entries that reach allocator i's list, cut to the room left (None: only the
+    backend can count them, and returns every allocator's count as `out`; a wait on
+    the device). `shared`: a ring the call writes is held (copy it first)."""
+    whole = self.backend.writes_whole_state
+    cut = tuple(None if c is None else s.room(c) for s, c in zip(self.sides, counts))
+    if whole:
+      shared = self.any_shared()
     else:
-      self.state = free(self.state, count, self.free_shared)
-      self.free_shared = self.free_shared and count == 0
-      self.free_len += count
+      shared = any(s.written_shared() for s, c in zip(self.sides, cut) if c != 0)
+    self.state, out, status = free(self.state, cut, shared)
+    self.record(op, status, call)
+    got = tuple(out[i] if c is None else c for i, c in enumerate(cut))
+    self._wrote(whole)
+    for side, c in zip(self.sides, got):
+      side.give(c)
+      if not whole:
+        side.written(c)
+    return out

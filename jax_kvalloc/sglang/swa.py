@@ -1,28 +1,25 @@
-"""SGLang 0.5.23's SWATokenToKVPoolAllocator (SPEC 13) over our two pool classes.
+"""SGLang 0.5.23's SWATokenToKVPoolAllocator (SPEC 13): two pools, full attention and
+sliding window, and the mapping between them, on the same machinery as the pool classes.
 
-`full_attn_allocator` and `swa_attn_allocator` are our TokenToKVPoolAllocator (page size
-1) or PagedTokenToKVPoolAllocator, used only through their public methods; this class
-adds the full-to-SWA mapping (`full_to_swa_index_mapping`, a jax array on the device
-backend, numpy on the host backend, updated by jax_kvalloc.swa's pure functions) and
-SGLang's method names.
+Each rank's pool (jax_kvalloc.sglang.pool) holds an `SWAState` (jax_kvalloc.swa: both
+pools' states and the mapping) and two host mirrors, one per pool; its backend runs the
+SPEC 13 operations (jax_kvalloc.sglang.backends: device_swa, host_swa, debug mode). A
+method checks everything the host can (jax_kvalloc.validate), decides from the mirrors
+whether both pools fit and which need_sort merges SPEC's triggers run, then makes one
+backend call: on the device, one jitted program over both pools and the mapping. What
+only the state knows (a last_loc or a freed segment without an SWA peer) the backend
+checks: the host backend raises at once, the device backend returns it as the call's
+status, read later without waiting (SPEC 14; jax_kvalloc.sglang.base). Data-parallel
+ranks, free groups, snapshots, `state` / `set_state` and warm-up are the base class's.
 
-Device backend, page size > 1, outside debug mode: each steady call (alloc_extend,
-alloc_extend_swa_tail, alloc_decode, free, free_swa, free_swa_segment, free_segment) is
-one jitted program of the functional core (jax_kvalloc.swa) over both pools' states and
-the mapping, donated unless a snapshot holds a part of it, with inputs padded to shape
-buckets (jax_kvalloc.sglang.swa_device); free_full / free_full_segment are the full
-pool's one program. The host mirrors of both pools' list lengths decide before the
-launch whether the call fits and whether need_sort merges first (a merge is its own
-call). Refusals, free groups, page size 1 and debug mode take the pools' own calls.
-
-Waits (device backend). Allocations never wait (a device last_loc is taken as it is).
-The segment frees (free_swa_segment, free_segment, free_full_segment; device-array
-free_index too) never wait either: each pool's mirror counts one page per full page of
-the segment, so each of them must have its SWA peer (as SGLang expects; debug mode checks
-it, reading the values). free_swa (and free) at page size > 1 read back once, as SGLang's
-own free_swa synchronizes there: the pools' list lengths after the program (the SWA
-pool's count of sorted unique pages needs the mapping's values). Page size 1: the token
-pools' frees read device arrays.
+Waits (device backend). Allocations, the segment frees (free_swa_segment, free_segment,
+free_full_segment, device-array free_index too) and free_full never wait: each pool's
+mirror counts one page per full page of a segment, so each must have its SWA peer (as
+SGLang's `swa.peer_mapped` invariant says; a page without one is refused). free_swa and
+free at page size > 1 read back once, as SGLang's own free_swa synchronizes there: the
+SWA pool frees the sorted unique pages of the peers found, a count only the device
+knows. free / free_swa / free_full of a device array read it (the host checks need the
+values).
 
 One deliberate difference (SPEC 13): `alloc_decode` allocates in neither pool unless
 both fit (SGLang keeps what the fitting pool took). Debug mode (`debug=True`) also
@@ -31,89 +28,42 @@ full-only frees find none left (SWADebugError), on top of each pool's own checks
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, List, NamedTuple, Optional, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-# The lead repoints these at jax_kvalloc.sglang's own modules at merge.
-from jax_kvalloc.sglang.base import check_dp_ranks
-from jax_kvalloc.sglang.base import concat
-from jax_kvalloc.sglang.paged import PagedTokenToKVPoolAllocator
-from jax_kvalloc.sglang.token import TokenToKVPoolAllocator
-from jax_kvalloc.sglang import swa_device
-from jax_kvalloc import buckets
+from jax_kvalloc import ranks as _ranks
 from jax_kvalloc import swa as core
 from jax_kvalloc import validate
-from jax_kvalloc.config import _env_debug
+from jax_kvalloc.sglang.backends.device_swa import SWADebugError
+from jax_kvalloc.sglang.base import BaseAllocator
+from jax_kvalloc.sglang.base import concat
+from jax_kvalloc.sglang.pool import Pool
+from jax_kvalloc.sglang.token import _pair
+
+__all__ = ["SWADebugError", "SWATokenToKVPoolAllocator"]
+
+FULL, SWA = 0, 1  # the pools of an SWA pool pair, in its mirrors (Pool.sides)
 
 
-class SWADebugError(ValueError):
-  """Debug mode: an SWA free of a slot without a peer, or a full-only free of a slot
-  whose SWA peer is still held."""
-
-
-class SWASnapshot(NamedTuple):
-  """What `backup_state` returns: both pools' snapshots and the mapping."""
-  full: Any
-  swa: Any
-  mapping: Any
-
-
-def _jit_pair(fn):
-  return jax.jit(fn), jax.jit(fn, donate_argnums=0)
-
-
-_SET = _jit_pair(core.set_mapping)
-_CLEAR = _jit_pair(core.clear_mapping)
-_TAIL = _jit_pair(core.pair_tail)
-_TRANSLATE = jax.jit(core.translate)
-_SEGMENT = (jax.jit(core.take_segment_pages, static_argnums=2),
-            jax.jit(core.take_segment_pages, static_argnums=2, donate_argnums=0))
-
-
-@jax.jit
-def _swa_last_loc(mapping, last, unread):
-  """translate(last) where the SWA pool reads it, -1 where it does not (a page-aligned
-  prefix; a decode that starts a page), so the SWA pool's checks see a valid value."""
-  return jnp.where(unread, -1, core.translate(mapping, last))
-
-
-def _ranked(method):
-  """With dp_size > 1, `method(..., dp_rank=r)` runs rank r's allocator; dp_rank
-  defaults to 0."""
-  @functools.wraps(method)
-  def wrapper(self, *args, dp_rank: int = 0, **kwargs):
-    rank = self._rank(dp_rank)
-    if rank is not None:
-      return getattr(rank, method.__name__)(*args, **kwargs)
-    return method(self, *args, **kwargs)
-  return wrapper
-
-
-def _new_pages(pre: np.ndarray, seq: np.ndarray, ps: int) -> int:
-  return int(np.sum(-(-seq // ps) - -(-pre // ps)))
-
-
-class SWATokenToKVPoolAllocator:
+class SWATokenToKVPoolAllocator(BaseAllocator):
   """Two pools (full attention, sliding window) and the mapping between them (SPEC 13).
 
   Args:
     size: full-attention slots; size_swa: sliding-window slots.
     page_size: slots per page of both pools (1: token pools and `alloc`; > 1:
       alloc_extend / alloc_decode).
-    dtype, device: as SGLang's (device places the state: "cpu", "cuda", a jax.Device).
+    dtype, device: as SGLang's (device places the state: "cpu", "cuda", a jax.Device,
+      or one per rank).
     kvcache: stored and returned by get_kvcache(); may be None (the mapping is ours).
     need_sort: both pools park freed pages until a shortfall merges them.
     kernel, debug, backend: as our pool classes ("device": jax arrays, no waits on
       allocation; "host": NumPy).
-    dp_size: data-parallel ranks, each an SWA allocator of size // dp_size and
+    dp_size, dp_ranks: data-parallel ranks as on the pool classes
+      (jax_kvalloc.sglang.base), each an SWA pool pair of size // dp_size and
       size_swa // dp_size slots; methods then take `dp_rank=` (default 0).
-    dp_ranks: the ranks this process holds (default None: all), as on the pool classes
-      (jax_kvalloc.sglang.base): only their allocators are built; a call with another
-      dp_rank raises ValueError naming it; backup_state gives None at the others.
   """
 
   def __init__(self, size: int, size_swa: int, page_size: int, dtype: Any = None,
@@ -121,707 +71,454 @@ class SWATokenToKVPoolAllocator:
                kernel: Optional[str] = None, debug: Optional[bool] = None,
                backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
-    dp_size = validate.count(dp_size, "dp_size")
-    if dp_size < 1:
-      raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    self.dp_ranks = check_dp_ranks(dp_ranks, dp_size)
-    self.page_size, self.dtype, self.device = page_size, dtype, device
-    self.need_sort, self.backend, self.dp_size = need_sort, backend, dp_size
-    self._kvcache = kvcache
-    self._debug = _env_debug() if debug is None else bool(debug)
-    self._size_full, self._size_swa = size, size_swa
-    self._ranks: Optional[List[SWATokenToKVPoolAllocator]] = None
-    if dp_size > 1:
-      if size % dp_size or size_swa % dp_size:
-        raise ValueError(f"size={size} and size_swa={size_swa} must be multiples of "
-                         f"dp_size={dp_size}")
-      self._ranks = [SWATokenToKVPoolAllocator(
-          size // dp_size, size_swa // dp_size, page_size, dtype, device, kvcache,
-          need_sort, kernel=kernel, debug=debug, backend=backend)
-          if i in self.dp_ranks else None for i in range(dp_size)]
-      return
-    kw = dict(kernel=kernel, debug=debug, backend=backend)
-    if page_size == 1:
-      self.full_attn_allocator = TokenToKVPoolAllocator(size, dtype, device, None,
-                                                        need_sort, **kw)
-      self.swa_attn_allocator = TokenToKVPoolAllocator(size_swa, dtype, device, None,
-                                                       need_sort, **kw)
-    else:
-      self.full_attn_allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype,
-                                                             device, None, need_sort, **kw)
-      self.swa_attn_allocator = PagedTokenToKVPoolAllocator(size_swa, page_size, dtype,
-                                                            device, None, need_sort, **kw)
+    extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
     # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
-    self._config = core.SWAConfig(size, size_swa, page_size, need_sort,
-                                  debug=self._debug, guard=False,
-                                  **({"kernel": kernel} if kernel else {}))
-    self._host = backend == "host"
-    self._jax_device = None
-    if not self._host:
-      from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
-      self._jax_device = resolve_device(device)
-    self.clear()
+    config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=False, **extra)
+    super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
+                     dp_ranks=dp_ranks)
 
-  def _rank(self, dp_rank: int) -> Optional["SWATokenToKVPoolAllocator"]:
-    if self._ranks is None:
-      if dp_rank != 0:
-        raise ValueError(f"dp_rank={dp_rank}, but this allocator has dp_size=1")
-      return None
-    if not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < self.dp_size:
-      raise ValueError(f"dp_rank must be in 0..{self.dp_size - 1}, got {dp_rank!r}")
-    rank = self._ranks[int(dp_rank)]
-    if rank is None:
-      raise ValueError(f"dp_rank={int(dp_rank)} is held by another process (this allocator "
-                       f"holds dp_ranks={self.dp_ranks} of dp_size={self.dp_size})")
-    return rank
+  @staticmethod
+  def _rank_config(config: core.SWAConfig, dp_size: int) -> core.SWAConfig:
+    full = _ranks.rank_config(config.full, dp_size)  # validates dp_size
+    if dp_size > 1 and (config.size % dp_size or config.size_swa % dp_size):
+      raise ValueError(f"size={config.size} and size_swa={config.size_swa} must be "
+                       f"multiples of dp_size={dp_size}")
+    swa = _ranks.rank_config(config.swa, dp_size)
+    return dataclasses.replace(config, size=full.size, size_swa=swa.size)
 
   # -- sizes -----------------------------------------------------------------------------
   @property
   def size(self) -> int:
-    return min(self._size_full, self._size_swa)
+    return min(self.config.size, self.config.size_swa)
 
   @property
   def size_full(self) -> int:
-    return self._size_full
+    return self.config.size
 
   @property
   def size_swa(self) -> int:
-    return self._size_swa
+    return self.config.size_swa
 
-  @_ranked
-  def full_available_size(self) -> int:
-    return self.full_attn_allocator.available_size()
+  def full_available_size(self, dp_rank: int = 0) -> int:
+    return self._pools[self._settled(dp_rank)].available_size(FULL)
 
-  @_ranked
-  def swa_available_size(self) -> int:
-    return self.swa_attn_allocator.available_size()
+  def swa_available_size(self, dp_rank: int = 0) -> int:
+    return self._pools[self._settled(dp_rank)].available_size(SWA)
 
-  @_ranked
-  def available_size(self) -> int:
-    """min(full, SWA) available slots. Never waits."""
-    return min(self.full_available_size(), self.swa_available_size())
+  def available_size(self, dp_rank: int = 0) -> int:
+    """min(full, SWA) available slots, from the host mirrors."""
+    pool = self._pools[self._settled(dp_rank)]
+    return min(pool.available_size(FULL), pool.available_size(SWA))
 
-  @_ranked
-  def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
-    ps = self.page_size
-    return (num_full_pages <= self.full_available_size() // ps
-            and num_swa_pages <= self.swa_available_size() // ps)
+  def new_pages_available(self, num_full_pages: int, num_swa_pages: int,
+                          dp_rank: int = 0) -> bool:
+    return self._fits(self._pools[self._settled(dp_rank)], num_full_pages,
+                      num_swa_pages)
 
-  def get_kvcache(self) -> Any:
-    return self._kvcache
+  @staticmethod
+  def _fits(pool: Pool, full_pages: int, swa_pages: int) -> bool:
+    """Both counts fit their pool's free and released pages (SGLang's check)."""
+    return (full_pages <= pool.sides[FULL].available()
+            and swa_pages <= pool.sides[SWA].available())
 
-  @_ranked
-  def debug_print(self) -> str:
+  def _debug_line(self, r: int) -> str:
     """SGLang's summary line: both pools' available sizes."""
-    return (f"#swa-available-size: {self.swa_available_size()}, "
-            f"#full-attn-available-size: {self.full_available_size()}, ")
+    pool = self._pools[r]
+    return (f"#swa-available-size: {pool.available_size(SWA)}, "
+            f"#full-attn-available-size: {pool.available_size(FULL)}, ")
+
+  # -- SGLang's views ----------------------------------------------------------------------
+  @property
+  def full_attn_allocator(self) -> "_PoolView":
+    """The full-attention pool (of rank 0, or of `view.rank(r)`): page_size, size,
+    available_size(), free_pages, release_pages (read-only; the class changes it)."""
+    return _PoolView(self, FULL)
+
+  @property
+  def swa_attn_allocator(self) -> "_PoolView":
+    """The sliding-window pool, as full_attn_allocator."""
+    return _PoolView(self, SWA)
+
+  @property
+  def free_pages(self) -> None:
+    """None, as SGLang's SWA class has (each pool's are on its view)."""
+    return None
+
+  @property
+  def release_pages(self) -> None:
+    return None
+
+  def get_all_free_pages(self, dp_rank: int = 0) -> None:
+    """None, as SGLang's SWA class returns (each pool's are on its view)."""
+    self._pool_index(dp_rank)
 
   # -- the mapping -------------------------------------------------------------------------
   @property
   def full_to_swa_index_mapping(self):
-    """i32[size + page_size + 1]: the SWA slot of each full slot (0: none), last -1."""
-    if self._ranks is not None:
-      raise AttributeError("with dp_size > 1 each rank has its mapping "
-                           "(translate_loc_from_full_to_swa(..., dp_rank=))")
-    self._mapping_shared = True
-    return self._mapping
+    """i32[size + page_size + 1]: the SWA slot of each full slot (0: none), last -1 (a
+    list per rank with dp_size > 1, None at ranks held elsewhere). Held from now on:
+    the next write copies it."""
+    self._poll(everything=True)
+    return self._per_rank([pool.backend.mapping(pool.hold()) for pool in self._pools])
 
-  def _map(self, pair, *args):
-    """mapping = pair's function(mapping, *args), donating unless a snapshot holds it."""
-    if self._host:
-      raise AssertionError("host backend updates the mapping in numpy")
-    fn = pair[0] if self._mapping_shared else pair[1]
-    self._mapping = fn(self._mapping, *args)
-    self._mapping_shared = False
-
-  def _host_mapping(self):
-    """A numpy mapping the host backend may write (copied first if a snapshot holds it)."""
-    if self._mapping_shared:
-      self._mapping = self._mapping.copy()
-      self._mapping_shared = False
-    return self._mapping
-
-  @_ranked
-  def set_full_to_swa_mapping(self, full_indices, swa_indices) -> None:
+  def set_full_to_swa_mapping(self, full_indices, swa_indices, dp_rank: int = 0) -> None:
     """mapping[full_indices] = swa_indices."""
-    if self._host:
-      f = validate.host_ints(full_indices, "full_indices")
-      s = validate.host_ints(swa_indices, "swa_indices")
-      if f.shape != s.shape:
-        raise ValueError(f"full_indices {f.shape} and swa_indices {s.shape} differ")
-      if f.size:
-        self._check_slots(f, "full_indices")
-        self._host_mapping()[f] = s
-      return
+    pool = self._pools[self._pool_index(dp_rank)]
     if np.shape(full_indices) != np.shape(swa_indices):
       raise ValueError(f"full_indices {np.shape(full_indices)} and swa_indices "
                        f"{np.shape(swa_indices)} differ")
-    if np.size(full_indices):
-      self._map(_SET, self._dev(full_indices), self._dev(swa_indices))
+    full = self._checked_slots(pool, full_indices, "full_indices")
+    if full.shape[0]:
+      pool.update(lambda s, shared: pool.backend.set_mapping(s, full, swa_indices, shared))
 
-  @_ranked
-  def clear_full_to_swa_mapping(self, full_indices) -> None:
+  def clear_full_to_swa_mapping(self, full_indices, dp_rank: int = 0) -> None:
     """mapping[full_indices] = 0."""
-    if self._host:
-      f = validate.host_ints(full_indices, "full_indices")
-      if f.size:
-        self._check_slots(f, "full_indices")
-        self._host_mapping()[f] = 0
-      return
-    if np.size(full_indices):
-      self._map(_CLEAR, self._dev(full_indices))
+    pool = self._pools[self._pool_index(dp_rank)]
+    full = self._checked_slots(pool, full_indices, "full_indices")
+    if full.shape[0]:
+      pool.update(lambda s, shared: pool.backend.clear_mapping(s, full, shared))
 
-  @_ranked
-  def translate_loc_from_full_to_swa(self, kv_indices):
-    """mapping[kv_indices] (-1 stays -1): a jax array (device backend, no wait) or numpy."""
-    if self._host:
-      return self._translate_host(validate.host_ints(kv_indices, "kv_indices"))
-    return _TRANSLATE(self._mapping, self._dev(kv_indices))
+  def translate_loc_from_full_to_swa(self, kv_indices, dp_rank: int = 0):
+    """mapping[kv_indices] (-1 stays -1): a jax array (device backend, no wait) or
+    numpy."""
+    pool = self._pools[self._pool_index(dp_rank)]
+    return pool.backend.translate(pool.state, kv_indices)
 
-  def _translate_host(self, loc: np.ndarray) -> np.ndarray:
-    n = self._mapping.shape[0]
-    pos = np.where(loc < 0, n - 1, np.minimum(loc, n - 1))
-    return np.where(loc >= n, 0, self._mapping[pos]).astype(np.int32)
-
-  def _dev(self, x):
-    """x as an int32 jax array on the pool's device (a jax array is taken as it is)."""
-    if isinstance(x, jax.Array):
-      return x.astype(jnp.int32) if x.dtype != jnp.int32 else x
-    return jax.device_put(validate.host_ints(x, "indices").astype(np.int32),
-                          self._jax_device)
-
-  def _read(self, idx: np.ndarray) -> np.ndarray:
-    """mapping[idx] on the host (device backend: a wait)."""
-    if self._host:
-      return self._translate_host(idx)
-    return np.asarray(_TRANSLATE(self._mapping, self._dev(idx)))
-
-  def _free_args(self, free_index) -> Optional[np.ndarray]:
-    """free_index as checked host int64 slots, or None when empty."""
-    idx = validate.host_ints(free_index, "free_index")
-    if idx.size == 0:
-      return None
-    self._check_slots(idx, "free_index")
+  def _checked_slots(self, pool: Pool, x: Any, name: str) -> Any:
+    """Full slots as the backend takes them: a device array as it is, else host ints
+    in 1..num_slots - 1 (ValueError naming `name` otherwise)."""
+    dev = validate.device_ints(x, name) if pool.backend.keeps_device_arrays else None
+    if dev is not None:
+      return dev
+    idx = validate.host_ints(x, name)
+    if idx.size:
+      validate.free_index(idx, page_size=1, num_slots=pool.backend.pools[FULL].num_slots)
     return idx
 
-  def _check_slots(self, idx: np.ndarray, name: str) -> None:
-    validate.free_index(idx, page_size=self.page_size,
-                        num_slots=self.full_attn_allocator.config.num_slots)
-
-  # -- the device fast path: one program of the core per call (jax_kvalloc.sglang.swa_device)
-  def _fast(self, free: bool = False) -> bool:
-    """Device backend, page size > 1, outside debug mode (which checks on the host
-    first); a free also outside free groups (which queue)."""
-    return (not self._host and not self._debug and self.page_size > 1
-            and not (free and self._group is not None))
-
-  def _pool_pair(self):
-    return self.full_attn_allocator._pools[0], self.swa_attn_allocator._pools[0]  # pylint: disable=protected-access
-
-  def _launch(self, op: str, shape, *args):
-    """One launch of the core's `op` over (full state, SWA state, mapping), donated
-    unless a snapshot holds a part of it; takes the new state, returns the output."""
-    fp, sp = self._pool_pair()
-    donate = not (fp.free_shared or fp.release_shared or sp.free_shared
-                  or sp.release_shared or self._mapping_shared)
-    state = core.SWAState(fp.state, sp.state, self._mapping)
-    new, out = swa_device.run(self._config, op, shape, donate, state, *args)
-    fp.state, sp.state, self._mapping = new.full, new.swa, new.mapping
-    fp.free_shared = fp.release_shared = sp.free_shared = sp.release_shared = False
-    self._mapping_shared = False
-    return out
-
-  @staticmethod
-  def _freed(pool, count: int) -> None:
-    """The host mirror after `count` pages reached the list (cut to the room left)."""
-    count = min(count, pool.config.num_pages - pool.free_len - pool.release_len)
-    if pool.config.need_sort:
-      pool.release_len += count
-    else:
-      pool.free_len += count
-
-  def _take_lengths(self, lengths) -> None:
-    """The mirror from a program's i32[4] lengths (a read: a wait)."""
-    fp, sp = self._pool_pair()
-    fp.free_len, fp.release_len, sp.free_len, sp.release_len = (
-        int(v) for v in np.asarray(lengths))
-
-  def _padded(self, x, rows: int, fill: int):
-    """Host ints or a device i32[n] padded to rows (device: the pool's pad program)."""
-    if isinstance(x, jax.Array):
-      return self._pool_pair()[0].backend.ops.padded(x, rows, fill)
-    return buckets.pad(np.asarray(x), rows, fill)
-
-  def _exact(self, out, n: int):
-    return self._pool_pair()[0].backend.ops.exact(out, n)
-
-  # -- state ---------------------------------------------------------------------------------
-  def clear(self, dp_rank: Optional[int] = None) -> None:
-    """Both pools as new, the mapping all 0 but its last -1, no free group."""
-    if self._ranks is not None:
-      if dp_rank is not None:
-        self._rank(dp_rank)  # a rank of this allocator, held here
-      for i, r in enumerate(self._ranks):
-        if r is not None and (dp_rank is None or dp_rank == i):
-          r.clear()
-      return
-    self.full_attn_allocator.clear()
-    self.swa_attn_allocator.clear()
-    mapping = np.zeros((self._config.mapping_len,), np.int32)
-    mapping[-1] = -1
-    self._mapping = mapping if self._host else jax.device_put(mapping, self._jax_device)
-    self._mapping_shared = False
-    self._group: Optional[List[np.ndarray]] = None  # queued SWA page ids
-    self._group_slots: List[np.ndarray] = []       # queued SWA slots
-
-  def backup_state(self):
-    """A snapshot of both pools and the mapping (our addition: SGLang's SWA class has
-    none). O(1) on the device backend (the mapping is copied only when next written)."""
-    if self._ranks is not None:
-      return [None if r is None else r.backup_state() for r in self._ranks]
-    self._mapping_shared = True
-    return SWASnapshot(self.full_attn_allocator.backup_state(),
-                       self.swa_attn_allocator.backup_state(), self._mapping)
-
-  def restore_state(self, state) -> None:
-    """Puts a `backup_state` snapshot back exactly."""
-    if self._ranks is not None:
-      if (not isinstance(state, (list, tuple)) or len(state) != self.dp_size
-          or any((r is None) != (s is None) for r, s in zip(self._ranks, state))):
-        raise ValueError(f"state must be backup_state() of an allocator with dp_size="
-                         f"{self.dp_size} holding dp_ranks={self.dp_ranks}")
-      for r, s in zip(self._ranks, state):
-        if r is not None:
-          r.restore_state(s)
-      return
-    if not isinstance(state, SWASnapshot):
-      raise TypeError(f"state must be an SWASnapshot from backup_state, got "
-                      f"{type(state).__name__}")
-    self.full_attn_allocator.restore_state(state.full)
-    self.swa_attn_allocator.restore_state(state.swa)
-    self._mapping = state.mapping
-    self._mapping_shared = True
-
-  @_ranked
-  def merge_and_sort_free(self) -> None:
-    """Both pools' merge_and_sort_free (SPEC 6)."""
-    self.full_attn_allocator.merge_and_sort_free()
-    self.swa_attn_allocator.merge_and_sort_free()
-
   # -- allocation ----------------------------------------------------------------------------
-  def _pair(self, full_out, swa_out) -> None:
-    if self._host:
-      self._host_mapping()[np.asarray(full_out)] = swa_out
-    else:
-      self._map(_SET, full_out, swa_out)
+  def _launch(self, pool: Pool, op: str, pages: Tuple[int, int], triggers: Tuple[int, int],
+              run) -> Any:
+    """Each pool's need_sort merge when its SPEC trigger (rows or pages it compares with
+    len(free_pages)) exceeds it, then the call if both pools fit, else None."""
+    for side in (FULL, SWA):
+      pool.merge_if(triggers[side] > pool.sides[side].free_len, side)
+    if pages[FULL] > pool.sides[FULL].free_len or pages[SWA] > pool.sides[SWA].free_len:
+      return None
+    return pool.allocate(op, self._calls, pages, run)
 
-  @_ranked
-  def alloc(self, need_size: int):
+  def alloc(self, need_size: int, dp_rank: int = 0):
     """`need_size` slots in both pools (page size 1 only), or None if either is short."""
+    pool = self._pools[self._pool_index(dp_rank)]
     if self.page_size != 1:
       raise ValueError(f"alloc needs page_size 1 (as SGLang asserts), got "
                        f"{self.page_size}; use alloc_extend")
     need_size = validate.count(need_size, "need_size")
-    if (need_size > self.full_available_size()
-        or need_size > self.swa_available_size()):
+    if not self._fits(pool, need_size, need_size):
       return None
-    full = self.full_attn_allocator.alloc(need_size)
-    swa = self.swa_attn_allocator.alloc(need_size)
-    if need_size:
-      self._pair(full, swa)
-    return full
+    if need_size == 0:
+      return pool.backend.empty()
+    return self._launch(pool, "alloc", (need_size, need_size), (need_size, need_size),
+                        lambda s, shared: pool.backend.alloc(s, need_size, shared))
 
-  def _swa_last(self, last_loc, unread: np.ndarray):
-    """The SWA pool's last_loc: translate(last_loc), -1 where it is not read."""
-    if self._host:
-      last = validate.host_ints(last_loc, "last_loc")
-      if last.shape != unread.shape:
-        return last  # the full pool names the shape error
-      swa_last = np.where(unread, -1, self._translate_host(last))
-      bad = np.flatnonzero(~unread & (swa_last <= 0))
-      if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"last_loc[{i}]={int(last[i])} has no SWA peer (its sliding-"
-                         f"window KV was freed), so the SWA pool cannot continue its page")
-      return swa_last
-    last = self._dev(last_loc)
-    if last.shape != unread.shape:
-      return last
-    return _swa_last_loc(self._mapping, last, jax.device_put(unread, self._jax_device))
-
-  @_ranked
   def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                   extend_num_tokens: int, num_new_pages: Optional[int] = None):
+                   extend_num_tokens: int, num_new_pages: Optional[int] = None,
+                   dp_rank: int = 0):
     """Slots for a prefill batch in both pools (SPEC 13), or None if either is short.
 
     Arguments as PagedTokenToKVPoolAllocator.alloc_extend; last_loc is the full pool's
-    (the SWA pool gets its translation). Returns the full slots (the SWA slots are in
-    the mapping).
+    (the SWA pool gets its translation: a row continuing a page whose SWA KV was freed
+    is refused, ValueError naming last_loc). Returns the full slots (the SWA slots are
+    in the mapping).
     """
+    pool = self._pools[self._pool_index(dp_rank)]
     if self.page_size == 1:
       raise ValueError("alloc_extend needs page_size > 1 (as SGLang asserts); use alloc")
-    pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
-                             "prefix_lens")
-    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu,
-                             "seq_lens")
-    if pre.shape != seq.shape:
-      raise ValueError(f"prefix_lens {pre.shape} and seq_lens {seq.shape} differ")
-    p = _new_pages(pre, seq, self.page_size)
-    if num_new_pages is not None:
-      validate.num_new_pages(num_new_pages, p)
-    if not self.new_pages_available(p, p):
+    plan = self._extend_plan(pool, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                             last_loc, extend_num_tokens, num_new_pages)
+    pages = 0 if plan is None else plan.pages
+    if not self._fits(pool, pages, pages):
       return None
-    if self._fast() and pre.shape[0]:
-      return self._extend_fast(pre, seq, last_loc, extend_num_tokens, p)
-    swa_last = self._swa_last(last_loc, pre % self.page_size == 0)
-    full = self.full_attn_allocator.alloc_extend(pre, pre, seq, seq, last_loc,
-                                                 extend_num_tokens, num_new_pages=p)
-    swa = self.swa_attn_allocator.alloc_extend(pre, pre, seq, seq, swa_last,
-                                               extend_num_tokens, num_new_pages=p)
-    assert full is not None and swa is not None
-    if int(extend_num_tokens):
-      self._pair(full, swa)
-    return full
+    if plan is None:  # each pool's SPEC 4.2 trigger still fires: 0 // ps + 0 + 1 > free
+      for side in (FULL, SWA):
+        pool.merge_if(1 > pool.sides[side].free_len, side)
+      return pool.backend.empty()
+    trigger = plan.tokens // self.page_size + plan.rows + 1  # SPEC 4.2, in each pool
+    return self._launch(pool, "alloc_extend", (pages, pages), (trigger, trigger),
+                        lambda s, shared: pool.backend.alloc_extend(s, plan, shared))
 
-  def _extend_fast(self, pre, seq, last_loc, extend_num_tokens, p: int):
-    """alloc_extend as one program, the batch known to fit (`p` new pages each)."""
-    ps, bs = self.page_size, pre.shape[0]
-    dev_last = validate.device_last_loc(last_loc, bs)
-    last = validate.host_last_loc(last_loc, dev_last, pre, ps, 1)
-    tokens = validate.extend_args(pre, seq, last, extend_num_tokens, page_size=ps,
-                                  num_slots=self.full_attn_allocator.config.num_slots
-                                  ).total_tokens
-    fp, sp = self._pool_pair()
-    trigger = tokens // ps + bs + 1  # SPEC 4.2's need_sort trigger, in each pool
-    fp.merge_if(trigger > fp.free_len)
-    sp.merge_if(trigger > sp.free_len)
-    rows = swa_device.bucket_rows(bs)
-    packed = swa_device.pack_extend(pre, seq, None if dev_last is not None else last, rows)
-    extra = () if dev_last is None else (self._padded(dev_last, rows, -1),)
-    out = self._launch("extend", (rows, swa_device.bucket_tokens(tokens)), packed, *extra)
-    fp.free_len -= p
-    sp.free_len -= p
-    return self._exact(out, tokens)
-
-  @_ranked
   def alloc_extend_swa_tail(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
-                            last_loc, extend_num_tokens: int, swa_tail_len: int):
+                            last_loc, extend_num_tokens: int, swa_tail_len: int,
+                            dp_rank: int = 0):
     """One request's extend: full slots for every token, SWA slots only for the last
     `swa_tail_len` (a fresh SWA request); None if either pool is short (SPEC 13)."""
+    pool = self._pools[self._pool_index(dp_rank)]
     if self.page_size == 1:
       raise ValueError("alloc_extend_swa_tail needs page_size > 1 (as SGLang asserts)")
     ps = self.page_size
-    pre = validate.host_ints(prefix_lens if prefix_lens_cpu is None else prefix_lens_cpu,
-                             "prefix_lens")
-    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu,
-                             "seq_lens")
-    if pre.shape != (1,) or seq.shape != (1,):
-      raise ValueError(f"alloc_extend_swa_tail takes one request (as SGLang), got "
-                       f"prefix_lens {pre.shape}, seq_lens {seq.shape}")
+    for name, arg in (("prefix_lens", prefix_lens if prefix_lens_cpu is None else
+                       prefix_lens_cpu), ("seq_lens", seq_lens if seq_lens_cpu is None
+                                          else seq_lens_cpu)):
+      shape = tuple(arg.shape) if hasattr(arg, "shape") else np.shape(arg)  # no read
+      if shape != (1,):
+        raise ValueError(f"alloc_extend_swa_tail takes one request (as SGLang), got "
+                         f"{name} of shape {shape}")
     ext = validate.count(extend_num_tokens, "extend_num_tokens")
     tail = validate.count(swa_tail_len, "swa_tail_len")
     if tail > ext:
       raise ValueError(f"swa_tail_len={tail} must be <= extend_num_tokens={ext}")
-    pf = _new_pages(pre, seq, ps)
-    if not self.new_pages_available(pf, -(-tail // ps)):
+    plan = self._extend_plan(pool, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                             last_loc, ext, None)
+    swa_pages = -(-tail // ps)
+    if plan is None or not self._fits(pool, plan.pages, swa_pages):
       return None
-    if self._fast():
-      return self._tail_fast(pre, seq, last_loc, ext, tail, pf)
-    full = self.full_attn_allocator.alloc_extend(pre, pre, seq, seq, last_loc, ext)
-    assert full is not None
-    if tail == 0:  # the head is all of it: mapping 0 (SPEC 13; 0 already in valid use)
-      self.clear_full_to_swa_mapping(full)
-      return full
-    zero, one = np.zeros((1,), np.int64), np.array([tail], np.int64)
-    swa = self.swa_attn_allocator.alloc_extend(zero, zero, one, one,
-                                               np.array([-1], np.int64), tail)
-    assert swa is not None
-    if self._host:
-      m = self._host_mapping()
-      m[full[ext - tail:]] = swa
-      m[full[:ext - tail]] = 0
-    else:
-      self._map(_TAIL, full, swa)
-    return full
+    # Each pool's SPEC 4.2 trigger, the SWA pool's only when it is called (tail > 0).
+    triggers = (ext // ps + 2, tail // ps + 2 if tail else 0)
+    return self._launch(pool, "alloc_extend_swa_tail", (plan.pages, swa_pages), triggers,
+                        lambda s, shared: pool.backend.alloc_extend_swa_tail(
+                            s, plan, tail, shared))
 
-  def _tail_fast(self, pre, seq, last_loc, ext: int, tail: int, pf: int):
-    """alloc_extend_swa_tail as one program, known to fit."""
-    ps = self.page_size
-    dev_last = validate.device_last_loc(last_loc, 1)
-    last = validate.host_last_loc(last_loc, dev_last, pre, ps, 1)
-    validate.extend_args(pre, seq, last, ext, page_size=ps,
-                         num_slots=self.full_attn_allocator.config.num_slots)
-    fp, sp = self._pool_pair()
-    fp.merge_if(ext // ps + 2 > fp.free_len)  # each pool's SPEC 4.2 trigger
-    if tail:
-      sp.merge_if(tail // ps + 2 > sp.free_len)
-    packed = np.array([pre[0], seq[0], -1 if dev_last is not None else last[0], tail],
-                      np.int32)
-    extra = () if dev_last is None else (dev_last,)
-    out = self._launch("tail", (swa_device.bucket_tokens(ext),), packed, *extra)
-    fp.free_len -= pf
-    sp.free_len -= -(-tail // ps)
-    return self._exact(out, ext)
-
-  @_ranked
-  def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+  def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, dp_rank: int = 0):
     """One slot per request in both pools (SPEC 13), or None.
 
     Each pool first runs its own need_sort merge trigger (bs > len(free_pages)), as
     SGLang's two calls do; unless both pools then fit, neither allocates (SGLang keeps
     what the fitting pool took). Returns the full slots.
     """
+    pool = self._pools[self._pool_index(dp_rank)]
     if self.page_size == 1:
       raise ValueError("alloc_decode needs page_size > 1 (as SGLang asserts); use alloc")
-    ps = self.page_size
-    seq = validate.host_ints(seq_lens if seq_lens_cpu is None else seq_lens_cpu,
-                             "seq_lens")
-    need = int(np.count_nonzero((seq - 1) % ps == 0))
-    fit_f = need <= self.full_available_size() // ps
-    fit_s = need <= self.swa_available_size() // ps
-    if fit_f != fit_s:
-      # Only the short pool's call runs (it merges if its trigger fires, then refuses);
-      # the other pool runs just its merge trigger. Reads a free list (a wait), on this
-      # refusal path only.
-      short, fits = ((self.swa_attn_allocator, self.full_attn_allocator) if fit_f
-                     else (self.full_attn_allocator, self.swa_attn_allocator))
-      if self.need_sort and seq.shape[0] > len(fits.free_pages):
-        fits.merge_and_sort_free()
-      last = self._swa_last(last_loc, (seq - 1) % ps == 0) if short is \
-          self.swa_attn_allocator else last_loc
-      assert short.alloc_decode(seq, seq, last) is None
-      return None
-    if fit_f and self._fast() and seq.shape[0]:
-      return self._decode_fast(seq, last_loc, need)
-    swa_last = self._swa_last(last_loc, (seq - 1) % ps == 0)
-    full = self.full_attn_allocator.alloc_decode(seq, seq, last_loc)
-    swa = self.swa_attn_allocator.alloc_decode(seq, seq, swa_last)
-    if full is None or swa is None:
-      assert full is None and swa is None
-      return None
-    if seq.shape[0]:
-      self._pair(full, swa)
-    return full
-
-  def _decode_fast(self, seq, last_loc, need: int):
-    """alloc_decode as one program, both pools known to fit (`need` new pages each)."""
-    ps, bs = self.page_size, seq.shape[0]
-    dev_last = validate.device_last_loc(last_loc, bs)
-    last = validate.host_last_loc(last_loc, dev_last, seq, ps, 2)
-    validate.decode_args(seq, last, page_size=ps,
-                         num_slots=self.full_attn_allocator.config.num_slots)
-    fp, sp = self._pool_pair()
-    fp.merge_if(bs > fp.free_len)  # SPEC 4.3's trigger, in each pool
-    sp.merge_if(bs > sp.free_len)
-    rows = swa_device.bucket_rows(bs)
-    packed = swa_device.pack_decode(seq, None if dev_last is not None else last, rows)
-    extra = () if dev_last is None else (self._padded(dev_last, rows, -1),)
-    out = self._launch("decode", (rows,), packed, *extra)
-    fp.free_len -= need
-    sp.free_len -= need
-    return self._exact(out, bs)
+    plan = self._decode_plan(pool, seq_lens, seq_lens_cpu, last_loc)
+    if plan is None:
+      return pool.backend.empty()
+    return self._launch(pool, "alloc_decode", (plan.pages, plan.pages),
+                        (plan.rows, plan.rows),
+                        lambda s, shared: pool.backend.alloc_decode(s, plan, shared))
 
   # -- freeing -------------------------------------------------------------------------------
-  def _debug_peers(self, idx: np.ndarray, mapped: bool, op: str) -> None:
-    if not self._debug or idx.size == 0:
-      return
-    peers = self._read(idx)
-    bad = np.flatnonzero((peers <= 0) if mapped else (peers != 0))
-    if bad.size:
-      i = int(bad[0])
-      what = ("has no SWA peer (call free_full)" if mapped else
-              f"still has SWA peer {int(peers[i])} (call free, or free_swa first)")
-      raise SWADebugError(f"{op}: free_index[{i}]={int(idx[i])} {what} "
-                          f"(jax_kvalloc debug mode)")
+  def _slots(self, pool: Pool, free_index) -> np.ndarray:
+    """free_index as checked host int64 slots (a device array is read)."""
+    idx = validate.host_ints(free_index, "free_index")
+    if idx.size:
+      validate.free_index(idx, page_size=self.page_size,
+                          num_slots=pool.backend.pools[FULL].num_slots)
+    return idx
 
-  @_ranked
-  def free(self, free_index) -> None:
+  def _segment_arg(self, pool: Pool, free_index, start_pos, full: bool) -> Any:
+    """A segment's free_index: a device i32 array as it is (device backend, never read
+    back), else checked host int64 slots (with the full pool's segment checks when
+    `full`: one request's consecutive tokens, no page twice)."""
+    validate.start_pos(start_pos, self.page_size)
+    dev = (validate.device_ints(free_index, "free_index")
+           if pool.backend.keeps_device_arrays else None)
+    if dev is not None:
+      return dev
+    idx = self._slots(pool, free_index)
+    if full and idx.size and self.page_size > 1:
+      validate.segment(idx, page_size=self.page_size)
+    return idx
+
+  def _full_pages(self, idx: Any) -> int:
+    """Entries a full-pool `free` of these slots lists: its sorted unique pages (host
+    slots), or the slots themselves at page size 1."""
+    ps = self.page_size
+    return np.unique(idx // ps).shape[0] if ps > 1 else idx.shape[0]
+
+  def _free(self, pool: Pool, op: str, idx: Any, start: int,
+            counts: Tuple[Optional[int], Optional[int]]) -> None:
+    pool.write(op, self._calls, counts, lambda s, cut, shared: pool.backend.free(
+        s, op, idx, start, cut, shared))
+
+  def _take(self, r: int, op: str, idx: Any, name: str) -> None:
+    """Inside a free group: the SWA half resolved now (mapping read and cleared), its
+    SWA page ids ("take_pages", counted: one per full page) or slots ("take_peers")
+    queued (SPEC 13)."""
+    pool = self._pools[r]
+    out = pool.allocate(name, self._calls, (0, 0),
+                        lambda s, shared: pool.backend.take(s, op, idx, shared, name))
+    if op == "take_pages":
+      self._group[r].swa_page_ids.append((out, -(-idx.shape[0] // self.page_size)))
+    else:
+      self._group[r].swa_slots.append(out)
+
+  def free(self, free_index, dp_rank: int = 0) -> None:
     """free_swa then free_full of these full slots (SPEC 13)."""
-    idx = self._free_args(free_index)
-    if idx is None:
+    r = self._pool_index(dp_rank)
+    pool = self._pools[r]
+    idx = self._slots(pool, free_index)
+    if idx.size == 0:
       return
-    if self._fast(free=True):
-      rows = swa_device.bucket_free(idx.shape[0])
-      self._take_lengths(self._launch("free", (rows,), buckets.pad(idx, rows)))
+    ps = self.page_size
+    if self._group is not None:
+      self._take(r, "take_pages" if ps == 1 else "take_peers", idx, "free_swa")
+      self._group[r].slots.append(np.array(idx, copy=True))
       return
-    self.free_swa(idx)
-    self.full_attn_allocator.free(idx)
+    self._free(pool, "free", idx, 0, (self._full_pages(idx), idx.size if ps == 1 else None))
 
-  @_ranked
-  def free_swa(self, free_index) -> None:
+  def free_swa(self, free_index, dp_rank: int = 0) -> None:
     """Frees the SWA peers of these full slots and clears their mapping (SPEC 13).
 
     Page size 1: as free_swa_segment(free_index, start_pos=0). Page size > 1: every slot
     of their full pages; the SWA pool frees the sorted unique pages of the peers found
-    (SPEC 4.4), whose count needs their values: one read of the mapping (device: a
-    wait), as SGLang's own free_swa synchronizes at page size > 1.
+    (SPEC 4.4), whose count needs their values: one read (device: a wait), as SGLang's
+    own free_swa synchronizes at page size > 1.
     """
-    idx = self._free_args(free_index)
-    if idx is None:
-      return
-    ps = self.page_size
-    if ps == 1:
-      self._free_swa_pages(idx, "free_swa")
-      return
-    if self._fast(free=True):
-      rows = swa_device.bucket_free(idx.shape[0])
-      self._take_lengths(self._launch("free_swa", (rows,), buckets.pad(idx, rows)))
-      return
-    self._debug_peers(idx, True, "free_swa")
-    wide = ((idx // ps) * ps)[:, None] + np.arange(ps)[None, :]
-    wide = wide.reshape(-1)
-    peers = self._read(wide)
-    self.clear_full_to_swa_mapping(wide)
-    peers = peers[peers > 0]
-    if self._group is not None:
-      self._group_slots.append(peers)
-    elif peers.size:
-      self.swa_attn_allocator.free(peers)
-
-  def _segment_arg(self, free_index, start_pos) -> Any:
-    """free_index of a segment call: a device i32 array as it is (device backend, never
-    read back), else checked host int64 slots; None when empty."""
-    validate.start_pos(start_pos, self.page_size)
-    dev = None if self._host else validate.device_ints(free_index, "free_index")
-    if dev is not None:
-      return dev if dev.shape[0] else None
-    idx = validate.host_ints(free_index, "free_index")
+    r = self._pool_index(dp_rank)
+    pool = self._pools[r]
+    idx = self._slots(pool, free_index)
     if idx.size == 0:
-      return None
-    self._check_slots(idx, "free_index")
-    return idx
-
-  def _debug_segment(self, idx, mapped: bool, op: str) -> None:
-    """Debug mode: a device free_index is read (a wait) and checked as host slots, then
-    every slot (mapped: each page's first token) is checked for its peer."""
-    if not self._debug:
       return
-    if isinstance(idx, jax.Array):
-      idx = np.asarray(idx).astype(np.int64)
-      self._check_slots(idx, "free_index")
-    self._debug_peers(idx[::self.page_size] if mapped else idx, mapped, op)
+    if self.page_size == 1:
+      self._swa_segment(r, idx, 0, "free_swa")
+    elif self._group is not None:
+      self._take(r, "take_peers", idx, "free_swa")
+    else:
+      self._free(pool, "free_swa", idx, 0, (0, None))
 
-  @_ranked
-  def free_swa_segment(self, free_index, *, start_pos: int) -> None:
+  def free_swa_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
     """Frees the SWA pages of one request's tokens start_pos, start_pos + 1, ...:
     mapping[free_index[::ps]] // ps through the SWA pool's free_page_ids, in that order,
     and clears the mapping of those full pages (SPEC 13).
 
-    Device backend: never waits. free_index may be a device array (taken as it is); the
-    pages are gathered, and the mapping cleared, in one jitted program, and handed to
-    the SWA pool as a device array: its count is one page per full page of the segment,
-    so each of them must have its SWA peer (as SGLang expects; debug mode checks it,
-    reading the values). Page size 1: the SWA token pool's free reads the slots back, as
-    the token class does for every device array.
+    Device backend: never waits; free_index may be a device array (taken as it is). The
+    SWA pool's mirror counts one page per full page of the segment, so each must have
+    its SWA peer (SGLang's invariant): a page without one refuses the call (ValueError
+    naming it: at once on the host backend, at the latest at the next call returning a
+    host value on the device).
     """
-    idx = self._segment_arg(free_index, start_pos)
-    if idx is None:
-      return
-    if self._fast(free=True):
-      self._segment_fast("free_swa_segment", idx, start_pos)
-      return
-    self._free_swa_pages(idx, "free_swa_segment")
+    r = self._pool_index(dp_rank)
+    idx = self._segment_arg(self._pools[r], free_index, start_pos, full=False)
+    if idx.shape[0]:
+      self._swa_segment(r, idx, start_pos, "free_swa_segment")
 
-  def _segment_fast(self, op: str, idx, start_pos: int) -> None:
-    """free_swa_segment / free_segment as one program; each pool's mirror counts one
-    page per full page of the segment, as the pools' free_page_ids do."""
-    n = idx.shape[0]
-    if op == "free_segment" and not isinstance(idx, jax.Array):
-      validate.segment(idx, page_size=self.page_size)  # the full pool's checks, first
-    rows = swa_device.bucket_free(n)
-    self._launch(op, (rows,), self._padded(idx, rows, 0), np.int32(start_pos), np.int32(n))
-    fp, sp = self._pool_pair()
-    pages = -(-n // self.page_size)
-    self._freed(sp, pages)
-    if op == "free_segment":
-      self._freed(fp, pages)
-
-  def _free_swa_pages(self, idx, op: str) -> None:
-    """Frees the SWA pages of checked segment slots (host int64 or device i32)."""
-    ps = self.page_size
-    self._debug_segment(idx, True, op)
-    if self._host:
-      reps = idx[::ps]
-      peers = self._translate_host(reps)
-      pages = (peers // ps)[peers > 0]
-      wide = reps if ps == 1 else (((reps // ps) * ps)[:, None]
-                                   + np.arange(ps)[None, :]).reshape(-1)
-      self.clear_full_to_swa_mapping(wide)
-    else:
-      fn = _SEGMENT[0] if self._mapping_shared else _SEGMENT[1]
-      self._mapping, pages = fn(self._mapping, self._dev(idx), ps)
-      self._mapping_shared = False
+  def _swa_segment(self, r: int, idx: Any, start_pos: int, op: str) -> None:
     if self._group is not None:
-      self._group.append(pages)
-    elif pages.shape[0]:
-      self.swa_attn_allocator.free_page_ids(pages)
+      self._take(r, "take_pages", idx, op)
+      return
+    self._free(self._pools[r], op, idx, start_pos, (0, -(-idx.shape[0] // self.page_size)))
 
-  @_ranked
-  def free_full(self, free_index) -> None:
+  def free_full(self, free_index, dp_rank: int = 0) -> None:
     """The full pool's free alone; the slots must have no SWA peer left."""
-    idx = self._free_args(free_index)
-    if idx is None:
+    r = self._pool_index(dp_rank)
+    idx = self._slots(self._pools[r], free_index)
+    if idx.size == 0:
       return
-    self._debug_peers(idx, False, "free_full")
-    self.full_attn_allocator.free(idx)
+    if self._group is not None:
+      self._group[r].slots.append(np.array(idx, copy=True))
+      return
+    self._free(self._pools[r], "free_full", idx, 0, (self._full_pages(idx), 0))
 
-  @_ranked
-  def free_segment(self, free_index, *, start_pos: int) -> None:
+  def free_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
     """free_swa_segment, then the full pool's free_segment (SPEC 13). Device backend:
-    never waits (a device free_index is taken as it is; see free_swa_segment)."""
-    idx = self._segment_arg(free_index, start_pos)
-    if idx is None:
-      return
-    if self._fast(free=True):
-      self._segment_fast("free_segment", idx, start_pos)
-      return
-    self._free_swa_pages(idx, "free_segment")
-    self.full_attn_allocator.free_segment(idx, start_pos=start_pos)
+    never waits (see free_swa_segment). Every check runs first: a bad segment frees
+    nothing in either pool."""
+    self._segment_call(dp_rank, free_index, start_pos, swa=True)
 
-  @_ranked
-  def free_full_segment(self, free_index, *, start_pos: int) -> None:
+  def free_full_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
     """The full pool's free_segment alone; the slots must have no SWA peer left.
-    Device backend: never waits (outside debug mode)."""
-    idx = self._segment_arg(free_index, start_pos)
-    if idx is None:
-      return
-    self._debug_segment(idx, False, "free_full_segment")
-    self.full_attn_allocator.free_segment(idx, start_pos=start_pos)
+    Device backend: never waits."""
+    self._segment_call(dp_rank, free_index, start_pos, swa=False)
 
-  def free_group_begin(self) -> None:
-    """Opens a free group over both pools (SPEC 13): SWA peers are resolved at call
-    time and queued; the full pool's own group queues its frees."""
-    if self._ranks is not None:
-      for r in self._ranks:
-        if r is not None:
-          r.free_group_begin()
+  def _segment_call(self, dp_rank: int, free_index, start_pos, swa: bool) -> None:
+    r = self._pool_index(dp_rank)
+    pool = self._pools[r]
+    idx = self._segment_arg(pool, free_index, start_pos, full=True)
+    n = idx.shape[0]
+    if n == 0:
       return
-    validate.group_begin(self._group)
-    self.full_attn_allocator.free_group_begin()
-    self._group, self._group_slots = [], []
+    pages = -(-n // self.page_size)
+    if self._group is None:
+      self._free(pool, "free_segment" if swa else "free_full_segment", idx, start_pos,
+                 (pages, pages if swa else 0))
+      return
+    if swa:
+      self._take(r, "take_pages", idx, "free_segment")
+    ps = self.page_size
+    if ps == 1:  # token pools: page ids are slots, queued with the slot frees (FIFO)
+      self._group[r].slots.append(idx)
+    else:
+      self._group[r].page_ids.append(pool.backend.segment_pages(idx))
 
-  def free_group_end(self) -> None:
-    """Frees the queued SWA page ids (one free_page_ids), the queued SWA slots (one
-    free), then closes the full pool's group (SPEC 13)."""
-    if self._ranks is not None:
-      for r in self._ranks:
-        if r is not None:
-          r.free_group_end()
-      return
-    validate.group_end(self._group)
-    pages, slots = self._group, self._group_slots
-    self._group, self._group_slots = None, []
-    if pages and sum(p.shape[0] for p in pages):
-      self.swa_attn_allocator.free_page_ids(concat(pages))
-    if slots and sum(s.size for s in slots):
-      self.swa_attn_allocator.free(np.concatenate(slots))
-    self.full_attn_allocator.free_group_end()
+  def free_segments(self, segments: Sequence[Tuple[Any, int]], dp_rank: int = 0) -> None:
+    """Each (free_index, start_pos) segment of one request through free_segment, in
+    order, every one checked first (consecutive segments must not share a page). What
+    only the state shows is checked segment by segment: one whose page has no SWA peer
+    is refused, after the segments before it were freed."""
+    self._segments(segments, dp_rank, swa=True)
+
+  def free_full_segments(self, segments: Sequence[Tuple[Any, int]],
+                         dp_rank: int = 0) -> None:
+    """Each segment through free_full_segment, every one checked first."""
+    self._segments(segments, dp_rank, swa=False)
+
+  def _segments(self, segments, dp_rank: int, swa: bool) -> None:
+    pool = self._pools[self._pool_index(dp_rank)]
+    checked, spans = [], []
+    for i, seg in enumerate(segments):
+      free_index, start = _pair(seg, i)
+      try:
+        idx = self._segment_arg(pool, free_index, start, full=True)
+      except (TypeError, ValueError) as e:
+        raise type(e)(f"segments[{i}]: {e}") from e
+      spans.append((idx.shape[0], validate.count(start, "start_pos")))
+      checked.append((idx, start))
+    validate.segments_disjoint(spans, self.page_size)
+    for idx, start in checked:
+      if idx.shape[0]:
+        self._segment_call(dp_rank, idx, start, swa)
+
+  def _flush(self, pool: Pool, q) -> None:
+    """One rank's free group (SPEC 13): the queued SWA page ids (one free_page_ids of
+    their concatenation), the queued SWA slots (one free), then the full pool's queue
+    (its slot frees, then its page ids)."""
+    if q.swa_page_ids:
+      ids = concat([p for p, _ in q.swa_page_ids])
+      self._free(pool, "swa_free_page_ids", ids, 0, (0, sum(c for _, c in q.swa_page_ids)))
+    if q.swa_slots:
+      self._free(pool, "swa_free", concat(q.swa_slots), 0, (0, None))
+    if q.slots:
+      idx = concat(q.slots)
+      self._free(pool, "full_free", idx, 0, (self._full_pages(idx), 0))
+    if q.page_ids:
+      ids = concat(q.page_ids)
+      self._free(pool, "full_free_page_ids", ids, 0, (ids.shape[0], 0))
+
+
+class _PoolView:
+  """One pool of an SWA allocator as SGLang's `full_attn_allocator` /
+  `swa_attn_allocator` expose it, read-only (of rank 0 unless `rank(r)`)."""
+
+  def __init__(self, owner: SWATokenToKVPoolAllocator, side: int, dp_rank: int = 0):
+    self._owner, self._side, self._rank = owner, side, dp_rank
+
+  def rank(self, dp_rank: int) -> "_PoolView":
+    return _PoolView(self._owner, self._side, dp_rank)
+
+  def _pool(self) -> Pool:
+    return self._owner._pools[self._owner._settled(self._rank)]  # pylint: disable=protected-access
 
   @property
-  def is_not_in_free_group(self) -> bool:
-    return self._group is None
+  def page_size(self) -> int:
+    return self._owner.page_size
 
-  def __repr__(self) -> str:
-    return (f"SWATokenToKVPoolAllocator(size={self._size_full}, size_swa={self._size_swa}, "
-            f"page_size={self.page_size}, need_sort={self.need_sort}, "
-            f"backend={self.backend!r}, dp_size={self.dp_size})")
+  @property
+  def size(self) -> int:
+    pool = self._pool()
+    return pool.backend.pools[self._side].size
+
+  def available_size(self) -> int:
+    return self._pool().available_size(self._side)
+
+  def _part(self):
+    state = self._pool().state
+    return state.full if self._side == FULL else state.swa
+
+  @property
+  def free_pages(self) -> np.ndarray:
+    """The pool's free list in order, host int32 (reads the device)."""
+    from jax_kvalloc import state as st  # pylint: disable=g-import-not-at-top
+    return st.live_free_pages(jax.tree.map(np.asarray, self._part()))
+
+  @property
+  def release_pages(self) -> np.ndarray:
+    from jax_kvalloc import state as st  # pylint: disable=g-import-not-at-top
+    return st.live_release_pages(jax.tree.map(np.asarray, self._part()))

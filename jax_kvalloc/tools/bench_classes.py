@@ -5,8 +5,11 @@ inputs, each timed alone with perf_counter (median, quartiles); "sync_us" is the
 per call of the same loop with one wait at the end (the throughput bound of the
 asynchronous implementations). Columns (a column that cannot run is skipped with why):
 
-  device     jax_kvalloc's class, backend="device" (jax arrays, no waits); constructor
-             arguments in brackets, e.g. `device[kernel=jnp]`
+  device     jax_kvalloc's class, backend="device" (jax arrays, no waits), called as
+             SGLang's class is (per-request arrays on the device beside host copies);
+             constructor arguments in brackets, e.g. `device[kernel=jnp]`; its cells
+             also count `status_waits`, the calls that waited for an earlier call's
+             status (SPEC 14)
   host       jax_kvalloc's class, backend="host" (NumPy state and results)
   sgljax     sglang-jax's host-NumPy PagedTokenToKVPoolAllocator, loaded by path from
              --sgljax (default ../shared/anchors/sgljax; third-party code, never copied)
@@ -63,6 +66,8 @@ class ClassImpl:
                                               **dict(dict(debug=False), **kw))
       if name == "device":
         self.wait = jax.block_until_ready
+        dev = self.a._pools[0].backend.device  # pylint: disable=protected-access
+        self.conv = lambda x: jax.device_put(np.asarray(x, np.int32), dev)
     elif name == "sgljax":
       path = pathlib.Path(o.sgljax) / "sgljax_allocator.py"
       if not path.exists():
@@ -120,9 +125,12 @@ def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
     before = lambda: impl.a.restore_state(snap)
 
   def measure(opts):
+    waits = getattr(impl.a, "status_waits", None)
     out = bench.cell(timing.per_call(call, before=before, wait=impl.wait, reps=opts.reps))
     if before is not None:  # the loop's mean then includes `before`
       del out["sync_us"]
+    if waits is not None:
+      out["status_waits"] = impl.a.status_waits - waits
     return out
   return bench.Timed(measure)
 
@@ -154,7 +162,8 @@ def stalls_timed(mode: str, o) -> bench.Timed:
       a.clear()
     slow = [t for t in times if t > 0.05]
     return {"us": float(np.median(times)) * 1e6, "calls": len(times),
-            "stalls_over_50ms": len(slow), "stall_s": sum(slow), "warmup_s": warm_s}
+            "stalls_over_50ms": len(slow), "stall_s": sum(slow), "warmup_s": warm_s,
+            "status_waits": a.status_waits}
   return bench.Timed(measure)
 
 
@@ -175,11 +184,17 @@ def class_cases(o):
 
 def class_render(record: Dict[str, Any]) -> str:
   lines = [bench.table(record, CLASS)]
+  waits = [f"{r['op']}/{r['size']} {r['cells']['device']['status_waits']}"
+           for r in record["rows"] if "status_waits" in r["cells"].get("device", {})
+           and r["op"] != "stalls"]
+  if waits:
+    lines.append("device calls that waited for a status: " + ", ".join(waits))
   for r in record["rows"]:
     s = r["cells"].get("device", {})
     if "stalls_over_50ms" in s:
       lines.append(f"stalls ({r['size']}): {s['stalls_over_50ms']} of {s['calls']} calls "
-                   f"over 50 ms, {s['stall_s']:.2f} s in all; warm-up {s['warmup_s']:.1f} s")
+                   f"over 50 ms, {s['stall_s']:.2f} s in all; warm-up {s['warmup_s']:.1f} s; "
+                   f"{s.get('status_waits', 0)} status waits")
   return "\n".join(lines)
 
 
@@ -233,9 +248,7 @@ class SWAImpl:
       self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, o.device, None, False,
                                          backend="device", debug=False)
       a = self.a
-      self.wait = lambda: jax.block_until_ready((
-          a._mapping, a.full_attn_allocator._pools[0].state,  # pylint: disable=protected-access
-          a.swa_attn_allocator._pools[0].state))  # pylint: disable=protected-access
+      self.wait = lambda: jax.block_until_ready(a._pools[0].state)  # pylint: disable=protected-access
       return
     self.cfg = swa_core.SWAConfig(size, size_swa, ps, False, debug=False)
     self.state = jax.device_put(swa_core.init(self.cfg), dev)

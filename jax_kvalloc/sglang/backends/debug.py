@@ -12,7 +12,7 @@ wait (they read the record), and they never donate (the copying programs only).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ from jax_kvalloc import buckets
 from jax_kvalloc import debug as _debug
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
+from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import resolve_device
@@ -47,9 +48,12 @@ class DebugBackend:
   """
 
   keeps_device_arrays = False
+  defers_status = False
+  writes_whole_state = False
 
   def __init__(self, config: AllocatorConfig, device: Any, host_results: bool):
     self.config = config
+    self.pools = (config,)
     self.device = resolve_device(device)
     self.host_results = host_results
 
@@ -60,6 +64,19 @@ class DebugBackend:
     if isinstance(state.free_ring, jax.Array):
       return state
     return jax.device_put(jax.tree.map(np.asarray, state), self.device)
+
+  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
+    return int(state.free_len), int(state.release_len)
+
+  def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
+    """set_state's checks, and a misuse the caller's code recorded raises
+    AllocatorDebugError (the state is not taken)."""
+    validate.state_like(state, current, AllocatorState)
+    lengths = validate.state_lengths(state, self.config.num_pages)
+    err = _debug.get_error(state)
+    if err is not None:
+      raise err
+    return lengths
 
   def empty(self) -> Any:
     return np.zeros((0,), np.int32) if self.host_results else jax.device_put(
@@ -78,14 +95,14 @@ class DebugBackend:
   def _output(self, state, rest, n: int):
     out, ok = rest
     if not bool(ok):
-      return state, None
+      return state, None, None
     if self.host_results:
-      return state, np.array(np.asarray(out)[:n], np.int32)
-    return state, out[:n]
+      return state, np.array(np.asarray(out)[:n], np.int32), None
+    return state, out[:n], None
 
   def alloc(self, state, need_size, fits):
     if need_size // self.config.page_size > self.config.num_pages:
-      return state, None
+      return state, None, None
     del fits  # the core decides again, after its checks
     new, rest = self._run(_ALLOC, state, np.int32(need_size),
                           max_size=buckets.bucket(need_size, buckets.MIN_TOKENS))
@@ -99,7 +116,7 @@ class DebugBackend:
   def alloc_extend(self, state, plan, fits):
     del fits
     if plan.pages > self.config.num_pages:
-      return state, None
+      return state, None, None
     pre, seq, last = plan.data
     rows = buckets.bucket(plan.rows, buckets.MIN_BATCH)
     new, rest = self._run(
@@ -123,21 +140,21 @@ class DebugBackend:
                           buckets.pad(last, rows, -1), num_reqs=np.int32(plan.rows))
     return self._output(new, rest, plan.rows)
 
-  def free(self, state, idx, values, count, shared):
+  def free(self, state, idx, values, counts, shared):
     """Runs even when nothing reaches the list: a double free must still be found."""
-    del values, count, shared
+    del values, counts, shared
     n = buckets.bucket(idx.shape[0], buckets.MIN_FREE)
-    return self._run(_FREE, state, buckets.pad(idx.astype(np.int32), n))[0]
+    return self._run(_FREE, state, buckets.pad(idx.astype(np.int32), n))[0], None, None
 
-  def free_page_ids(self, state, ids, count, shared):
-    del count, shared
+  def free_page_ids(self, state, ids, counts, shared):
+    del counts, shared
     ids = np.asarray(ids).astype(np.int32)
     n = buckets.bucket(ids.shape[0], buckets.MIN_FREE)
     return self._run(_FREE_PAGE_IDS, state, buckets.pad(ids, n),
-                     np.int32(ids.shape[0]))[0]
+                     np.int32(ids.shape[0]))[0], None, None
 
-  def merge_and_sort_free(self, state, shared):
-    del shared
+  def merge_and_sort_free(self, state, side, shared):
+    del side, shared
     return self._run(_MERGE, state)[0]
 
   def warmup(self, state, **kwargs) -> WarmupReport:

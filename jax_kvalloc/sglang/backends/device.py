@@ -1,10 +1,10 @@
-"""The device backend: the state is an `AllocatorState` of jax arrays on one device, and
-each class call is one cached jitted program launched without waiting.
+"""The device backend: the state lives in jax arrays on one device, and each class call
+is one cached jitted program launched without waiting.
 
-The class keeps an exact host mirror of `free_len` and `release_len` (SGLang's `*_cpu`
-copies give every page count; jax_kvalloc.sglang.base), so it knows before launching
-whether a call fits and whether need_sort must merge first. What is left for the device
-is the index computation and the ring write:
+The class keeps an exact host mirror of the list lengths (SGLang's `*_cpu` copies give
+every page count; jax_kvalloc.sglang.pool), so it knows before launching whether a call
+fits and whether need_sort must merge first. What is left for the device is the index
+computation and the ring write:
 
   * inputs travel in one transfer: the per-request ints are packed into one i32 array
     that the program slices apart again; a `last_loc` that is already a device array
@@ -15,15 +15,23 @@ is the index computation and the ring write:
     length and indices: it never writes a ring, so nothing is donated or copied and a
     snapshot that holds the rings stays valid for free;
   * a free takes and returns only the ring it writes, donated unless a snapshot still
-    holds it (then that one ring is copied: copy-on-write);
+    holds it (then that one ring is copied: copy-on-write); the entries it writes lie
+    outside the live list until its new head and length take them in, so a refused free
+    keeps the old head and length and changes nothing;
   * the merge runs as its own call, only when the host's mirror says it triggers, so the
     allocation programs carry no merge branch (config.need_sort is off inside them);
-  * outputs are padded to a shape bucket (jax_kvalloc.buckets); `exact` cuts them to the
-    exact length with a cached jitted slice (a second, tiny launch; no wait), compiled
-    once per (bucket, length); `warmup` compiles them ahead.
+  * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
+    status): what it refused of what the mirror counted on;
+  * alloc_extend's row counts, token and free counts pad to a power-of-two bucket
+    (jax_kvalloc.buckets), alloc_decode's rows to `decode_rows`; an output
+    longer than asked is cut by `exact`, a cached jitted slice (a second, tiny launch;
+    no wait) compiled once per (bucket, length). An alloc_decode of up to EXACT_ROWS
+    requests runs at its exact size (a program per size), so it is one launch whether
+    last_loc comes from the host or the device; `warmup` compiles the programs ahead.
 
-Programs are cached per (config, operation, bucket) across instances and devices
-(`ops_for`).
+Programs are cached per (config, operation, shape) across instances and devices
+(`Programs.for_config`); jax_kvalloc.sglang.backends.device_swa adds the SWA pool's
+programs to the same machinery.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -41,42 +49,21 @@ from jax_kvalloc import allocation
 from jax_kvalloc import buckets
 from jax_kvalloc import freeing
 from jax_kvalloc import state as st
+from jax_kvalloc import validate
 from jax_kvalloc import warmup as _warmup
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import host
+from jax_kvalloc.sglang.backends import resolve_device
+from jax_kvalloc.sglang.backends import status as _status
 from jax_kvalloc.state import AllocatorState
 from jax_kvalloc.warmup import WarmupReport
 
 Array = jax.Array
 
 
-def _zero() -> Array:
-  return jnp.zeros((), jnp.int32)
-
-
-def _alloc_state(ring: Array, head: Array, length: Array) -> AllocatorState:
-  """A state for the allocation functions: only the free list is read (need_sort off)."""
-  return AllocatorState(free_ring=ring, free_head=head, free_len=length, release_ring=ring,
-                        release_head=_zero(), release_len=_zero())
-
-
-def _write_state(config: AllocatorConfig, ring: Array, head: Array, length: Array,
-                 other_len: Array) -> AllocatorState:
-  """A state for the free functions: the list they write (release_pages when need_sort,
-  else free_pages) and the other list's length (the room check reads it)."""
-  dummy = jnp.zeros((0,), jnp.int32)  # never read: the free writes the other list
-  if config.need_sort:
-    return AllocatorState(dummy, _zero(), other_len, ring, head, length)
-  return AllocatorState(ring, head, length, dummy, _zero(), other_len)
-
-
-def _written(config: AllocatorConfig, state: AllocatorState) -> Tuple[Array, Array, Array]:
-  return st.freed_list(config.need_sort, state)[:3]
-
-
 def compiler_options() -> Dict[str, Any]:
-  """XLA options for the fast-path programs: on a GPU host, a CUDA graph for every
+  """XLA options for the device programs: on a GPU host, a CUDA graph for every
   program, however few its kernels (`xla_gpu_graph_min_graph_size=1`; XLA's default
   needs 5): these programs are 1-10 small kernels, and launching each one separately
   costs host time (BENCHMARKS.md has the measurement). JAX_KVALLOC_GPU_GRAPHS=0 turns it
@@ -90,74 +77,160 @@ def compiler_options() -> Dict[str, Any]:
   return {"xla_gpu_graph_min_graph_size": 1} if has_gpu else {}
 
 
-@functools.lru_cache(maxsize=None)
-def ops_for(config: AllocatorConfig) -> "DeviceOps":
-  """The (shared) fast-path programs of one config."""
-  return DeviceOps(config)
+EXACT_ROWS = 64  # decode batches up to this many requests run at their exact size
 
 
-class DeviceOps:
-  """Jitted fast-path programs of one config, compiled once per shape bucket."""
+def rows(bs: int) -> int:
+  """The row count an alloc_extend batch of `bs` requests runs at: its bucket."""
+  return buckets.bucket(bs, buckets.MIN_BATCH)
 
-  def __init__(self, config: AllocatorConfig):
+
+def decode_rows(bs: int) -> int:
+  """The row count an alloc_decode batch of `bs` requests runs at: `bs` itself up to
+  EXACT_ROWS (one program per size, whose output needs no slice: one launch a call),
+  then its bucket."""
+  return bs if 0 < bs <= EXACT_ROWS else rows(bs)
+
+
+def pack(rows_: int, bs: int, *columns: Any) -> np.ndarray:
+  """i32[len(columns) * rows_ + 1]: each column of `bs` host ints padded with 0 to rows_
+  (padding rows are masked by the count; a None column stays 0: the program takes that
+  one as a device array), then bs."""
+  packed = np.zeros((len(columns) * rows_ + 1,), np.int32)
+  for k, col in enumerate(columns):
+    if col is not None:
+      packed[k * rows_:k * rows_ + bs] = col
+  packed[-1] = bs
+  return packed
+
+
+class Programs:
+  """Jitted programs of one config, compiled once per shape: `fn((op, *shape))` builds
+  with `_build(op, *shape)` (subclasses add operations) and caches."""
+
+  def __init__(self, config: Any):
     self.config = config
-    # The host runs any merge as its own call first, so allocations need no merge branch.
-    self._alloc_cfg = dataclasses.replace(config, need_sort=False)
     self._fns: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
-    self._options = compiler_options()
+    self._jit = functools.partial(jax.jit, compiler_options=compiler_options())
 
-  # -- program cache -------------------------------------------------------------------
-  def _fn(self, key: Tuple[Any, ...]) -> Callable[..., Any]:
+  @classmethod
+  @functools.lru_cache(maxsize=None)
+  def for_config(cls, config: Any) -> "Programs":
+    """The (shared) programs of one config."""
+    return cls(config)
+
+  def fn(self, key: Tuple[Any, ...]) -> Callable[..., Any]:
     fn = self._fns.get(key)
     if fn is None:
       fn = self._fns[key] = self._build(*key)
     return fn
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
-    jit = functools.partial(jax.jit, compiler_options=self._options)
-    acfg, cfg = self._alloc_cfg, self.config
     if op == "slice":
       n = shape[1]
-      return jit(lambda x: x[:n])
-    if op == "alloc":
-      (size,) = shape
-
-      def alloc_fn(ring, head, length, need):
-        s, out, _ = allocation.alloc(acfg, _alloc_state(ring, head, length), need,
-                                     max_size=size)
-        return s.free_head, s.free_len, out
-      return jit(alloc_fn)
-    if op == "extend":
-      rows, tokens = shape
-
-      def extend_fn(ring, head, length, packed, last=None):
-        last = packed[2 * rows:3 * rows] if last is None else last
-        s, out, _ = allocation.alloc_extend(
-            acfg, _alloc_state(ring, head, length), packed[:rows], packed[rows:2 * rows],
-            last, max_tokens=tokens, num_reqs=packed[3 * rows])
-        return s.free_head, s.free_len, out
-      return jit(extend_fn)
-    if op == "decode":
-      (rows,) = shape
-
-      def decode_fn(ring, head, length, packed, last=None):
-        last = packed[rows:2 * rows] if last is None else last
-        s, out, _ = allocation.alloc_decode(
-            acfg, _alloc_state(ring, head, length), packed[:rows], last,
-            num_reqs=packed[2 * rows])
-        return s.free_head, s.free_len, out
-      return jit(decode_fn)
+      return self._jit(lambda x: x[:n])
     if op == "pad":
-      n, rows, fill = shape
-      return jit(lambda x: jnp.pad(x.astype(jnp.int32), (0, rows - n), constant_values=fill))
+      n, rows_, fill = shape
+      return self._jit(lambda x: jnp.pad(x.astype(jnp.int32), (0, rows_ - n),
+                                         constant_values=fill))
+    raise ValueError(f"unknown operation {op!r}")
+
+  def padded(self, x: Any, rows_: int, fill: int) -> Any:
+    """i32[n] padded with `fill` to i32[rows_]: host ints padded on the host; a device
+    array padded on the device without waiting (itself when it has that length, else
+    one launch of a cached jitted pad, compiled once per (n, rows_, fill))."""
+    if not isinstance(x, jax.Array):
+      return buckets.pad(np.asarray(x), rows_, fill)
+    if x.shape[0] == rows_:
+      return x
+    return self.fn(("pad", x.shape[0], rows_, fill))(x)
+
+  def with_counts(self, values: Any, m: int, *counts: int) -> Tuple[Any, ...]:
+    """A free program's inputs: `values` padded with 0 to m, then the ints `counts`:
+    one host i32[m + len(counts)] for host values (one transfer), or (the values padded
+    on the device, the counts as a host i32 array) for a device array."""
+    if isinstance(values, jax.Array):
+      return self.padded(values, m, 0), np.array(counts, np.int32)
+    packed = np.zeros((m + len(counts),), np.int32)
+    packed[:values.shape[0]] = values
+    packed[m:] = counts
+    return (packed,)
+
+  def exact(self, out: Array, n: int) -> Array:
+    """out[:n] without waiting: `out` itself when it has that length, else one launch of
+    a cached jitted slice."""
+    if out.shape[0] == n:
+      return out
+    return self.fn(("slice", out.shape[0], n))(out)
+
+
+def _alloc_state(ring: Array, head: Array, length: Array) -> AllocatorState:
+  """A state for the allocation functions: only the free list is read (need_sort off)."""
+  zero = jnp.zeros((), jnp.int32)
+  return AllocatorState(free_ring=ring, free_head=head, free_len=length, release_ring=ring,
+                        release_head=zero, release_len=zero)
+
+
+def _write_state(config: AllocatorConfig, ring: Array, head: Array, length: Array,
+                 other_len: Array) -> AllocatorState:
+  """A state for the free functions: the list they write (release_pages when need_sort,
+  else free_pages) and the other list's length (the room check reads it)."""
+  dummy, zero = jnp.zeros((0,), jnp.int32), jnp.zeros((), jnp.int32)
+  if config.need_sort:  # the other ring is never read: the free writes this list
+    return AllocatorState(dummy, zero, other_len, ring, head, length)
+  return AllocatorState(ring, head, length, dummy, zero, other_len)
+
+
+class DeviceOps(Programs):
+  """Jitted programs of one pool config, compiled once per shape bucket."""
+
+  def __init__(self, config: AllocatorConfig):
+    super().__init__(config)
+    # The host runs any merge as its own call first, so allocations need no merge branch.
+    self._alloc_cfg = dataclasses.replace(config, need_sort=False)
+
+  def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
+    acfg, cfg = self._alloc_cfg, self.config
+    if op == "decode_on_device":  # seq_lens and last_loc device arrays of `rows` rows
+      def decode_fn(ring, head, length, seq, last):
+        s, out, ok = allocation.alloc_decode(acfg, _alloc_state(ring, head, length), seq,
+                                             last)
+        return s.free_head, s.free_len, out, _status.make(_status.REFUSED, ~ok)
+      return self._jit(decode_fn)
+    if op in ("alloc", "extend", "decode"):
+      def alloc_fn(ring, head, length, packed, last=None):
+        s = _alloc_state(ring, head, length)
+        if op == "alloc":
+          s, out, ok = allocation.alloc(acfg, s, packed[0], max_size=shape[0])
+        elif op == "extend":
+          r, tokens = shape
+          last = packed[2 * r:3 * r] if last is None else last
+          s, out, ok = allocation.alloc_extend(acfg, s, packed[:r], packed[r:2 * r], last,
+                                               max_tokens=tokens, num_reqs=packed[3 * r])
+        else:
+          (r,) = shape
+          last = packed[r:2 * r] if last is None else last
+          s, out, ok = allocation.alloc_decode(acfg, s, packed[:r], last,
+                                               num_reqs=packed[2 * r])
+        return s.free_head, s.free_len, out, _status.make(_status.REFUSED, ~ok)
+      return self._jit(alloc_fn)
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
 
-      def free_fn(ring, head, length, other_len, values):
-        return _written(cfg, body(cfg, _write_state(cfg, ring, head, length, other_len),
-                                  values))
-      return jit(free_fn, donate_argnums=(0,) if donate else ())
+      def free_fn(ring, head, length, other_len, values, count=None):
+        if count is None:  # host values: the counts ride at their end (one transfer)
+          values, count = values[:-2], values[-2:]
+        s = body(cfg, _write_state(cfg, ring, head, length, other_len), values)
+        ring, new_head, new_len = st.freed_list(cfg.need_sort, s)[:3]
+        short = count[0] - (new_len - length)
+        bad = short != 0  # refused whole: the entries written lie outside the list
+        lo = cfg.page_size if op == "free" else 1  # free: slots; else page ids
+        listed = (values >= lo) & (values <= (cfg.num_pages + 1) * lo - 1)
+        given = jnp.arange(values.shape[0]) < count[1]
+        return (ring, jnp.where(bad, head, new_head), jnp.where(bad, length, new_len),
+                _status.unlisted(values, given, listed, short))
+      return self._jit(free_fn, donate_argnums=(0,) if donate else ())
     if op == "merge":
       (donate,) = shape
 
@@ -165,93 +238,63 @@ class DeviceOps:
         s = freeing.merge_and_sort_free(cfg, AllocatorState(
             free_ring, free_head, free_len, release_ring, release_head, release_len))
         return s.free_ring, s.free_head, s.free_len, s.release_head, s.release_len
-      return jit(merge_fn, donate_argnums=(0,) if donate else ())
-    raise ValueError(f"unknown operation {op!r}")
-
-  def padded(self, x: Array, rows: int, fill: int) -> Array:
-    """A device i32[n] padded with `fill` to i32[rows] without waiting: `x` itself when
-    it has that length, else one launch of a cached jitted pad (compiled once per
-    (n, rows, fill), like `exact`)."""
-    if x.shape[0] == rows:
-      return x
-    return self._fn(("pad", x.shape[0], rows, fill))(x)
-
-  def exact(self, out: Array, n: int) -> Array:
-    """out[:n] without waiting: `out` itself when it has that length, else one launch of
-    a cached jitted slice."""
-    if out.shape[0] == n:
-      return out
-    return self._fn(("slice", out.shape[0], n))(out)
+      return self._jit(merge_fn, donate_argnums=(0,) if donate else ())
+    return super()._build(op, *shape)
 
   # -- operations (the class has validated the input and decided that it fits) ---------
-  def alloc(self, state: AllocatorState, need_size: int) -> Tuple[AllocatorState, Array]:
-    size = buckets.bucket(need_size, buckets.MIN_TOKENS)
-    head, length, out = self._fn(("alloc", size))(
-        state.free_ring, state.free_head, state.free_len, np.int32(need_size))
-    return state._replace(free_head=head, free_len=length), self.exact(out, need_size)
+  def _allocate(self, key: Tuple[Any, ...], state: AllocatorState, packed: np.ndarray,
+                extra: Tuple[Any, ...], n: int) -> Tuple[AllocatorState, Array, Array]:
+    head, length, out, status = self.fn(key)(state.free_ring, state.free_head,
+                                             state.free_len, packed, *extra)
+    return state._replace(free_head=head, free_len=length), self.exact(out, n), status
 
-  def alloc_extend(self, state: AllocatorState, pre: Any, seq: Any,
-                   last: Any, total: int) -> Tuple[AllocatorState, Array]:
+  def alloc(self, state: AllocatorState, need_size: int):
+    size = buckets.bucket(need_size, buckets.MIN_TOKENS)
+    return self._allocate(("alloc", size), state, np.array([need_size], np.int32), (),
+                          need_size)
+
+  def alloc_extend(self, state: AllocatorState, pre: Any, seq: Any, last: Any,
+                   total: int):
     """pre, seq: host ints[bs] (int64 arrays or lists); `last`: the same, or a device
     i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
-    bs = len(pre)
-    rows = buckets.bucket(bs, buckets.MIN_BATCH)
-    packed = np.zeros((3 * rows + 1,), np.int32)
-    packed[:bs] = pre
-    packed[rows:rows + bs] = seq
-    extra = ()
-    if isinstance(last, jax.Array):
-      extra = (self.padded(last, rows, -1),)
-    else:
-      packed[2 * rows:3 * rows] = -1
-      packed[2 * rows:2 * rows + bs] = last
-    packed[3 * rows] = bs
-    head, length, out = self._fn(("extend", rows, buckets.bucket(total, buckets.MIN_TOKENS)))(
-        state.free_ring, state.free_head, state.free_len, packed, *extra)
-    return state._replace(free_head=head, free_len=length), self.exact(out, total)
+    r = rows(len(pre))
+    on_device = isinstance(last, jax.Array)
+    packed = pack(r, len(pre), pre, seq, None if on_device else last)
+    extra = (self.padded(last, r, -1),) if on_device else ()
+    return self._allocate(("extend", r, buckets.bucket(total, buckets.MIN_TOKENS)), state,
+                          packed, extra, total)
 
-  def alloc_decode(self, state: AllocatorState, seq: Any,
-                   last: Any) -> Tuple[AllocatorState, Array]:
+  def alloc_decode(self, state: AllocatorState, seq: Any, last: Any,
+                   seq_dev: Any = None):
     """seq: host ints[bs] (an int64 array or a list); `last`: the same, or a device
-    i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
+    i32[bs] (jax.Array) taken as it is: padded on the device, never read back.
+    `seq_dev`: seq as a device i32[bs], or None; with a device `last` at an exact row
+    count the program takes both as they are (no transfer at all)."""
     bs = len(seq)
-    rows = buckets.bucket(bs, buckets.MIN_BATCH)
-    packed = np.zeros((2 * rows + 1,), np.int32)
-    packed[:bs] = seq
-    extra = ()
-    if isinstance(last, jax.Array):
-      extra = (self.padded(last, rows, -1),)
-    else:
-      packed[rows:rows + bs] = last
-    packed[2 * rows] = bs
-    head, length, out = self._fn(("decode", rows))(
-        state.free_ring, state.free_head, state.free_len, packed, *extra)
-    return state._replace(free_head=head, free_len=length), self.exact(out, bs)
+    r = decode_rows(bs)
+    on_device = isinstance(last, jax.Array)
+    if on_device and seq_dev is not None and r == bs:
+      return self._allocate(("decode_on_device", r), state, seq_dev, (last,), bs)
+    packed = pack(r, bs, seq, None if on_device else last)
+    extra = (self.padded(last, r, -1),) if on_device else ()
+    return self._allocate(("decode", r), state, packed, extra, bs)
 
-  def _write(self, op: str, state: AllocatorState, values: Any, minimum: int,
-             shared: bool) -> AllocatorState:
-    """values: host ints, or a device i32[n] (padded with 0 on the device, not read)."""
-    rows = buckets.bucket(values.shape[0], minimum)
-    if isinstance(values, jax.Array):
-      padded = self.padded(values, rows, 0)
-    else:
-      padded = buckets.pad(values, rows)
-    ring, head, length = self._fn((op, padded.shape[0], not shared))(
-        *st.freed_list(self.config.need_sort, state), padded)
-    return st.with_freed_list(self.config.need_sort, state, ring, head, length)
-
-  def free(self, state: AllocatorState, idx: np.ndarray, shared: bool) -> AllocatorState:
-    """`free` of validated slots; `shared`: the ring it writes is held by a snapshot."""
-    return self._write("free", state, idx, buckets.MIN_FREE, shared)
-
-  def free_page_ids(self, state: AllocatorState, page_ids: np.ndarray,
-                    shared: bool) -> AllocatorState:
-    """SPEC 10 `free_page_ids` of validated page ids (0 pads)."""
-    return self._write("free_page_ids", state, page_ids, buckets.MIN_FREE, shared)
+  def free(self, op: str, state: AllocatorState, values: Any, count: int,
+           shared: bool) -> Tuple[AllocatorState, Array]:
+    """A free of validated values (host ints, or a device i32[n] padded with 0 on the
+    device, never read): `free` slots or `free_page_ids` page ids. `count`: the entries
+    that must reach the list (else the free is refused); `shared`: the ring it writes
+    is held by a snapshot."""
+    n = values.shape[0]
+    m = buckets.bucket(n, buckets.MIN_FREE)
+    ring, head, length, status = self.fn((op, m, not shared))(
+        *st.freed_list(self.config.need_sort, state)[:4],
+        *self.with_counts(values, m, count, n))
+    return st.with_freed_list(self.config.need_sort, state, ring, head, length), status
 
   def merge_and_sort_free(self, state: AllocatorState, shared: bool) -> AllocatorState:
     """The merge (SPEC 6); `shared`: the free ring is held by a snapshot."""
-    ring, head, length, rhead, rlen = self._fn(("merge", not shared))(*state[:6])
+    ring, head, length, rhead, rlen = self.fn(("merge", not shared))(*state[:6])
     return state._replace(free_ring=ring, free_head=head, free_len=length,
                           release_head=rhead, release_len=rlen)
 
@@ -261,17 +304,26 @@ _INIT = jax.jit(st.init, static_argnames=("config",))
 
 class DeviceBackend:
   """The Backend (jax_kvalloc.sglang.backends) of jax arrays on `device`: each call one
-  launch of `ops_for(config)`'s programs, never a wait."""
+  launch of `DeviceOps.for_config(config)`'s programs, never a wait."""
 
   keeps_device_arrays = True
+  defers_status = True
+  writes_whole_state = False
 
   def __init__(self, config: AllocatorConfig, device: Any):
-    from jax_kvalloc.sglang.backends import resolve_device  # pylint: disable=g-import-not-at-top
     self.config = config
+    self.pools = (config,)
     self.device = resolve_device(device)
-    self.ops = ops_for(config)
+    self.ops = DeviceOps.for_config(config)
     self._hc = host.host_config(config)
     self._empty = None
+    self._copy_status = copies_status(self.device)
+
+  def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """A call's (..., status) with the status's copy to the host started (no wait)."""
+    if self._copy_status and result[-1] is not None:
+      result[-1].copy_to_host_async()
+    return result
 
   def init(self) -> AllocatorState:
     state = _INIT(self.config)
@@ -283,6 +335,14 @@ class DeviceBackend:
       return state
     return jax.device_put(jax.tree.map(np.asarray, state), self.device)
 
+  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
+    """(free_len, release_len) read from the state (a wait)."""
+    return int(state.free_len), int(state.release_len)
+
+  def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
+    validate.state_like(state, current, AllocatorState)
+    return validate.state_lengths(state, self.config.num_pages)
+
   def empty(self) -> Array:
     if self._empty is None:
       self._empty = jax.device_put(np.zeros((0,), np.int32), self.device)
@@ -290,8 +350,8 @@ class DeviceBackend:
 
   def alloc(self, state, need_size, fits):
     if not fits:
-      return state, None
-    return self.ops.alloc(state, need_size)
+      return state, None, None
+    return self._landing(self.ops.alloc(state, need_size))
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     """Checked input (`checked`: validate.extend_args' result), or host data the host
@@ -300,26 +360,44 @@ class DeviceBackend:
     if checked is not None:
       return Plan(pre.shape[0], checked.new_pages, checked.total_tokens, (pre, seq, last))
     hc = self._hc
+    last, dev = self._stand_in(last, pre, 1)
     spre = host.small_ints(pre)
     sseq = host.small_ints(seq) if spre is not None else None
     slast = host.small_ints(last) if sseq is not None else None
     if slast is not None:
       plan = host.extend_plan_small(hc, spre, sseq, slast, extend_num_tokens)
       if plan is not None:
-        return Plan(len(spre), plan[1], plan[0], (spre, sseq, slast))
+        return Plan(len(spre), plan[1], plan[0], (spre, sseq, slast if dev is None else dev))
     pre, seq, last = host.i64(pre), host.i64(seq), host.i64(last)
     if pre is None or seq is None or last is None:
       return None
     plan = host.extend_plan(hc, pre, seq, last, extend_num_tokens)
     if plan is None:
       return None
-    return Plan(pre.shape[0], plan[1], plan[0], (pre, seq, last))
+    return Plan(pre.shape[0], plan[1], plan[0], (pre, seq, last if dev is None else dev))
+
+  def _stand_in(self, last: Any, lens: Any, offset: int) -> Tuple[Any, Any]:
+    """(last_loc as the host plans check it, the device last_loc or None). A device
+    int32 last_loc of len(lens) rows is taken as it is, checked by its aligned stand-in
+    (validate.aligned_last_loc of lens); host data, and what the class must check
+    itself (None), as given."""
+    if not isinstance(last, jax.Array):
+      return last, None
+    if last.dtype != jnp.int32 or last.shape != (len(lens),):
+      return None, None
+    small = host.small_ints(lens)
+    if small is not None:
+      ps = self.config.page_size
+      return [(n - offset) % ps if n >= offset else -1 for n in small], last
+    if type(lens) is np.ndarray:
+      return validate.aligned_last_loc(lens, self.config.page_size, offset), last
+    return None, None
 
   def alloc_extend(self, state, plan, fits):
     if not fits:
-      return state, None
+      return state, None, None
     pre, seq, last = plan.data
-    return self.ops.alloc_extend(state, pre, seq, last, plan.tokens)
+    return self._landing(self.ops.alloc_extend(state, pre, seq, last, plan.tokens))
 
   def decode_plan(self, seq, last, checked):
     """Checked input (host int64 seq_lens; last_loc host int64 or device i32), or host
@@ -327,96 +405,136 @@ class DeviceBackend:
     if checked:
       pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
       return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+    last, dev = self._stand_in(last, seq, 2)
     sseq = host.small_ints(seq)
     slast = host.small_ints(last) if sseq is not None else None
     if slast is not None:
       pages = host.decode_plan_small(self._hc, sseq, slast)
-      return None if pages is None else Plan(len(sseq), pages, len(sseq), (sseq, slast))
+      if pages is None:
+        return None
+      return Plan(len(sseq), pages, len(sseq), (sseq, slast if dev is None else dev))
     seq, last = host.i64(seq), host.i64(last)
     if seq is None or last is None:
       return None
     plan = host.decode_plan(self._hc, seq, last)
-    return None if plan is None else Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last))
+    if plan is None:
+      return None
+    return Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last if dev is None else dev))
 
   def alloc_decode(self, state, plan, fits):
     if not fits:
-      return state, None
-    return self.ops.alloc_decode(state, *plan.data)
+      return state, None, None
+    return self._landing(self.ops.alloc_decode(state, *plan.data, plan.seq_lens))
 
-  def free(self, state, idx, values, count, shared):
+  def free(self, state, idx, values, counts, shared):
     del values  # the program finds the sorted unique pages itself
-    return state if count == 0 else self.ops.free(state, idx, shared)
+    return self._free("free", state, idx, counts, shared)
 
-  def free_page_ids(self, state, ids, count, shared):
-    return state if count == 0 else self.ops.free_page_ids(state, ids, shared)
+  def free_page_ids(self, state, ids, counts, shared):
+    return self._free("free_page_ids", state, ids, counts, shared)
 
-  def merge_and_sort_free(self, state, shared):
+  def _free(self, op, state, values, counts, shared):
+    if counts[0] == 0:  # no room: every page is listed already (only a double free)
+      return state, None, None
+    state, status = self.ops.free(op, state, values, counts[0], shared)
+    return self._landing((state, None, status))
+
+  def merge_and_sort_free(self, state, side, shared):
+    del side  # one allocator
     return self.ops.merge_and_sort_free(state, shared)
 
   def warmup(self, state, *, max_batch, max_tokens, max_free, exact_sizes, extend,
              device_last_loc) -> WarmupReport:
     return warmup_programs(self.ops, state, max_batch=max_batch, max_tokens=max_tokens,
                            max_free=max_free, exact_sizes=exact_sizes, extend=extend,
-                           device_last_loc=device_last_loc)
+                           device_last_loc=device_last_loc, device=self.device)
 
 
-def warmup_programs(ops: Any, state: Any, *, max_batch: int, max_tokens: int,
-                      max_free: int, exact_sizes: Iterable[int] = (),
-                      extend: bool = True, device_last_loc: bool = False) -> _warmup.WarmupReport:
-  """Runs every fast-path program of this module up to the maxima on
-  throwaway inputs (the state is not changed: allocation programs are pure and the
-  donating ones get copies). `device_last_loc`: also the variants that take last_loc
-  as a device array, and its pads from each of `exact_sizes` rows. Waits at the end."""
+def copies_status(device: Any) -> bool:
+  """Whether a status on `device` (None: the default one) needs its copy to the host
+  started: not on the CPU, where the host reads the device's own buffer."""
+  return (device or jax.devices()[0]).platform != "cpu"
+
+
+def decode_row_sizes(max_batch: int) -> List[int]:
+  """Every row count an alloc_decode of 1..max_batch requests runs at."""
+  return sorted({decode_rows(b) for b in range(1, min(max_batch, EXACT_ROWS) + 1)} |
+                set(_warmup.bucket_sizes(max_batch, buckets.MIN_BATCH)) - set(
+                    range(EXACT_ROWS + 1)))
+
+
+def placer(device: Any) -> Callable[[Any], Array]:
+  """Host ints to an i32 device array placed as the backend places its arrays (on
+  `device`; None: jax's default, uncommitted), so that warm-up compiles what serving
+  runs."""
+  if device is None:
+    return lambda x: jnp.asarray(np.asarray(x, np.int32))
+  return lambda x: jax.device_put(np.asarray(x, np.int32), device)
+
+
+def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
+                    max_tokens: int, max_free: int, exact_sizes: Iterable[int] = (),
+                    extend: bool = True, device_last_loc: bool = False,
+                    device: Any = None) -> WarmupReport:
+  """Runs every program of this module up to the maxima on throwaway inputs (the state
+  is not changed: allocation programs are pure and the donating ones get copies).
+  `device_last_loc`: also the variants that take last_loc, seq_lens and page ids as
+  device arrays, and the pads of a last_loc from each of `exact_sizes` rows; `device`:
+  the backend's. Waits at the end."""
   cfg = ops.config
   t0 = time.perf_counter()
-  outs, n = [], 0
+  outs: List[Any] = []
   ring, head, length = state.free_ring, state.free_head, state.free_len
-  rows_list = _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH)
   token_list = _warmup.bucket_sizes(max_tokens, buckets.MIN_TOKENS)
   for size in token_list:
-    outs.append(ops._fn(("alloc", size))(ring, head, length, np.int32(0)))
-    n += 1
-  for rows in rows_list:
-    packed = np.zeros((2 * rows + 1,), np.int32)
-    # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
-    lasts = [()] + ([(jnp.zeros((rows,), jnp.int32),)] if device_last_loc else [])
-    for last in lasts:
-      outs.append(ops._fn(("decode", rows))(ring, head, length, packed, *last))
-      n += 1
-    if extend and cfg.kind == "paged":
+    outs.append(ops.fn(("alloc", size))(ring, head, length, np.zeros((1,), np.int32)))
+  # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
+  put = placer(device)
+  lasts = lambda r: [()] + ([(put(np.zeros(r)),)] if device_last_loc else [])
+  for r in decode_row_sizes(max_batch):
+    for last in lasts(r):
+      outs.append(ops.fn(("decode", r))(ring, head, length, np.zeros((2 * r + 1,),
+                                                                     np.int32), *last))
+    if device_last_loc and r <= EXACT_ROWS:  # seq_lens on the device too
+      outs.append(ops.fn(("decode_on_device", r))(
+          ring, head, length, put(np.ones(r)), put(np.full(r, -1))))
+  for r in _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH):
+    for last in lasts(r) if extend and cfg.kind == "paged" else ():
       for tokens in token_list:
-        packed = np.zeros((3 * rows + 1,), np.int32)
-        for last in lasts:
-          outs.append(ops._fn(("extend", rows, tokens))(ring, head, length, packed, *last))
-          n += 1
-  if cfg.need_sort:
-    w_ring, w_head, w_len, other = (state.release_ring, state.release_head,
-                                    state.release_len, state.free_len)
-  else:
-    w_ring, w_head, w_len, other = ring, head, length, state.release_len
+        outs.append(ops.fn(("extend", r, tokens))(
+            ring, head, length, np.zeros((3 * r + 1,), np.int32), *last))
+  w_ring, w_head, w_len, other = st.freed_list(cfg.need_sort, state)
   names = ["free"] + (["free_page_ids"] if cfg.kind == "paged" else [])
   for m in _warmup.bucket_sizes(max_free, buckets.MIN_FREE):
-    values = np.zeros((m,), np.int32)  # all padding: frees nothing
-    for name in names:
-      for donate in (True, False):
-        target = jnp.copy(w_ring) if donate else w_ring
-        outs.append(ops._fn((name, m, donate))(target, w_head, w_len, other, values))
-        n += 1
+    for name in names:  # host values; device page ids (free_page_ids, free_segment)
+      inputs = [ops.with_counts(np.zeros(m, np.int32), m, 0, 0)]
+      if name == "free_page_ids" and device_last_loc:
+        inputs.append(ops.with_counts(put(np.zeros(m)), m, 0, 0))
+      for args in inputs:
+        for donate in (True, False):
+          target = jnp.copy(w_ring) if donate else w_ring
+          outs.append(ops.fn((name, m, donate))(target, w_head, w_len, other, *args))
   if cfg.need_sort:
     for donate in (True, False):
       target = jnp.copy(ring) if donate else ring
-      outs.append(ops._fn(("merge", donate))(target, head, length, state.release_ring,
-                                             state.release_head, state.release_len))
-      n += 1
-  for size in exact_sizes:  # decode outputs pad to row buckets, the others to token ones
-    for bucket_len in {buckets.bucket(size, buckets.MIN_BATCH),
-                       buckets.bucket(size, buckets.MIN_TOKENS)}:
-      if bucket_len != size:
-        outs.append(ops.exact(jnp.zeros((bucket_len,), jnp.int32), size))
-        n += 1
-    rows = buckets.bucket(size, buckets.MIN_BATCH)
-    if device_last_loc and rows != size:
-      outs.append(ops.padded(jnp.zeros((size,), jnp.int32), rows, -1))
-      n += 1
+      outs.append(ops.fn(("merge", donate))(target, head, length, state.release_ring,
+                                            state.release_head, state.release_len))
+  outs += warmup_exact(ops, exact_sizes, device_last_loc, put)
   jax.block_until_ready(outs)
-  return _warmup.WarmupReport(n, time.perf_counter() - t0)
+  return WarmupReport(len(outs), time.perf_counter() - t0)
+
+
+def warmup_exact(ops: Programs, exact_sizes: Iterable[int], device_last_loc: bool,
+                 put: Callable[[np.ndarray], Array]) -> List[Any]:
+  """The exact-length slices of `exact_sizes` (decode outputs pad to row counts, the
+  others to token buckets) and, with device_last_loc, the pads of a device last_loc of
+  each size to its row count. `put`: host ints to a device array placed as the state."""
+  outs = []
+  for size in exact_sizes:
+    for length in {decode_rows(size), buckets.bucket(size, buckets.MIN_TOKENS)}:
+      if length != size:
+        outs.append(ops.exact(put(np.zeros(length)), size))
+    for r in {rows(size), decode_rows(size)} if device_last_loc else ():
+      if r != size:
+        outs.append(ops.padded(put(np.zeros(size)), r, -1))
+  return outs

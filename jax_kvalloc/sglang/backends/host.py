@@ -8,10 +8,9 @@ O(work) (no Python loop over requests or pages; nothing pool-sized except a merg
 The ring reads and writes are `jax_kvalloc.state`'s, called with `xp=numpy`, the same
 functions the jitted device path calls with jax.numpy. The slot indices follow
 `jax_kvalloc.index_jnp`'s rules but are computed in host forms written for few numpy
-calls (numpy costs about half a microsecond per call whatever the size, which dominates
-a serving step's batch): the table gather of `alloc_extend`, the mask assignment of
-`alloc_decode`, and for batches of up to SMALL_BATCH requests the same rules on Python
-ints. tests/test_host_backend.py checks them against index_jnp and
+calls (a numpy call has a fixed cost whatever the size, which dominates a serving step's
+batch): the table gather of `alloc_extend`, the mask assignment of `alloc_decode`, and
+for batches of up to SMALL_BATCH requests the same rules on Python ints. tests/test_host_backend.py checks them against index_jnp and
 tests/test_host_paths.py against the independent model.
 
 Contract: alloc_extend / alloc_decode take the plan of `extend_plan` / `decode_plan`
@@ -56,7 +55,7 @@ def _take(state: AllocatorState, k: int) -> Tuple[AllocatorState, np.ndarray]:
     pages = ring[head:head + k]
   else:
     pages = st.ring_window(ring, head, length, k, xp=np)
-  # The state rebuilt without namedtuple's _replace (a Python-level call, ~0.5 us).
+  # The state rebuilt without namedtuple's _replace (a Python-level call).
   return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
 
@@ -73,8 +72,8 @@ def alloc(config: AllocatorConfig, state: AllocatorState,
 
 
 # ---------------------------------------------------------------------------------------
-# alloc_extend / alloc_decode on numpy arrays. numpy costs about half a microsecond per
-# call whatever the array size, so these are written for few calls: a plan (the checks
+# alloc_extend / alloc_decode on numpy arrays. A numpy call has a fixed cost whatever the
+# array size, so these are written for few calls: a plan (the checks
 # and the page counts, on which the class decides success and the need_sort merge) and
 # the slots. A plan returns None when any check fails; the class then runs the checks of
 # jax_kvalloc.validate, which raise naming the argument (nothing has changed by then).
@@ -86,8 +85,8 @@ _U64 = np.uint64
 class HostConfig(NamedTuple):
   """A config's numbers as the host paths read them, built once per allocator
   (`host_config`): Python ints, and constants as 0-d numpy arrays (an array op with a
-  0-d array operand costs about half of one with a Python int, which numpy converts on
-  every call)."""
+  0-d array operand is cheaper than one with a Python int, which numpy converts on every
+  call)."""
   config: AllocatorConfig
   ps: int              # page_size
   slots: int           # num_slots
@@ -265,19 +264,11 @@ def _push(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
   return st.with_freed_list(config.need_sort, state, ring, head, length + count)
 
 
-def free_count(config: AllocatorConfig, idx: np.ndarray) -> Tuple[np.ndarray, int]:
-  """(values to free, their count) of a validated `free` argument: the sorted unique
-  pages (paged, SPEC 4.4) or the slots as given (token, SPEC 3)."""
-  if config.kind == "paged":
-    pages = np.unique(idx // config.page_size) if config.page_size > 1 else np.unique(idx)
-    return pages, pages.shape[0]
-  return idx, idx.shape[0]
-
-
 def free(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
          shared: bool) -> AllocatorState:
-  """`free` of the values `free_count` gave (LIFO prepend for paged, FIFO append for
-  token). `shared`: the ring written is held by a snapshot (copy it first)."""
+  """`free` of validated values: the sorted unique pages (paged, SPEC 4.4: prepended,
+  LIFO) or the slots as given (token, SPEC 3: appended, FIFO). `shared`: the ring
+  written is held by a snapshot (copy it first)."""
   return _push(config, state, values.astype(np.int32), shared,
                front=config.kind == "paged")
 
@@ -318,8 +309,8 @@ def from_jax(state: AllocatorState) -> AllocatorState:
 
 
 # ---------------------------------------------------------------------------------------
-# Small batches as Python ints. numpy costs about a microsecond per call whatever the
-# array size, so a batch of a few requests spends most of its time in call overhead; up
+# Small batches as Python ints. A numpy call has a fixed cost whatever the array size,
+# so a batch of a few requests spends most of its time in call overhead; up
 # to SMALL_BATCH requests the same rules run on Python ints instead (slots are written
 # as runs of numpy slices, never token by token). Any argument these do not accept
 # (wrong type, a value the checks refuse) returns None and the caller takes the general
@@ -445,7 +436,7 @@ def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
     return state, np.arange(start, start + n, dtype=np.int32)
   if not runs:  # every row empty
     return state, np.zeros((0,), np.int32)
-  if len(runs) <= _ARANGE_RUNS:  # an arange per run (~0.3 us each), joined
+  if len(runs) <= _ARANGE_RUNS:  # an arange per run, joined
     return state, np.concatenate([np.arange(start, start + n, dtype=np.int32)
                                   for _, start, n in runs])
   # Many runs: one repeat of each run's shift, plus arange(total).
@@ -462,13 +453,17 @@ class HostBackend:
   in a few whole-batch calls. The plans check the input themselves and return None when
   a check fails or the input is of another kind (lists of more than SMALL_BATCH,
   tensors, empty batches): the class then runs jax_kvalloc.validate, which raises
-  naming the argument, or converts the input and asks again (`checked`).
+  naming the argument, or converts the input and asks again (`checked`). The class has
+  checked everything a call could refuse, so no call returns a status.
   """
 
   keeps_device_arrays = False
+  defers_status = False
+  writes_whole_state = False
 
   def __init__(self, config: AllocatorConfig):
     self.config = config
+    self.pools = (config,)
     self.hc = host_config(config)
 
   def init(self) -> AllocatorState:
@@ -480,13 +475,20 @@ class HostBackend:
       return state
     return from_jax(state)
 
+  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
+    return int(state.free_len), int(state.release_len)
+
+  def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
+    validate.state_like(state, current, AllocatorState)
+    return validate.state_lengths(state, self.config.num_pages)
+
   def empty(self) -> np.ndarray:
     return np.zeros((0,), np.int32)
 
   def alloc(self, state, need_size, fits):
     if not fits:
-      return state, None
-    return alloc(self.config, state, need_size)
+      return state, None, None
+    return alloc(self.config, state, need_size) + (None,)
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     del checked  # the host plans check everything themselves
@@ -510,11 +512,12 @@ class HostBackend:
 
   def alloc_extend(self, state, plan, fits):
     if not fits:
-      return state, None
+      return state, None, None
     if plan.data[0] == "small":
       _, pre, seq, last = plan.data
-      return alloc_extend_small(self.hc, state, pre, seq, last, plan.tokens, plan.pages)
-    return alloc_extend(self.hc, state, plan.data[1])
+      return alloc_extend_small(self.hc, state, pre, seq, last, plan.tokens,
+                                plan.pages) + (None,)
+    return alloc_extend(self.hc, state, plan.data[1]) + (None,)
 
   def decode_plan(self, seq, last, checked):
     del checked
@@ -536,19 +539,25 @@ class HostBackend:
 
   def alloc_decode(self, state, plan, fits):
     if not fits:
-      return state, None
+      return state, None, None
     if plan.data[0] == "small":
-      return alloc_decode_small(self.hc, state, plan.data[1], plan.data[2], plan.pages)
-    return alloc_decode(self.hc, state, *plan.data[1])
+      return alloc_decode_small(self.hc, state, plan.data[1], plan.data[2],
+                                plan.pages) + (None,)
+    return alloc_decode(self.hc, state, *plan.data[1]) + (None,)
 
-  def free(self, state, idx, values, count, shared):
+  def free(self, state, idx, values, counts, shared):
     del idx  # `values`: the pages (paged) or slots (token) that reach the list
-    return state if count == 0 else free(self.config, state, values, shared)
+    if counts[0]:
+      state = free(self.config, state, values, shared)
+    return state, None, None
 
-  def free_page_ids(self, state, ids, count, shared):
-    return state if count == 0 else free_page_ids(self.config, state, ids, shared)
+  def free_page_ids(self, state, ids, counts, shared):
+    if counts[0]:
+      state = free_page_ids(self.config, state, ids, shared)
+    return state, None, None
 
-  def merge_and_sort_free(self, state, shared):
+  def merge_and_sort_free(self, state, side, shared):
+    del side  # one allocator
     return merge_and_sort_free(self.config, state, shared)
 
   def warmup(self, state, **kwargs) -> WarmupReport:

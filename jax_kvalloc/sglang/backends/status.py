@@ -1,0 +1,94 @@
+"""What a backend call refused (SPEC 14): one status value per call, and its message.
+
+A device program returns, beside its results, `status: i32[3] = (reason, index,
+value)`, all 0 when it did exactly what the class's host mirror counted on: an
+allocation the mirror said fits was not refused, a free put on its list every entry the
+mirror counted, and an SWA call found the peers it needs. Otherwise `reason` is:
+
+  REFUSED       an allocation was refused (ok False): the device state was short of the
+                pages the mirror counted, or a device last_loc broke SPEC 4's rules.
+                Its slots are all 0.
+  NOT_LISTED    a free named an entry, its argument's [index] = value, that does not
+                reach the list (page 0 or a page outside the pool); index -1 when the
+                list took fewer entries than counted for another reason (value: how
+                many fewer).
+  NO_PEER       an SWA free named a full slot, free_index[index] = value, whose SWA KV
+                was freed already (the caller wants free_full / free_full_segment).
+  LAST_NO_PEER  an SWA allocation continues the page of last_loc[index] = value, whose
+                SWA KV was freed already, so the SWA pool cannot continue it.
+
+A refused call changes nothing (each program keeps the old state when it refuses). The
+host backend finds the same cases on the host, before anything changes, and raises the
+same message at once; the device backend's class reads the status later without waiting
+(jax_kvalloc.sglang.pool).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+REFUSED, NOT_LISTED, NO_PEER, LAST_NO_PEER = 1, 2, 3, 4
+
+# The argument whose entries a free's NOT_LISTED index points into, by operation.
+_LISTED_ARG = {"free_page_ids": "page_ids",
+               "free_segment": "free_index[::page_size] // page_size",
+               "free_segments": "the segments' pages",
+               "free_group_end": "the queued page ids"}
+
+
+def make(reason: int, bad: jax.Array, index: jax.Array = 0,
+         value: jax.Array = 0) -> jax.Array:
+  """i32[3] status (traced): (reason, index, value) where `bad`, else 0."""
+  got = jnp.stack([jnp.int32(reason), jnp.asarray(index, jnp.int32),
+                   jnp.asarray(value, jnp.int32)])
+  return jnp.where(bad, got, 0)
+
+
+def first(*statuses: jax.Array) -> jax.Array:
+  """The first refusal among `statuses` (traced i32[3] each), 0 if none."""
+  out = statuses[-1]
+  for s in statuses[-2::-1]:
+    out = jnp.where(s[0] != 0, s, out)
+  return out
+
+
+def unlisted(values: jax.Array, given: jax.Array, listed: jax.Array,
+             short: jax.Array) -> jax.Array:
+  """NOT_LISTED status of a free of `values` (i32[M]): the first given entry that is
+  not `listed` (bool[M]), or index -1 and `short` when the list took `short` fewer
+  entries than counted and every entry was listable."""
+  bad = given & ~listed
+  i = jnp.argmax(bad)
+  return jnp.where(bad[i], make(NOT_LISTED, True, i, values[i]),
+                   make(NOT_LISTED, short != 0, -1, short))
+
+
+def message(op: str, values: Sequence[int]) -> Optional[str]:
+  """The ValueError message of `op`'s status read back to the host (None: no refusal)."""
+  reason, index, value = (int(v) for v in values)
+  return None if reason == 0 else error_message(op, reason, index, value)
+
+
+def error_message(op: str, reason: int, index: int = 0, value: int = 0) -> str:
+  """The message the classes raise (ValueError) for a refusal of `op`."""
+  if reason == REFUSED:
+    return (f"{op} was refused: the pool did not hold the free pages the host mirror "
+            f"counted (an earlier free named pages the device did not take), or a "
+            f"device last_loc broke SPEC 4's alignment; its slots are all 0")
+  if reason == NOT_LISTED:
+    if index < 0:
+      return (f"{op}: {value} of the entries it named did not reach the free list; "
+              f"nothing was freed")
+    arg = _LISTED_ARG.get(op, "free_index")
+    return (f"{op}: {arg}[{index}]={value} is not a page of the pool (page 0 or "
+            f"outside it); nothing was freed")
+  if reason == NO_PEER:
+    return (f"{op}: free_index[{index}]={value} has no SWA peer (its sliding-window KV "
+            f"was freed already: free it with free_full / free_full_segment); nothing "
+            f"was freed")
+  if reason == LAST_NO_PEER:
+    return (f"{op}: last_loc[{index}]={value} has no SWA peer (its sliding-window KV was "
+            f"freed), so the SWA pool cannot continue its page; nothing was allocated")
+  raise ValueError(f"unknown status reason {reason}")
