@@ -64,7 +64,7 @@ mosaic-gpu-decode|300|$B kernels --ops decode --impls jnp,triton,mosaic_gpu --ba
 mosaic-gpu-table|420|$B table --impls step[kernel=jnp],none,step[kernel=triton],step[kernel=mosaic_gpu] --page-sizes 64 --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-table.json
 mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py
 serve|240|$PY -m jax_kvalloc.serve.bench --json \$DIR/serve.json
-guard-decode|180|$B kernels --ops decode --impls auto --guard on,off --bare --min-time 0.02 --json \$DIR/guard-decode.json
+guard-decode|220|$B kernels --ops decode --impls auto --guard on,off --bare --min-time 0.02 --json \$DIR/guard-decode.json
 guard-extend|180|$B kernels --ops extend --impls auto --guard on,off --extend-cases $GUARD_EXTEND --bare --min-time 0.02 --json \$DIR/guard-extend.json
 guard-free|150|$B kernels --ops free --impls auto,eager --guard on,off --extend-cases $GUARD_EXTEND --min-time 0.02 --json \$DIR/guard-free.json
 guard-table|300|$B table --impls none,calls,step --guard on,off --page-sizes 64 --budget-s 240 --min-time 0.02 --json \$DIR/guard-table.json
