@@ -8,7 +8,9 @@ jnp path and the loop model.
   draw: borrowed prefixes, full rows, empty rows, rings that wrap, free lists short by
   one page or exactly enough, repeated rows, rows outside the table, num_rows cutting
   the rows, negative n, n past the row's capacity, more tokens than max_tokens, a
-  release cut to the room left. A fresh seed per run (JAX_KVALLOC_TEST_SEED repeats one).
+  release cut to the room left, and a table a caller has broken (an owned page already
+  free, named by two rows, outside the pool, or 0), so that the ownership record's
+  refusals and status (SPEC 14) are compared too. A fresh seed per run (JAX_KVALLOC_TEST_SEED repeats one).
 - The random workload of tests/test_request_table.py (ModelTable over tests/model.py)
   with the kernel, poisoning the dead entries after every operation.
 - Lowered for an abstract H200: each operation and step_rows hold the stated number of
@@ -89,6 +91,36 @@ def table_case(rng, ps, n, max_reqs, width):
   return (ring, np.int32(head), np.int32(free), np.int32(rel), pages, lens, owned)
 
 
+MISUSE = 0.5  # cases whose table a caller has broken (the ownership record's refusals)
+
+
+def misuse(rng, ps, case, released):
+  """One owned column broken in place, as a misbehaving caller leaves a table (SPEC 14),
+  most often in a row of `released`: its page freed behind the table's back (on the free
+  list: not held, so a release of the row is refused, and the page may go to another
+  row), the page of another owned column (named twice when both rows are released), a
+  page outside the pool, or 0 (padding: skipped, not refused)."""
+  ring, head, free, _, pages, lens, owned = case
+  n = ring.shape[0]
+  cols = [(r, j) for r in range(len(lens)) for j in range(owned[r], _cdiv(lens[r], ps))]
+  if not cols:
+    return
+  hit = [(r, j) for r, j in cols if r in set(released.tolist())]
+  pick = lambda among: among[int(rng.integers(0, len(among)))]
+  among = hit if hit and rng.random() < 0.8 else cols
+  r, j = pick(among)
+  kind = trt_pick(rng, {"freed": 3, "twice": 3, "outside": 1, "zero": 1})
+  if kind == "freed" and free:
+    ring[(head + int(rng.integers(0, free))) % n] = pages[r, j]
+  elif kind == "twice":
+    q, k = pick(among)
+    pages[r, j] = pages[q, k]
+  elif kind == "outside":
+    pages[r, j] = rng.choice([-3, n + 1, n + 9, POISON])
+  elif kind == "zero":
+    pages[r, j] = 0
+
+
 def trt_pick(rng, weights):
   names = list(weights)
   p = np.array([weights[k] for k in names], float)
@@ -129,8 +161,13 @@ def _stack(cases):
 def make_cases(ps, n, max_reqs, width, count, tag, rel_b=4, ext_b=4, dec_b=None):
   rng = _rng(tag, ps, n, max_reqs, width)
   dec_b = dec_b or max_reqs
-  cases = [table_case(rng, ps, n, max_reqs, width)
-           + ops_case(rng, ps, width, max_reqs, rel_b, ext_b, dec_b) for _ in range(count)]
+  cases = []
+  for _ in range(count):
+    case = table_case(rng, ps, n, max_reqs, width)
+    ops = ops_case(rng, ps, width, max_reqs, rel_b, ext_b, dec_b)
+    if rng.random() < MISUSE:
+      misuse(rng, ps, case, ops[0][:max(0, int(ops[1]))])
+    cases.append(case + ops)
   return _stack(cases)
 
 
