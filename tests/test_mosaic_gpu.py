@@ -123,10 +123,13 @@ def test_alloc_decode_lowers_for_h200(rows, ps):
 @pytest.mark.parametrize("ps,ops,count", [(4, ("step",), 2)] + [
     pytest.param(ps, ttk.ALL_OPS, 8, marks=pytest.mark.slow) for ps in (1, 3, 64)])
 def test_table_kernel_in_interpreter(ps, ops, count):
-  # The default case runs the whole step (release, extend, decode) on 2 random cases;
+  # The default case runs the whole step (release, extend, decode) on 2 random cases,
+  # the first a release that the ownership record refuses (a broken table: SPEC 14);
   # both outcomes of every operation are drawn in the GPU test's 64 cases.
+  records = {}
   ttk.check_table_ops(ps, 40, 8, 6, count, "mosaic", kernel="mosaic_gpu_interpret",
-                      ops=ops)
+                      ops=ops, records=records, refused_first=True)
+  assert all(records[op] >= 1 for op in ops if op in ttk.RELEASING), (ttk.SEED, records)
 
 
 @needs_interpreter
@@ -271,9 +274,11 @@ def on_hopper(fn):
 @on_hopper
 @pytest.mark.parametrize("ps", (3, 64))
 def test_compiled_table_kernel_equals_jnp_path(ps):
+  records = {}
   refused = ttk.check_table_ops(ps, 40, 8, 6, 64, "mosaic-gpu", kernel="mosaic_gpu",
-                                ops=ttk.ALL_OPS)
+                                ops=ttk.ALL_OPS, records=records, refused_first=True)
   assert all(0 < k < 64 for k in refused.values()), (ttk.SEED, refused)
+  assert all(0 < records[op] < 64 for op in ttk.RELEASING), (ttk.SEED, records)
   # Serving-sized: 1024 decode rows (eight warpgroups), 8 released and extended.
   ttk.check_table_ops(ps, 30000, 1024, 21, 4, "mosaic-gpu-large", kernel="mosaic_gpu",
                       ops=("step", "decode_step"), rel_b=8, ext_b=8, dec_b=1024,
