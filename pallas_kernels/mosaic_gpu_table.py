@@ -702,8 +702,9 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
     names += ["held", "status"]
     args += list(held_status)
   i32 = lambda k: jax.ShapeDtypeStruct((max(k, 1),), jnp.int32)
-  # scr: the row marks of the three phases, then (record) the page marks.
-  outs = {"ok_o": i32(3), "scr": i32(3 * max_reqs + (n + 1 if p.guard else 0))}
+  # scr: the row marks of the three phases, then (record, release) the page marks.
+  pmarks = n + 1 if p.guard and release is not None else 0
+  outs = {"ok_o": i32(3), "scr": i32(3 * max_reqs + pmarks)}
   if extend is not None:
     outs["plan"] = i32((p.ext_rows + 1) * _LINE)
   if decode is not None:
