@@ -451,26 +451,34 @@ def _blocks(start, end, fn, carry):
   return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, carry)
 
 
+def _owned_blocks(p: _Params, pages, row, start, end, visit, carry):
+  """carry = visit(cols, carry) for each block of CHUNK columns of a row from `start`,
+  cols = [(j, page, j < end)] with the block's page loads issued first (a visit then
+  loads more or stores; columns past the row's last are clamped to it)."""
+  def block(i, carry):
+    cols = []
+    for u in range(CHUNK):
+      j = start + i * CHUNK + u
+      cols.append((j, pages[row * p.width + jnp.minimum(j, p.width - 1)], j < end))
+    return visit(cols, carry)
+  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, carry)
+
+
 def _count_valid(p: _Params, pages, row, start, end, key=None):
   """Owned pages of a row (columns [start, end)) that name a page of the pool (1..n).
   key (the record): (scr, pmark, k0): each such column j also stores its entry key
-  k0 + j at scr[pmark + page]. Per block: the pages' loads, then the stores."""
+  k0 + j at scr[pmark + page]."""
   n = p.num_pages
 
-  def block(i, acc):
-    got = []
-    for u in range(CHUNK):
-      j = start + i * CHUNK + u
-      page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
-      got.append((j, page, (j < end) & (page >= 1) & (page <= n)))
-    for j, page, valid in got:
+  def visit(cols, acc):
+    for j, page, inside in cols:
+      valid = inside & (page >= 1) & (page <= n)
       acc = acc + jnp.where(valid, 1, 0)
       if key is not None:
         scr, pmark, k0 = key
         mg.store(scr, pmark + jnp.clip(page, 0, n), k0 + j, valid)
     return acc
-  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block,
-                           jnp.zeros((), jnp.int32))
+  return _owned_blocks(p, pages, row, start, end, visit, jnp.zeros((), jnp.int32))
 
 
 def _offences(p: _Params, pages, held, scr, pmark, row, k0, start, end, first):
@@ -480,24 +488,22 @@ def _offences(p: _Params, pages, held, scr, pmark, row, k0, start, end, first):
   it found at its page's mark)."""
   n = p.num_pages
 
-  def block(i, first):
+  def visit(cols, first):
     got = []
-    for u in range(CHUNK):  # loads
-      j = start + i * CHUNK + u
-      page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
+    for j, page, inside in cols:  # the held values and marks: loads, all first
       at = jnp.clip(page, 0, n)
-      got.append((k0 + j, page, (j < end) & (page != 0), held[at], scr[pmark + at]))
+      got.append((k0 + j, page, inside & (page != 0), held[at], scr[pmark + at]))
     for key, page, given, h0, mark in got:
-      inside = (page >= 1) & (page <= n)
-      twice = inside & (mark != key)
-      why = jnp.where(~inside, mg.OUT_OF_RANGE, jnp.where(
+      pool = (page >= 1) & (page <= n)
+      twice = pool & (mark != key)
+      why = jnp.where(~pool, mg.OUT_OF_RANGE, jnp.where(
           h0 != 1, mg.NOT_HELD, jnp.where(twice, mg.REPEATED, 0)))
       cand = jnp.where(given & (why != 0),
                        jnp.where(twice, jnp.minimum(key, mark), key), _NONE)
       better = cand < first[0]
       first = tuple(jnp.where(better, v, f) for v, f in zip((cand, why, page), first))
     return first
-  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, first)
+  return _owned_blocks(p, pages, row, start, end, visit, first)
 
 
 def _first_offence(cnt, ns: int):
@@ -523,24 +529,18 @@ def _record_status(status, mine, op: int, found, why, page) -> None:
 
 def _give_back(p: _Params, pages, ring, row, start, end, head, rank, count, held=None):
   """The row's valid owned pages, in column order, to ring[head + rank ...] while rank <
-  count (held: the record, held[page] = 0 for each). Returns the rank after them. Per
-  block: the pages' loads, then the stores."""
+  count (held: the record, held[page] = 0 for each). Returns the rank after them."""
   n = p.num_pages
 
-  def block(i, rank):
-    got = []
-    for u in range(CHUNK):  # loads
-      j = start + i * CHUNK + u
-      page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
-      valid = (j < end) & (page >= 1) & (page <= n)
-      got.append((page, valid, rank))
-      rank = rank + jnp.where(valid, 1, 0)
-    for page, valid, at in got:  # stores
-      mg.store(ring, mg.wrap(head + at, n), page, valid & (at < count))
+  def visit(cols, rank):
+    for _, page, inside in cols:
+      valid = inside & (page >= 1) & (page <= n)
+      mg.store(ring, mg.wrap(head + rank, n), page, valid & (rank < count))
       if held is not None:
         mg.store(held, jnp.clip(page, 0, n), jnp.zeros((), jnp.int32), valid)
+      rank = rank + jnp.where(valid, 1, 0)
     return rank
-  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, rank)
+  return _owned_blocks(p, pages, row, start, end, visit, rank)
 
 
 def _copy_run(n: int, src, wrap, src_start, dst, dst_start, count, held=None) -> None:
