@@ -193,6 +193,6 @@ def check_held(held: Array, n: int) -> Array:
 
 def mark_held(held_ref, page: Array, cond: Array, n: int) -> None:
   """held[page] = 1 where cond (a page an allocation takes; a page outside 0..n, which a
-  consistent free list never holds, is skipped, as guard.take's scatter drops it)."""
+  consistent free list never holds, is skipped)."""
   store(held_ref, jnp.clip(page, 0, n), jnp.ones((), jnp.int32),
         cond & (page >= 0) & (page <= n))
