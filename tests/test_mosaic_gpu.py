@@ -3,7 +3,9 @@ without Pallas' Triton backend.
 
 - CPU: each kernel in jax's Mosaic GPU interpreter against the jnp path, bit for bit on
   fresh random inputs (tests/test_pallas_alloc.check_alloc_decode, tests/
-  test_table_kernels.check_table_ops: poisoned dead entries, refusals of every kind), and
+  test_table_kernels.check_table_ops: poisoned dead entries, refusals of every kind), the
+  ownership record (SPEC 14: held, and the status of a refused release of a broken
+  table) included, and
   lowered for an abstract H200 (jax.export) so that what Mosaic GPU's lowering rejects
   fails here. jax < 0.11 cannot build them (skipped; "auto" then never picks them).
 - The selection: with Triton made unusable, "auto" on a GPU picks Mosaic GPU for
