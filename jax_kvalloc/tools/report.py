@@ -156,15 +156,11 @@ def _class_table(record: Dict[str, Any]) -> str:
 
 def tables(record: Dict[str, Any]) -> str:
   """What `jax-kvalloc bench` printed for a record, whichever run wrote it."""
-  from jax_kvalloc.tools import bench, bench_classes, bench_kernels  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench, bench_kernels  # pylint: disable=g-import-not-at-top
   if "suite" in record:
     return bench.render(record)
   if "micro" in record:  # kernels and serving records without the harness's "suite"
     return bench_kernels.render(record)
-  if any("q1_us" in c for cells in record["rows"].values() for c in cells.values()):
-    rows = [{"row": k, "cells": {i: dict(c, us=c["median_us"]) for i, c in v.items()
-                                 if i != "verdicts"}} for k, v in record["rows"].items()]
-    return bench.table(dict(record, rows=rows), bench_classes.SWA)
   return _class_table(record)
 
 
