@@ -168,7 +168,6 @@ def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
       res.requests_done += 1
     res.wall_s = time.perf_counter() - t0
     res.step_us = times
-    res.step_kind = ["op"] * len(times)
     res.waste_mean /= max(len(res.usage), 1)
     res.peak_usage = max(res.usage, default=0.0)
     res.mean_usage = float(np.mean(res.usage)) if res.usage else 0.0
