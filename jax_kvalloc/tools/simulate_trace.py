@@ -54,9 +54,13 @@ class _Tracker:
       if got is not None:
         self.waste -= self.ps - len(got)
 
-  def apply(self, op: str, result) -> None:
+  def apply(self, op: str, args: Dict[str, Any], result) -> None:
     if op in ALLOC_OPS and result is not None:
       self.take(result)
+    elif op in ("free", "free_segment"):
+      self.free([int(s) for s in args["free_index"]])
+    elif op == "free_page_ids":
+      self.free([int(p) * self.ps for p in args["page_ids"]])
     elif op == "free_group_begin":
       self.group = []
     elif op == "free_group_end":
@@ -90,9 +94,7 @@ def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
     t0 = time.perf_counter()
     result = replayer.apply(op, args)
     us = (time.perf_counter() - t0) * 1e6
-    tracker.apply(op, result)
-    if op == "free":
-      tracker.free([int(s) for s in args["free_index"]])
+    tracker.apply(op, args, result)
     if op == "init":
       continue
     times.append(us)
