@@ -723,9 +723,10 @@ class SchedulerSim:
 
 
 def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
-             on_step: Optional[Callable[[int, Record], None]] = None,
-             leak_check: bool = True) -> List[Record]:
-  """Runs the workload of `config` against the allocator of `replayer` and records it.
+             on_step: Optional[Callable[[int, Record], None]] = None) -> List[Record]:
+  """Runs the workload of `config` against the allocator of `replayer` and records it;
+  TraceMismatch when a step's available_size is not what the workload's own bookkeeping
+  of pages in use predicts (a leak or a double allocation).
 
   Args:
     config: the workload.
@@ -733,8 +734,6 @@ def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
     trace_id: the `trace` field of the records.
     on_step: on_step(step, record), if given, runs after every step (for lock-step
       comparison with other implementations); it may raise to stop the run.
-    leak_check: raise TraceMismatch when a step's available_size is not what the
-      workload's own bookkeeping of pages in use predicts.
 
   Returns:
     The trace: its init record, then one record per operation with the observed result,
@@ -745,7 +744,7 @@ def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
 
   def check_leak() -> None:
     # The workload books the outcome of an op after it returns: check before the next.
-    if leak_check and records:
+    if records:
       rec, want = records[-1], workload.expected_available()
       if rec["available_size"] != want:
         raise TraceMismatch(
