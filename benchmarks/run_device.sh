@@ -54,7 +54,8 @@ ranks|90|$B ranks --devices 1,2 --json \$DIR/ranks.json
 simulate-profile|150|$B simulate --impls device,profile --page-sizes 16,64 --num-requests 200 --json \$DIR/simulate-profile.json
 mosaic-gpu-decode|300|$B kernels --ops decode --impls jnp,triton,mosaic_gpu --bare --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-decode.json
 mosaic-gpu-table|420|$B table --impls step[kernel=jnp],none,step[kernel=triton],step[kernel=mosaic_gpu] --page-sizes 64 --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-table.json
-mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py"
+mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py
+serve|240|$PY -m jax_kvalloc.serve.bench --json \$DIR/serve.json"
 
 DRY=0
 BUDGET=${BUDGET:-560}
