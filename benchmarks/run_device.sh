@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
-# The device runner (run it from the repository root): runs the named steps one after the
-# other and writes what they produce into one result folder with a manifest.
+# The device runner (from the repository root): runs the named steps one after the other
+# into one result folder, benchmarks/results/<YYYY-MM-DD>-<machine>-<NAME>/ (machine: h200,
+# h200x2, cpu, ...; NAME: letters, digits, '-'), holding <step>.json (the step's record),
+# <step>.log (its output) and manifest.json (jax_kvalloc.tools.bench.manifest). With $OUT
+# set (the device tool) the folder is also packed into $OUT/<folder>.tgz (unpack: tar xzf
+# <folder>.tgz -C benchmarks/results). Then `jax-kvalloc report --write` regenerates the
+# tables that cite result folders.
 #
 #   bash benchmarks/run_device.sh NAME STEP [STEP ...]
 #   bash benchmarks/run_device.sh --list                    # the steps and their commands
 #   bash benchmarks/run_device.sh --dry-run NAME STEP ...   # print the commands only
-#
-# NAME: letters, digits, '-'. The folder is benchmarks/results/<YYYY-MM-DD>-<machine>-<NAME>/
-# (machine: h200, h200x2, cpu, ...) holding <step>.json (the step's record), <step>.log
-# (its output) and manifest.json (jax_kvalloc.tools.bench.manifest: command, commit,
-# date, machine, driver, versions, the SGLang kernels file's sha256, and each step's
-# command, exit status and seconds). With $OUT set (the device tool) the folder is also
-# packed into $OUT/<folder>.tgz (unpack: tar xzf <folder>.tgz -C benchmarks/results).
-# Then `jax-kvalloc report --write` regenerates the tables that cite result folders.
 #
 # Environment:
 #   SGLANG_KERNELS  SGLang's sglang/kernels/ops/memory/allocator.py from the sglang wheel

@@ -136,9 +136,7 @@ def _torch_array(device):
 
 def _describe(trace_id: Any, step: int, rec: traces.Record) -> str:
   args = ", ".join(f"{k}={v}" for k, v in (rec.get("args") or {}).items())
-  if len(args) > 300:
-    args = args[:300] + "..."
-  return f"trace {trace_id!r} step {step} ({rec['op']} {args})"
+  return f"trace {trace_id!r} step {step} ({rec['op']} {args[:300]}{'...' * (len(args) > 300)})"
 
 
 def _step(impl: Impl, trace_id: Any, step: int, rec: traces.Record,
@@ -164,14 +162,10 @@ def _check_step(trace_id: Any, step: int, rec: traces.Record, lead: Impl,
 
 
 def _active(impls: Sequence[Impl], init: Dict[str, Any], stats: Stats) -> List[Impl]:
-  out = []
-  for impl in impls:
-    reason = impl.skip(init)
-    if reason:
-      stats.skipped[impl.name] = reason
-    else:
-      out.append(impl)
-  return out
+  """The implementations that can run a trace of this pool; the others' reasons in stats."""
+  why = {impl.name: impl.skip(init) for impl in impls}
+  stats.skipped.update({name: r for name, r in why.items() if r})
+  return [impl for impl in impls if not why[impl.name]]
 
 
 def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
@@ -303,7 +297,6 @@ def run(args: argparse.Namespace) -> int:
     inputs = [(path, traces.read(path)) for path in args.trace]
   except ValueError as e:
     raise UsageError("TRACE", str(e))
-  page_sizes = tuple(args.page_sizes)
   if args.device == "cuda":
     # jax and torch share the GPU: keep jax from taking 75% of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -325,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         replay_trace(records, impls, stats)
         say(f"{path} trace {tid!r}: {stats.steps - n} steps match")
     for i in range(args.generate):
-      config = traces.random_config(args.seed + i, steps=args.steps, page_sizes=page_sizes,
+      config = traces.random_config(args.seed + i, steps=args.steps, page_sizes=args.page_sizes,
                                     scale=scale, need_sort=need_sort,
                                     segment_prob=args.segment_prob)
       n, f = stats.steps, stats.failed_allocs
@@ -347,8 +340,8 @@ def run(args: argparse.Namespace) -> int:
               if stats.recorded else "")
   print(f"parity OK: {stats.traces} traces, {stats.steps} steps; {impls[0].name} "
         f"led{recorded}, matched by {names or 'no other implementation'}; "
-        f"{stats.failed_allocs} failed allocations, {stats.emptied} that emptied the free list, {stats.shortfall_merges} "
-        f"shortfall merges; {time.time() - t0:.1f} s")
+        f"{stats.failed_allocs} failed allocations, {stats.emptied} that emptied the free "
+        f"list, {stats.shortfall_merges} shortfall merges; {time.time() - t0:.1f} s")
   for name, reason in stats.skipped.items():
     print(f"parity: {name} skipped on some traces: {reason}")
   return 0

@@ -58,7 +58,7 @@ def verdict(ours: Optional[Tuple[float, float]],
             theirs: Optional[Tuple[float, float]]) -> str:
   """'faster' / 'slower' (ours against theirs, lower is faster) only when the two
   interquartile ranges (q1, q3) do not overlap, else 'tie'; NO_SPREAD when either side's
-  quartiles were not recorded (old runs: nothing is guessed)."""
+  quartiles were not recorded (nothing is guessed)."""
   if ours is None or theirs is None:
     return NO_SPREAD
   if ours[1] < theirs[0]:
@@ -113,8 +113,8 @@ def pyplot():
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
 #   verdicts FILE...         the bare verdict of every (op, bs) the kernels files share,
 #                            file by file, and whether they agree (a re-run's check)
-#   mosaic-gpu FILE          the Mosaic GPU run of issue 33 (Mosaic GPU, Triton, XLA),
-#                            recorded before the harness
+#   mosaic-gpu FILE          a record of mosaic_gpu_tables' format (Mosaic GPU, Triton
+#                            and XLA side by side)
 
 _BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
                     re.S)
@@ -134,8 +134,8 @@ def load(path: str, root: str = "") -> Dict[str, Any]:
 
 
 def _class_table(record: Dict[str, Any]) -> str:
-  """The fixed-width table of a class record without the harness's "suite" (medians,
-  ratios)."""
+  """The fixed-width table of a class record of the format {"rows": {"op/size": {impl:
+  {"median_us"}}}, "skipped", "stalls"} (medians, ratios)."""
   impls = [n for n in ("device", "host", "sgljax", "torch_ref", "sglang")
            if any(n in r for r in record["rows"].values())]
   head = f"{'row':28s}" + "".join(f"{n:>11s}" for n in impls) + "  host/sgljax  device/sglang"
@@ -156,15 +156,11 @@ def _class_table(record: Dict[str, Any]) -> str:
 
 def tables(record: Dict[str, Any]) -> str:
   """What `jax-kvalloc bench` printed for a record, whichever run wrote it."""
-  from jax_kvalloc.tools import bench, bench_classes, bench_kernels  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench, bench_kernels  # pylint: disable=g-import-not-at-top
   if "suite" in record:
     return bench.render(record)
   if "micro" in record:  # kernels and serving records without the harness's "suite"
     return bench_kernels.render(record)
-  if any("q1_us" in c for cells in record["rows"].values() for c in cells.values()):
-    rows = [{"row": k, "cells": {i: dict(c, us=c["median_us"]) for i, c in v.items()
-                                 if i != "verdicts"}} for k, v in record["rows"].items()]
-    return bench.table(dict(record, rows=rows), bench_classes.SWA)
   return _class_table(record)
 
 
@@ -262,10 +258,10 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
 
 
 def mosaic_gpu_tables(rows: Sequence[Dict[str, Any]]) -> str:
-  """The tables of the Mosaic GPU run's record (benchmarks/mosaic_gpu.py at de1bdb2,
-  before its figures became the harness's kernels and table suites): per operation and
-  size, each family's median (q1-q3) in us, and the verdicts of Mosaic GPU against Triton
-  and XLA (`verdict`). Rows a run's budget skipped are left out."""
+  """The tables of a Mosaic GPU comparison's rows ({"op": decode | table_decode |
+  table_extend, "bs", and a cell per family: mosaic_gpu, triton, jnp, none}): per
+  operation and size, each family's median (q1-q3) in us, and the verdicts of Mosaic GPU
+  against Triton and XLA (`verdict`). Rows a run's budget skipped are left out."""
   rows = [r for r in rows if "skipped" not in r]
   def cell(c, prefix=""):
     if not c or f"{prefix}us" not in c:

@@ -139,9 +139,6 @@ class SGLangAllocator:
   def available_size(self) -> int:
     return int(self._a.available_size())
 
-  def get_all_free_pages(self) -> torch.Tensor:
-    return torch.cat([self.free_pages.reshape(-1).cpu(), self.release_pages.reshape(-1)])
-
   def __getattr__(self, name: str) -> Any:
     """alloc, alloc_extend, alloc_decode, free, free_page_ids, free_segment(s), the free
     groups, merge_and_sort_free and clear: SGLang's own methods."""

@@ -225,7 +225,6 @@ class PageSizeResult:
   leak_check: str = "not run"
   usage: List[float] = dataclasses.field(default_factory=list, repr=False)
   step_us: List[float] = dataclasses.field(default_factory=list, repr=False)
-  step_kind: List[str] = dataclasses.field(default_factory=list, repr=False)
   records: Any = dataclasses.field(default=None, repr=False)  # i64[steps, columns]
   free_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
   release_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
@@ -244,9 +243,8 @@ class PageSizeResult:
   swa_usage: List[float] = dataclasses.field(default_factory=list, repr=False)
 
 
-SWA_FIELDS = ("swa_window", "swa_num_pages", "full_peak_pages", "full_mean_pages",
-              "swa_peak_pages", "swa_mean_pages", "swa_peak_usage", "swa_mean_usage",
-              "window_frees", "refused_full", "refused_swa", "swa_usage")
+_NAMES = [f.name for f in dataclasses.fields(PageSizeResult)]
+SWA_FIELDS = tuple(_NAMES[_NAMES.index("swa_window"):])
 
 
 @dataclasses.dataclass
@@ -303,20 +301,6 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
-def branches() -> bool:
-  """Layout.branch: skip a step's unneeded table phases in lax.cond (on the CPU), or run
-  them with no rows (on accelerators, where a branch waits for the host)."""
-  return jax.default_backend() == "cpu"
-
-
-def device_workload(cfg: SimConfig, wl: Workload) -> sstep.Workload:
-  """The workload on the device (SWA mode: no prefix groups)."""
-  group = np.full_like(wl.group, -1) if cfg.swa_window else wl.group
-  prefix = wl.prefix_len if wl.prefix_len.size else np.zeros(1, np.int64)
-  return sstep.Workload(*(jnp.asarray(a, jnp.int32) for a in (
-      wl.arrival, group, wl.prompt, wl.output, prefix, cfg.max_steps)))
-
-
 # --------------------------------------------------------------------------------------
 # Compiling: every page size at once, options per backend, persistent-cache hits counted.
 # --------------------------------------------------------------------------------------
@@ -359,6 +343,12 @@ def clear_compiled() -> None:
   sstep.host_step.clear_cache()
 
 
+def branches() -> bool:
+  """Layout.branch: skip a step's unneeded table phases in lax.cond (on the CPU), or run
+  them with no rows (on accelerators, where a branch waits for the host)."""
+  return jax.default_backend() == "cpu"
+
+
 def prepare(cfg: SimConfig, wl: Workload, page_size: int,
             options: Optional[Dict[str, Any]] = None) -> Prepared:
   """Lays out and compiles one page size (thread-safe: the page sizes compile at once);
@@ -368,7 +358,10 @@ def prepare(cfg: SimConfig, wl: Workload, page_size: int,
     _LISTENING.append(jax.monitoring.register_event_listener(_on_event))
   t0 = time.perf_counter()
   lay = make_layout(cfg, wl, page_size)
-  dwl = device_workload(cfg, wl)
+  group = np.full_like(wl.group, -1) if cfg.swa_window else wl.group  # SWA: no prefixes
+  prefix = wl.prefix_len if wl.prefix_len.size else np.zeros(1, np.int64)
+  dwl = sstep.Workload(*(jnp.asarray(a, jnp.int32) for a in (
+      wl.arrival, group, wl.prompt, wl.output, prefix, cfg.max_steps)))
   carry = jax.jit(sstep.init_carry, static_argnums=0)(lay)
   c0 = time.process_time()
   if cfg.driver == "device":
@@ -500,8 +493,6 @@ def run_page_size(cfg: SimConfig, wl: Workload, prep: Prepared,
   finish_result(res, records)
   res.step_us = times
   res.step_us_p50, res.step_us_p99 = percentile(times, 50), percentile(times, 99)
-  res.step_kind = ["prefill" if k == sstep.KIND_PREFILL else "decode"
-                   for k in records[:, COL["kind"]]]
   final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
   return res
 
@@ -749,7 +740,7 @@ def to_json(result: SimResult, *, series: bool = True) -> Dict[str, Any]:
       r["records"] = {"columns": list(record_columns(swa)),
                       "rows": np.asarray(recs).tolist()}
     for k in (SWA_FIELDS if not swa else ()) + (() if series else (
-        "usage", "step_us", "step_kind", "free_list_final", "release_list_final")
+        "usage", "step_us", "free_list_final", "release_list_final")
         + (("swa_usage",) if swa else ())):
       r.pop(k)
   return d

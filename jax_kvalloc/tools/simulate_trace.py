@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 
+from jax_kvalloc.tools import traces
 from jax_kvalloc.tools.simulate import (PageSizeResult, SimConfig, SimConfigError, SimResult,
                                         check_partition, device_name, percentile, versions)
 
@@ -24,39 +25,35 @@ ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode")
 
 
 class _Tracker:
-  """Pages in use and the slots handed out inside them, following the allocator's
-  semantics (paged free releases whole pages; token free single slots)."""
+  """The slots handed out in each page in use (`held`: page -> slots) and the unused
+  slots inside those pages (`waste`), as the allocator frees: whole pages (single slots
+  at page size 1), inside a free group at its end; restore_state puts back backup_state's."""
 
   def __init__(self, page_size: int):
-    self.ps = page_size
-    self.held: Dict[int, set] = {}
-    self.waste = 0
-    self.group: Optional[List[int]] = None
-    self.snapshot = None
+    self.ps, self.held, self.waste, self.group, self.snapshot = page_size, {}, 0, None, None
 
   def take(self, slots) -> None:
     for s in slots:
-      page = s // self.ps
-      got = self.held.get(page)
-      if got is None:
-        self.held[page] = {s}
-        self.waste += self.ps - 1
-      elif s not in got:
+      got = self.held.setdefault(s // self.ps, set())
+      if s not in got:
+        self.waste += -1 if got else self.ps - 1
         got.add(s)
-        self.waste -= 1
 
   def free(self, slots) -> None:
     if self.group is not None:
-      self.group.extend(slots)
-      return
+      return self.group.extend(slots)
     for page in {s // self.ps for s in slots}:
       got = self.held.pop(page, None)
       if got is not None:
         self.waste -= self.ps - len(got)
 
-  def apply(self, op: str, result) -> None:
+  def apply(self, op: str, args: Dict[str, Any], result) -> None:
     if op in ALLOC_OPS and result is not None:
       self.take(result)
+    elif op in ("free", "free_segment"):
+      self.free([int(s) for s in args["free_index"]])
+    elif op == "free_page_ids":
+      self.free([int(p) * self.ps for p in args["page_ids"]])
     elif op == "free_group_begin":
       self.group = []
     elif op == "free_group_end":
@@ -65,63 +62,47 @@ class _Tracker:
     elif op == "backup_state":
       self.snapshot = ({p: set(s) for p, s in self.held.items()}, self.waste)
     elif op == "restore_state" and self.snapshot is not None:
-      held, self.waste = self.snapshot
-      self.held = {p: set(s) for p, s in held.items()}
+      self.held, self.waste = {p: set(s) for p, s in self.snapshot[0].items()}, self.snapshot[1]
     elif op in ("clear", "init"):
       self.held, self.waste, self.group = {}, 0, None
 
 
-def _runs(pages: List[int]) -> int:
-  if not pages:
-    return 0
-  a = np.asarray(pages)
-  return int(1 + np.sum(a[1:] != a[:-1] + 1))
-
-
-def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
-                runs: List[int], runs_every: int) -> None:
-  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
+def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: List[int],
+                runs_every: int) -> None:
+  """Replays one trace into `res` (its counts, series and step times) and `runs` (the
+  free-list census where the state is read back: recorded steps, every runs_every-th
+  and the last)."""
   init = traces.init_args(records[0].get("args", {}))
   ps, num_pages = init["page_size"], init["size"] // init["page_size"]
   tracker = _Tracker(ps)
-  observed = None
-  for step, rec in enumerate(records):
-    op, args = rec["op"], rec.get("args")
+  replayer.apply("init", records[0].get("args"))
+  seen = replayer.observe()
+  for step, rec in enumerate(records[1:], 1):
+    op, args = rec["op"], rec.get("args") or {}
     t0 = time.perf_counter()
     result = replayer.apply(op, args)
-    us = (time.perf_counter() - t0) * 1e6
-    tracker.apply(op, result)
-    if op == "free":
-      tracker.free([int(s) for s in args["free_index"]])
-    if op == "init":
-      continue
-    times.append(us)
-    res.steps += 1
+    res.step_us.append((time.perf_counter() - t0) * 1e6)
+    tracker.apply(op, args, result)
     if op in ALLOC_OPS:
-      if result is None:
-        res.alloc_failures += 1
-      else:
-        res.tokens_allocated += len(result)
-      if op == "alloc_decode":
-        res.decode_steps += 1
-      else:
-        res.prefill_steps += 1
-    checked = any(k in rec for k in traces.STATE_FIELDS[1:])
-    if checked or step % runs_every == 0 or step == len(records) - 1:
-      observed = replayer.observe()
-      got = dict(observed, result=result)
-      diff = traces.compare(rec, got)
+      res.alloc_failures += result is None
+      res.tokens_allocated += len(result or ())
+      res.decode_steps += op == "alloc_decode"
+      res.prefill_steps += op != "alloc_decode"
+    if (any(k in rec for k in traces.STATE_FIELDS[1:]) or step % runs_every == 0
+        or step == len(records) - 1):
+      seen = replayer.observe()
+      diff = traces.compare(rec, dict(seen, result=result))
       if diff:
         raise traces.TraceMismatch(f"trace {rec['trace']!r} step {step} ({op}): {diff}")
-      runs.append(_runs(observed["free_pages"]))
-      avail = observed["available_size"]
+      runs.append(int(np.sum(np.diff(seen["free_pages"]) != 1)) + bool(seen["free_pages"]))
+      avail = seen["available_size"]
     else:
       avail = int(replayer.allocator.available_size())
     used = num_pages - avail // ps
     res.usage.append(used / num_pages)
     res.waste_peak_slots = max(res.waste_peak_slots, tracker.waste)
     res.waste_mean += tracker.waste / max(used * ps, 1)
-  free = observed["free_pages"] + observed["release_pages"]
+  free = seen["free_pages"] + seen["release_pages"]
   check_partition(f", trace {records[0]['trace']!r}", ps, num_pages,
                   [np.asarray(free), np.asarray(sorted(tracker.held))])
   res.free_pages_final += len(free)
@@ -134,7 +115,6 @@ def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
   aggregated result per page size. SimConfigError naming --trace for a file that is not
   a trace, or --swa-window / --no-guard (which do not apply)."""
   import tqdm  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
   if cfg.swa_window:
     raise SimConfigError("--swa-window", "does not apply to --trace (a trace replays its "
                          "own operations)")
@@ -155,30 +135,24 @@ def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
   make = traces.jax_factory(cfg.kernel)
   out = []
   for ps in sorted(by_ps):
-    tids = by_ps[ps]
-    pages = [inits[t]["size"] // ps for t in tids]
-    res = PageSizeResult(ps, max(pages), cfg.kernel)
-    times: List[float] = []
-    runs: List[int] = []
-    t0 = time.perf_counter()
-    for tid in tqdm.tqdm(tids, desc=f"page_size={ps}", unit="trace", disable=not progress,
-                         leave=False):
-      records = all_traces[tid]
+    pages = [inits[t]["size"] // ps for t in by_ps[ps]]
+    res, runs, t0 = PageSizeResult(ps, max(pages), cfg.kernel), [], time.perf_counter()
+    for tid in tqdm.tqdm(by_ps[ps], desc=f"page_size={ps}", unit="trace",
+                         disable=not progress, leave=False):
       warm = traces.Replayer(make)
-      for rec in records:  # compile every shape bucket this trace uses
+      for rec in all_traces[tid]:  # compile every shape bucket this trace uses
         warm.apply(rec["op"], rec.get("args"))
-      _replay_one(records, traces.Replayer(make), res, times, runs, cfg.runs_every)
+      _replay_one(all_traces[tid], traces.Replayer(make), res, runs, cfg.runs_every)
       res.requests_done += 1
     res.wall_s = time.perf_counter() - t0
-    res.step_us = times
-    res.step_kind = ["op"] * len(times)
+    res.steps = len(res.step_us)
     res.waste_mean /= max(len(res.usage), 1)
     res.peak_usage = max(res.usage, default=0.0)
     res.mean_usage = float(np.mean(res.usage)) if res.usage else 0.0
     res.runs_mean = float(np.mean(runs)) if runs else 0.0
-    res.step_us_p50, res.step_us_p99 = percentile(times, 50), percentile(times, 99)
+    res.step_us_p50, res.step_us_p99 = percentile(res.step_us, 50), percentile(res.step_us, 99)
     res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "
-                      f"== {sum(pages)} ({len(tids)} traces)")
+                      f"== {sum(pages)} ({len(pages)} traces)")
     out.append(res)
   conf = {"trace": path, "kernel": cfg.kernel, "runs_every": cfg.runs_every}
   return SimResult(conf, device_name(), versions(), out, mode="trace")

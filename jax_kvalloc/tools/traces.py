@@ -50,8 +50,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence,
-                    Set, Tuple)
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import numpy as np
 
@@ -61,9 +60,6 @@ OPS = ("init", "alloc", "alloc_extend", "alloc_decode", "free", "free_group_begi
 STATE_FIELDS = ("result", "free_pages", "release_pages", "available_size")
 
 Record = Dict[str, Any]
-Op = Tuple[str, Dict[str, Any]]
-# make_allocator(size=, page_size=, need_sort=, kind=) -> an SGLang-style allocator.
-AllocatorFactory = Callable[..., Any]
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,7 +190,7 @@ class Replayer:
       to `compare` by callers).
   """
 
-  def __init__(self, make_allocator: AllocatorFactory,
+  def __init__(self, make_allocator: Callable[..., Any],
                to_array: Callable[[List[int]], Any] = _default_array,
                to_cpu_array: Callable[[List[int]], Any] = _default_array,
                release_unordered: bool = False):
@@ -465,23 +461,16 @@ class SchedulerSim:
     self.ops += 1
     return self._exec(op, args or {})
 
-  def _free(self, slots: List[int]) -> None:
+  def _free(self, slots: List[int], op: str = "free", args: Optional[Dict] = None) -> None:
+    """Frees `slots` through `op` (free, or free_segment / free_page_ids with `args`);
+    inside a free group their pages return at its end."""
     if not slots:
       return
-    self._do("free", {"free_index": list(slots)})
+    self._do(op, args or {"free_index": list(slots)})
     if self._group is not None:
       self._group.extend(slots)
     else:
       self._release(slots)
-
-  def _group_begin(self) -> None:
-    self._group = []
-    self._do("free_group_begin")
-
-  def _group_end(self) -> None:
-    queued, self._group = self._group, None
-    self._do("free_group_end")
-    self._release(queued)
 
   def _iteration(self) -> None:
     self.iteration += 1
@@ -702,20 +691,12 @@ class SchedulerSim:
     elif owned and self.cfg.segment_prob and self.rng.random() < self.cfg.segment_prob:
       # The request's own tokens from a page boundary on (its shared prefix, or what
       # went into the cache, ends on one), in token order: a segment (SPEC 10).
-      self._free_segment(owned, len(r.slots) + len(r.extra) - len(owned))
-      return
+      if self.paged and self.rng.random() < 0.5:
+        return self._free(owned, "free_page_ids", {"page_ids": [
+            s // self.ps for s in owned[::self.ps]]})
+      start = len(r.slots) + len(r.extra) - len(owned)
+      return self._free(owned, "free_segment", {"free_index": list(owned), "start_pos": start})
     self._free(owned)
-
-  def _free_segment(self, slots: List[int], start: int) -> None:
-    if self.paged and self.rng.random() < 0.5:
-      pages = [slots[k] // self.ps for k in range(0, len(slots), self.ps)]
-      self._do("free_page_ids", {"page_ids": pages})
-    else:
-      self._do("free_segment", {"free_index": list(slots), "start_pos": start})
-    if self._group is not None:
-      self._group.extend(slots)
-    else:
-      self._release(slots)
 
   def _finish_some(self) -> None:
     rng = self.rng
@@ -725,11 +706,14 @@ class SchedulerSim:
       return
     group = rng.random() < 0.5
     if group:
-      self._group_begin()
+      self._group = []
+      self._do("free_group_begin")
     for r in done:
       self._finish(r, cache=rng.random() < self.cfg.cache_prob)
     if group:
-      self._group_end()
+      queued, self._group = self._group, None
+      self._do("free_group_end")
+      self._release(queued)
 
   def _drain(self) -> None:
     for r in list(self.running) + list(self.waiting):
@@ -739,9 +723,10 @@ class SchedulerSim:
 
 
 def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
-             on_step: Optional[Callable[[int, Record], None]] = None,
-             leak_check: bool = True) -> List[Record]:
-  """Runs the workload of `config` against the allocator of `replayer` and records it.
+             on_step: Optional[Callable[[int, Record], None]] = None) -> List[Record]:
+  """Runs the workload of `config` against the allocator of `replayer` and records it;
+  TraceMismatch when a step's available_size is not what the workload's own bookkeeping
+  of pages in use predicts (a leak or a double allocation).
 
   Args:
     config: the workload.
@@ -749,8 +734,6 @@ def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
     trace_id: the `trace` field of the records.
     on_step: on_step(step, record), if given, runs after every step (for lock-step
       comparison with other implementations); it may raise to stop the run.
-    leak_check: raise TraceMismatch when a step's available_size is not what the
-      workload's own bookkeeping of pages in use predicts.
 
   Returns:
     The trace: its init record, then one record per operation with the observed result,
@@ -761,7 +744,7 @@ def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
 
   def check_leak() -> None:
     # The workload books the outcome of an op after it returns: check before the next.
-    if leak_check and records:
+    if records:
       rec, want = records[-1], workload.expected_available()
       if rec["available_size"] != want:
         raise TraceMismatch(
