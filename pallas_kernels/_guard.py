@@ -71,6 +71,16 @@ def reasons(held_ref, pages: Array, given: Array, n: int, *, distinct: bool,
   return why, h0, inside
 
 
+def why_of(page: Array, n: int) -> Array:
+  """i32[] the reason a free naming `page` (not held) offends: PAGE_ZERO, OUT_OF_RANGE or
+  NOT_HELD. Arithmetic, not a select of literals: Triton's lowering gives a scalar
+  select_n of weak-typed literals the predicate's i1 type, which its verifier rejects."""
+  zero = (page == 0).astype(jnp.int32)
+  outside = ((page < 0) | (page > n)).astype(jnp.int32)
+  return (NOT_HELD + (OUT_OF_RANGE - NOT_HELD) * outside * (1 - zero)
+          + (PAGE_ZERO - NOT_HELD) * zero)
+
+
 def first_offence(why: Array, pages: Array) -> Tuple[Array, Array, Array]:
   """(bool[] any lane offends, i32[] why, i32[] page of the first offending lane)."""
   lanes = jnp.arange(why.shape[0], dtype=jnp.int32)

@@ -195,8 +195,7 @@ def _place_ring_kernel(marks_ref, counts_ref,                # i32[nb*B (+ cells
     if p.guard:
       first = _util.floordiv(slots_ref[jnp.clip(p.num_slots - last, 0, p.num_slots - 1)],
                              p.page_size)
-      why = jnp.where(first == 0, _guard.PAGE_ZERO, jnp.where(
-          (first < 0) | (first > n), _guard.OUT_OF_RANGE, _guard.NOT_HELD))
+      why = _guard.why_of(first, n)
       _guard.record_status(status_ref, refused, p.op, why, first)
       refused_out[0] = refused.astype(jnp.int32)
 
