@@ -347,11 +347,16 @@ class BaseAllocator:
     if idx.size == 0:
       return
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
+    self._queue_or_free(r, idx, "free")
+
+  def _queue_or_free(self, r: int, idx: np.ndarray, op: str) -> None:
+    """Checked host slots freed now (`op` names the class call in a refusal), or queued
+    in the open free group."""
     if self._group is not None:
       # A copy: later changes to the caller's buffer must not reach the queue (SPEC 7).
       self._group[r].slots.append(np.array(idx, copy=True))
       return
-    self._free_now(self._pools[r], idx)
+    self._free_now(self._pools[r], idx, op)
 
   def _free_now(self, pool: Pool, idx: np.ndarray, op: str = "free") -> None:
     if self.config.kind == "paged":  # the sorted unique pages reach the list (SPEC 4.4)

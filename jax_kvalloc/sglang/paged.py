@@ -22,6 +22,12 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     dtype, device, kvcache: as in SGLang (see TokenToKVPoolAllocator).
     need_sort: park freed pages in release_pages until a shortfall merges them.
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
+    guard: keep the ownership record (SPEC 14, default True): a free naming a page that
+      is not held (free, released, never handed out, or named twice where the call
+      does not de-duplicate) raises ValueError naming the operation and the page and
+      frees nothing; every call then raises until clear() or restore_state()
+      (jax_kvalloc.sglang.base says when the device backend raises). False: SGLang's
+      trust (such a free is taken as given) and costs.
     backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
       (NumPy state and results, for host schedulers); see jax_kvalloc.sglang.base.
     dp_size: data-parallel ranks (sglang-jax's dp_size), each a pool of size // dp_size
@@ -36,12 +42,11 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
   def __init__(self, size: int, page_size: int, dtype: Any = None, device: Any = None,
                kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device", dp_size: int = 1,
+               guard: bool = True, backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
-    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
     config = AllocatorConfig(size=size, page_size=page_size, need_sort=need_sort,
-                             kind="paged", guard=False, **extra)
+                             kind="paged", guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 
@@ -152,7 +157,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     r = self._pool_index(dp_rank)
     _, n, pages = self._segment(r, free_index, start_pos)
     if n:
-      self._queue_or_free_page_ids(r, pages)
+      self._queue_or_free_page_ids(r, pages, "free_segment")
 
   def free_segments(self, segments: Sequence[Tuple[Any, int]], dp_rank: int = 0) -> None:
     """Frees several (free_index, start_pos) segments of one request, each in turn as
@@ -186,7 +191,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     else:
       # Each segment is prepended in turn, so the last one ends up in front: one block
       # of the segments in reverse order is the same list, in one call.
-      self._free_page_ids_now(self._pools[r], concat(checked[::-1]))
+      self._free_page_ids_now(self._pools[r], concat(checked[::-1]), "free_segments")
 
   def _segment(self, r: int, free_index, start_pos) -> Tuple[int, int, Any]:
     """Checks one segment: (start_pos, its token count, its pages: host int64, or a
@@ -202,11 +207,11 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
     return start, idx.size, validate.segment(idx, page_size=self.page_size)
 
-  def _queue_or_free_page_ids(self, r: int, ids: Any) -> None:
+  def _queue_or_free_page_ids(self, r: int, ids: Any, op: str = "free_page_ids") -> None:
     if self._group is not None:
       self._group[r].page_ids.append(ids)  # a host copy or an immutable device array:
       return                               # later changes to the caller's buffer do not
-    self._free_page_ids_now(self._pools[r], ids)  # reach the queue
+    self._free_page_ids_now(self._pools[r], ids, op)  # reach the queue
 
 
 def _segment_pages(free_index, page_size: int):

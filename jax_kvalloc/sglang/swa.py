@@ -59,8 +59,8 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       or one per rank).
     kvcache: stored and returned by get_kvcache(); may be None (the mapping is ours).
     need_sort: both pools park freed pages until a shortfall merges them.
-    kernel, debug, backend: as our pool classes ("device": jax arrays, no waits on
-      allocation; "host": NumPy).
+    kernel, debug, guard, backend: as our pool classes ("device": jax arrays, no waits
+      on allocation; "host": NumPy; guard: each pool keeps its ownership record).
     dp_size, dp_ranks: data-parallel ranks as on the pool classes
       (jax_kvalloc.sglang.base), each an SWA pool pair of size // dp_size and
       size_swa // dp_size slots; methods then take `dp_rank=` (default 0).
@@ -69,11 +69,10 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
   def __init__(self, size: int, size_swa: int, page_size: int, dtype: Any = None,
                device: Any = None, kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device", dp_size: int = 1,
+               guard: bool = True, backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
-    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
-    config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=False, **extra)
+    config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 
