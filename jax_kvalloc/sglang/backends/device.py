@@ -19,7 +19,9 @@ computation and the ring write:
     holds it (then that one ring is copied: copy-on-write), and the record (donated);
     the entries it writes lie outside the live list until its new head and length take
     them in, so a refused free keeps the old head and length and changes nothing (the
-    record refuses a free whole: its held is unchanged too);
+    record refuses a free whole: its held is unchanged too); once the record holds a
+    refusal, frees free nothing (as the host backend raises at once, and the class
+    raises when it reads the status), so the backends end in the same state;
   * the merge runs as its own call, only when the host's mirror says it triggers, so the
     allocation programs carry no merge branch (config.need_sort is off inside them);
   * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
@@ -242,9 +244,11 @@ class DeviceOps(Programs):
         lo = cfg.page_size if op == "free" else 1  # free: slots; else page ids
         listed = (values >= lo) & (values <= (cfg.num_pages + 1) * lo - 1)
         given = jnp.arange(values.shape[0]) < count[1]
+        named = values
         if held is not None:  # a 0 the caller gave is no padding here: the record
-          values = jnp.where(given & (values == 0), -1, values)  # refuses it whole
-        s = body(cfg, _write_state(cfg, ring, head, length, other_len, held), values)
+          named = jnp.where(given & (values == 0), -1, values)  # refuses it whole;
+          named = jnp.where(sticky[0] != 0, 0, named)  # after a refusal nothing is freed
+        s = body(cfg, _write_state(cfg, ring, head, length, other_len, held), named)
         ring, new_head, new_len = st.freed_list(cfg.need_sort, s)[:3]
         short = count[0] - (new_len - length)
         bad = short != 0  # refused whole: the entries written lie outside the list

@@ -104,6 +104,12 @@ def _fresh(state: SWAState) -> Tuple[SWAState, Any]:
                         swa=_with_status(state.swa, zero)), old
 
 
+def _dead(old: Any) -> Array:
+  """bool[]: the state holds a refusal (`_fresh`'s statuses): frees free nothing more,
+  as the host backend raises at once."""
+  return jnp.zeros((), bool) if old is None else (old[0][0] != 0) | (old[1][0] != 0)
+
+
 def _with_status(part: Any, status: Array) -> Any:
   return part._replace(guard=part.guard._replace(status=status))
 
@@ -241,7 +247,7 @@ class SWAOps(Programs):
         idx, info = idx[:-4], idx[-4:]
       old = state
       state, sticky = _fresh(state)
-      n, start = info[0], info[1]
+      n, start = jnp.where(_dead(sticky), 0, info[0]), info[1]
       given = jnp.arange(idx.shape[0]) < n
       bad = jnp.zeros((), bool)
       if segment:  # every page's first token must have its peer (SGLang's invariant)
@@ -313,7 +319,7 @@ class SWAOps(Programs):
       old = state
       state, sticky = _fresh(state)
       pool_cfg = getattr(cfg, side)
-      given = jnp.arange(values.shape[0]) < info[0]
+      given = (jnp.arange(values.shape[0]) < info[0]) & ~_dead(sticky)
       if page_ids and pool_cfg.guard:  # a queued 0 is no padding: the record refuses it
         values = jnp.where(given & (values == 0), -1, values)
       values = jnp.where(given, values, 0)
