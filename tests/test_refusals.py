@@ -259,6 +259,43 @@ def test_refusals_raise_and_change_nothing_on_every_backend(case, backend):
   assert a.available_size() == a.size
 
 
+@pytest.mark.parametrize("backend", ["device", "host"])
+def test_snapshots_put_the_record_back(backend):
+  """A single pool's snapshot does not keep the ownership record: restore_state patches
+  the live one (only allocations since) or rebuilds it (frees or merges since, a later
+  snapshot, another allocator's snapshot), and `state` hands out a record that later
+  calls do not write. After each step the record equals the lists, and a double free
+  is still refused."""
+  a = _paged(backend, need_sort=True)
+  a.alloc(PS)
+  snap = a.backup_state()
+  out = np.asarray(a.alloc(2 * PS))
+  a.restore_state(snap)                      # patched: pages 2, 3 free again
+  before = _contents(a)
+  out = np.asarray(a.alloc(2 * PS))
+  a.free(out[:PS])
+  later = a.backup_state()
+  a.restore_state(snap)                      # rebuilt: a free since
+  assert _contents(a) == before
+  a.restore_state(later)                     # rebuilt: more pages free than the live state
+  after_free = _contents(a)
+  a.merge_and_sort_free()
+  a.restore_state(later)                     # rebuilt: a merge since
+  assert _contents(a) == after_free
+  other = _paged(backend, need_sort=True)
+  other.restore_state(later)                 # another allocator's snapshot
+  assert _contents(other) == after_free
+  held_out = a.state                         # handed out: later calls copy the record
+  record = np.asarray(held_out.guard.held).copy()
+  a.alloc(PS)
+  np.testing.assert_array_equal(np.asarray(held_out.guard.held), record)
+  a.set_state(held_out)
+  assert _contents(a) == after_free
+  with pytest.raises(ValueError, match=rf"^free: page 2 {NOT_HELD}"):
+    a.free(out[:1])                          # freed before `later`: not held
+    a.available_size()
+
+
 class _NeverReady:
   """A device status that never lands by itself (a slow device), for the 8-call rule."""
 

@@ -326,8 +326,8 @@ class Pool:
     cut = tuple(None if c is None else s.room(c) for s, c in zip(self.sides, counts))
     if whole:
       shared = self.any_shared()
-    else:
-      shared = any(s.written_shared() for s, c in zip(self.sides, cut) if c != 0)
+    else:  # (a ring nothing reaches is written too: the record refuses such a free)
+      shared = any(s.written_shared() for s in self.sides)
     self.own_record()
     self.state, out, status = free(self.state, cut, shared)
     self.record(op, status, call)
