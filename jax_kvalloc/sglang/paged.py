@@ -127,11 +127,12 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     slot frees.
 
     page_ids: integer pages, each in 1..num_pages and none twice (ValueError naming the
-    entry otherwise; TypeError for floats and bools). A page that is already free is
-    found only in debug mode (AllocatorDebugError), as for `free`. On the device backend
-    a jax.Array is taken as it is, without reading it back (its count is its length):
-    only its dtype and rank are checked, and the caller promises the rest (debug mode
-    checks the values).
+    entry otherwise; TypeError for floats and bools). A page that is not held (free,
+    released, never handed out) is refused by the ownership record (guard, on by
+    default: ValueError naming the operation and the page; nothing freed), as for
+    `free`. On the device backend a jax.Array is taken as it is, without reading it
+    back (its count is its length): only its dtype and rank are checked here, and its
+    values on the device (a refusal raises as jax_kvalloc.sglang.base says).
     """
     r = self._pool_index(dp_rank)
     ids = validate.device_ints(page_ids, "page_ids") if self._keeps(r) else None
@@ -150,9 +151,10 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     Raises (nothing freed): ValueError when start_pos is negative or not a multiple of
     page_size, a slot is not allocatable, or free_index is not one request's
     consecutive slots (a token outside the page of its page's first token, a page
-    twice); TypeError for non-integers. On the device backend a jax.Array free_index is
+    twice); TypeError for non-integers. A page not held is refused by the ownership
+    record, as in `free_page_ids`. On the device backend a jax.Array free_index is
     taken as it is (no read; the pages are computed on the device), and only start_pos,
-    its dtype and rank are checked (debug mode checks the values).
+    its dtype and rank are checked here (the record checks its pages on the device).
     """
     r = self._pool_index(dp_rank)
     _, n, pages = self._segment(r, free_index, start_pos)
@@ -165,8 +167,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     Every segment is checked first: a bad one, or two consecutive non-empty segments
     that share a page, raises ValueError (naming `segments[i]`) and frees nothing.
-    (Pages named twice across host segments are found here; across device arrays, in
-    debug mode only.)
+    (Pages named twice across host segments are found here; across device arrays, by
+    the ownership record on the device.)
     """
     r = self._pool_index(dp_rank)
     checked, spans = [], []

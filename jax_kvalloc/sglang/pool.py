@@ -17,9 +17,9 @@ allocations lie between them), else by rebuilding it from the snapshot's lists
 (O(num_pages); `backend.restore`). The patch is exact only between states of one
 lineage (the states this pool made since its last clear or foreign state: there, two
 states holding one ring differ only by allocations); a snapshot names its pool's
-lineage. A restore to a snapshot with fewer free pages than the live state rebuilds. A record handed outside (`state`) is copied before the next write
-(`record_shared`). An SWA pool pair writes its whole state anew, so its snapshots keep
-everything.
+lineage. A restore to a snapshot with fewer free pages than the live state rebuilds. A
+record handed outside (`state`) is copied before the next write (`record_shared`). An
+SWA pool pair writes its whole state anew, so its snapshots keep everything.
 
 Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call returns what
 it refused. The host backend raises at once. A device status is read back without
