@@ -32,6 +32,10 @@
 # Two GPUs: two runners at once, one per GPU, each with its own NAME:
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh a decode extend &
 #   CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh b gpu-tests serving; wait
+# The ownership record's cost (issue 32; guard on vs guard=False, same run):
+#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh guard-a guard-decode guard-extend \
+#     guard-free & CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh guard-b guard-table \
+#     guard-simulate; wait
 set -uf   # -f: no globbing of the commands (jnp[free=sort])
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
@@ -39,6 +43,7 @@ B="$KV bench"
 SGK=${SGLANG_KERNELS:-.sglang_kernels/allocator.py}
 SGB=${SGLANG_BUNDLE:-.sglang_py312}
 BARE="--bare --min-time 0.02 --sglang-kernels $SGK"
+GUARD_EXTEND=16x8192,64x32768,256x65536,1024x65536,4096x262144   # issue 32: extend bs 16-4096
 
 # name | seconds | command (the step's record: $DIR/<name>.json)
 STEPS="gpu-tests|240|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests
@@ -57,7 +62,13 @@ ranks|90|$B ranks --devices 1,2 --json \$DIR/ranks.json
 simulate-profile|150|$B simulate --impls device,profile --page-sizes 16,64 --num-requests 200 --json \$DIR/simulate-profile.json
 mosaic-gpu-decode|300|$B kernels --ops decode --impls jnp,triton,mosaic_gpu --bare --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-decode.json
 mosaic-gpu-table|420|$B table --impls step[kernel=jnp],none,step[kernel=triton],step[kernel=mosaic_gpu] --page-sizes 64 --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-table.json
-mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py"
+mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py
+serve|240|$PY -m jax_kvalloc.serve.bench --json \$DIR/serve.json
+guard-decode|220|$B kernels --ops decode --impls auto --guard on,off --bare --min-time 0.02 --json \$DIR/guard-decode.json
+guard-extend|180|$B kernels --ops extend --impls auto --guard on,off --extend-cases $GUARD_EXTEND --bare --min-time 0.02 --json \$DIR/guard-extend.json
+guard-free|150|$B kernels --ops free --impls auto,eager --guard on,off --extend-cases $GUARD_EXTEND --min-time 0.02 --json \$DIR/guard-free.json
+guard-table|300|$B table --impls none,calls,step --guard on,off --page-sizes 64 --budget-s 240 --min-time 0.02 --json \$DIR/guard-table.json
+guard-simulate|240|$B simulate --impls device,host --guard on,off --page-sizes 16,64 --json \$DIR/guard-simulate.json"
 
 DRY=0
 BUDGET=${BUDGET:-560}

@@ -8,8 +8,8 @@ requests. With `AllocatorConfig(guard=True)` (the default) the state carries a r
   held    i32[num_pages + 1]  1 where page p is handed out, else 0 (page 0: always 0)
   status  i32[3]              the first refused free: (op, why, page); op 0 = none
 
-and every path (the jnp functions here, the Triton kernels of pallas_kernels, the XLA
-around the Mosaic kernels) keeps it by the rules below. The functions of this module are
+and every path (the jnp functions here, the Triton and Mosaic GPU kernels of
+pallas_kernels, the XLA around the TPU's Mosaic kernels) keeps it by the rules below. The functions of this module are
 those rules in jnp: the jnp path runs them, and every kernel is checked against them bit
 for bit (held and status included).
 

@@ -461,13 +461,12 @@ def alloc_decode_fused(config: AllocatorConfig, state: AllocatorState, seq_lens:
         seq_lens, last_loc, page_size=config.page_size, interpret=interpret,
         held=_held(state))
     return _taken(state, res), res[0], res[3]
-  # The Mosaic GPU kernel keeps no ownership record: with one, XLA's path runs.
-  if state.guard is not None or not pallas_kernels.decode_mosaic_gpu_supported(b, n):
+  if not pallas_kernels.decode_mosaic_gpu_supported(b, n):
     return None
-  out, head, length, ok = pallas_kernels.alloc_decode_mosaic_gpu(
+  res = pallas_kernels.alloc_decode_mosaic_gpu(
       state.free_ring, state.free_head, state.free_len, _num_reqs(num_reqs, b), seq_lens,
-      last_loc, page_size=config.page_size, interpret=interpret)
-  return state._replace(free_head=head, free_len=length), out, ok
+      last_loc, page_size=config.page_size, interpret=interpret, held=_held(state))
+  return _taken(state, res), res[0], res[3]
 
 
 def _held(state: AllocatorState) -> Optional[Array]:

@@ -181,8 +181,6 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
   impl, interpret = kernels.family(name)
   if impl not in ("triton", "mosaic_gpu"):
     return None
-  if impl == "mosaic_gpu" and state.guard is not None:
-    return None  # the Mosaic GPU table kernel keeps no ownership record: XLA's path runs
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   supported, step = ((pallas_kernels.table_supported, pallas_kernels.table_step_triton)
                      if impl == "triton" else
@@ -195,13 +193,11 @@ def _table_kernel(config: AllocatorConfig, state: AllocatorState, table: Request
       page_size=config.page_size, release=size(release), extend=size(extend),
       max_tokens=max_tokens, decode=size(decode)):
     return None
-  guarded = {} if impl == "mosaic_gpu" else {"record": state.guard,
-                                              "op": guard.OP_RELEASE_ROWS}
   out = step(
       state.free_ring, state.free_head, state.free_len, state.release_len, table.pages,
       table.lens, table.owned_from, page_size=config.page_size, release=release,
       extend=extend, max_tokens=max_tokens, decode=decode,
-      interpret=interpret, **guarded)
+      interpret=interpret, record=state.guard, op=guard.OP_RELEASE_ROWS)
   state = state._replace(free_ring=out["ring"], free_head=out["head"],
                          free_len=out["length"])
   if state.guard is not None:

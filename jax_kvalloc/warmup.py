@@ -11,9 +11,9 @@ shapes per operation; but each first meeting costs a compile (tens of ms on a CP
   * `warmup_calls(fn, args_for, sizes)` (the functional API): calls your jitted step
     once per size (with `args_for(size)` as arguments), waits, and times it.
   * `enable_persistent_cache(path)`: JAX's persistent compilation cache, so that a
-    second process loads every program from disk instead of compiling it (README,
-    "Compile once"). The same as setting JAX_COMPILATION_CACHE_DIR, with the size and
-    time thresholds lowered to 0 so that the allocator's small programs are cached too.
+    second process loads every program from disk instead of compiling it. The same as
+    setting JAX_COMPILATION_CACHE_DIR, with the size and time thresholds lowered to 0 so
+    that the allocator's small programs are cached too.
 """
 from __future__ import annotations
 

@@ -20,6 +20,11 @@ each stream stores its count in shared memory, and after a barrier every stream 
 counts of the streams before it (`before_and_total`). Rows are unrolled in Python, so a
 stream's loads for all of its rows are in flight together.
 
+The ownership record (SPEC 14; jax_kvalloc.guard is the reference, bit for bit) is kept
+with the same scalar stores: `held` i32[n + 1] and `status` i32[3] are in-place operands
+of the kernel that already runs. An allocation stores held[page] = 1 per page it takes
+(`mark_held`); a free's checks and its status are the table kernel's (mosaic_gpu_table).
+
 Versions: the kernels need jax >= 0.11 (in-place refs and warp-level scalar code lower
 from 0.11 on; jax 0.10's lowering rejects a ref operand). Lowering semantics "Lane" (warp
 code may load and store scalars there; under "Warpgroup" it may not). The interpreter is
@@ -34,9 +39,14 @@ from typing import Any, Callable, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _util
+
 Array = jax.Array
 WARPS = 4                 # warps per warpgroup: streams per warpgroup
 MIN_JAX = (0, 11)
+# jax_kvalloc.guard's reasons (pallas_kernels imports nothing of jax_kvalloc;
+# tests/test_mosaic_gpu.py checks they agree).
+OUT_OF_RANGE, NOT_HELD, REPEATED = 2, 3, 4
 
 
 def _jax_version() -> Tuple[int, int]:
@@ -170,3 +180,19 @@ def store(ref, i: Array, value: Array, cond=True) -> None:
 def as_i32_refs(*arrays: Array):
   """In-place operands: jax.new_ref of each array (int32)."""
   return tuple(jax.new_ref(jnp.asarray(a, jnp.int32)) for a in arrays)
+
+
+def check_held(held: Array, n: int) -> Array:
+  """The record's held pages as i32[n + 1] (n: the ring's length); TypeError or ValueError
+  naming `held` otherwise."""
+  (held,) = _util.check_ints(held=held)
+  if held.shape != (n + 1,):
+    raise ValueError(f"held must be i32[{n + 1}] (ring length + 1), got {held.shape}")
+  return held
+
+
+def mark_held(held_ref, page: Array, cond: Array, n: int) -> None:
+  """held[page] = 1 where cond (a page an allocation takes; a page outside 0..n, which a
+  consistent free list never holds, is skipped)."""
+  store(held_ref, jnp.clip(page, 0, n), jnp.ones((), jnp.int32),
+        cond & (page >= 0) & (page <= n))

@@ -20,14 +20,15 @@ Layout (mosaic_gpu_common says what Mosaic GPU can and cannot do):
   every row when not ok; CHUNK_ROWS rows' loads before their stores. Program 0's warp 0
   writes the new head, length and ok.
 
-Ownership (SPEC 14): the pages taken are ring[head .. head + total); with the held record
-in the state, phase B's needing rows store held[page] = 1 (a scalar store per page taken,
-when ok), in the same launch.
+Ownership (SPEC 14): the pages taken are ring[head .. head + total); given the record's
+held pages (`held=`, an in-place operand), phase B's needing rows store held[page] = 1
+(a scalar store per page taken, when ok), in the same launch. guard.take on the jnp path
+sets exactly those entries.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,7 @@ class _Params:
   rows_per_warp: int  # Q
   grid: int           # G programs
   chunk: int          # C, the counting pass's vector length (0: one program, no pass)
+  guard: bool = False  # the ownership record's held pages, in place
 
   @property
   def rows_per_program(self) -> int:
@@ -112,9 +114,12 @@ def _count_all(p: _Params, seq_ref, nreq, start_row, smem) -> None:
 
 def _kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: i32[n], i32[1] x3
             seq_ref, last_ref,                        # inputs: i32[B] x2
-            out_ref, head_o, len_o, ok_o,             # outputs: i32[B], i32[1] x3
-            smem,                                     # scratch: i32[2 * 4 + 3] shared
-            *, p: _Params):
+            *refs,  # [held i32[n + 1], in place]; outputs: i32[B], i32[1] x3; scratch:
+            p: _Params):                              #   i32[2 * 4 + 3] shared
+  if p.guard:
+    held_ref, out_ref, head_o, len_o, ok_o, smem = refs
+  else:
+    (out_ref, head_o, len_o, ok_o, smem), held_ref = refs, None
   b, ps, n, q = p.num_rows, p.page_size, p.ring_len, p.rows_per_warp
   prog = mg.program_id()
   nreq = jnp.clip(nreq_ref[0], 0, b)
@@ -158,10 +163,12 @@ def _kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: i32[n], i32[1] x
         last = last_ref[jnp.minimum(r, b - 1)]
         page = ring_ref[mg.wrap(head + k, n)]
         slot = jnp.where(needs > 0, page * ps, last + 1)
-        slots.append((r, jnp.where(ok & real, slot, 0)))
+        slots.append((r, jnp.where(ok & real, slot, 0), needs, page))
         k = k + needs
-      for r, slot in slots:
+      for r, slot, needs, page in slots:
         mg.store(out_ref, r, slot, True if p.grid * p.rows_per_program <= b else r < b)
+        if held_ref is not None:  # guard.take: the pages taken, marked held
+          mg.mark_held(held_ref, page, ok & (needs > 0), n)
 
     def finish():
       taken = jnp.where(ok, total, 0)
@@ -181,8 +188,8 @@ def _kernel(ring_ref, head_ref, flen_ref, nreq_ref,   # inputs: i32[n], i32[1] x
 
 def alloc_decode_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
                             num_reqs: Array, seq_lens: Array, last_loc: Array, *,
-                            page_size: int, interpret=False
-                            ) -> Tuple[Array, Array, Array, Array]:
+                            page_size: int, interpret=False,
+                            held: Optional[Array] = None) -> Tuple[Array, ...]:
   """A whole alloc_decode (SPEC 4.3, no need_sort merge) in one Mosaic GPU launch.
 
   Args:
@@ -191,12 +198,14 @@ def alloc_decode_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
     seq_lens, last_loc: i32[B].
     page_size: static.
     interpret: run in jax's Mosaic GPU interpreter (True, or its parameters; CPU tests).
+    held: optional i32[n + 1], the ownership record's held pages (jax_kvalloc.guard),
+      written in place: the pages taken are marked 1 in the same launch.
 
   Returns:
-    (i32[B] slots, i32[] new free_head, i32[] new free_len, bool[] ok), equal to
-    jax_kvalloc.allocation.alloc_decode on the jnp path: ok is False (slots all 0, head
-    and length unchanged) when a real row has seq_lens < 1 or the pages needed exceed
-    free_len.
+    (i32[B] slots, i32[] new free_head, i32[] new free_len, bool[] ok), and with `held`
+    the new held last; equal to jax_kvalloc.allocation.alloc_decode on the jnp path: ok
+    is False (slots all 0, head, length and held unchanged) when a real row has
+    seq_lens < 1 or the pages needed exceed free_len.
 
   Raises TypeError naming the argument for a non-integer dtype, ValueError for sizes
   `supported` refuses.
@@ -210,15 +219,17 @@ def alloc_decode_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
                      f"(see supported; jax {jax.__version__})")
   q, g = layout(b)
   p = _Params(num_rows=b, page_size=page_size, ring_len=n, rows_per_warp=q, grid=g,
-              chunk=min(CHUNK, 128 * (b // 128)) if g > 1 else 0)
+              chunk=min(CHUNK, 128 * (b // 128)) if g > 1 else 0, guard=held is not None)
+  record = () if held is None else mg.as_i32_refs(mg.check_held(held, n))
   i32 = lambda k: jax.ShapeDtypeStruct((k,), jnp.int32)
   kernel = mg.call(_bind(p), (i32(b), i32(1), i32(1), i32(1)),
                    name="jax_kvalloc_alloc_decode_mosaic_gpu", grid=g,
                    scratch=(mg.smem(2 * mg.WARPS + 3),), interpret=interpret)
   one = lambda x: jnp.reshape(x, (1,))
   out, head, length, ok = kernel(free_ring, one(free_head), one(free_len), one(num_reqs),
-                                 seq_lens, last_loc)
-  return out, head.reshape(()), length.reshape(()), ok.reshape(()) > 0
+                                 seq_lens, last_loc, *record)
+  res = (out, head.reshape(()), length.reshape(()), ok.reshape(()) > 0)
+  return res + tuple(ref[...] for ref in record)
 
 
 def _bind(p: _Params):

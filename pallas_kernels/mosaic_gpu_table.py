@@ -34,10 +34,23 @@ The extend slots are a second launch (`_slots_kernel`): C programs of 4 warps pe
 row, each warp writing blocks of SLOT_BLOCK consecutive slots of its row (from the row's
 plan line), then its share of the zero tail.
 
-Ownership (SPEC 14) fits the same steps: the checks step also checks every released page
-against the held record (and a scratch mark per page for pages named twice), the release
-step clears held[page] for the pages it frees, and the extend and decode steps set
-held[page] = 1 for the pages they take: scalar stores, same launch.
+Ownership (SPEC 14; `record=`, jax_kvalloc.guard the reference, bit for bit): held
+i32[n + 1] and status i32[3] are in-place operands, and the record fits the same steps.
+The release is guard.free(distinct=True) of the owned pages (0: padding), entry k = b W +
+j for released row b's column j:
+  marks      each entry naming a page 1..n also stores k at pmark[page] (scratch, n + 1
+             after the row marks): for a page named twice, one of them is left there.
+  checks     each entry reads held[page] and pmark[page] back: OUT_OF_RANGE (outside
+             1..n), NOT_HELD (held != 1), REPEATED (another entry's k there: that entry
+             names the page too). An offending entry proposes its k, a REPEATED one the
+             smaller of its k and the one it found, so every offending entry is proposed
+             by someone; each warp keeps its smallest proposal (k, why, page).
+  release    the smallest proposal of all warps is the first offence (argument order):
+             with one (and valid rows), the release is refused whole (nothing freed, rows
+             kept, release_ok False) and warp 0 records (op, why, page) if the status was
+             empty; else held[page] = 0 for every entry as its page goes back.
+The extend and decode steps store held[page] = 1 for the pages they take (guard.take).
+No sort, no atomics: scalar loads and stores, no launch more.
 """
 from __future__ import annotations
 
@@ -63,8 +76,9 @@ CHUNK = 8                   # rows (or pages) a warp loads before it stores any 
 
 # Shared-memory counts, one region of 4 T per kind.
 (_REL_BAD, _REL_PAGES, _EXT_BAD, _EXT_CAP, _EXT_TOK, _EXT_PAGES, _DEC_BAD, _DEC_FULL,
- _DEC_NEEDS, _DEC_SEQ) = range(10)
-_KINDS = 10
+ _DEC_NEEDS, _DEC_SEQ, _REL_KEY, _REL_WHY, _REL_PAGE) = range(13)
+_KINDS = 13
+_NONE = _util.INT32_MAX     # no offence (entry keys are b W + j < INT32_MAX)
 # The extend plan: per row a line of _LINE ints, then one line (head, length, limit).
 _TS, _TE, _A, _E, _C, _BP = range(6)
 _HEAD, _FLEN, _LIMIT = range(3)
@@ -82,6 +96,8 @@ class _Params:
   dec_rows: int
   max_tokens: int     # extend slots (static)
   warpgroups: int     # T
+  guard: bool = False  # the ownership record (held, status) in place
+  op: int = 0          # the operation a refused release names in the status
 
   @property
   def streams(self) -> int:
@@ -109,6 +125,8 @@ def supported(*, max_reqs: int, width: int, num_pages: int, page_size: int,
     return False
   if 3 * max_reqs > _util.INT32_MAX or release > MAX_ROWS or decode > MAX_ROWS:
     return False
+  if release * width >= _util.INT32_MAX or 3 * max_reqs + num_pages >= _util.INT32_MAX:
+    return False  # the record's entry keys and page marks
   if extend and (extend > MAX_EXTEND_ROWS or max_tokens < 1
                  or max_tokens > MAX_EXTEND_TOKENS
                  or capacity.sums_may_wrap(extend, max_tokens)
@@ -188,12 +206,16 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
     mg.sync(bar, nt)
 
   # --- marks, and the release rows' valid pages --------------------------------------
+  pmark = 3 * p.max_reqs     # the record's page marks in scr
+
   def marks(s):
     if "rel" in phases:  # loads only: before the marks' stores
       total = jnp.zeros((), jnp.int32)
       for b, row, real, _ in rows("rel", s):
         start, end = _owned_span(p, lens, owned, row)
-        total = total + jnp.where(real, _count_valid(p, pages, row, start, end), 0)
+        end = jnp.where(real, end, start)
+        key = (scr, pmark, b * w) if p.guard else None
+        total = total + _count_valid(p, pages, row, start, end, key)
     for name in phases:
       for chunk in rows(name, s).chunks():
         for b, row, real, inside in chunk:
@@ -213,6 +235,14 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
         back = scr[base[name] + row]
         bad = bad + jnp.where(real & (~inside | (back != b)), 1, 0)
       _store_counts(cnt, s, ns, {kind: bad})
+    if p.guard and "rel" in phases:
+      first = (jnp.full((), _NONE, jnp.int32), jnp.zeros((), jnp.int32),
+               jnp.zeros((), jnp.int32))
+      for b, row, real, _ in rows("rel", s):
+        start, end = _owned_span(p, lens, owned, row)
+        end = jnp.where(real, end, start)
+        first = _offences(p, pages, r["held"], scr, pmark, row, b * w, start, end, first)
+      _store_counts(cnt, s, ns, dict(zip((_REL_KEY, _REL_WHY, _REL_PAGE), first)))
 
   step(checks)
   head, flen, rlen = r["head"][0], r["flen"][0], r["rlen"][0]
@@ -224,22 +254,30 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
       _, bad = _sums(cnt, _REL_BAD, s, ns)
       before, total = _sums(cnt, _REL_PAGES, s, ns)
       go = bad == 0
+      offence = None
+      if p.guard:  # the first offence: a refusal (only of valid rows)
+        found, why, page = _first_offence(cnt, ns)
+        offence = (go & found, why, page)
+        go = go & ~found
       count = jnp.where(go, jnp.minimum(total, n - flen - rlen), 0)
-      return go, count, before
+      return go, count, before, offence
 
     def release(s):
-      go, count, before = release_counts(s)
+      go, count, before, offence = release_counts(s)
       new_head = jnp.where(head - count < 0, head - count + n, head - count)
       rank = before
+      held = r["held"] if p.guard else None
       for b, row, real, _ in rows("rel", s):
         live = real & go
         start, end = _owned_span(p, lens, owned, row)
         end = jnp.where(live, end, start)
-        rank = _give_back(p, pages, ring, row, start, end, new_head, rank, count)
+        rank = _give_back(p, pages, ring, row, start, end, new_head, rank, count, held)
         mg.when(live, lambda row=row: _clear_row(p, pages, lens, owned, row))
+      if p.guard:
+        _record_status(r["status"], s == 0, p.op, *offence)
 
     step(release)
-    go_rel, count, _ = release_counts(0)
+    go_rel, count, _, _ = release_counts(0)
     state["head"] = jnp.where(head - count < 0, head - count + n, head - count)
     state["flen"] = flen + count
   head, flen = state["head"], state["flen"]
@@ -299,7 +337,7 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
             mg.store(plan, b * _LINE + v, value, b < p.ext_rows)
           # The row's new pages, appended: page k of the batch is ring[head + k].
           _copy_run(n, ring, mg.wrap, head + k0, pages, row * w + fnp,
-                    jnp.where(ok & live, new_pages, 0))
+                    jnp.where(ok & live, new_pages, 0), r["held"] if p.guard else None)
           mg.store(lens, row, seq, ok & live)
 
       def tail():
@@ -360,6 +398,8 @@ def _kernel(*refs, p: _Params, names: Tuple[str, ...]):
           mg.store(r["dec_out"], b, slot, b < p.dec_rows)
           col = jnp.minimum(floordiv(pre, ps), w - 1)
           mg.store(pages, row * w + col, page, ok & live & (needs > 0))
+          if p.guard:  # guard.take
+            mg.mark_held(r["held"], page, ok & live & (needs > 0), n)
           mg.store(lens, row, seq, ok & live)
 
     step(decode)
@@ -411,40 +451,107 @@ def _blocks(start, end, fn, carry):
   return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, carry)
 
 
-def _count_valid(p: _Params, pages, row, start, end):
-  """Owned pages of a row that name a page of the pool (1..n)."""
-  def fn(j, inside, acc):
-    page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
-    return acc + jnp.where(inside & (page >= 1) & (page <= p.num_pages), 1, 0)
-  return _blocks(start, end, fn, jnp.zeros((), jnp.int32))
+def _owned_blocks(p: _Params, pages, row, start, end, visit, carry):
+  """carry = visit(cols, carry) for each block of CHUNK columns of a row from `start`,
+  cols = [(j, page, j < end)] with the block's page loads issued first (a visit then
+  loads more or stores; columns past the row's last are clamped to it)."""
+  def block(i, carry):
+    cols = []
+    for u in range(CHUNK):
+      j = start + i * CHUNK + u
+      cols.append((j, pages[row * p.width + jnp.minimum(j, p.width - 1)], j < end))
+    return visit(cols, carry)
+  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, carry)
 
 
-def _give_back(p: _Params, pages, ring, row, start, end, head, rank, count):
-  """The row's valid owned pages, in column order, to ring[head + rank ...] while rank <
-  count. Returns the rank after them. Per block: the pages' loads, then the stores."""
+def _count_valid(p: _Params, pages, row, start, end, key=None):
+  """Owned pages of a row (columns [start, end)) that name a page of the pool (1..n).
+  key (the record): (scr, pmark, k0): each such column j also stores its entry key
+  k0 + j at scr[pmark + page]."""
   n = p.num_pages
 
-  def block(i, rank):
+  def visit(cols, acc):
+    for j, page, inside in cols:
+      valid = inside & (page >= 1) & (page <= n)
+      acc = acc + jnp.where(valid, 1, 0)
+      if key is not None:
+        scr, pmark, k0 = key
+        mg.store(scr, pmark + jnp.clip(page, 0, n), k0 + j, valid)
+    return acc
+  return _owned_blocks(p, pages, row, start, end, visit, jnp.zeros((), jnp.int32))
+
+
+def _offences(p: _Params, pages, held, scr, pmark, row, k0, start, end, first):
+  """guard.reasons of a released row's owned columns [start, end) (entry keys k0 + j),
+  folded into first = (key, why, page), the smallest proposal so far (module docstring:
+  an offending entry proposes its key; a REPEATED one the smaller of its key and the key
+  it found at its page's mark)."""
+  n = p.num_pages
+
+  def visit(cols, first):
     got = []
-    for u in range(CHUNK):  # loads
-      j = start + i * CHUNK + u
-      page = pages[row * p.width + jnp.minimum(j, p.width - 1)]
-      valid = (j < end) & (page >= 1) & (page <= n)
-      got.append((page, valid, rank))
+    for j, page, inside in cols:  # the held values and marks: loads, all first
+      at = jnp.clip(page, 0, n)
+      got.append((k0 + j, page, inside & (page != 0), held[at], scr[pmark + at]))
+    for key, page, given, h0, mark in got:
+      pool = (page >= 1) & (page <= n)
+      twice = pool & (mark != key)
+      why = jnp.where(~pool, mg.OUT_OF_RANGE, jnp.where(
+          h0 != 1, mg.NOT_HELD, jnp.where(twice, mg.REPEATED, 0)))
+      cand = jnp.where(given & (why != 0),
+                       jnp.where(twice, jnp.minimum(key, mark), key), _NONE)
+      better = cand < first[0]
+      first = tuple(jnp.where(better, v, f) for v, f in zip((cand, why, page), first))
+    return first
+  return _owned_blocks(p, pages, row, start, end, visit, first)
+
+
+def _first_offence(cnt, ns: int):
+  """(found, why, page) of the smallest proposal of all streams (shared memory)."""
+  best = jnp.full((), _NONE, jnp.int32)
+  at = jnp.zeros((), jnp.int32)
+  for t in range(ns):
+    k = cnt[_REL_KEY * ns + t]
+    at = jnp.where(k < best, t, at)
+    best = jnp.minimum(k, best)
+  return best < _NONE, cnt[_REL_WHY * ns + at], cnt[_REL_PAGE * ns + at]
+
+
+def _record_status(status, mine, op: int, found, why, page) -> None:
+  """The sticky status (guard.record_status), written by one stream (mine): stores only
+  where a refusal finds it empty (each lane stores the same values or nothing)."""
+  def put():
+    new = found & (status[0] == 0)
+    for i, v in enumerate((jnp.int32(op), why, page)):
+      mg.store(status, i, v, new)
+  mg.when(mine, put)
+
+
+def _give_back(p: _Params, pages, ring, row, start, end, head, rank, count, held=None):
+  """The row's valid owned pages, in column order, to ring[head + rank ...] while rank <
+  count (held: the record, held[page] = 0 for each). Returns the rank after them."""
+  n = p.num_pages
+
+  def visit(cols, rank):
+    for _, page, inside in cols:
+      valid = inside & (page >= 1) & (page <= n)
+      mg.store(ring, mg.wrap(head + rank, n), page, valid & (rank < count))
+      if held is not None:
+        mg.store(held, jnp.clip(page, 0, n), jnp.zeros((), jnp.int32), valid)
       rank = rank + jnp.where(valid, 1, 0)
-    for page, valid, at in got:  # stores
-      mg.store(ring, mg.wrap(head + at, n), page, valid & (at < count))
     return rank
-  return jax.lax.fori_loop(0, cdiv(jnp.maximum(end - start, 0), CHUNK), block, rank)
+  return _owned_blocks(p, pages, row, start, end, visit, rank)
 
 
-def _copy_run(n: int, src, wrap, src_start, dst, dst_start, count) -> None:
-  """dst[dst_start + g] = src[wrap(src_start + g, n)] for g < count; per block of CHUNK
-  the loads, then the stores."""
+def _copy_run(n: int, src, wrap, src_start, dst, dst_start, count, held=None) -> None:
+  """dst[dst_start + g] = src[wrap(src_start + g, n)] for g < count (held: the record,
+  each value marked held); per block of CHUNK the loads, then the stores."""
   def block(i, carry):
     got = [(i * CHUNK + u, src[wrap(src_start + i * CHUNK + u, n)]) for u in range(CHUNK)]
     for g, value in got:
       mg.store(dst, dst_start + g, value, g < count)
+      if held is not None:
+        mg.mark_held(held, value, g < count, n)
     return carry
   jax.lax.fori_loop(0, cdiv(count, CHUNK), block, 0)
 
@@ -539,14 +646,18 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
                           max_tokens: int = 0,
                           decode: Optional[Tuple[Array, Array]] = None,
                           interpret=False,
-                          warpgroups: Optional[int] = None) -> Dict[str, Array]:
+                          warpgroups: Optional[int] = None,
+                          record: Optional[Tuple[Array, Array]] = None,
+                          op: int = 0) -> Dict[str, Array]:
   """The request table's release, extend and decode (each optional, in that order) in one
   Mosaic GPU launch, two with extend (SPEC 11; need_sort off, no debug, paged pool).
 
   Args and returns as triton_table.table_step_triton (the same dict, the bits of the jnp
-  path's release_rows, extend_rows, decode_rows applied in turn). interpret: run in jax's
-  Mosaic GPU interpreter (True, or its parameters). warpgroups: of the table program
-  (default `warpgroups_for` the largest phase).
+  path's release_rows, extend_rows, decode_rows applied in turn; with `record`, (held
+  i32[n + 1], status i32[3]) written in place, "held" and "status" too, `op` named in
+  the status of a refused release). interpret: run in jax's Mosaic GPU interpreter
+  (True, or its parameters). warpgroups: of the table program (default `warpgroups_for`
+  the largest phase).
 
   Raises TypeError naming the argument for a non-integer dtype, ValueError for sizes
   `supported` refuses.
@@ -568,7 +679,7 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
   p = _Params(page_size=page_size, num_pages=n, max_reqs=max_reqs, width=width,
               rel_rows=sizes["release"], ext_rows=sizes["extend"],
               dec_rows=sizes["decode"], max_tokens=max_tokens if extend is not None else 0,
-              warpgroups=nt)
+              warpgroups=nt, guard=record is not None, op=op)
   one = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
   # In place, the free list's head and length too: an output that is not aliased to its
   # input cannot take a loop carry's buffer, and XLA would copy it into the carry.
@@ -584,8 +695,16 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
     checked = _util.check_ints(**{f"{key}_{f}": v for f, v in zip(fields, phase)})
     names += [f"{key}_{f}" for f in fields]
     args += [x if f != "num" else one(x) for f, x in zip(fields, checked)]
+  held_status = ()
+  if record is not None:
+    (status,) = _util.check_ints(status=record[1])
+    held_status = mg.as_i32_refs(mg.check_held(record[0], n), status.reshape(3))
+    names += ["held", "status"]
+    args += list(held_status)
   i32 = lambda k: jax.ShapeDtypeStruct((max(k, 1),), jnp.int32)
-  outs = {"ok_o": i32(3), "scr": i32(3 * max_reqs)}
+  # scr: the row marks of the three phases, then (record, release) the page marks.
+  pmarks = n + 1 if p.guard and release is not None else 0
+  outs = {"ok_o": i32(3), "scr": i32(3 * max_reqs + pmarks)}
   if extend is not None:
     outs["plan"] = i32((p.ext_rows + 1) * _LINE)
   if decode is not None:
@@ -602,6 +721,8 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
                 length=flen_ref[...].reshape(()),
                 pages=pages_ref[...].reshape(max_reqs, width), lens=lens_ref[...],
                 owned_from=owned_ref[...])
+  if record is not None:
+    result["held"], result["status"] = (ref[...] for ref in held_status)
   if release is not None:
     result["release_ok"] = ok[0]
   if extend is not None:

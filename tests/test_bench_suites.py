@@ -87,6 +87,44 @@ def test_impl_specs_carry_arguments():
     parse("jnp,nosuch")
 
 
+def test_guard_runs_each_column_with_and_without_the_record():
+  guarded = ("jnp", "eager")
+  assert bench.guard_impls(["jnp", "jnp[free=sort]", "torch_ref", "eager"], ["on", "off"],
+                           guarded) == ["jnp", "jnp[guard=False]", "jnp[free=sort]",
+                                        "jnp[free=sort,guard=False]", "torch_ref", "eager",
+                                        "eager[guard=False]"]
+  assert bench.guard_impls(["jnp", "torch_ref"], ["off"], guarded) == [
+      "jnp[guard=False]", "torch_ref"]
+  assert bench.guard_impls(["jnp[guard=False]"], ["on", "off"], guarded) == [
+      "jnp[guard=False]"]
+  assert bench.guard_pairs(["jnp", "jnp[free=sort]", "jnp[free=sort,guard=False]",
+                            "eager[guard=False]"]) == [
+                                ("jnp[free=sort]", "jnp[free=sort,guard=False]")]
+  cell = lambda us, q1, q3: {"us": us, "q1_us": q1, "q3_us": q3}
+  rec = {"rows": [
+      {"bs": 64, "cells": {"jnp": cell(10.5, 10.4, 10.6), "jnp[guard=False]": cell(
+          10.0, 9.9, 10.1)}},
+      {"bs": 128, "cells": {"jnp": cell(12.0, 11.9, 12.1), "jnp[guard=False]": cell(
+          10.0, 9.9, 10.1)}},
+      {"bs": 256, "cells": {"jnp": cell(12.0, 9.0, 15.0), "jnp[guard=False]": cell(
+          10.0, 9.0, 11.0)}},
+      {"bs": 1, "cells": {"jnp": cell(2.0, 1.9, 2.1), "jnp[guard=False]": cell(
+          1.0, 0.9, 1.1)}}]}
+  target = lambda row, col: (10.0, "%") if row["bs"] >= 64 else None
+  rows = [line for line in bench.guard_cost(rec, target).splitlines()
+          if line.startswith("| ")][1:]
+  assert [[c.strip() for c in line.split("|")[1:-1]] for line in rows] == [
+      ["64", "jnp", "10.5 [10.4, 10.6]", "10.0 [9.90, 10.1]", "1.05x", "+0.50", "slower",
+       "met (<= +10%)"],
+      ["128", "jnp", "12.0 [11.9, 12.1]", "10.0 [9.90, 10.1]", "1.20x", "+2.00", "slower",
+       "MISSED (<= +10%)"],
+      ["256", "jnp", "12.0 [9.00, 15.0]", "10.0 [9.00, 11.0]", "1.20x", "+2.00", "tie",
+       "over (tie) (<= +10%)"],
+      ["1", "jnp", "2.00 [1.90, 2.10]", "1.00 [0.90, 1.10]", "2.00x", "+1.00", "slower",
+       "-"]]
+  assert bench.guard_cost({"rows": [{"bs": 1, "cells": {"jnp": cell(1, 1, 1)}}]}) == ""
+
+
 def test_bench_options_fail_in_one_line(capsys):
   for argv, want in ((["bench", "kernels", "--impls", "jnp,nosuch"], "--impls"),
                      (["bench", "swa", "--ops", "swa_free"], "--ops"),
@@ -115,7 +153,7 @@ def test_kernels_free_and_torch_ref(tmp_path, capsys):
   out = tmp_path / "k.json"
   assert cli.main(["bench", "kernels", "--quick", "--ops", "decode,free", "--batch-sizes",
                    "8", "--extend-cases", "2x64", "--impls", "jnp,eager,torch_ref",
-                   "--json", str(out)]) == 0
+                   "--guard", "on,off", "--json", str(out)]) == 0
   text = capsys.readouterr().out
   rec = json.loads(out.read_text())
   assert rec["suite"] == "kernels" and rec["settings"]["batch_sizes"] == [8]
@@ -125,7 +163,9 @@ def test_kernels_free_and_torch_ref(tmp_path, capsys):
     assert "note: torch_ref column skipped: torch unavailable" in text
   else:
     assert "torch_ref (us)" in text and "torch_ref / jnp host" in text
-  assert "MISMATCH" not in text
+  assert "MISMATCH" not in text   # guard=False columns included: the same outputs
+  for row, col in (("decode/8/8", "jnp"), ("free/2/64", "jnp"), ("free/2/64", "eager")):
+    assert re.search(rf"\| {row} +\| {col} +\|", text), (row, col)
   report.run_report([str(out)])
   rows = lambda t: [line for line in t.splitlines() if line.startswith("|")]
   assert rows(capsys.readouterr().out) == rows(text)
@@ -182,11 +222,13 @@ def test_table(tmp_path, capsys):
   out = tmp_path / "t.json"
   assert cli.main(["bench", "table", "--quick", "--steps", "decode", "--kernel", "jnp",
                    "--impls", "none,step,sglang", "--reps", "1", "--unroll", "2",
-                   "--json", str(out)]) == 0
+                   "--guard", "on,off", "--json", str(out)]) == 0
   text = capsys.readouterr().out
   assert "share: step_rows" in text and re.search(r"\| decode \|\s+8 \|", text)
+  assert re.search(r"\| decode/8/4 \| step +\|.*\(<= \+1 us\) \|", text)
   (row,) = json.loads(out.read_text())["rows"]
-  assert all(row["cells"][v]["ok"] for v in ("none", "step"))
+  assert all(row["cells"][v]["ok"] for v in ("none", "step", "step[guard=False]"))
+  assert "check" not in row["cells"]["step[guard=False]"]   # the same steps, slots, pool
   sglang = row["cells"].get("sglang")
   assert sglang is None or sglang["us"] > 0, sglang
 

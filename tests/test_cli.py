@@ -168,6 +168,7 @@ def test_trace_replay(tmp_path, capsys, golden_path):
     (["--num-requests", "100000000"], "--num-requests"),
     (["--pool-size", "2000000000", "--page-size", "1"], "--pool-size"),
     (["--trace", "/no/such/file.jsonl"], "--trace"),
+    (["--no-guard", "--trace", __file__], "--no-guard"),   # a trace replays the classes
     (["--json", "/no/such/folder/x.json"], "--json"),
 ])
 def test_simulate_user_errors_are_one_line(args, option, capsys):

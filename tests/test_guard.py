@@ -27,9 +27,16 @@ from jax_kvalloc import state as st
 from jax_kvalloc import swa
 from jax_kvalloc import swa_table
 from pallas_kernels import _guard as kguard
+from pallas_kernels import mosaic_gpu_common
 import lowering_check
 
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC_GPU = "mosaic_gpu_v2"
+# The Mosaic GPU kernels in jax's interpreter (jax >= 0.11; skipped before).
+MOSAIC_GPU_INTERPRET = pytest.param(
+    "mosaic_gpu_interpret", marks=pytest.mark.skipif(
+        not mosaic_gpu_common.available(),
+        reason=f"jax {jax.__version__} cannot build the Mosaic GPU kernels"))
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 a32 = lambda *x: jnp.asarray(x, jnp.int32)
 
@@ -101,6 +108,9 @@ def test_free_of_a_slot_never_handed_out_is_refused():
 def test_kernel_codes_are_the_references():
   assert (kguard.PAGE_ZERO, kguard.OUT_OF_RANGE, kguard.NOT_HELD, kguard.REPEATED) == (
       guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD, guard.REPEATED)
+  assert (mosaic_gpu_common.OUT_OF_RANGE, mosaic_gpu_common.NOT_HELD,
+          mosaic_gpu_common.REPEATED) == (guard.OUT_OF_RANGE, guard.NOT_HELD,
+                                          guard.REPEATED)
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,7 +202,9 @@ def test_a_refused_or_short_allocation_returns_slot_0():
 
 
 def test_release_and_alloc_decode_refused_release_refuses_the_decode():
-  for kernel in ("jnp", "triton_interpret"):
+  kernels = ("jnp", "triton_interpret") + (
+      ("mosaic_gpu_interpret",) if mosaic_gpu_common.available() else ())
+  for kernel in kernels:
     cfg = dataclasses.replace(P4, kernel=kernel)
     s = _held(cfg, 2)
     s2, out, ok = RELEASE_DECODE(cfg, s, a32(2, 2), a32(1, 5), a32(-1, 3))
@@ -204,7 +216,7 @@ def test_release_and_alloc_decode_refused_release_refuses_the_decode():
     _consistent(cfg, s3)
 
 
-@pytest.mark.parametrize("kernel", ["jnp", "triton_interpret"])
+@pytest.mark.parametrize("kernel", ["jnp", "triton_interpret", MOSAIC_GPU_INTERPRET])
 def test_request_table_release_refusal_keeps_the_rows(kernel):
   cfg = dataclasses.replace(P4, kernel=kernel)
   release = _jit(rt.release_rows)
@@ -363,11 +375,11 @@ def test_guard_off_carries_and_traces_nothing():
 # Mosaic path for an abstract TPU.
 # ---------------------------------------------------------------------------------------
 
-def _launches(config, fn, *specs):
+def _launches(config, fn, *specs, target=TRITON):
   state = jax.eval_shape(functools.partial(kv.init, config))
   e = lowering_check.export_for("h200", functools.partial(fn, config), state, *specs)
   text = e.mlir_module()
-  return (lowering_check.custom_call_targets(e).count(TRITON),
+  return (lowering_check.custom_call_targets(e).count(target),
           text.count("stablehlo.scatter") + text.count("stablehlo.gather"),
           text.count("#stablehlo.output_operand_alias<"))
 
@@ -396,6 +408,27 @@ def test_guarded_gpu_paths_make_the_same_launches(ps):
     assert g == g0 == launches and x == x0, name   # no XLA scatter or gather more
     assert name == "extend_contract" or x == 0, name
     assert a == a0 + more_aliases, name            # the record, in place
+
+
+@pytest.mark.skipif(not mosaic_gpu_common.available(),
+                    reason=f"jax {jax.__version__} cannot build the Mosaic GPU kernels")
+def test_guarded_mosaic_gpu_paths_make_the_same_launches():
+  # alloc_decode and the table's decode step (release + decode) on the Mosaic GPU
+  # kernels: the record in the same launch (its held, and the table's status, aliased in
+  # place), no XLA scatter or gather around it.
+  on = kv.AllocatorConfig(size=2048 * 16, page_size=16, kernel="mosaic_gpu")
+  off = dataclasses.replace(on, guard=False)
+
+  def serve(config, state, table, rel, seq, last, dec):
+    state, out, ok = kv.alloc_decode(config, state, seq, last)
+    return rt.step_rows(config, state, table, release=rel, decode=dec), out, ok
+
+  table = jax.eval_shape(lambda: rt.init_table(on, 64, 16))
+  specs = (table, i32(8), i32(64), i32(64), i32(64))
+  g, x, a = _launches(on, serve, *specs, target=MOSAIC_GPU)
+  g0, x0, a0 = _launches(off, serve, *specs, target=MOSAIC_GPU)
+  assert g == g0 == 2 and x == x0 == 0
+  assert a == a0 + 3   # held (decode), held and status (table step)
 
 
 def test_guarded_table_step_lowers_for_h200_in_one_launch():

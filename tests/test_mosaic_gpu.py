@@ -3,7 +3,9 @@ without Pallas' Triton backend.
 
 - CPU: each kernel in jax's Mosaic GPU interpreter against the jnp path, bit for bit on
   fresh random inputs (tests/test_pallas_alloc.check_alloc_decode, tests/
-  test_table_kernels.check_table_ops: poisoned dead entries, refusals of every kind), and
+  test_table_kernels.check_table_ops: poisoned dead entries, refusals of every kind), the
+  ownership record (SPEC 14: held, and the status of a refused release of a broken
+  table) included, and
   lowered for an abstract H200 (jax.export) so that what Mosaic GPU's lowering rejects
   fails here. jax < 0.11 cannot build them (skipped; "auto" then never picks them).
 - The selection: with Triton made unusable, "auto" on a GPU picks Mosaic GPU for
@@ -75,24 +77,38 @@ def _decode_kernel_case(rng, b, ps, n):
   return ring, head, flen, np.int32(rng.integers(0, b + 2)), seq, last
 
 
-def _decode_reference(ps, ring, head, flen, nreq, seq, last):
-  cfg = kv.AllocatorConfig(size=ring.shape[0] * ps, page_size=ps, kernel="jnp", debug=False)
+def _decode_reference(ps, ring, head, flen, nreq, seq, last, held=None):
+  """alloc_decode on the jnp path: (slots, head, length, ok), and with `held` (the
+  ownership record's held pages before the call) held after it."""
+  cfg = kv.AllocatorConfig(size=ring.shape[0] * ps, page_size=ps, kernel="jnp", debug=False,
+                           guard=held is not None)
   state = kv.init(cfg)._replace(free_ring=jnp.asarray(ring), free_head=jnp.asarray(head),
                                 free_len=jnp.asarray(flen))
+  if held is not None:
+    state = state._replace(guard=state.guard._replace(held=jnp.asarray(held)))
   s, out, ok = kv.alloc_decode(cfg, state, seq, last, num_reqs=nreq)
-  return out, s.free_head, s.free_len, ok
+  return (out, s.free_head, s.free_len, ok) + (() if held is None else (s.guard.held,))
+
+
+def _held_case(rng, n):
+  """A held record (i32[n + 1] of 0 and 1) to be marked: any values the call must keep."""
+  return rng.integers(0, 2, n + 1).astype(np.int32)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("rows,ps", [(130, 3)] + [
     pytest.param(r, ps, marks=pytest.mark.slow) for r, ps in ((5, 1), (37, 16))])
 def test_alloc_decode_kernel_in_interpreter(rows, ps):
-  # One program below 128 rows; several (the vector counting pass) from 128 on.
+  # One program below 128 rows; several (the vector counting pass) from 128 on. With the
+  # ownership record (held marked in the same launch; guard.take), and without.
   rng = np.random.default_rng([rows, ps, np.random.SeedSequence().entropy % 2**32])
-  for _ in range(1 if rows == 130 else 3):
+  for i in range(1 if rows == 130 else 3):
     args = _decode_kernel_case(rng, rows, ps, 3 * rows // 2 + 8)
-    got = pallas_kernels.alloc_decode_mosaic_gpu(*args, page_size=ps, interpret=True)
-    want = _decode_reference(ps, *args)
+    held = _held_case(rng, args[0].shape[0]) if i % 2 == 0 else None
+    got = pallas_kernels.alloc_decode_mosaic_gpu(*args, page_size=ps, interpret=True,
+                                                 held=held)
+    want = _decode_reference(ps, *args, held=held)
+    assert len(got) == len(want)
     for g, w in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -107,10 +123,16 @@ def test_alloc_decode_behind_the_allocator_in_interpreter():
 @pytest.mark.parametrize("rows,ps", [(1, 64), (130, 3), pytest.param(16384, 1,
                                                                      marks=pytest.mark.slow)])
 def test_alloc_decode_lowers_for_h200(rows, ps):
-  fn = functools.partial(pallas_kernels.alloc_decode_mosaic_gpu, page_size=ps)
-  e = lowering_check.export_for("h200", fn, i32(100_000), i32(), i32(), i32(), i32(rows),
-                                i32(rows))
-  assert lowering_check.custom_call_targets(e) == [MOSAIC]
+  # With the ownership record's held pages (written in place: one operand alias more,
+  # no launch more) and without.
+  n = 100_000
+  for held in ((), (i32(n + 1),)):
+    fn = lambda *a: pallas_kernels.alloc_decode_mosaic_gpu(
+        *a[:6], page_size=ps, held=a[6] if held else None)
+    e = lowering_check.export_for("h200", fn, i32(n), i32(), i32(), i32(), i32(rows),
+                                  i32(rows), *held)
+    assert lowering_check.custom_call_targets(e) == [MOSAIC]
+    assert e.mlir_module().count("#stablehlo.output_operand_alias<") == len(held)
   q, g = mosaic_gpu_decode.layout(rows)
   assert 4 * q * g >= rows and (g == 1) == (rows < 128)
 
@@ -123,10 +145,13 @@ def test_alloc_decode_lowers_for_h200(rows, ps):
 @pytest.mark.parametrize("ps,ops,count", [(4, ("step",), 2)] + [
     pytest.param(ps, ttk.ALL_OPS, 8, marks=pytest.mark.slow) for ps in (1, 3, 64)])
 def test_table_kernel_in_interpreter(ps, ops, count):
-  # The default case runs the whole step (release, extend, decode) on 2 random cases;
+  # The default case runs the whole step (release, extend, decode) on 2 random cases,
+  # the first a release that the ownership record refuses (a broken table: SPEC 14);
   # both outcomes of every operation are drawn in the GPU test's 64 cases.
+  records = {}
   ttk.check_table_ops(ps, 40, 8, 6, count, "mosaic", kernel="mosaic_gpu_interpret",
-                      ops=ops)
+                      ops=ops, records=records, refused_first=True)
+  assert all(records[op] >= 1 for op in ops if op in ttk.RELEASING), (ttk.SEED, records)
 
 
 @needs_interpreter
@@ -148,18 +173,20 @@ def test_table_kernel_lowers_for_h200(ps, sizes):
   assert mosaic_gpu_table.supported(max_reqs=r, width=w, num_pages=70000, page_size=ps,
                                     release=rel, extend=ext, max_tokens=tok, decode=dec)
 
-  def fn(ring, scalars, pages, lens, owned, rel_rows, ext_rows, n, dec_rows, num):
+  def fn(ring, scalars, pages, lens, owned, rel_rows, ext_rows, n, dec_rows, num, held,
+         status):
     return pallas_kernels.table_step_mosaic_gpu(
         ring, scalars[0], scalars[1], scalars[2], pages, lens, owned, page_size=ps,
         release=(rel_rows, num), extend=(ext_rows, n, num), max_tokens=tok,
-        decode=(dec_rows, num))
+        decode=(dec_rows, num), record=(held, status), op=8)
 
   e = lowering_check.export_for("h200", fn, i32(70000), i32(3), i32(r, w), i32(r), i32(r),
-                                i32(rel), i32(ext), i32(ext), i32(dec), i32())
+                                i32(rel), i32(ext), i32(ext), i32(dec), i32(), i32(70001),
+                                i32(3))
   assert lowering_check.custom_call_targets(e) == [MOSAIC, MOSAIC]  # table work, slots
-  # The ring, head, length, pages, lens and owned_from are written in place (jax.new_ref
-  # operands).
-  assert e.mlir_module().count("#stablehlo.output_operand_alias<") == 6
+  # The ring, head, length, pages, lens, owned_from and the record's held and status are
+  # written in place (jax.new_ref operands).
+  assert e.mlir_module().count("#stablehlo.output_operand_alias<") == 8
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,9 +298,11 @@ def on_hopper(fn):
 @on_hopper
 @pytest.mark.parametrize("ps", (3, 64))
 def test_compiled_table_kernel_equals_jnp_path(ps):
+  records = {}
   refused = ttk.check_table_ops(ps, 40, 8, 6, 64, "mosaic-gpu", kernel="mosaic_gpu",
-                                ops=ttk.ALL_OPS)
+                                ops=ttk.ALL_OPS, records=records, refused_first=True)
   assert all(0 < k < 64 for k in refused.values()), (ttk.SEED, refused)
+  assert all(0 < records[op] < 64 for op in ttk.RELEASING), (ttk.SEED, records)
   # Serving-sized: 1024 decode rows (eight warpgroups), 8 released and extended.
   ttk.check_table_ops(ps, 30000, 1024, 21, 4, "mosaic-gpu-large", kernel="mosaic_gpu",
                       ops=("step", "decode_step"), rel_b=8, ext_b=8, dec_b=1024,
@@ -288,9 +317,12 @@ def test_compiled_alloc_decode_equals_jnp_path(ps, rows):
                      num_cases=16, model_cases=2, seed=rows)
   rng = np.random.default_rng([rows, ps, 7])
   fn = jax.jit(functools.partial(pallas_kernels.alloc_decode_mosaic_gpu, page_size=ps))
-  for _ in range(4):
+  for i in range(4):
     args = _decode_kernel_case(rng, rows, ps, 3 * rows // 2 + 8)
-    for g, w in zip(fn(*args), _decode_reference(ps, *args)):
+    held = _held_case(rng, args[0].shape[0]) if i % 2 == 0 else None
+    got, want = fn(*args, held=held), _decode_reference(ps, *args, held=held)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 

@@ -363,7 +363,7 @@ def test_allocator_state_machine(config, backend):
 # ---------------------------------------------------------------------------------------
 #
 # CoreMachine drives the jitted functional API (guard on, debug off) through one kernel
-# path (jnp, Triton or Mosaic TPU, the last two in Pallas' interpreters) beside the jnp
+# path (jnp, Triton, Mosaic TPU or Mosaic GPU, in Pallas' interpreters) beside the jnp
 # path and the model: valid allocations and frees of every kind (free, free_page_ids,
 # free_segment, release_and_alloc_decode), and misuse: double frees, a page never handed
 # out, page 0, a page twice in one page-id free, a segment of a freed request, a slot
@@ -380,12 +380,17 @@ import jax.numpy as _jnp  # noqa: E402
 
 from jax_kvalloc import guard as _guard  # noqa: E402
 from jax_kvalloc import state as _st  # noqa: E402
+from pallas_kernels import mosaic_gpu_common as _mosaic_gpu_common  # noqa: E402
 
 ROWS = 4  # padded rows of every allocation call
 # (kind, page_size, num_pages, need_sort): machines over the core.
 CORE_CONFIGS = [("paged", 4, 16, False), ("paged", 1, 24, True), ("token", 1, 24, False),
                 ("paged", 16, 8, True)]
-CORE_IMPLS = ("jnp", "triton_interpret", "mosaic_interpret")
+# The Mosaic GPU kernels (alloc_decode, release_and_alloc_decode's decode) in jax's
+# interpreter need jax >= 0.11: skipped before.
+CORE_IMPLS = ("jnp", "triton_interpret", "mosaic_interpret", pytest.param(
+    "mosaic_gpu_interpret", marks=pytest.mark.skipif(
+        not _mosaic_gpu_common.available(), reason="jax < 0.11: no Mosaic GPU kernels")))
 
 
 @_ft.lru_cache(maxsize=None)
@@ -668,14 +673,18 @@ def test_core_state_machine_with_misuse(config, impl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
 @pytest.mark.parametrize("config", [CORE_CONFIGS[0], CORE_CONFIGS[3]],
                          ids=lambda c: f"{c[0]}-ps{c[1]}-n{c[2]}-sort{int(c[3])}")
-def test_core_state_machine_with_the_compiled_kernels(config):
-  # The same machine with the Triton kernels compiled for the GPU (the jnp path beside
-  # them on the same device).
+def test_core_state_machine_with_the_compiled_kernels(config, impl):
+  # The same machine with the Triton or Mosaic GPU kernels compiled for the GPU (the jnp
+  # path beside them on the same device).
   from gpu import has_gpu  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc import kernels  # pylint: disable=g-import-not-at-top
   if not has_gpu():
     pytest.skip("needs a CUDA GPU (jax sees none)")
-  machine = type(f"Core_{config[0]}_{config[1]}_gpu", (CoreMachine,),
-                 {"CONFIG": config, "IMPL": "triton"})
+  if impl == "mosaic_gpu" and not kernels.usable("mosaic_gpu"):
+    pytest.skip("needs a Hopper or newer GPU and jax >= 0.11")
+  machine = type(f"Core_{config[0]}_{config[1]}_{impl}_gpu", (CoreMachine,),
+                 {"CONFIG": config, "IMPL": impl})
   run_state_machine_as_test(machine, settings=SETTINGS)

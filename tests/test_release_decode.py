@@ -485,4 +485,4 @@ def test_serving_step_fused_release_equals_page_release():
     freed += int(np.sum(np.asarray(a[4])))
     a, b = steps["pages"](a), steps["fused"](b)
     _assert_same(b, a, f"seed {SEED}")
-  assert bool(a[5]) and freed > 0
+  assert bool(a[5]) and freed > 0 and int(a[0].guard.status[0]) == 0   # none refused

@@ -22,7 +22,8 @@ RUN13 = "benchmarks/results/2026-11-30-h200x2-run13/decode.json"
 @pytest.mark.parametrize("doc", ["BENCHMARKS.md", "README.md"])
 def test_committed_tables_are_generated(doc):
   text = (ROOT / doc).read_text()
-  assert report.blocks(text), f"{doc} has no generated block"
+  if doc == "BENCHMARKS.md":  # the README may hold none: its figures live in BENCHMARKS.md
+    assert report.blocks(text), f"{doc} has no generated block"
   new = report.regenerate(text, str(ROOT))
   assert new == text, (f"{doc}'s generated tables differ from the result folders: run "
                        "`jax-kvalloc report` and commit")

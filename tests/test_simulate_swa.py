@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -222,6 +223,17 @@ def test_final_leak_check_covers_both_pools_and_the_mapping():
   busy = table._replace(lens=table.lens.at[2].set(3))
   with pytest.raises(simulate.LeakCheckError, match=r"rows \[2\]"):
     simulate.final_leak_check(res, lay, state, busy)
+  # The ownership record of each pool: a free page marked held, a refusal recorded.
+  swa = state.swa._replace(guard=state.swa.guard._replace(
+      held=state.swa.guard.held.at[1].set(1)))
+  with pytest.raises(simulate.LeakCheckError, match="SWA pool.*holds 1 free pages"):
+    simulate.final_leak_check(res, lay, state._replace(swa=swa), table)
+  full = state.full._replace(guard=state.full.guard._replace(
+      status=jnp.asarray([5, 3, 7], jnp.int32)))
+  with pytest.raises(simulate.LeakCheckError, match="refused a free.*full pool.*page 7"):
+    simulate.final_leak_check(res, lay, state._replace(full=full), table)
+  assert not simulate.make_layout(dataclasses.replace(BASE, guard=False), BASE.workload(),
+                                  16).swa.full.guard
 
 
 @pytest.mark.parametrize("change,match", [

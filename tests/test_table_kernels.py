@@ -8,7 +8,9 @@ jnp path and the loop model.
   draw: borrowed prefixes, full rows, empty rows, rings that wrap, free lists short by
   one page or exactly enough, repeated rows, rows outside the table, num_rows cutting
   the rows, negative n, n past the row's capacity, more tokens than max_tokens, a
-  release cut to the room left. A fresh seed per run (JAX_KVALLOC_TEST_SEED repeats one).
+  release cut to the room left, and a table a caller has broken (an owned page already
+  free, named by two rows, outside the pool, or 0), so that the ownership record's
+  refusals and status (SPEC 14) are compared too. A fresh seed per run (JAX_KVALLOC_TEST_SEED repeats one).
 - The random workload of tests/test_request_table.py (ModelTable over tests/model.py)
   with the kernel, poisoning the dead entries after every operation.
 - Lowered for an abstract H200: each operation and step_rows hold the stated number of
@@ -89,6 +91,48 @@ def table_case(rng, ps, n, max_reqs, width):
   return (ring, np.int32(head), np.int32(free), np.int32(rel), pages, lens, owned)
 
 
+MISUSE = 0.2  # cases whose table a caller has broken (the ownership record's refusals)
+
+
+def misuse(rng, ps, case, released, sure=False):
+  """One owned column broken in place, as a misbehaving caller leaves a table (SPEC 14),
+  most often in a row of `released` (the real release rows): its page freed behind the
+  table's back (on the free list: not held, so a release of the row is refused, and the
+  page may go to another row), the page of another owned column (named twice when both
+  rows are released), a page outside the pool, or 0 (padding: skipped, not refused).
+  sure: only a break of a released row that the release must refuse (the rows valid);
+  returns whether one was made."""
+  ring, head, free, _, pages, lens, owned = case
+  n, max_reqs = ring.shape[0], lens.shape[0]
+  cols = [(r, j) for r in range(max_reqs) for j in range(owned[r], _cdiv(lens[r], ps))]
+  hit = [(r, j) for r, j in cols if r in set(released.tolist())]
+  pick = lambda among: among[int(rng.integers(0, len(among)))]
+  if sure:
+    valid = (len(set(released.tolist())) == len(released)
+             and ((released >= 0) & (released < max_reqs)).all())
+    kinds = {"freed": free > 0, "twice": len(hit) > 1, "outside": True}
+    kinds = {k: 1 for k, ok in kinds.items() if ok}
+    if not (valid and hit):
+      return False
+    kind, among = trt_pick(rng, kinds), hit
+  else:
+    if not cols:
+      return False
+    kind = trt_pick(rng, {"freed": 3, "twice": 3, "outside": 1, "zero": 1})
+    among = hit if hit and rng.random() < 0.8 else cols
+  r, j = pick(among)
+  if kind == "freed" and free:
+    ring[(head + int(rng.integers(0, free))) % n] = pages[r, j]
+  elif kind == "twice":
+    q, k = pick([c for c in among if c != (r, j)] or among)
+    pages[r, j] = pages[q, k]
+  elif kind == "outside":
+    pages[r, j] = rng.choice([-3, n + 1, n + 9, POISON])
+  elif kind == "zero":
+    pages[r, j] = 0
+  return True
+
+
 def trt_pick(rng, weights):
   names = list(weights)
   p = np.array([weights[k] for k in names], float)
@@ -126,11 +170,24 @@ def _stack(cases):
   return tuple(np.stack(x) for x in zip(*cases))
 
 
-def make_cases(ps, n, max_reqs, width, count, tag, rel_b=4, ext_b=4, dec_b=None):
+def make_cases(ps, n, max_reqs, width, count, tag, rel_b=4, ext_b=4, dec_b=None,
+               refused_first=False):
+  """count cases (a pool and table, then the rows of each phase), stacked; a broken
+  table (`misuse`) in about MISUSE of them, and in the first one a release that the
+  ownership record must refuse when refused_first."""
   rng = _rng(tag, ps, n, max_reqs, width)
   dec_b = dec_b or max_reqs
-  cases = [table_case(rng, ps, n, max_reqs, width)
-           + ops_case(rng, ps, width, max_reqs, rel_b, ext_b, dec_b) for _ in range(count)]
+  cases = []
+  while len(cases) < count:
+    case = table_case(rng, ps, n, max_reqs, width)
+    ops = ops_case(rng, ps, width, max_reqs, rel_b, ext_b, dec_b)
+    released = ops[0][:max(0, int(ops[1]))]
+    if refused_first and not cases:
+      if not misuse(rng, ps, case, released, sure=True):
+        continue  # drawn again
+    elif rng.random() < MISUSE:
+      misuse(rng, ps, case, released)
+    cases.append(case + ops)
   return _stack(cases)
 
 
@@ -199,9 +256,11 @@ def _assert_same(a, b, msg):
 
 def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret",
                     ops=("release", "extend", "decode", "step", "decode_step"),
-                    max_tokens=None, **sizes):
-  """Every operation through the kernel == the jnp path, bit for bit, on random cases
-  (vmapped). Returns how many cases each op refused (to check the draw)."""
+                    max_tokens=None, records=None, **sizes):
+  """Every operation through the kernel == the jnp path, bit for bit (the ownership
+  record's held and status included), on random cases (vmapped; `make_cases`' sizes).
+  Returns how many cases each op refused (to check the draw); `records`, a dict, gets
+  how many cases each op's record refused (status set)."""
   jnp_cfg, cfg = _configs(ps, n, kernel)
   max_tokens = max_tokens or 8 * ps + 16
   args = make_cases(ps, n, max_reqs, width, count, tag, **sizes)
@@ -216,6 +275,8 @@ def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret
     _assert_same(got, want, f"seed {SEED}, {tag}, ps {ps}, {op}")
     oks = [np.asarray(x) for x in jax.tree_util.tree_leaves(want) if x.dtype == bool]
     refused[op] = int(np.sum(~np.all(np.stack(oks), axis=0)))
+    if records is not None:
+      records[op] = int(np.sum(np.asarray(want[0].guard.status)[:, 0] != 0))
   return refused
 
 
@@ -223,14 +284,18 @@ def check_table_ops(ps, n, max_reqs, width, count, tag, kernel="pallas_interpret
 # every operation alone and the decode step at page sizes 1, 3 and 64 are slow tests
 # (page size 16: test_kernel_equals_jnp_path_larger).
 ALL_OPS = ("release", "extend", "decode", "step", "decode_step")
+RELEASING = ("release", "step", "decode_step")
 
 
 @pytest.mark.parametrize("ps,ops", [(4, ("step",))] + [
     pytest.param(ps, ALL_OPS, marks=pytest.mark.slow) for ps in (1, 3, 64)])
 def test_kernel_equals_jnp_path(ps, ops):
-  refused = check_table_ops(ps, 40, 8, 6, 32, "small", ops=ops)
-  # Both outcomes were drawn for every operation.
+  records = {}
+  refused = check_table_ops(ps, 40, 8, 6, 32, "small", ops=ops, records=records,
+                            refused_first=True)
+  # Both outcomes were drawn for every operation; the record refused a release.
   assert all(0 < k < 32 for k in refused.values()), (SEED, refused)
+  assert all(records[op] >= 1 for op in ops if op in RELEASING), (SEED, records)
 
 
 @pytest.mark.slow

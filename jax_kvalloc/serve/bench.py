@@ -63,6 +63,7 @@ def table_replay(engine: eng.Engine) -> Dict[str, float]:
   carry = eng.Carry(kv.init(acfg), kv.init_table(acfg, e.max_reqs, e.max_pages_per_req),
                     engine.carry.caches, jnp.zeros((e.num_pages,), jnp.int32))
   seen, replay, full = set(), [], []
+  rows = _full_rows(engine.log)
   for entry in engine.log:
     fn = eng.jitted_step(engine.cfg, e, entry["kind"], entry["layout"], model=False)
     if entry["kind"] not in seen:   # compile on a copy first (the carry is donated)
@@ -73,11 +74,17 @@ def table_replay(engine: eng.Engine) -> Dict[str, float]:
     t0 = time.perf_counter()
     carry, out = fn(None, carry, entry["x"])
     jax.block_until_ready(out)
-    if entry["kind"] == "decode" and entry.get("rows") == e.max_reqs:
+    if entry["kind"] == "decode" and entry.get("rows") == rows:
       replay.append(time.perf_counter() - t0)
       full.append(entry["s"])
   return dict(replay_decode_s=_median(replay), full_decode_s=_median(full),
               share=_median(replay) / _median(full) if full else float("nan"))
+
+
+def _full_rows(log: Sequence[Dict[str, Any]]) -> int:
+  """The most rows any decode round trip of `log` ran (the batch, unless the first
+  requests finish before the last ones leave prefill)."""
+  return max((x.get("rows", 0) for x in log if x["kind"] == "decode"), default=0)
 
 
 def run_case(cfg: loader.LlamaConfig, params, *, batch: int, layout: str, prompt_len: int,
@@ -100,12 +107,14 @@ def run_case(cfg: loader.LlamaConfig, params, *, batch: int, layout: str, prompt
   warm = engine.run(reqs)
   warm_compiles = eng.compile_count() - before
   log = engine.log
-  # Decode figures from the round trips in which every request was decoding (while the
-  # first rows decode, later ones may still be prefilling).
-  dec = [x for x in log if x["kind"] == "decode" and x.get("rows") == batch]
+  # Decode figures from the round trips with the most rows decoding (while the first rows
+  # decode, later ones may still be prefilling; with many requests the first may finish
+  # before the last start).
+  rows = _full_rows(log)
+  dec = [x for x in log if x["kind"] == "decode" and x.get("rows") == rows]
   pre = [x for x in log if x["kind"] == "prefill"]
   trip = _median([x["s"] for x in dec])
-  steps = [-(-x["tokens"] // batch) for x in dec]   # device steps of a round trip
+  steps = [-(-x["tokens"] // max(rows, 1)) for x in dec]   # device steps of a round trip
   out = dict(
       batch=batch, layout=layout, impl=impl, layers=layers, prompt_len=prompt_len,
       new_tokens=new_tokens, decode_steps=decode_steps, page_size=page_size,
@@ -113,7 +122,7 @@ def run_case(cfg: loader.LlamaConfig, params, *, batch: int, layout: str, prompt
       warm_run_s=warm.stats["wall_s"], same_tokens=cold.new_ids == warm.new_ids,
       decode_tokens_per_s=sum(x["tokens"] for x in dec) / sum(x["s"] for x in dec),
       decode_trip_median_s=trip, decode_step_median_s=trip / max(1, _median(steps)),
-      decode_trips=len(dec),
+      decode_trips=len(dec), decode_rows=rows,
       decode_trips_all=sum(x["kind"] == "decode" for x in log),
       prefill_tokens_per_s=sum(x["tokens"] for x in pre) / sum(x["s"] for x in pre),
       prefill_step_median_s=_median([x["s"] for x in pre]), prefill_steps=len(pre),
@@ -161,13 +170,14 @@ def run(cfg: loader.LlamaConfig, *, batches: Sequence[int], layouts: Sequence[st
 
 def table(doc: Dict[str, Any]) -> str:
   """The result's Markdown table: one line per (batch, layout)."""
-  head = ("| running requests | KV | decode tok/s | decode step | prefill tok/s | TTFT median "
-          "(max) | table share | late compiles |\n|---|---|---|---|---|---|---|---|")
+  head = ("| running requests | KV | decode rows | decode tok/s | decode step | prefill tok/s | TTFT median "
+          "(max) | table share | late compiles |\n|---|---|---|---|---|---|---|---|---|")
   rows = []
   for c in doc["cases"]:
     share = c.get("table", {}).get("share")
     rows.append(
-        f"| {c['batch']} | {c['layout']} | {c['decode_tokens_per_s']:.0f} | "
+        f"| {c['batch']} | {c['layout']} | {c.get('decode_rows', c['batch'])} | "
+        f"{c['decode_tokens_per_s']:.0f} | "
         f"{c['decode_step_median_s'] * 1e3:.2f} ms | {c['prefill_tokens_per_s']:.0f} | "
         f"{c['ttft_median_s'] * 1e3:.0f} ({c['ttft_max_s'] * 1e3:.0f}) ms | "
         + (f"{100 * share:.1f}%" if share is not None else "-")
@@ -208,7 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--new-tokens", type=int, default=128)
   p.add_argument("--decode-steps", type=int, default=16, help="device steps per round trip")
   p.add_argument("--page-size", type=int, default=16)
-  p.add_argument("--prefill-rows", type=int, default=16)
+  p.add_argument("--prefill-rows", type=int, default=64,
+                 help="rows of a prefill step")
   p.add_argument("--dtype", choices=("bfloat16", "float32"),
                  default="bfloat16" if gpu else "float32")
   p.add_argument("--attention", choices=("gather", "pallas"),

@@ -617,8 +617,8 @@ class BaseAllocator:
     programs on first use). Ranks of one config share their programs.
 
     Returns WarmupReport(programs, seconds), summed over the ranks. With JAX's
-    persistent compilation cache on (jax_kvalloc.warmup.enable_persistent_cache; README
-    "Compile once") a second process loads these programs from disk.
+    persistent compilation cache on (jax_kvalloc.warmup.enable_persistent_cache) a
+    second process loads these programs from disk.
     """
     for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
       validate.count(value, name)

@@ -36,6 +36,10 @@ Adding a case, a column or a dimension
 - a case: one more `Case` from the suite's `cases` (a new size: its default `Dim` value);
 - a column: a name in the suite's `impls` and a branch (or dict entry) that builds its
   Timed; a column may carry arguments, `jnp[guard=False]` (`parse_impl`);
+- the ownership record (SPEC 14): a suite naming its `guarded` columns (those that take
+  `[guard=False]`) gets `--guard on,off`, which runs each of them as X and X[guard=False]
+  side by side in every row (`guard_impls`); any run with both prints a table of the
+  record's cost (`guard_cost`), checked against the suite's `guard_target`;
 - a dimension: `Dim("--name", default, "help")` in the suite's `dims` (it becomes an
   option, `opts.name` in `cases`), e.g. the SWA suite's `--window-free 16,256`;
 - a suite: a module defining a `Suite` and one line in SUITES.
@@ -122,6 +126,10 @@ class Suite:
   render: Optional[Callable[[Dict[str, Any]], str]] = None   # default: table()
   compare: Tuple[Tuple[str, str], ...] = ()     # (ours, theirs) verdict columns
   defaults: Tuple[Tuple[str, Any], ...] = ()    # e.g. (("unroll", 8),)
+  guarded: Tuple[str, ...] = ()                 # columns that take [guard=False]: --guard
+  # (row, column) -> (limit, "%" or "us") of the ownership record's cost there, or None
+  guard_target: Optional[Callable[[Dict[str, Any], str],
+                                  Optional[Tuple[float, str]]]] = None
 
 
 def cell(t: Dict[str, float], prefix: str = "") -> Dict[str, float]:
@@ -321,9 +329,84 @@ def table(record: Dict[str, Any], suite: Optional[Suite] = None) -> str:
 
 
 def render(record: Dict[str, Any]) -> str:
-  """The printed tables of a record, by its suite's renderer."""
+  """The printed tables of a record, by its suite's renderer; then the ownership record's
+  cost where the run has X and X[guard=False] columns."""
   suite = load_suite(record["suite"])
-  return (suite.render or (lambda r: table(r, suite)))(record)
+  cost = guard_cost(record, suite.guard_target)
+  return (suite.render or (lambda r: table(r, suite)))(record) + (cost and "\n\n" + cost)
+
+
+def guard_impls(impls: Sequence[str], modes: Sequence[str],
+                guarded: Sequence[str]) -> List[str]:
+  """The columns `--guard` runs: each of `impls` whose base is in `guarded` and which
+  names no guard itself as X (mode "on", the default config) and/or X[..., guard=False]
+  (mode "off"), in that order beside each other; the others as given."""
+  out: List[str] = []
+  for impl in impls:
+    base, kw = parse_impl(impl)
+    if base not in guarded or "guard" in kw:
+      out.append(impl)
+      continue
+    if "on" in modes:
+      out.append(impl)
+    if "off" in modes:
+      args = ",".join([f"{k}={v}" for k, v in kw.items()] + ["guard=False"])
+      out.append(f"{base}[{args}]")
+  return list(dict.fromkeys(out))
+
+
+def guard_pairs(impls: Iterable[str]) -> List[Tuple[str, str]]:
+  """(X, X[guard=False]) pairs of `impls`: a column with the ownership record (SPEC 14,
+  the default) and the same column without it."""
+  impls, pairs = list(impls), []
+  for off in impls:
+    base, kw = parse_impl(off)
+    if kw.pop("guard", None) is False:
+      rest = ",".join(f"{k}={v}" for k, v in kw.items())
+      on = base + (f"[{rest}]" if rest else "")
+      if on in impls:
+        pairs.append((on, off))
+  return pairs
+
+
+GUARD_FIGURES = {"": "", "bare_": " bare", "kernels_": " kernels"}  # prefix -> label
+
+
+def guard_cost(record: Dict[str, Any], target=None) -> str:
+  """The ownership record's cost per row, pair (X, X[guard=False]) and figure ("us";
+  "bare_us" and "kernels_us" where recorded): each side's median [q1, q3], their ratio,
+  the difference in us, the verdict of their quartiles (report.verdict: "slower" = the
+  record costs time beyond the noise) and, where target(row, X) gives (limit, "%" or
+  "us"), whether the cost is within it ("over (tie)": above it, but the quartile ranges
+  overlap). "" without pairs."""
+  pairs = guard_pairs(dict.fromkeys(i for r in record["rows"] for i in r["cells"]))
+  f, body = report.fmt_us, []
+  show = lambda c, p: f(c[p + "us"]) + (f" [{f(c[p + 'q1_us'])}, {f(c[p + 'q3_us'])}]"
+                                         if p + "q1_us" in c else "")
+  for on, off in pairs:
+    for r in record["rows"]:
+      a, b = r["cells"].get(on) or {}, r["cells"].get(off) or {}
+      for p, name in GUARD_FIGURES.items():
+        if a.get(p + "us") is None or b.get(p + "us") is None:
+          continue
+        d = a[p + "us"] - b[p + "us"]
+        ratio = a[p + "us"] / b[p + "us"] if b[p + "us"] > 0 else float("nan")
+        word = report.verdict(report.iqr(a, p), report.iqr(b, p))
+        limit = target(r, on) if target else None
+        within = "-"
+        if limit is not None:
+          over = (100 * (ratio - 1) if limit[1] == "%" else d) > limit[0]
+          bound = f"<= +{limit[0]:g}{' ' * (limit[1] == 'us')}{limit[1]}"
+          within = ({"slower": "MISSED", "tie": "over (tie)"}.get(word, f"over ({word})")
+                    if over else "met") + f" ({bound})"
+        body.append([label(r), on + name, show(a, p), show(b, p), report.fmt_ratio(ratio),
+                     f"{d:+.2f}", word, within])
+  if not body:
+    return ""
+  return ("the ownership record's cost (SPEC 14): each column with the record and with "
+          "guard=False, same run, us: median [q1, q3]; ratio = with / without\n" +
+          report.table(["row", "column", "with record (us)", "guard=False (us)", "ratio",
+                        "cost (us)", "verdict (IQR)", "target"], body, align="llrrrrrr"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -463,13 +546,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, minimum), help=(
           f"{what} (default: {defaults.get(name_, device.get(name_, 5))}; --quick: "
           f"{QUICK[name_]})"))
+    if suite.guarded:
+      s.add_argument("--guard", type=cli.name_list(("on", "off")), default=["on"],
+                     help="the allocator columns' ownership record (SPEC 14): on (the "
+                     "default config), off (guard=False), or on,off: each such column X "
+                     "also as X[guard=False] beside it, and the record's cost")
     s.add_argument("--quick", action="store_true", help="a tiny, noisy smoke run: the "
                    "--quick values of the options not given")
     s.add_argument("--budget-s", type=cli.positive(float, 0.0),
                    help="start no case after this many seconds (the rest say so)")
     s.add_argument("--json", metavar="FILE", help="write the record here (after every "
                    "case, so a run cut short keeps what it measured)")
-    s.set_defaults(dims=suite.dims, suite_defaults=defaults)
+    s.set_defaults(dims=suite.dims, suite_defaults=defaults, guarded=suite.guarded)
 
 
 def resolve(opts: argparse.Namespace) -> argparse.Namespace:
@@ -486,6 +574,9 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
   for name, quick in QUICK.items():
     if getattr(opts, name) is None:
       setattr(opts, name, quick if opts.quick else opts.suite_defaults.get(name, device[name]))
+  guarded = vars(opts).pop("guarded", ())
+  if guarded:
+    opts.impls = guard_impls(opts.impls, opts.guard, guarded)
   del opts.dims, opts.suite_defaults
   return opts
 

@@ -9,6 +9,10 @@ column's output must equal the first column's. Columns:
              AllocatorConfig.kernel, chained and linked in timing.chain_time. A name may
              carry config fields and free's method: `jnp[guard=False]`,
              `jnp[free=sort]` (freeing.PAGED_FREE: sort, bitmap, triton).
+             --guard on,off runs each such column (and eager) also as X[guard=False],
+             without the ownership record (SPEC 14), beside X, the two chains timed
+             with their repetitions interleaved: the record's cost (bench.guard_cost;
+             target: +10% at most from bs 64 up).
   fused[...] the one-launch Pallas-Triton kernel alone
              (pallas_kernels.alloc_{decode,extend}_triton) with tuning arguments,
              e.g. `fused[layout=rows]`, `fused[layout=tiles,num_warps=8]`.
@@ -29,7 +33,10 @@ kernel's own GPU time from CUPTI ("bare_us", the figure compared with SGLang's b
 net of that consumer's own cost on the stand-in (a figure that moves was not counting
 all of its work). The chain: each call takes the free-list head the previous one
 returned, the free length held fixed (the pool never runs out, every call does the same
-work).
+work). With the ownership record the allocations carry it from call to call; free's
+chain puts the pages it freed back into the record after each call (one scatter of the
+case's pages, made alike on a spare array without the record), so that every call frees
+held pages, as it would in a serving loop.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ import numpy as np
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc.config import KERNELS, AllocatorConfig
 from jax_kvalloc.tools import bench
@@ -62,6 +70,7 @@ PALLAS = ("pallas", "triton", "mosaic", "mosaic_gpu", "fused")   # columns that 
 BARE_UNROLL = 128
 BARE_CALLS = 2048
 OUR_KERNELS = "jax_kvalloc_alloc_"   # jax_kvalloc_alloc_{decode,extend}_triton*
+GUARD_TARGET_PCT = 10.0   # the ownership record's cost per call, from bs 64 up (issue 32)
 
 
 @dataclasses.dataclass
@@ -124,21 +133,28 @@ def _config(case: Case, kernel: str, **kw) -> AllocatorConfig:
                          kernel=kernel, **kw)
 
 
-def _state(case: Case, taken: int = 0) -> st.AllocatorState:
-  """The pool with `taken` pages already handed out (from the front of the ring)."""
-  s = jax.jit(st.init, static_argnums=0)(_config(case, "jnp"))
-  return s._replace(free_ring=jnp.asarray(case.free_ring),
-                    free_head=jnp.asarray(taken % case.num_pages, jnp.int32),
-                    free_len=jnp.asarray(case.num_pages - taken, jnp.int32))
+def _state(case: Case, taken: int = 0, guarded: bool = True) -> st.AllocatorState:
+  """The pool with `taken` pages already handed out (from the front of the ring), its
+  ownership record (where guarded) agreeing: those pages held."""
+  cfg = _config(case, "jnp", guard=guarded)
+  s = jax.jit(st.init, static_argnums=0)(cfg)
+  return st.with_record(cfg, s._replace(
+      free_ring=jnp.asarray(case.free_ring),
+      free_head=jnp.asarray(taken % case.num_pages, jnp.int32),
+      free_len=jnp.asarray(case.num_pages - taken, jnp.int32)))
 
 
 def jax_call(case: Case, impl: str):
   """(once: () -> the call's result, call(carry, inputs) -> (carry, outputs), carry,
-  inputs) of a JAX column. The carry is the state; only its head moves from call to call
-  (free: the ring too); every output is returned for the harness to consume."""
+  inputs) of a JAX column. The carry is the state; only its head and ownership record
+  move from call to call (free: the ring too, and the record with the freed pages put
+  back; without a record, the same scatter on a spare array); every output is returned
+  for the harness to consume."""
   base, kw = bench.parse_impl(impl)
   method = kw.pop("free", None)   # free's method (freeing.PAGED_FREE); the rest: config
-  state0, args = _state(case, case.used_pages), tuple(map(jnp.asarray, case.inputs))
+  guarded = kw.get("guard", True)
+  state0 = _state(case, case.used_pages, guarded)
+  args = tuple(map(jnp.asarray, case.inputs))
   if base == "fused":
     import pallas_kernels  # pylint: disable=g-import-not-at-top
     kernel = (functools.partial(pallas_kernels.alloc_decode_triton, **kw)
@@ -153,10 +169,20 @@ def jax_call(case: Case, impl: str):
     fn = functools.partial(freeing.PAGED_FREE[method] if method else freeing.free,
                            _config(case, base, **kw))
 
-    def call(s, x):
+    n = case.num_pages
+
+    def call(c, x):
+      s, spare = (c, None) if guarded else c
       res = fn(s, *x)
-      return (s._replace(free_ring=res.free_ring, free_head=res.free_head),
-              (res.free_head, res.free_len))
+      held = res.guard.held if guarded else spare
+      held = held.at[jnp.where(x[0] > 0, x[0] // case.page_size, n + 1)].set(1, mode="drop")
+      s = s._replace(free_ring=res.free_ring, free_head=res.free_head)
+      out = (res.free_head, res.free_len)
+      if guarded:
+        return s._replace(guard=res.guard._replace(held=held)), out
+      return (s, held), out
+    if not guarded:
+      state0 = (state0, jnp.zeros((n + 1,), jnp.int32))
   else:
     alloc = (allocation.alloc_decode if case.op == "decode" else
              functools.partial(allocation.alloc_extend, max_tokens=case.tokens))
@@ -164,11 +190,14 @@ def jax_call(case: Case, impl: str):
 
     def call(s, x):
       new, out, ok = alloc(cfg, s, *x)
-      return s._replace(free_head=new.free_head), (out, ok, new.free_head, new.free_len)
+      return (s._replace(free_head=new.free_head, guard=new.guard),
+              (out, ok, new.free_head, new.free_len))
 
   def once():
     if case.op == "free":
-      return st.live_free_pages(jax.jit(fn)(state0, *args))
+      res = jax.jit(fn)(state0 if guarded else state0[0], *args)
+      guard.raise_if_refused(res)   # a refused free would time no work
+      return st.live_free_pages(res)
     out, ok = jax.jit(call)(state0, args)[1][:2]
     if not bool(ok):
       raise RuntimeError(f"{case.op} bs={case.bs}: the allocation did not fit")
@@ -196,7 +225,8 @@ def bare_time(run: Callable[[], Any], name_prefix: str) -> Dict[str, float]:
 def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
   """A JAX column's cell: the chained call, its floor (a stand-in writing its outputs
   like the column: one Pallas launch unless the column is jnp, or auto on the CPU), and
-  with --bare / --extra-consumer the bare kernel time / the +1 consumer check."""
+  with --bare / --extra-consumer the bare kernel time / the +1 consumer check. X and
+  X[guard=False] of one run: the chained figure interleaved with the other's (`_chained`)."""
   _, call, carry, inputs = jax_call(case, impl)
   shapes = jax.eval_shape(call, carry, inputs)[1]
   base, _ = bench.parse_impl(impl)
@@ -217,7 +247,8 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
                stand_in_us=f2["s"] * 1e6, stand_in_extra_consumer_us=f3["s"] * 1e6,
                floor_us=f2["s"] * 1e6)
   else:
-    out = bench.cell(bt.chain_time(call, carry, inputs, **kw))
+    out = bench.cell(_chained(case, impl, opts.impls, kw) or bt.chain_time(
+        call, carry, inputs, **kw))
     out["floor_us"] = bt.chain_time(stand, zero, inputs, **kw)["s"] * 1e6
   if opts.bare and case.op != "free":
     try:
@@ -233,10 +264,29 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
   return out
 
 
-def eager_free(case: Case) -> bench.Timed:
-  """free called from Python, one jitted call blocking on its result each time."""
-  fn = jax.jit(functools.partial(freeing.free, _config(case, "jnp")))
-  state0, idx = _state(case, case.used_pages), jnp.asarray(case.free_index)
+_PAIR: Dict[str, Any] = {}   # the last row's guard pair: {"case", "pair", "results"}
+
+
+def _chained(case: Case, impl: str, impls, kw) -> Optional[Dict[str, float]]:
+  """Where the run has both X and X[guard=False] (bench.guard_pairs) and `impl` is one of
+  them: the chain_time figures of both, their repetitions interleaved
+  (timing.chain_time_interleaved, so that a drift of the machine falls on both alike),
+  timed once per row for the two columns; this column's. Else None."""
+  pair = next((p for p in bench.guard_pairs(impls) if impl in p), None)
+  if pair is None:
+    return None
+  if _PAIR.get("case") is not case or _PAIR.get("pair") != pair:
+    variants = [dict(zip(("call", "carry", "inputs"), jax_call(case, i)[1:])) for i in pair]
+    _PAIR.update(case=case, pair=pair, results=dict(zip(pair, bt.chain_time_interleaved(
+        variants, **kw))))
+  return _PAIR["results"][impl]
+
+
+def eager_free(case: Case, guarded: bool = True) -> bench.Timed:
+  """free called from Python, one jitted call blocking on its result each time (every
+  call from the same state, which holds the pages it frees)."""
+  fn = jax.jit(functools.partial(freeing.free, _config(case, "jnp", guard=guarded)))
+  state0, idx = _state(case, case.used_pages, guarded), jnp.asarray(case.free_index)
   return bench.host(lambda: jax.block_until_ready(fn(state0, idx)))
 
 
@@ -372,13 +422,13 @@ def cases(o):
           op, bs, t, o.page_size, o.seed))
       row = {"op": op, "bs": bs, "tokens": tokens}
       for impl in o.impls:
-        base, _ = bench.parse_impl(impl)
+        base, kw = bench.parse_impl(impl)
         if (base == "eager") != (op == "free") and base in ("eager", "fused", "sglang"):
           continue  # eager: free only; fused kernels and SGLang's: decode, extend only
         if base in PALLAS and not _accel():
           setup = lambda: bench.skipped("no GPU/TPU: the Pallas kernels need one")
         elif base in ("eager", "torch_ref", "sglang"):
-          setup = {"eager": lambda c=case: eager_free(c()),
+          setup = {"eager": lambda c=case, g=kw.get("guard", True): eager_free(c(), g),
                    "torch_ref": lambda c=case: torch_timed(c()),
                    "sglang": lambda c=case: sglang_timed(c(), o.sglang_kernels)}[base]
         else:
@@ -406,7 +456,9 @@ SUITE = bench.Suite(
                     "consumer of its outputs, net of the consumer's own cost"),
           bench.Dim("--sglang-kernels", None, "SGLang's sglang/kernels/ops/memory/"
                     "allocator.py from its wheel (CUDA)", cli.existing_file)),
-    render=lambda r: render(legacy(r)))
+    render=lambda r: render(legacy(r)), guarded=KERNELS + ("eager",),
+    guard_target=lambda row, col: (GUARD_TARGET_PCT, "%") if row["bs"] >= 64 and (
+        bench.parse_impl(col)[0] in KERNELS) else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -453,7 +505,8 @@ def legacy(record: Dict[str, Any]) -> Dict[str, Any]:
     elif r["op"] == "harness":
       out["loop_overhead_us"] = next(iter(c.values())).get("us")
     else:
-      jax_cells = {i: x for i, x in c.items() if i not in ("eager", "torch_ref", "sglang")}
+      jax_cells = {i: x for i, x in c.items()
+                   if bench.parse_impl(i)[0] not in ("eager", "torch_ref", "sglang")}
       paths += [i for i in jax_cells if i not in paths]
       if c.get("sglang", {}).get("sglang_version"):
         env["sglang"] = c["sglang"]["sglang_version"]

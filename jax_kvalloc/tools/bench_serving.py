@@ -31,6 +31,7 @@ import numpy as np
 
 from jax_kvalloc import allocation
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc.buckets import bucket
 from jax_kvalloc.config import AllocatorConfig
@@ -86,12 +87,14 @@ def _config(case: ServingCase) -> AllocatorConfig:
 
 
 def initial_carry(case: ServingCase):
-  """(state, table, seq, target, pending, ok_so_far) at step 0."""
-  s = jax.jit(st.init, static_argnums=0)(_config(case))
+  """(state, table, seq, target, pending, ok_so_far) at step 0; the ownership record
+  holds the rows' pages (every page not on the free list)."""
+  config = _config(case)
+  s = jax.jit(st.init, static_argnums=0)(config)
   ring = np.zeros(case.num_pages, np.int32)
   ring[:case.free0.size] = case.free0
-  s = s._replace(free_ring=jnp.asarray(ring),
-                 free_len=jnp.asarray(case.free0.size, jnp.int32))
+  s = st.with_record(config, s._replace(free_ring=jnp.asarray(ring),
+                                        free_len=jnp.asarray(case.free0.size, jnp.int32)))
   return (s, jnp.asarray(case.table0), jnp.asarray(case.seq0), jnp.asarray(case.target),
           jnp.zeros(case.bs, bool), jnp.ones((), bool))
 
@@ -181,6 +184,7 @@ def jit_timed(case: ServingCase, o, *, sync: bool = False, none: bool = False) -
   box = {"carry": step(initial_carry(case))}
   for _ in range(o.warmup + o.steps - 1):
     box["carry"] = step(box["carry"])
+  guard.raise_if_refused(box["carry"][0])   # a refused release would time no work
   final = _final(box["carry"])
 
   def one():
@@ -191,8 +195,15 @@ def jit_timed(case: ServingCase, o, *, sync: bool = False, none: bool = False) -
                     output=None if none else lambda: final)
 
 
-def scan_timed(case: ServingCase, variant: str) -> bench.Timed:
+def scan_timed(case: ServingCase, variant: str, o) -> bench.Timed:
+  """The step chained; first run warmup + steps times in one loop, which must end with
+  no refused release and no failed allocation (the chain times valid work)."""
   step = functools.partial(serve_step, _config(case), case.max_frees, **VARIANTS[variant])
+  final = jax.jit(lambda c: jax.lax.fori_loop(0, o.warmup + o.steps, lambda _, c: step(c),
+                                               c))(initial_carry(case))
+  guard.raise_if_refused(final[0])
+  if not bool(final[5]):
+    raise RuntimeError("the serving loop ran out of pages")
   return bench.chained(lambda c, x: step_call(step, c, x), initial_carry(case),
                        jnp.zeros((), jnp.int32))
 
@@ -247,7 +258,7 @@ def cases(o):
               "jit_none": lambda c=case: jit_timed(c(), o, none=True),
               "torch": lambda c=case: torch_timed(c(), o, sync=False),
               "torch_sync": lambda c=case: torch_timed(c(), o, sync=True)}
-    setups.update({v: functools.partial(lambda c, v: scan_timed(c(), v), case, v)
+    setups.update({v: functools.partial(lambda c, v: scan_timed(c(), v, o), case, v)
                    for v in VARIANTS})
     for impl in SERVING.impls:
       yield bench.Case(row, impl, setups[impl])

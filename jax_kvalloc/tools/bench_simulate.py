@@ -16,6 +16,10 @@ and counts the compiled loop body's kernel-like operations by scope. A step is
 an iteration that ran a prefill or a decode; idle and trailing iterations count towards
 the operations and device time, so per-step figures are slightly high. To compare two
 trees, run it in each (PYTHONPATH=THAT_TREE) with the same options.
+
+--guard on,off runs each column also without the ownership record (SPEC 14),
+device[guard=False] beside device and so on: the record's cost per step
+(bench.guard_cost; target for the device driver: +1 us per step at most).
 """
 from __future__ import annotations
 
@@ -46,17 +50,19 @@ KERNEL_OPS = re.compile(r"= [^=]*? (fusion|copy|scatter|gather|sort|custom-call|
 CONTAINERS = ("while", "conditional", "cond", "call", "command_buffer")
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
 TOP_KINDS = 12
+GUARD_TARGET_US = 1.0   # the ownership record's cost per engine step (issue 32)
 
 
-def _config(o, page_size: int, driver: str = "device") -> simulate.SimConfig:
+def _config(o, page_size: int, driver: str = "device",
+            guard: bool = True) -> simulate.SimConfig:
   return simulate.SimConfig(num_requests=o.num_requests, page_sizes=(page_size,),
-                            driver=driver, kernel=o.kernel, seed=o.seed)
+                            driver=driver, kernel=o.kernel, seed=o.seed, guard=guard)
 
 
-def simulate_timed(o, page_size: int, driver: str) -> bench.Timed:
+def simulate_timed(o, page_size: int, driver: str, guard: bool = True) -> bench.Timed:
   def measure(opts) -> Dict[str, Any]:
     del opts
-    r = simulate.run(_config(o, page_size, driver), progress=False).results[0]
+    r = simulate.run(_config(o, page_size, driver, guard), progress=False).results[0]
     q1, q3 = timing.quartiles(r.step_us)
     return {"us": float(np.median(r.step_us)), "q1_us": q1, "q3_us": q3,
             "min_us": min(r.step_us), "steps": r.steps, "compile_s": r.compile_s,
@@ -125,11 +131,11 @@ def device_ops(trace_dir: str) -> List[Tuple[str, float]]:
   return out
 
 
-def profile_timed(o, page_size: int) -> bench.Timed:
+def profile_timed(o, page_size: int, guard: bool = True) -> bench.Timed:
   """The device driver's steps from the device's timeline (the module docstring)."""
   def measure(opts) -> Dict[str, Any]:
     del opts
-    cfg = _config(o, page_size)
+    cfg = _config(o, page_size, guard=guard)
     wl = cfg.workload()
     jax.clear_caches()  # the loop's first lowering and compile, nothing reused
     prep = simulate.prepare(cfg, wl, page_size)
@@ -169,9 +175,11 @@ def profile_timed(o, page_size: int) -> bench.Timed:
 
 def cases(o):
   for ps in o.page_sizes:
-    for impl in SUITE.impls:
-      setup = (functools.partial(profile_timed, o, ps) if impl == "profile" else
-               functools.partial(simulate_timed, o, ps, impl))
+    for impl in o.impls:
+      base, kw = bench.parse_impl(impl)   # device[guard=False]: without the record
+      guard = kw.get("guard", True)
+      setup = (functools.partial(profile_timed, o, ps, guard) if base == "profile" else
+               functools.partial(simulate_timed, o, ps, base, guard))
       yield bench.Case({"page_size": ps}, impl, setup)
 
 
@@ -200,7 +208,8 @@ SUITE = bench.Suite(
     name="simulate", help="the main job (jax-kvalloc simulate) per page size and driver: "
     "time per scheduler step; profile: the device driver's step operation by operation",
     impls=("device", "host", "profile"), default_impls=("device", "host"), cases=cases,
-    render=render, compare=(("device", "host"),),
+    render=render, compare=(("device", "host"),), guarded=("device", "host", "profile"),
+    guard_target=lambda row, col: (GUARD_TARGET_US, "us") if col == "device" else None,
     dims=(bench.Dim("--page-sizes", [1, 16, 64], "page sizes", quick=[16]),
           bench.Dim("--num-requests", 600, "requests in the workload", quick=40),
           bench.Dim("--kernel", "auto", "AllocatorConfig.kernel"),

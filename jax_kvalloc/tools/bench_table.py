@@ -23,6 +23,10 @@ Columns, each step chained in timing.chain_time (device time per step):
             free_group_end, alloc_extend of the restarted ones, alloc_decode of every
             row) on the same pool size, host time per step
 
+--guard on,off runs calls and step also without the ownership record (SPEC 14),
+calls[guard=False] and step[guard=False], beside them: the record's cost per step
+(bench.guard_cost; target: +1 us at most).
+
 "share" = column - none: the allocator's part of a step. On a GPU each chained column
 also records the jax_kvalloc kernels' own GPU time per step from CUPTI ("kernels_us").
 At the page sizes after the first, only --other-batch-sizes run, with step and none.
@@ -45,6 +49,7 @@ from jax_kvalloc.tools import report
 from jax_kvalloc.tools import timing
 
 TARGET_US = {"decode": 3.0, "extend": 5.0}  # the allocator's share of a step, GPU
+GUARD_TARGET_US = 1.0   # the ownership record's part of a step's share (issue 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,7 @@ class TableCase:
   seed: int = 0
   extend: bool = True     # the extend step (else the decode step)
   kernel: str = "auto"
+  guard: bool = True      # the pool's ownership record (SPEC 14)
 
   @property
   def max_pages_per_req(self) -> int:
@@ -71,7 +77,8 @@ class TableCase:
   def config(self) -> AllocatorConfig:
     # Room for every row at its longest: the loop never runs short.
     return AllocatorConfig(size=(self.bs * self.max_pages_per_req + 8) * self.page_size,
-                           page_size=self.page_size, kernel=self.kernel, debug=False)
+                           page_size=self.page_size, kernel=self.kernel, debug=False,
+                           guard=self.guard)
 
 
 @functools.lru_cache(maxsize=4)
@@ -150,13 +157,15 @@ CHECK_STEPS = 200
 
 def loop_output(case: TableCase, variant: str, steps: int = CHECK_STEPS):
   """What `steps` steps of the variant leave from the case's initial table: every step's
-  slots, then the final pool and table (the leaves, as host arrays). A row's calls and
-  step columns, on any kernel family, must all leave the same."""
+  slots, then the final pool (its ownership record left out) and table (the leaves, as
+  host arrays). A row's calls and step columns, on any kernel family, with the record or
+  without, must all leave the same."""
   call = step_call(case, variant)
   run = jax.jit(lambda carry: jax.lax.scan(
       lambda c, _: call(c, jnp.zeros((), jnp.int32)), carry, None, length=steps))
   carry, outs = run(initial_carry(case))
-  return tuple(np.asarray(x) for x in jax.tree_util.tree_leaves((outs, carry[:2])))
+  state, table = carry[0]._replace(guard=None), carry[1]
+  return tuple(np.asarray(x) for x in jax.tree_util.tree_leaves((outs, state, table)))
 
 
 def chained_timed(case: TableCase, variant: str) -> bench.Timed:
@@ -233,7 +242,8 @@ def cases(o):
         case = TableCase(bs=bs, page_size=ps, prompt=o.prompt, max_frees=o.max_frees,
                          seed=o.seed, extend=step == "extend", kernel=o.kernel)
         row = {"step": step, "bs": bs, "page_size": ps}
-        # A column may name its pool's kernel family: step[kernel=mosaic_gpu].
+        # A column may name its pool's kernel family and record: step[kernel=mosaic_gpu],
+        # calls[guard=False].
         for spec in o.impls:
           v, kw = bench.parse_impl(spec)
           if (i > 0 and v not in ("none", "step")) or (
@@ -242,7 +252,8 @@ def cases(o):
           if v == "sglang":
             yield bench.Case(row, spec, functools.partial(sglang_timed, case))
             continue
-          c = dataclasses.replace(case, kernel=kw.get("kernel", case.kernel))
+          c = dataclasses.replace(case, kernel=kw.get("kernel", case.kernel),
+                                  guard=kw.get("guard", True))
           yield bench.Case(row, spec, functools.partial(chained_timed, c, v))
 
 
@@ -296,6 +307,8 @@ SUITE = bench.Suite(
     name="table", help="the request table's serving step inside one jit (separate calls, "
     "step_rows, stand-ins) beside SGLang's eager class doing the same work",
     impls=("none", "calls", "step", "floor", "sglang"), cases=cases, render=render,
+    guarded=("calls", "step"),
+    guard_target=lambda row, col: (GUARD_TARGET_US, "us"),
     defaults=(("unroll", 8), ("reps", 3)),
     dims=(bench.Dim("--batch-sizes", [64, 256, 1024], "table rows", quick=[8]),
           bench.Dim("--page-sizes", [64, 16], "page sizes", quick=[4]),

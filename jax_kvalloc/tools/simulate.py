@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as swa_core
 from jax_kvalloc.buckets import bucket
@@ -92,6 +93,7 @@ class SimConfig:
   steps_per_call: int = 256    # device driver: iterations per call (a multiple of runs_every)
   swa_window: int = 0          # SWA mode: the window in tokens; 0 = off
   swa_ratio: float = 0.25      # SWA mode: SWA pool slots / pool_size (whole pages)
+  guard: bool = True           # the pools' ownership record (SPEC 14); False: dropped
 
   def workload(self) -> Workload:
     return make_workload(num_requests=self.num_requests, arrival=self.arrival,
@@ -266,7 +268,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   """The static sizes; SimConfigError when a request cannot fit in the pool at all."""
   kind = "token" if page_size == 1 else "paged"
   acfg = AllocatorConfig(size=cfg.pool_size, page_size=page_size, need_sort=cfg.need_sort,
-                         kind=kind, kernel=cfg.kernel)
+                         kind=kind, kernel=cfg.kernel, guard=cfg.guard)
   need = cdiv(wl.prompt + wl.output, page_size)
   if need.size and int(need.max()) > acfg.num_pages:
     i = int(np.argmax(need))
@@ -296,7 +298,8 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
         f"page_size={page_size}, but one request's window (--swa-window "
         f"{cfg.swa_window} plus a prefill chunk) needs up to {most}; raise --swa-ratio")
   scfg = SWAConfig(size=cfg.pool_size, size_swa=swa_pages * page_size,
-                   page_size=page_size, need_sort=cfg.need_sort, kernel=cfg.kernel)
+                   page_size=page_size, need_sort=cfg.need_sort, kernel=cfg.kernel,
+                   guard=cfg.guard)
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
@@ -577,10 +580,30 @@ def check_partition(name: str, ps: int, n: int, parts: Sequence[np.ndarray]) -> 
   return everything.size
 
 
+def check_record(name: str, ps: int, n: int, pool: st.AllocatorState) -> None:
+  """With an ownership record (SPEC 14): no free was refused, and the record holds
+  exactly the pages in neither of the pool's lists."""
+  err = guard.error(pool)
+  if err is not None:
+    raise LeakCheckError(f"the ownership record refused a free (page_size={ps}{name}): "
+                         f"{err}")
+  if pool.guard is None:
+    return
+  held = np.flatnonzero(np.asarray(pool.guard.held)[1:]) + 1
+  free = np.concatenate([st.live_free_pages(pool), st.live_release_pages(pool)])
+  want = np.setdiff1d(np.arange(1, n + 1), free)
+  if not np.array_equal(held, want):
+    raise LeakCheckError(
+        f"leak check failed (page_size={ps}{name}): the ownership record holds "
+        f"{np.setdiff1d(held, want).size} free pages and misses "
+        f"{np.setdiff1d(want, held).size} pages in use")
+
+
 def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
                      cache_tokens=None) -> None:
   """Every request row empty; free + released + held by the prefix cache is exactly
-  pages 1..num_pages (SWA mode: in each pool, and no full slot still maps an SWA slot)."""
+  pages 1..num_pages (SWA mode: in each pool, and no full slot still maps an SWA slot);
+  the ownership record (where kept) refused nothing and holds exactly the pages in use."""
   ps, r = lay.acfg.page_size, lay.rows
   lens = np.asarray(table.lens)
   res.leak_check = "FAILED"
@@ -594,6 +617,8 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
     n_full = check_partition(", full pool", ps, lay.num_pages, [free, release])
     n_swa = check_partition(", SWA pool", ps, lay.swa_pages, [
         st.live_free_pages(state.swa), st.live_release_pages(state.swa)])
+    check_record(", full pool", ps, lay.num_pages, full)
+    check_record(", SWA pool", ps, lay.swa_pages, state.swa)
     mapped = np.flatnonzero(swa_core.live_mapping(state)[:-1])
     if mapped.size:
       raise LeakCheckError(f"leak check failed (page_size={ps}): {mapped.size} full "
@@ -611,6 +636,7 @@ def final_leak_check(res: PageSizeResult, lay: Layout, state, table,
                            f"expects {want} from column 0")
     held.append(pages[r + g, :want // ps])
   check_partition("", ps, lay.num_pages, [free, release] + held)
+  check_record("", ps, lay.num_pages, state)
   res.free_pages_final = int(free.size + release.size)
   res.in_use_final = lay.num_pages - res.free_pages_final
   res.leak_check = (f"ok: free {res.free_pages_final} + in use {res.in_use_final} "

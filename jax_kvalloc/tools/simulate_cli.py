@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   a("--page-size", type=int_list, default=list(d.page_sizes), dest="page_sizes",
     metavar="SIZES", help="page sizes to compare; 1 is SGLang's token allocator")
   a("--need-sort", action="store_true", help="park frees in release_pages (PD mode)")
+  a("--no-guard", action="store_true", help="drop the pools' ownership record "
+    "(AllocatorConfig(guard=False), SPEC 14): SGLang's costs and trust")
   choices = {"arrival": simulate.ARRIVALS, "driver": simulate.DRIVERS,
              "kernel": simulate.KERNELS}
   for field, text in HELP.items():
@@ -130,7 +132,7 @@ def run(args) -> int:
   from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   cfg = simulate.SimConfig(page_sizes=tuple(args.page_sizes), need_sort=args.need_sort,
-                           **{f: getattr(args, f) for f in HELP})
+                           guard=not args.no_guard, **{f: getattr(args, f) for f in HELP})
   for opt, path in (("--json", args.json), ("--plot", args.plot)):
     folder = os.path.dirname(os.path.abspath(path)) if path else None
     if folder and not os.path.isdir(folder):
@@ -159,7 +161,8 @@ def run(args) -> int:
       f"{cfg.num_requests} requests, {cfg.arrival} arrivals at {cfg.rate}/step, pool "
       f"{cfg.pool_size} slots, prompt {cfg.prompt_len} (+ shared prefix {cfg.prefix_len}"
       f" with p={cfg.share_prob} over {cfg.num_prefixes} groups), output {cfg.output_len}"
-      f", need_sort={cfg.need_sort}, seed {cfg.seed}") + (
+      f", need_sort={cfg.need_sort}" + ", guard=False" * (not cfg.guard) +
+      f", seed {cfg.seed}") + (
           f"; SWA window {cfg.swa_window} tokens, SWA pool {cfg.swa_ratio} x the full "
           f"pool" if cfg.swa_window and not args.trace else "")
   v = result.versions

@@ -132,12 +132,15 @@ def _replay_one(records, replayer, res: PageSizeResult, times: List[float],
 def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
   """Replays every trace in the file `path` (jax_kvalloc.tools.traces' format); one
   aggregated result per page size. SimConfigError naming --trace for a file that is not
-  a trace, or --swa-window (which does not apply)."""
+  a trace, or --swa-window / --no-guard (which do not apply)."""
   import tqdm  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import traces  # pylint: disable=g-import-not-at-top
   if cfg.swa_window:
     raise SimConfigError("--swa-window", "does not apply to --trace (a trace replays its "
                          "own operations)")
+  if not cfg.guard:
+    raise SimConfigError("--no-guard", "does not apply to --trace (a trace replays "
+                         "through the default classes)")
   try:
     all_traces = traces.read(path)
     inits = {tid: traces.init_args(recs[0].get("args", {}))
