@@ -244,15 +244,15 @@ class Pool:
     """Puts back a checked snapshot. O(1) on the host (a single pool's record: O(pages
     taken since), see the module docstring); a snapshot without lengths (built by hand)
     has them read from its state (a wait). Forgets the calls since and any refusal."""
-    same = (snap.origin is self.lineage and snap.lengths is not None
-            and self.backend.patches_record)
-    if same:
-      self.own_record()  # patched in place
+    if self.backend.patches_record:
+      same = snap.origin is self.lineage and snap.lengths is not None
+      self.own_record()  # patched or rebuilt in place
       self.state = self.backend.restore(self.state, snap.state, self.lengths(),
-                                        tuple(snap.lengths), True)
+                                        snap.lengths and tuple(snap.lengths), same)
+      if not same:
+        self._new_lineage(shared=snap.state.guard is not None)  # (a hand-built one's)
     else:
-      self.state = (self.backend.restore(self.state, snap.state, None, None, False)
-                    if self.backend.patches_record else self.backend.adopt(snap.state))
+      self.state = self.backend.adopt(snap.state)
       self._new_lineage(shared=True)
     lengths = snap.lengths
     if lengths is None:

@@ -70,7 +70,7 @@ def _take(state: AllocatorState, k: int) -> Tuple[AllocatorState, np.ndarray]:
   else:
     pages = st.ring_window(ring, head, length, k, xp=np)
   if state[_GUARD] is not None:
-    state[_GUARD].held[pages] = 1
+    state[_GUARD].held[_intp(pages)] = 1
   # The state rebuilt without namedtuple's _replace (a Python-level call).
   return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
@@ -269,8 +269,6 @@ def _push(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
   if count == 0:
     return state
   values = values[:count]
-  if state.guard is not None:  # checked by the caller (refusal): these pages are held
-    state.guard.held[values] = 0
   ring, head, length, _ = st.freed_list(config.need_sort, state)
   if shared:
     ring = ring.copy()
@@ -286,16 +284,33 @@ def free(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
          shared: bool) -> AllocatorState:
   """`free` of validated values: the sorted unique pages (paged, SPEC 4.4: prepended,
   LIFO) or the slots as given (token, SPEC 3: appended, FIFO). `shared`: the ring
-  written is held by a snapshot (copy it first)."""
+  written is held by a snapshot (copy it first). The ownership record (checked by the
+  caller: `refusal`) no longer holds them."""
+  _release(state, values)
   return _push(config, state, values.astype(np.int32), shared,
                front=config.kind == "paged")
 
 
 def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: np.ndarray,
                   shared: bool) -> AllocatorState:
-  """SPEC 10: these pages, order kept, prepended as one block (token: appended)."""
+  """SPEC 10: these pages, order kept, prepended as one block (token: appended); the
+  record (checked by the caller) no longer holds them."""
+  _release(state, page_ids)
   return _push(config, state, page_ids.astype(np.int32), shared,
                front=config.kind == "paged")
+
+
+def _intp(pages: np.ndarray) -> np.ndarray:
+  """Pages as numpy's index type: fancy indexing with another dtype costs several
+  times more."""
+  return pages if pages.dtype == np.intp else pages.astype(np.intp)
+
+
+def _release(state: AllocatorState, pages: np.ndarray) -> None:
+  """held[pages] = 0 in the ownership record (in place; none without one). The
+  pages fit the list (a free only the record would refuse can overflow it)."""
+  if state.guard is not None:
+    state.guard.held[_intp(pages)] = 0
 
 
 def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
@@ -354,15 +369,17 @@ def refusal(held: np.ndarray, pages: np.ndarray, distinct: bool,
       only on a refusal.
     pool: the pool the status names (status.owned).
   """
-  if pages.shape[0] == 0:
+  m = pages.shape[0]
+  if m == 0:
     return None
+  # count_nonzero, not .all() / .any(): a third of their fixed cost on small arrays.
   try:
-    ok = held[pages].all()
+    ok = np.count_nonzero(held[_intp(pages)]) == m
   except IndexError:  # a page past the pool
     ok = False
-  if ok and distinct and pages.shape[0] > 1:
+  if ok and distinct and m > 1:
     s = np.sort(pages)
-    ok = not (s[1:] == s[:-1]).any()
+    ok = not np.count_nonzero(s[1:] == s[:-1])
   if ok:
     return None
   return first_refused(held, pages if argument is None else argument(), distinct, pool)
@@ -418,16 +435,18 @@ def restore_record(config: AllocatorConfig, live: AllocatorState, snap: Allocato
                    lengths: Tuple[int, ...], snap_lengths: Tuple[int, ...],
                    same_lineage: bool) -> AllocatorState:
   """`snap` (a detached host snapshot state) with its ownership record: the live one
-  patched in place (see `patch`; the caller owns it), or rebuilt from the snapshot's
-  lists (O(num_pages))."""
+  (which the caller owns) patched in place (see `patch`), or rebuilt in place from the
+  snapshot's lists (O(num_pages)); `live` may be `snap` itself (adopt: a new record)."""
   how = patch(live, snap, lengths, snap_lengths) if same_lineage and live.guard else None
-  if how is None:
-    free = np.concatenate([st.ring_window(snap.free_ring, snap.free_head, snap.free_len,
-                                          snap.free_len, xp=np),
-                           st.ring_window(snap.release_ring, snap.release_head,
-                                          snap.release_len, snap.release_len, xp=np)])
-    return snap._replace(guard=record(config.num_pages,
-                                      guard.from_free(config.num_pages, free)))
+  if how is None:  # rebuilt, into the live record where there is one (no allocation)
+    held = live.guard.held if live.guard is not None else np.empty(
+        (config.num_pages + 1,), np.int32)
+    held.fill(1)
+    held[0] = 0
+    for ring, head, length in ((snap.free_ring, snap.free_head, snap.free_len),
+                               (snap.release_ring, snap.release_head, snap.release_len)):
+      held[_intp(st.ring_window(ring, head, length, length, xp=np))] = 0
+    return snap._replace(guard=GuardState(held, np.zeros((3,), np.int32)))
   head, count = how
   held = live.guard.held
   if count:
@@ -517,16 +536,20 @@ def _take_list(state: AllocatorState, k: int) -> Tuple[AllocatorState, list]:
   namedtuple's (slow) _replace."""
   ring, head, length = state.free_ring, state.free_head, state.free_len
   cap = ring.shape[0]
-  rec = state[_GUARD]
   if head + k <= cap:
-    view = ring[head:head + k]
-    if rec is not None:
-      rec.held[view] = 1
-    pages = view.tolist()
+    pages = ring[head:head + k].tolist()
   else:
     pages = ring[head:].tolist() + ring[:head + k - cap].tolist()
-    if rec is not None:
-      rec.held[pages] = 1
+  rec = state[_GUARD]
+  if rec is not None:
+    held = rec.held
+    if k <= 8:  # a numpy scalar store costs a tenth of a fancy-indexed one
+      for p in pages:
+        held[p] = 1
+    elif head + k <= cap:
+      held[_intp(ring[head:head + k])] = 1
+    else:
+      held[pages] = 1
   return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
 
@@ -610,7 +633,7 @@ class HostBackend:
     lists."""
     if not (isinstance(state.free_ring, np.ndarray) and type(state.free_len) is int):
       state = from_jax(state)
-    if self.config.guard and state.guard is None:
+    if self.config.guard and state.guard is None:  # (`state` has no record to reuse)
       state = restore_record(self.config, state, state, (0, 0), (0, 0), False)
     return state
 
