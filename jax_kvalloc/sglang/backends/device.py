@@ -270,10 +270,10 @@ class DeviceOps(Programs):
         cap = ring.shape[0]
         i = jnp.arange(n, dtype=jnp.int32)
         at = jnp.where(i < count[0], ring[(head + i) % cap], held.shape[0])
-        return held.at[at].set(0, mode="drop")
+        return held.at[at].set(0, mode="drop"), jnp.zeros((3,), jnp.int32)
       return self._jit(patch_fn, donate_argnums=(0,))
     if op == "rebuild":  # the record of a state's lists (a restore across pools)
-      return self._jit(lambda s: st.held_from_lists(s))
+      return self._jit(lambda s: (st.held_from_lists(s), jnp.zeros((3,), jnp.int32)))
     if op == "merge":
       (donate,) = shape
 
@@ -350,22 +350,24 @@ class DeviceOps(Programs):
                           release_head=rhead, release_len=rlen)
 
   def restore_record(self, live: AllocatorState, snap: AllocatorState, lengths,
-                     snap_lengths, same_lineage: bool) -> AllocatorState:
+                     snap_lengths, same_lineage: bool,
+                     clean: Callable[[], Array]) -> AllocatorState:
     """A detached snapshot's state with its ownership record: the live held patched
     (one launch, donated: O(pages taken between them), host.patch says when), else
-    rebuilt from the snapshot's lists (one launch, O(num_pages))."""
+    rebuilt from the snapshot's lists (one launch, O(num_pages)); each launch also
+    gives the record's status, zeros; `clean()` gives it where nothing is launched."""
     how = (host.patch(live, snap, lengths, snap_lengths)
            if same_lineage and live.guard is not None else None)
     if how is None:
-      held = self.fn(("rebuild",))(snap)
+      record = self.fn(("rebuild",))(snap)
     elif how[1] == 0:
-      held = live.guard.held
+      record = GuardState(live.guard.held, clean())
     else:
       head, count = how
       n = min(buckets.bucket(count, buckets.MIN_FREE), self.config.num_pages)
-      held = self.fn(("patch", n))(live.guard.held, snap.free_ring, head,
-                                   np.array([count], np.int32))
-    return snap._replace(guard=GuardState(held, jnp.zeros((3,), jnp.int32)))
+      record = self.fn(("patch", n))(live.guard.held, snap.free_ring, head,
+                                     np.array([count], np.int32))
+    return snap._replace(guard=GuardState(*record))
 
 
 _INIT = jax.jit(st.init, static_argnames=("config",))
@@ -406,9 +408,12 @@ class DeviceBackend:
     if not isinstance(state.free_ring, jax.Array):
       state = jax.device_put(jax.tree.map(np.asarray, state), self.device)
     if self.config.guard and state.guard is None:
-      state = state._replace(guard=GuardState(self.ops.fn(("rebuild",))(state),
-                                              jnp.zeros((3,), jnp.int32)))
+      state = state._replace(guard=GuardState(*self.ops.fn(("rebuild",))(state)))
     return state
+
+  def _clean(self) -> Array:
+    """A fresh status of zeros on the backend's device (one transfer, no launch)."""
+    return jax.device_put(np.zeros((3,), np.int32), self.device)
 
   def detach(self, state: AllocatorState) -> AllocatorState:
     return host.detach(state)
@@ -420,7 +425,8 @@ class DeviceBackend:
     if (not self.config.guard or snap.guard is not None
         or not isinstance(snap.free_ring, jax.Array)):
       return self.adopt(snap)
-    return self.ops.restore_record(live, snap, lengths, snap_lengths, same_lineage)
+    return self.ops.restore_record(live, snap, lengths, snap_lengths, same_lineage,
+                                   self._clean)
 
   def own_record(self, state: AllocatorState) -> AllocatorState:
     """The state with a record of its own (the old one is held outside: the programs
