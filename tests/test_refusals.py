@@ -296,6 +296,21 @@ def test_snapshots_put_the_record_back(backend):
     a.available_size()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refusal_names_its_rank_and_clear_of_that_rank_ends_it(backend):
+  a = _paged(backend, dp_size=2)
+  kept = [np.asarray(a.alloc(PS, dp_rank=r)) for r in (0, 1)]
+  a.free(kept[1], dp_rank=1)
+  with pytest.raises(ValueError, match=rf"^dp_rank=1: free: page 1 {NOT_HELD}"):
+    a.free(kept[1], dp_rank=1)
+    a.available_size(dp_rank=1)
+  with pytest.raises(ValueError, match="dp_rank=1: free"):
+    a.available_size(dp_rank=0)                  # every call, on any rank
+  a.clear(dp_rank=1)
+  a.free(kept[0], dp_rank=0)
+  assert [a.available_size(dp_rank=r) for r in (0, 1)] == [2 * PS, 2 * PS]
+
+
 class _NeverReady:
   """A device status that never lands by itself (a slow device), for the 8-call rule."""
 

@@ -175,7 +175,8 @@ class BaseAllocator:
     self._dp_size = dp_size
     self._dp_ranks = held                           # global rank of self._pools[i]
     self._index = {r: i for i, r in enumerate(held)}
-    self._pools = [Pool(rank_config, make_backend(backend, rank_config, devices[r]))
+    self._pools = [Pool(rank_config, make_backend(backend, rank_config, devices[r]),
+                        f"dp_rank={r}: " if dp_size > 1 else "")
                    for r in held]
     self._group: Optional[List[_Queued]] = None  # per held rank, while a group is open
     self._calls = 0  # class calls so far: a device refusal raises within 8 of them
@@ -226,6 +227,10 @@ class BaseAllocator:
     through here first: it reads the statuses that have landed (`_poll`; all of them
     when `everything`)."""
     self._poll(everything)
+    return self._rank_index(dp_rank)
+
+  def _rank_index(self, dp_rank: Any) -> int:
+    """`_pool_index` without reading statuses (clear: the way out of a refusal)."""
     if type(dp_rank) is int:
       i = self._index.get(dp_rank)
       if i is not None:
@@ -438,7 +443,7 @@ class BaseAllocator:
     if dp_rank is None:
       targets = range(len(self._pools))
     else:
-      targets = [self._pool_index(dp_rank)]
+      targets = [self._rank_index(dp_rank)]
     for r in targets:
       self._pools[r].clear()
       if self._group is not None:

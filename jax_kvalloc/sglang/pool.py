@@ -122,9 +122,10 @@ class Pool:
   """One pool (one data-parallel rank): state, mirror, flags and statuses over
   `backend` (see the module docstring)."""
 
-  def __init__(self, config: Any, backend: Backend):
+  def __init__(self, config: Any, backend: Backend, label: str = ""):
     self.config = config
     self.backend = backend
+    self.label = label  # prefixed to its refusals' messages (a rank's: "dp_rank=r: ")
     self.sides = tuple(Lists(c) for c in backend.pools)
     self.pending: collections.deque = collections.deque()  # (call, op, status array)
     self.waits = 0       # statuses read before they had landed (each a wait)
@@ -190,7 +191,7 @@ class Pool:
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
     if not values[0]:  # no refusal
       return
-    message = _status.message(op, values)
+    message = self.label + _status.message(op, values)
     if not rollback:  # read at once: the call changed nothing, the mirror is right
       self.pending.clear()  # sticky on every backend (SPEC 14), as the record's status
       self.error = ValueError(f"{message} (every call raises until clear() or "

@@ -300,6 +300,9 @@ def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: np.n
                front=config.kind == "paged")
 
 
+_SCALAR_PAGES = 8  # up to this many pages, the record is read and written page by page
+
+
 def _intp(pages: np.ndarray) -> np.ndarray:
   """Pages as numpy's index type: fancy indexing with another dtype costs several
   times more."""
@@ -309,8 +312,14 @@ def _intp(pages: np.ndarray) -> np.ndarray:
 def _release(state: AllocatorState, pages: np.ndarray) -> None:
   """held[pages] = 0 in the ownership record (in place; none without one). The
   pages fit the list (a free only the record would refuse can overflow it)."""
-  if state.guard is not None:
-    state.guard.held[_intp(pages)] = 0
+  if state.guard is None:
+    return
+  held = state.guard.held
+  if pages.shape[0] <= _SCALAR_PAGES:
+    for p in pages.tolist():
+      held[p] = 0
+  else:
+    held[_intp(pages)] = 0
 
 
 def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
@@ -372,14 +381,19 @@ def refusal(held: np.ndarray, pages: np.ndarray, distinct: bool,
   m = pages.shape[0]
   if m == 0:
     return None
-  # count_nonzero, not .all() / .any(): a third of their fixed cost on small arrays.
-  try:
-    ok = np.count_nonzero(held[_intp(pages)]) == m
-  except IndexError:  # a page past the pool
-    ok = False
-  if ok and distinct and m > 1:
-    s = np.sort(pages)
-    ok = not np.count_nonzero(s[1:] == s[:-1])
+  if m <= _SCALAR_PAGES:  # numpy scalar reads: a tenth of an array call's fixed cost
+    got = pages.tolist()
+    top = held.shape[0]
+    ok = all(0 < p < top and held[p] == 1 for p in got) and (
+        not distinct or len(set(got)) == m)
+  else:  # count_nonzero, not .all() / .any(): a third of their fixed cost
+    try:
+      ok = np.count_nonzero(held[_intp(pages)]) == m
+    except IndexError:  # a page past the pool
+      ok = False
+    if ok and distinct:
+      s = np.sort(pages)
+      ok = not np.count_nonzero(s[1:] == s[:-1])
   if ok:
     return None
   return first_refused(held, pages if argument is None else argument(), distinct, pool)
@@ -543,7 +557,7 @@ def _take_list(state: AllocatorState, k: int) -> Tuple[AllocatorState, list]:
   rec = state[_GUARD]
   if rec is not None:
     held = rec.held
-    if k <= 8:  # a numpy scalar store costs a tenth of a fancy-indexed one
+    if k <= _SCALAR_PAGES:  # a numpy scalar store: a tenth of a fancy-indexed one
       for p in pages:
         held[p] = 1
     elif head + k <= cap:
