@@ -9,6 +9,7 @@ equal to its state's lengths); and a refusal is sticky: every call raises until
 import ast
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,16 @@ from jax_kvalloc import swa_table
 from jax_kvalloc import swa as core
 from jax_kvalloc.sglang import pool as pool_module
 from jax_kvalloc.sglang.swa import SWADebugError
+from gpu import needs_gpu
 
 PS = 4
 BACKENDS = ["device", "host", "debug"]
 ALL = tuple(BACKENDS)
+KERNEL, DEVICE = "jnp", "cpu"  # the GPU test runs the cases on its device and kernels
 
 
 def _make(cls, backend, *args, **kw):
-  return cls(*args, backend="device" if backend == "debug" else backend, kernel="jnp",
+  return cls(*args, backend="device" if backend == "debug" else backend, kernel=KERNEL,
              debug=backend == "debug", **kw)
 
 
@@ -42,9 +45,9 @@ def _token(backend, **kw):
   return _make(kvs.TokenToKVPoolAllocator, backend, 16, **kw)
 
 
-def _swa(backend, ps=PS, need_sort=False, device="cpu", **kw):
-  return _make(kvs.SWATokenToKVPoolAllocator, backend, 16 * ps, 8 * ps, ps, None, device,
-               None, need_sort, **kw)
+def _swa(backend, ps=PS, need_sort=False, device=None, **kw):
+  return _make(kvs.SWATokenToKVPoolAllocator, backend, 16 * ps, 8 * ps, ps, None,
+               device or DEVICE, None, need_sort, **kw)
 
 
 def _contents(a, r=0):
@@ -238,6 +241,21 @@ def _own_error(e):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_refusals_raise_and_change_nothing_on_every_backend(case, backend):
+  _check_case(case, backend)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_refusals_on_the_gpu(case, monkeypatch):
+  """The same cases on the device backend on a GPU, with its kernels (Triton frees and
+  allocations, the record kept in their launches)."""
+  monkeypatch.setattr(sys.modules[__name__], "KERNEL", "auto")
+  monkeypatch.setattr(sys.modules[__name__], "DEVICE", jax.devices("gpu")[0])
+  _check_case(case, "device")
+
+
+def _check_case(case, backend):
   make, setup, misuse, match, sticky = CASES[case]
   a = make(backend)
   context = setup(a)

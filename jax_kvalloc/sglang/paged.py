@@ -22,12 +22,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     dtype, device, kvcache: as in SGLang (see TokenToKVPoolAllocator).
     need_sort: park freed pages in release_pages until a shortfall merges them.
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
-    guard: keep the ownership record (SPEC 14, default True): a free naming a page that
-      is not held (free, released, never handed out, or named twice where the call
-      does not de-duplicate) raises ValueError naming the operation and the page and
-      frees nothing; every call then raises until clear() or restore_state()
-      (jax_kvalloc.sglang.base says when the device backend raises). False: SGLang's
-      trust (such a free is taken as given) and costs.
+    guard: keep the ownership record (SPEC 14; default True): a free of a page not held
+      raises ValueError (jax_kvalloc.sglang.base, "Refusals"). False: SGLang's trust.
     backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
       (NumPy state and results, for host schedulers); see jax_kvalloc.sglang.base.
     dp_size: data-parallel ranks (sglang-jax's dp_size), each a pool of size // dp_size
