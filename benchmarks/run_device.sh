@@ -33,6 +33,7 @@
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh guard-a guard-decode guard-extend \
 #     guard-free & CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh guard-b guard-table \
 #     guard-simulate; wait
+#   (and the classes' calls: guard-class guard-swa)
 set -uf   # -f: no globbing of the commands (jnp[free=sort])
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
@@ -65,7 +66,9 @@ guard-decode|220|$B kernels --ops decode --impls auto --guard on,off --bare --mi
 guard-extend|180|$B kernels --ops extend --impls auto --guard on,off --extend-cases $GUARD_EXTEND --bare --min-time 0.02 --json \$DIR/guard-extend.json
 guard-free|150|$B kernels --ops free --impls auto,eager --guard on,off --extend-cases $GUARD_EXTEND --min-time 0.02 --json \$DIR/guard-free.json
 guard-table|300|$B table --impls none,calls,step --guard on,off --page-sizes 64 --budget-s 240 --min-time 0.02 --json \$DIR/guard-table.json
-guard-simulate|240|$B simulate --impls device,host --guard on,off --page-sizes 16,64 --json \$DIR/guard-simulate.json"
+guard-simulate|240|$B simulate --impls device,host --guard on,off --page-sizes 16,64 --json \$DIR/guard-simulate.json
+guard-class|240|$B class --impls device,host --guard on,off --pool 16777216 --page-size 64 --decode 1,8,64 --extend 4,64 --free 64,1024 --reps 200 --json \$DIR/guard-class.json
+guard-swa|200|$B swa --impls class,core --guard on,off --reps 100 --json \$DIR/guard-swa.json"
 
 DRY=0
 BUDGET=${BUDGET:-560}

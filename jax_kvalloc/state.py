@@ -91,6 +91,20 @@ def with_record(config: AllocatorConfig, state: AllocatorState) -> AllocatorStat
       status=jnp.zeros((3,), jnp.int32)))
 
 
+def held_from_lists(state: AllocatorState) -> Array:
+  """The ownership record's held (i32[num_pages + 1]) of a state's lists, traced: 1 for
+  every page in neither list, 0 for page 0 and the listed pages. O(num_pages); the
+  jitted twin of `with_record` (a single pool)."""
+  n = state.free_ring.shape[0]
+  i = jnp.arange(n, dtype=jnp.int32)
+  free = jnp.where(i < state.free_len, state.free_ring[(state.free_head + i) % max(n, 1)],
+                   n + 1)
+  released = jnp.where(i < state.release_len,
+                       state.release_ring[(state.release_head + i) % max(n, 1)], n + 1)
+  held = jnp.ones((n + 1,), jnp.int32).at[0].set(0)
+  return held.at[free].set(0, mode="drop").at[released].set(0, mode="drop")
+
+
 def available_size(config: AllocatorConfig, state: AllocatorState) -> Array:
   """Free slots, released ones included: (len(free) + len(release)) * page_size. i32[]."""
   return (state.free_len + state.release_len) * config.page_size

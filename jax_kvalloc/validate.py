@@ -341,6 +341,10 @@ def state_like(state: Any, current: Any, state_type: type) -> None:
   if (state.debug is None) != (current.debug is None):
     raise ValueError("state.debug must be " + ("None (debug mode is off)" if
                      current.debug is None else "a DebugState (debug mode is on)"))
+  if (getattr(state, "guard", None) is None) != (getattr(current, "guard", None) is None):
+    raise ValueError("state.guard must be " + (
+        "None (the ownership record is off: guard=False)" if current.guard is None else
+        "a GuardState (the ownership record is on: build states with init(config))"))
   new_leaves = jax.tree_util.tree_leaves_with_path(state)
   old_leaves = jax.tree_util.tree_leaves_with_path(current)
   for (path, new), (_, old) in zip(new_leaves, old_leaves):

@@ -238,14 +238,17 @@ def test_class(tmp_path, capsys):
   out = tmp_path / "c.json"
   assert cli.main(["bench", "class", "--quick", "--reps", "2", "--stalls", "3",
                    "--stall-max-batch", "4", "--impls", "device,host,sgljax",
-                   "--json", str(out)]) == 0
+                   "--guard", "on,off", "--json", str(out)]) == 0
   rec = json.loads(out.read_text())
   rows = {bench.label(r): r["cells"] for r in rec["rows"]}
   assert set(rows) == {"decode/1", "decode/9", "extend/2", "free/64",
-                       "decode_after_restore/8", "free_after_restore/64", "floor/jit",
+                       "decode_after_restore/8", "free_after_restore/64",
+                       "restore_after_decode/8", "restore_after_free/64", "floor/jit",
                        "stalls/cold", "stalls/warm"}
-  for key in ("decode/1", "extend/2", "free/64", "free_after_restore/64"):
-    for name in ("device", "host") + (() if "sgljax" in rec["skipped"] else ("sgljax",)):
+  ours = ("device", "host", "device[guard=False]", "host[guard=False]")
+  for key in ("decode/1", "extend/2", "free/64", "free_after_restore/64",
+              "restore_after_free/64"):
+    for name in ours + (() if "sgljax" in rec["skipped"] else ("sgljax",)):
       assert rows[key][name]["us"] > 0, (key, name, rows[key][name])
   # sglang-jax is timed where its checkout is there; where not, the record says why.
   assert ("sgljax" in rec["skipped"]) != (
@@ -254,6 +257,7 @@ def test_class(tmp_path, capsys):
   assert rows["decode/1"]["device"]["status_waits"] >= 0  # counted (SPEC 14)
   text = capsys.readouterr().out
   assert "host vs sgljax" in text and "device calls that waited for a status" in text
+  assert re.search(r"\| free/64 +\| host +\|.*\(<= \+5%\) \|", text)  # the record's cost
 
 
 def _swa_opts(**kw):

@@ -337,7 +337,10 @@ def _lists(a):
 
 @pytest.mark.parametrize("need_sort", [False, True])
 def test_class_double_free_raises_and_keeps_state(need_sort):
-  a = kvs.PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort, debug=True)
+  # guard=False: debug mode's own check finds it, names the argument, and the
+  # allocator stays usable (with the ownership record on, the record refuses it first:
+  # test_class_double_free_with_the_record).
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, need_sort=need_sort, debug=True, guard=False)
   out = a.alloc(8)
   a.free(out[:4])
   before = _lists(a)
@@ -350,16 +353,37 @@ def test_class_double_free_raises_and_keeps_state(need_sort):
   assert a.available_size() == 64
 
 
-def test_class_double_free_in_a_free_group_raises_at_end():
-  a = kvs.TokenToKVPoolAllocator(16, debug=True)
+def test_class_double_free_with_the_record():
+  # The default (guard on): the ownership record refuses it, as on the other backends
+  # (ValueError naming the operation and the page), and every call raises until a
+  # restore or clear().
+  a = kvs.PagedTokenToKVPoolAllocator(64, 4, debug=True)
+  out = a.alloc(8)
+  snap = a.backup_state()
+  a.free(out[:4])
+  with pytest.raises(ValueError, match=r"^free: page 1 is not held"):
+    a.free(np.array([8, 6]))
+  with pytest.raises(ValueError, match=r"^free: page 1 is not held"):
+    a.available_size()
+  a.restore_state(snap)
+  a.free(np.array([8, 6]))
+  assert a.available_size() == 64
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_class_double_free_in_a_free_group_raises_at_end(guard):
+  a = kvs.TokenToKVPoolAllocator(16, debug=True, guard=guard)
   out = np.asarray(a.alloc(4))
   a.free_group_begin()
   a.free(out[:2])
   a.free(out[1:3])  # slot out[1] twice in the group
   before = _lists(a)
-  with pytest.raises(debug.AllocatorDebugError, match=r"free_index\[2\]=2"):
+  with pytest.raises(debug.AllocatorDebugError if not guard else ValueError,
+                     match=r"page 2 is named twice" if guard else r"free_index\[2\]=2"):
     a.free_group_end()
-  assert a.is_not_in_free_group and _lists(a) == before
+  assert a.is_not_in_free_group and a._pools[0].lengths() == (12, 0)  # pylint: disable=protected-access
+  if not guard:
+    assert _lists(a) == before
 
 
 def test_class_extend_continuing_a_free_page_raises():

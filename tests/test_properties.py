@@ -6,8 +6,11 @@ step that:
   - free_pages / release_pages equal the model's, and free + released + in use ==
     num_pages, with every page held by one owner at most (no page 0 anywhere);
   - a restored snapshot gives back exactly the lists it was taken with;
-  - misuse (bad input in any mode, double frees in debug mode) raises and changes
-    nothing; in debug mode the state's bookkeeping agrees with the lists (debug.audit).
+  - misuse raises and changes nothing: bad input in any mode, and frees the ownership
+    record refuses (SPEC 14, on by default, every backend: a double free, a page never
+    handed out, a page twice in one call, a segment of a freed request), after which
+    every call raises until restore_state; the record always equals the lists, and in
+    debug mode the state's bookkeeping agrees with them too (debug.audit).
 
 Profiles: JAX_KVALLOC_HYPOTHESIS=ci (the default: derandomized, so CI is reproducible and
 fits its time budget) or =thorough (random, many more examples, for local runs).
@@ -229,7 +232,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     what = data.draw(st.sampled_from(["double_free", "page0", "past_pool", "floats",
                                       "misaligned"]))
     if what == "double_free":
-      self._double_free(data)
+      self._ownership_misuse(data)
       return
     state, lists = self.impl.state, self._lists()
     ps = self.ps
@@ -248,20 +251,47 @@ class AllocatorMachine(RuleBasedStateMachine):
       call()
     assert self.impl.state is state and self._lists() == lists
 
-  def _double_free(self, data):
-    """Debug mode: freeing a free page (in free_pages or parked in release_pages) raises,
-    even mixed with a valid free, and nothing is freed."""
-    if not self.debug or not (self.model.free_pages or self.model.release_pages):
-      return
-    page = data.draw(st.sampled_from(self.model.free_pages + self.model.release_pages))
-    slots = [page * self.ps + data.draw(st.integers(0, self.ps - 1))]
+  def _ownership_misuse(self, data):
+    """A free the ownership record refuses, mixed with a valid entry where there is one:
+    it raises (the device backend: at the latest at available_size), nothing changes,
+    every call raises until restore_state."""
+    gone = self.model.free_pages + self.model.release_pages  # free or released pages
     held = self.reqs + self.raw
-    if held:
-      slots = [data.draw(st.sampled_from(held))[0]] + slots
-    lists = self._lists()
-    with pytest.raises(debug.AllocatorDebugError, match=r"free: free_index\[\d+\]=\d+: "
-                       "double free"):
-      self.impl.free(np.array(slots))
+    ps = self.ps
+    what = data.draw(st.sampled_from(["free", "free_page_ids", "segment", "twice"]))
+    # A held page named twice by a call that does not de-duplicate: the token free, or
+    # a device array of page ids (host data: bad input, refused before the record).
+    if what == "twice" and held and (self.kind == "token" or (
+        self.BACKEND == "device" and not self.debug)):
+      slot = data.draw(st.sampled_from(held))[0]
+      call = (lambda: self.impl.free([slot, slot])) if self.kind == "token" else (
+          lambda: self.impl.free_page_ids(_jnp.array([slot // ps, slot // ps])))
+    elif not gone:
+      return
+    elif what == "segment" and self.kind == "paged":
+      page = data.draw(st.sampled_from(gone))
+      call = lambda: self.impl.free_segment(  # noqa: E731
+          np.arange(page * ps, page * ps + data.draw(st.integers(1, ps))), start_pos=0)
+    else:
+      page = data.draw(st.sampled_from(gone))
+      pages = [page] + ([data.draw(st.sampled_from(held))[0] // ps] if held else [])
+      pages = data.draw(st.permutations(pages))
+      if what == "free_page_ids":
+        ids = _jnp.array(pages) if self.BACKEND == "device" else pages
+        call = lambda: self.impl.free_page_ids(ids)  # noqa: E731
+      else:
+        slots = [p * ps + data.draw(st.integers(0, ps - 1)) for p in pages]
+        call = lambda: self.impl.free(np.array(slots))  # noqa: E731
+    lists, snap = self._lists(), self.impl.backup_state()
+    with pytest.raises(ValueError):
+      call()
+      self.impl.available_size()
+    pool = self.impl._pools[0]  # pylint: disable=protected-access
+    assert (_st.live_free_pages(pool.state).tolist(),
+            _st.live_release_pages(pool.state).tolist()) == lists[:2]
+    with pytest.raises(ValueError):
+      self.impl.alloc(0)
+    self.impl.restore_state(snap)
     assert self._lists() == lists
 
   # -- invariants ----------------------------------------------------------------------
@@ -277,6 +307,8 @@ class AllocatorMachine(RuleBasedStateMachine):
       assert sum(map(len, self.reqs + self.raw + self.pending)) == len(in_use)
     assert len(free) + len(rel) + len(in_use) == self.n
     assert sorted(free + rel + sorted(in_use)) == list(range(1, self.n + 1))
+    held = np.asarray(self.impl._pools[0].state.guard.held)  # pylint: disable=protected-access
+    assert np.flatnonzero(held).tolist() == sorted(in_use), "the record != the lists"
 
   @invariant()
   def requests_follow_the_page_layout(self):

@@ -1,10 +1,15 @@
-"""No refused call is reported as a success (SPEC 14's reporting contract, issue 31), and
-the SWA class's review regressions: every case raises ValueError on every backend
-(device: at the latest at the next call that returns a host value, and within 8 calls;
-host and debug mode: at once), and leaves the pool as it was, its host mirror equal to
-its state's lengths."""
+"""No refused call is reported as a success (SPEC 14's reporting contract, issue 31),
+the SWA class's review regressions, and the ownership record's misuse cases (SPEC 14,
+issue 32) on the paged, token and SWA classes: every case raises ValueError on every
+backend (device: at the latest at the next call that returns a host value, and within 8
+calls; host and debug mode: at once), naming the operation and the page; leaves the
+pool as it was (lists, mapping, its ownership record equal to its lists, its host mirror
+equal to its state's lengths); and a refusal is sticky: every call raises until
+`restore_state` or `clear()`."""
 import ast
 import pathlib
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,17 +17,23 @@ import numpy as np
 import pytest
 
 import jax_kvalloc.sglang as kvs
+from jax_kvalloc import debug
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import swa_table
 from jax_kvalloc import swa as core
 from jax_kvalloc.sglang import pool as pool_module
+from jax_kvalloc.sglang.swa import SWADebugError
+from gpu import needs_gpu
 
 PS = 4
 BACKENDS = ["device", "host", "debug"]
+ALL = tuple(BACKENDS)
+KERNEL, DEVICE = "jnp", "cpu"  # the GPU test runs the cases on its device and kernels
 
 
 def _make(cls, backend, *args, **kw):
-  return cls(*args, backend="device" if backend == "debug" else backend, kernel="jnp",
+  return cls(*args, backend="device" if backend == "debug" else backend, kernel=KERNEL,
              debug=backend == "debug", **kw)
 
 
@@ -30,19 +41,28 @@ def _paged(backend, **kw):
   return _make(kvs.PagedTokenToKVPoolAllocator, backend, 4 * PS, PS, **kw)
 
 
-def _swa(backend, ps=PS, need_sort=False, device="cpu", **kw):
-  return _make(kvs.SWATokenToKVPoolAllocator, backend, 16 * ps, 8 * ps, ps, None, device,
-               None, need_sort, **kw)
+def _token(backend, **kw):
+  return _make(kvs.TokenToKVPoolAllocator, backend, 16, **kw)
+
+
+def _swa(backend, ps=PS, need_sort=False, device=None, **kw):
+  return _make(kvs.SWATokenToKVPoolAllocator, backend, 16 * ps, 8 * ps, ps, None,
+               device or DEVICE, None, need_sort, **kw)
 
 
 def _contents(a, r=0):
   """Every list and the mapping of rank r's state, and whether its mirror is its
-  state's lengths (read from the pool itself: the class refuses every call now)."""
+  state's lengths and each ownership record its lists' (read from the pool itself: the
+  class refuses every call after a refusal)."""
   pool = a._pools[r]  # pylint: disable=protected-access
   state = jax.tree.map(np.asarray, pool.state)
   parts = (state.full, state.swa) if isinstance(state, core.SWAState) else (state,)
   lists = [x.tolist() for p in parts for x in (st.live_free_pages(p),
                                                st.live_release_pages(p))]
+  for p in parts:
+    held = guard.from_free(p.free_ring.shape[0], np.concatenate(
+        [st.live_free_pages(p), st.live_release_pages(p)]))
+    assert p.guard is not None and (p.guard.held == held).all(), "record != lists"
   if isinstance(state, core.SWAState):
     lists.append(state.mapping.tolist())
   assert pool.lengths() == pool.backend.lengths(pool.state), "mirror != state"
@@ -54,9 +74,20 @@ def _extend(a, seq, pre=0, last=-1):
                                    np.array([last]), seq - pre))
 
 
-# Each case: (allocator, setup(a) -> context, misuse(a, context), message, whether only
-# the state shows it: then the device refuses it inside and a later call raises, and
-# every call after raises until clear() / restore_state()).
+def _freed(a, n):
+  """n pages (paged), slots (token) or a request of n pages (SWA), then freed: (held
+  slots of another n, the freed slots)."""
+  if isinstance(a, kvs.SWATokenToKVPoolAllocator):
+    kept, gone = _extend(a, n * PS), _extend(a, n * PS)
+  else:
+    kept, gone = np.asarray(a.alloc(n * a.page_size)), np.asarray(a.alloc(n * a.page_size))
+  a.free(gone)
+  return kept, gone
+
+
+# Each case: (allocator, setup(a) -> context, misuse(a, context), message, the backends
+# on which it is a refusal of the state (then sticky: every call raises until
+# restore_state() or clear()); elsewhere it is bad input the host checks refuse at once).
 def _bug1_paged(a, _):
   a.free_page_ids(jnp.array([0, 3]))  # device: taken as it is; page 0 is refused
   out = a.alloc(2 * PS)               # the mirror counted 2 pages: the device refuses
@@ -69,55 +100,233 @@ def _bug1_swa(a, out):
   assert got is None or not np.asarray(got).any()
 
 
+def _in_group(calls):
+  def misuse(a, ctx):
+    a.free_group_begin()
+    for call in calls:
+      call(a, ctx)
+    a.free_group_end()
+  return misuse
+
+
+NOT_HELD = re.escape("is not held (free, released, or never handed out)")
+TWICE = "is named twice by one call that does not de-duplicate"
 CASES = {
+    # -- issue 31 ---------------------------------------------------------------------
     # 1. a device array naming page 0: the mirror must not count it, nor hand out zeros.
     "free_page_ids_page_0": (
-        _paged, lambda a: a.alloc(4 * PS), _bug1_paged, r"page_ids\[0\]=0", True),
+        _paged, lambda a: a.alloc(4 * PS), _bug1_paged, r"page_ids\[0\]=0", ("device",)),
     # 1. a segment free after a window free (SWA): no peer for its first page.
     "free_segment_after_window_free": (
         _swa, lambda a: (lambda o: (a.free_swa_segment(o[:PS], start_pos=0), o)[1])(
-            _extend(a, 3 * PS)), _bug1_swa, r"free_index\[0\]=4 has no SWA peer", True),
+            _extend(a, 3 * PS)), _bug1_swa, r"free_index\[0\]=4 has no SWA peer",
+        ("device", "host")),
     # 2. free_segment of a bad segment: the full pool's check before the SWA side frees.
     "free_segment_not_one_request": (
         _swa, lambda a: _extend(a, 2 * PS),
         lambda a, out: a.free_segment(np.array([4, 5, 6, 8]), start_pos=0),
-        r"free_index\[3\]=8 lies in page 2", False),
+        r"free_index\[3\]=8 lies in page 2", ()),
     "free_segment_not_one_request_in_a_group": (
         _swa, lambda a: (_extend(a, 2 * PS), a.free_group_begin()),
         lambda a, _: a.free_segment(np.array([4, 5, 6, 8]), start_pos=0),
-        r"free_index\[3\]=8 lies in page 2", False),
+        r"free_index\[3\]=8 lies in page 2", ()),
     # 3. page size 1: free of a slot whose SWA KV was freed (free_swa first).
     "token_free_without_peer": (
         lambda b: _swa(b, ps=1), lambda a: (a.alloc(3), a.free_swa(np.array([2]))),
-        lambda a, _: a.free(np.array([2])), r"free_index\[0\]=2 has no SWA peer", True),
+        lambda a, _: a.free(np.array([2])), r"free_index\[0\]=2 has no SWA peer",
+        ("device", "host")),
     # 4. alloc_extend / alloc_decode continuing a page whose SWA KV is gone.
     "extend_continues_a_page_without_peer": (
         _swa, lambda a: a.free_swa(_extend(a, 6)),
         lambda a, _: _extend(a, 8, pre=6, last=9), r"last_loc\[0\]=9 has no SWA peer",
-        True),
+        ("device", "host")),
     "decode_continues_a_page_without_peer": (
         _swa, lambda a: a.free_swa(_extend(a, 6)),
         lambda a, _: a.alloc_decode(np.array([7]), None, np.array([9])),
-        r"last_loc\[0\]=9 has no SWA peer", True),
+        r"last_loc\[0\]=9 has no SWA peer", ("device", "host")),
+    # -- SPEC 14: the ownership record, paged class -----------------------------------
+    "paged_double_free": (
+        _paged, lambda a: _freed(a, 1), lambda a, c: a.free(np.concatenate(c)),
+        rf"^free: page 2 {NOT_HELD}", ALL),
+    "paged_double_free_released": (  # need_sort: the page is parked in release_pages
+        lambda b: _paged(b, need_sort=True), lambda a: _freed(a, 1),
+        lambda a, c: a.free(c[1]), rf"^free: page 2 {NOT_HELD}", ALL),
+    "paged_free_never_held": (
+        _paged, lambda a: a.alloc(PS), lambda a, _: a.free(np.array([3 * PS + 1])),
+        rf"^free: page 3 {NOT_HELD}", ALL),
+    "paged_free_page_ids_never_held": (
+        _paged, lambda a: a.alloc(PS), lambda a, _: a.free_page_ids(jnp.array([1, 4])),
+        rf"^free_page_ids: page 4 {NOT_HELD}", ALL),
+    "paged_page_0": (
+        _paged, lambda a: a.alloc(PS), lambda a, _: a.free(np.array([PS, 1])),
+        r"free_index\[1\]=1 is not an allocatable slot.*page 0 is reserved", ()),
+    "paged_out_of_range": (
+        _paged, lambda a: a.alloc(PS), lambda a, _: a.free_page_ids(jnp.array([1, 7])),
+        r"page_ids\[1\]=7 is not a page of the pool", ("device",)),
+    "paged_free_page_ids_twice_in_one_call": (
+        _paged, lambda a: a.alloc(2 * PS), lambda a, _: a.free_page_ids(jnp.array([2, 1, 2])),
+        rf"(^free_page_ids: page 2 {TWICE}|page_ids\[2\]=2 is given twice)", ("device",)),
+    "paged_free_segment_page_twice": (
+        _paged, lambda a: a.alloc(2 * PS),
+        lambda a, _: a.free_segment(jnp.array([4, 5, 6, 7, 4, 5]), start_pos=0),
+        rf"(^free_segment: page 1 {TWICE}|// page_size\[1\]=1 names a page twice)",
+        ("device",)),
+    "paged_free_segments_share_a_page": (
+        _paged, lambda a: a.alloc(2 * PS),
+        lambda a, _: a.free_segments([(jnp.array([4, 5]), 0), (jnp.array([4, 5]), 4)]),
+        rf"(^free_segments: page 1 {TWICE}|segments.* page)", ("device",)),
+    "paged_segment_of_a_freed_request": (
+        _paged, lambda a: _freed(a, 2),
+        lambda a, c: a.free_segment(c[1], start_pos=0), rf"^free_segment: page 3 {NOT_HELD}",
+        ALL),
+    "paged_double_free_in_a_group": (  # the group's slot frees, then its page ids
+        _paged, lambda a: _freed(a, 1),
+        _in_group([lambda a, c: a.free_page_ids(c[0][:1] // PS), lambda a, c: a.free(c[1])]),
+        rf"^free_group_end: page 2 {NOT_HELD}", ALL),
+    # -- token class ------------------------------------------------------------------
+    "token_double_free": (
+        _token, lambda a: _freed(a, 2), lambda a, c: a.free(c[1]),
+        rf"^free: page 3 {NOT_HELD}", ALL),
+    "token_free_slot_twice_in_one_call": (
+        _token, lambda a: a.alloc(3), lambda a, _: a.free(np.array([1, 3, 1])),
+        rf"^free: page 1 {TWICE}", ALL),
+    "token_free_never_held": (
+        _token, lambda a: a.alloc(3), lambda a, _: a.free_page_ids([2, 9]),
+        rf"^free_page_ids: page 9 {NOT_HELD}", ALL),
+    "token_segment_twice": (
+        _token, lambda a: a.alloc(4), lambda a, _: a.free_segment([1, 2, 2], start_pos=0),
+        rf"^free_segment: page 2 {TWICE}", ALL),
+    "token_slot_twice_across_a_group": (
+        _token, lambda a: a.alloc(4),
+        _in_group([lambda a, _: a.free([1, 2]), lambda a, _: a.free([2])]),
+        rf"^free_group_end: page 2 {TWICE}", ALL),
+    # -- SWA class: each pool's record --------------------------------------------------
+    "swa_double_free": (  # debug mode's peer check finds it first (its own error)
+        _swa, lambda a: _freed(a, 2), lambda a, c: a.free(np.concatenate(c)),
+        rf"(^free: page 3 {NOT_HELD} in the full pool|free_index\[8\]=12 has no SWA "
+        r"peer \(call free_full\))", ALL),
+    "swa_free_full_twice": (
+        _swa, lambda a: _freed(a, 2), lambda a, c: a.free_full(c[1]),
+        rf"^free_full: page 3 {NOT_HELD} in the full pool", ALL),
+    "swa_segment_of_a_freed_request": (
+        _swa, lambda a: _freed(a, 2), lambda a, c: a.free_full_segment(c[1], start_pos=0),
+        rf"(^free_full_segment: page 3 {NOT_HELD} in the full pool)", ALL),
+    "swa_token_free_slot_twice": (
+        lambda b: _swa(b, ps=1), lambda a: a.alloc(3),
+        lambda a, _: a.free(np.array([2, 1, 2])),
+        rf"^free: page 2 {TWICE} in the full pool", ALL),
+    "swa_free_full_segment_page_twice": (
+        _swa, lambda a: _extend(a, 2 * PS),
+        lambda a, _: a.free_full_segment(jnp.array([4, 5, 6, 7, 4]), start_pos=0),
+        rf"(^free_full_segment: page 1 {TWICE} in the full pool|// page_size\[1\]=1 "
+        r"names a page twice)", ("device",)),
+    "swa_free_full_twice_in_a_group": (
+        lambda b: _swa(b, ps=1), lambda a: (a.alloc(3), a.free_swa(np.array([2]))),
+        _in_group([lambda a, _: a.free_full(np.array([2])),
+                   lambda a, _: a.free_full(np.array([2]))]),
+        rf"^free_group_end: page 2 {TWICE} in the full pool", ALL),
+    "swa_mapping_to_a_free_swa_slot": (  # the SWA pool's record
+        lambda b: _swa(b, ps=1),
+        lambda a: (a.alloc(3), a.set_full_to_swa_mapping(np.array([2]), np.array([7]))),
+        lambda a, _: a.free_swa(np.array([2])), rf"^free_swa: page 7 {NOT_HELD} in the SWA "
+        "pool", ALL),
 }
+
+
+def _own_error(e):
+  """Whether `e` is one of debug mode's own checks (beyond the record: not sticky)."""
+  return isinstance(e, (debug.AllocatorDebugError, SWADebugError))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_refusals_raise_and_change_nothing_on_every_backend(case, backend):
-  make, setup, misuse, match, deferred = CASES[case]
+  _check_case(case, backend)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_refusals_on_the_gpu(case, monkeypatch):
+  """The same cases on the device backend on a GPU, with its kernels (Triton frees and
+  allocations, the record kept in their launches)."""
+  monkeypatch.setattr(sys.modules[__name__], "KERNEL", "auto")
+  monkeypatch.setattr(sys.modules[__name__], "DEVICE", jax.devices("gpu")[0])
+  _check_case(case, "device")
+
+
+def _check_case(case, backend):
+  make, setup, misuse, match, sticky = CASES[case]
   a = make(backend)
   context = setup(a)
   before = _contents(a)
-  with pytest.raises(ValueError, match=match):
+  snap = a.backup_state() if a.is_not_in_free_group else None
+  with pytest.raises(ValueError, match=match) as raised:
     misuse(a, context)
     a.available_size()  # the device's refusal raises here at the latest
   assert _contents(a) == before  # nothing changed, the mirror rolled back
-  if backend == "device" and deferred:  # read later: every call raises until a clear
-    with pytest.raises(ValueError, match=match):
-      a.available_size()
+  if backend in sticky and not _own_error(raised.value):
+    for call in (a.available_size, lambda: a.alloc(a.page_size), a.backup_state,
+                 lambda: a.free([a.page_size])):
+      with pytest.raises(ValueError, match=match):
+        call()
+    if snap is not None:  # a restore clears it
+      a.restore_state(snap)
+      assert _contents(a) == before and a.available_size() >= 0
   a.clear()
   assert a.available_size() == a.size
+
+
+@pytest.mark.parametrize("backend", ["device", "host"])
+def test_snapshots_put_the_record_back(backend):
+  """A single pool's snapshot does not keep the ownership record: restore_state patches
+  the live one (only allocations since) or rebuilds it (frees or merges since, a later
+  snapshot, another allocator's snapshot), and `state` hands out a record that later
+  calls do not write. After each step the record equals the lists, and a double free
+  is still refused."""
+  a = _paged(backend, need_sort=True)
+  a.alloc(PS)
+  snap = a.backup_state()
+  out = np.asarray(a.alloc(2 * PS))
+  a.restore_state(snap)                      # patched: pages 2, 3 free again
+  before = _contents(a)
+  out = np.asarray(a.alloc(2 * PS))
+  a.free(out[:PS])
+  later = a.backup_state()
+  a.restore_state(snap)                      # rebuilt: a free since
+  assert _contents(a) == before
+  a.restore_state(later)                     # rebuilt: more pages free than the live state
+  after_free = _contents(a)
+  a.merge_and_sort_free()
+  a.restore_state(later)                     # rebuilt: a merge since
+  assert _contents(a) == after_free
+  other = _paged(backend, need_sort=True)
+  other.restore_state(later)                 # another allocator's snapshot
+  assert _contents(other) == after_free
+  held_out = a.state                         # handed out: later calls copy the record
+  record = np.asarray(held_out.guard.held).copy()
+  a.alloc(PS)
+  np.testing.assert_array_equal(np.asarray(held_out.guard.held), record)
+  a.set_state(held_out)
+  assert _contents(a) == after_free
+  with pytest.raises(ValueError, match=rf"^free: page 2 {NOT_HELD}"):
+    a.free(out[:1])                          # freed before `later`: not held
+    a.available_size()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refusal_names_its_rank_and_clear_of_that_rank_ends_it(backend):
+  a = _paged(backend, dp_size=2)
+  kept = [np.asarray(a.alloc(PS, dp_rank=r)) for r in (0, 1)]
+  a.free(kept[1], dp_rank=1)
+  with pytest.raises(ValueError, match=rf"^dp_rank=1: free: page 1 {NOT_HELD}"):
+    a.free(kept[1], dp_rank=1)
+    a.available_size(dp_rank=1)
+  with pytest.raises(ValueError, match="dp_rank=1: free"):
+    a.available_size(dp_rank=0)                  # every call, on any rank
+  a.clear(dp_rank=1)
+  a.free(kept[0], dp_rank=0)
+  assert [a.available_size(dp_rank=r) for r in (0, 1)] == [2 * PS, 2 * PS]
 
 
 class _NeverReady:

@@ -9,8 +9,9 @@ Backends (`backend=` on every constructor):
     arrays.
   * "host": the state is held in NumPy and every call runs on the host; returns numpy.
   * debug mode (`debug=True`, default JAX_KVALLOC_DEBUG) on either: each call also reads
-    the state's error record and raises `AllocatorDebugError` at the first misuse (a
-    double free, say); the call was refused inside, so the state is as it was.
+    the state's error record and raises `AllocatorDebugError` at the first misuse the
+    ownership record does not cover (a last_loc in a page the request does not hold,
+    say); the call was refused inside, so the state is as it was.
 
 Waits (device backend). None in the steady state: `available_size()` reads the host
 mirror (once the statuses of earlier calls have landed, see below); allocations, `free`
@@ -26,18 +27,30 @@ Bad input raises before anything changes (jax_kvalloc.validate: TypeError, Value
 RuntimeError naming the argument and value), so after an exception the allocator is as
 it was.
 
-Refusals (SPEC 14). What only the device can find (a device array naming page 0, say)
-comes back as each call's status (jax_kvalloc.sglang.backends.status), read without
-waiting (jax_kvalloc.sglang.pool): a refusal raises ValueError naming the operation at
-the latest at the next call that returns a host value (`available_size` and the other
-sizes, `backup_state`, `free_group_end`, `debug_print`, the views, `state`) and within 8
-calls; the refused call changed nothing and the host mirror is rolled back to the
-state's lengths; every call then raises until `clear()` or `restore_state`.
-`status_waits` counts the statuses a call had to wait for (none in a steady serving
-loop, where each has landed long before it is needed).
+Refusals (SPEC 14). Every pool keeps the ownership record (`guard=True`, the
+default; `guard=False` drops it, for SGLang's trust and costs): a free naming a page
+that is not held (free, released, never handed out, or named twice by a call that does
+not de-duplicate: the token `free`, `free_page_ids`, `free_segment(s)`) is refused
+whole, and the class raises ValueError naming the operation and the page, e.g.
+`free: page 4 is not held (free, released, or never handed out); nothing was freed`.
+The host backend and debug mode find it at once. What only the device can find (a
+refusal of the record, a device array naming page 0) comes back as each call's status
+(jax_kvalloc.sglang.backends.status), read without waiting (jax_kvalloc.sglang.pool):
+it raises at the latest at the next call that returns a host value (`available_size`
+and the other sizes, `backup_state`, `free_group_end`, `debug_print`, the views,
+`state`) and within 8 calls; the refused call changed nothing and the host mirror is
+rolled back to the state's lengths. On every backend, every call then raises until
+`clear()` or `restore_state` (bad input the host checks find, above, is not a refusal:
+it raises once). `status_waits` counts the statuses a call had to wait for (none in a
+steady serving loop, where each has landed long before it is needed). A free group's
+end frees its queue in SPEC 7's order; a refused part frees nothing, and neither do
+the parts after it.
 
 Snapshots cost O(1): `backup_state` keeps references to the current rings, which a later
-free copies first (copy-on-write, jax_kvalloc.sglang.pool).
+free copies first (copy-on-write, jax_kvalloc.sglang.pool). A single pool's snapshot
+leaves the ownership record out: `restore_state` patches the live one (O(pages taken
+since the snapshot) when only allocations lie between them: a launch on the device),
+or rebuilds it from the snapshot's lists (O(num_pages)).
 
 Data parallelism (SPEC 12, sglang-jax's names): `dp_size` pools of `size // dp_size`
 slots each, page ids local to each rank; every method takes `dp_rank=` (default 0), and
@@ -162,7 +175,8 @@ class BaseAllocator:
     self._dp_size = dp_size
     self._dp_ranks = held                           # global rank of self._pools[i]
     self._index = {r: i for i, r in enumerate(held)}
-    self._pools = [Pool(rank_config, make_backend(backend, rank_config, devices[r]))
+    self._pools = [Pool(rank_config, make_backend(backend, rank_config, devices[r]),
+                        f"dp_rank={r}: " if dp_size > 1 else "")
                    for r in held]
     self._group: Optional[List[_Queued]] = None  # per held rank, while a group is open
     self._calls = 0  # class calls so far: a device refusal raises within 8 of them
@@ -213,6 +227,10 @@ class BaseAllocator:
     through here first: it reads the statuses that have landed (`_poll`; all of them
     when `everything`)."""
     self._poll(everything)
+    return self._rank_index(dp_rank)
+
+  def _rank_index(self, dp_rank: Any) -> int:
+    """`_pool_index` without reading statuses (clear: the way out of a refusal)."""
     if type(dp_rank) is int:
       i = self._index.get(dp_rank)
       if i is not None:
@@ -347,11 +365,16 @@ class BaseAllocator:
     if idx.size == 0:
       return
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
+    self._queue_or_free(r, idx, "free")
+
+  def _queue_or_free(self, r: int, idx: np.ndarray, op: str) -> None:
+    """Checked host slots freed now (`op` names the class call in a refusal), or queued
+    in the open free group."""
     if self._group is not None:
       # A copy: later changes to the caller's buffer must not reach the queue (SPEC 7).
       self._group[r].slots.append(np.array(idx, copy=True))
       return
-    self._free_now(self._pools[r], idx)
+    self._free_now(self._pools[r], idx, op)
 
   def _free_now(self, pool: Pool, idx: np.ndarray, op: str = "free") -> None:
     if self.config.kind == "paged":  # the sorted unique pages reach the list (SPEC 4.4)
@@ -420,7 +443,7 @@ class BaseAllocator:
     if dp_rank is None:
       targets = range(len(self._pools))
     else:
-      targets = [self._pool_index(dp_rank)]
+      targets = [self._rank_index(dp_rank)]
     for r in targets:
       self._pools[r].clear()
       if self._group is not None:
@@ -483,9 +506,10 @@ class BaseAllocator:
     state: an AllocatorState of this pool's shapes and dtypes (with dp_size > 1: ranked,
     the held ranks along the leading axis in dp_ranks order), not a tracer, whose
     lengths and heads describe lists of this pool (TypeError / ValueError naming the
-    field otherwise; nothing changed, on any rank). In debug mode a misuse the caller's
-    code recorded raises AllocatorDebugError, and the state is not taken. Reads the
-    lengths (a wait). The caller may still hold these arrays, so the next write copies
+    field otherwise; nothing changed, on any rank). A refusal the caller's code recorded
+    in the ownership record raises guard.FreeRefusedError (a ValueError), and in debug
+    mode a misuse it recorded raises AllocatorDebugError; the state is not taken. Reads
+    the lengths (a wait). The caller may still hold these arrays, so the next write copies
     rather than donates.
     """
     self._poll(everything=True)

@@ -22,6 +22,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     dtype, device, kvcache: as in SGLang (see TokenToKVPoolAllocator).
     need_sort: park freed pages in release_pages until a shortfall merges them.
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
+    guard: keep the ownership record (SPEC 14; default True): a free of a page not held
+      raises ValueError (jax_kvalloc.sglang.base, "Refusals"). False: SGLang's trust.
     backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
       (NumPy state and results, for host schedulers); see jax_kvalloc.sglang.base.
     dp_size: data-parallel ranks (sglang-jax's dp_size), each a pool of size // dp_size
@@ -36,12 +38,11 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
   def __init__(self, size: int, page_size: int, dtype: Any = None, device: Any = None,
                kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device", dp_size: int = 1,
+               guard: bool = True, backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
-    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
     config = AllocatorConfig(size=size, page_size=page_size, need_sort=need_sort,
-                             kind="paged", guard=False, **extra)
+                             kind="paged", guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 
@@ -122,11 +123,12 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     slot frees.
 
     page_ids: integer pages, each in 1..num_pages and none twice (ValueError naming the
-    entry otherwise; TypeError for floats and bools). A page that is already free is
-    found only in debug mode (AllocatorDebugError), as for `free`. On the device backend
-    a jax.Array is taken as it is, without reading it back (its count is its length):
-    only its dtype and rank are checked, and the caller promises the rest (debug mode
-    checks the values).
+    entry otherwise; TypeError for floats and bools). A page that is not held (free,
+    released, never handed out) is refused by the ownership record (guard, on by
+    default: ValueError naming the operation and the page; nothing freed), as for
+    `free`. On the device backend a jax.Array is taken as it is, without reading it
+    back (its count is its length): only its dtype and rank are checked here, and its
+    values on the device (a refusal raises as jax_kvalloc.sglang.base says).
     """
     r = self._pool_index(dp_rank)
     ids = validate.device_ints(page_ids, "page_ids") if self._keeps(r) else None
@@ -145,14 +147,15 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     Raises (nothing freed): ValueError when start_pos is negative or not a multiple of
     page_size, a slot is not allocatable, or free_index is not one request's
     consecutive slots (a token outside the page of its page's first token, a page
-    twice); TypeError for non-integers. On the device backend a jax.Array free_index is
+    twice); TypeError for non-integers. A page not held is refused by the ownership
+    record, as in `free_page_ids`. On the device backend a jax.Array free_index is
     taken as it is (no read; the pages are computed on the device), and only start_pos,
-    its dtype and rank are checked (debug mode checks the values).
+    its dtype and rank are checked here (the record checks its pages on the device).
     """
     r = self._pool_index(dp_rank)
     _, n, pages = self._segment(r, free_index, start_pos)
     if n:
-      self._queue_or_free_page_ids(r, pages)
+      self._queue_or_free_page_ids(r, pages, "free_segment")
 
   def free_segments(self, segments: Sequence[Tuple[Any, int]], dp_rank: int = 0) -> None:
     """Frees several (free_index, start_pos) segments of one request, each in turn as
@@ -160,8 +163,8 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
 
     Every segment is checked first: a bad one, or two consecutive non-empty segments
     that share a page, raises ValueError (naming `segments[i]`) and frees nothing.
-    (Pages named twice across host segments are found here; across device arrays, in
-    debug mode only.)
+    (Pages named twice across host segments are found here; across device arrays, by
+    the ownership record on the device.)
     """
     r = self._pool_index(dp_rank)
     checked, spans = [], []
@@ -186,7 +189,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     else:
       # Each segment is prepended in turn, so the last one ends up in front: one block
       # of the segments in reverse order is the same list, in one call.
-      self._free_page_ids_now(self._pools[r], concat(checked[::-1]))
+      self._free_page_ids_now(self._pools[r], concat(checked[::-1]), "free_segments")
 
   def _segment(self, r: int, free_index, start_pos) -> Tuple[int, int, Any]:
     """Checks one segment: (start_pos, its token count, its pages: host int64, or a
@@ -202,11 +205,11 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
     return start, idx.size, validate.segment(idx, page_size=self.page_size)
 
-  def _queue_or_free_page_ids(self, r: int, ids: Any) -> None:
+  def _queue_or_free_page_ids(self, r: int, ids: Any, op: str = "free_page_ids") -> None:
     if self._group is not None:
       self._group[r].page_ids.append(ids)  # a host copy or an immutable device array:
       return                               # later changes to the caller's buffer do not
-    self._free_page_ids_now(self._pools[r], ids)  # reach the queue
+    self._free_page_ids_now(self._pools[r], ids, op)  # reach the queue
 
 
 def _segment_pages(free_index, page_size: int):

@@ -9,6 +9,18 @@ sliding-window) and so two mirrors. The flags say whether something outside (a
 snapshot, the `state` handed to jitted code) still holds a ring: a write to a held ring
 copies it first, so a snapshot costs O(1).
 
+The ownership record (SPEC 14, `state.guard`) is written by every allocation, so a
+single pool's snapshot does not keep it (`backend.detach`): the pool writes its record
+in place (donated on the device), and `restore` puts a snapshot's back by patching the
+live one, O(pages taken between the two states) when both hold the same rings (only
+allocations lie between them), else by rebuilding it from the snapshot's lists
+(O(num_pages); `backend.restore`). The patch is exact only between states of one
+lineage (the states this pool made since its last clear or foreign state: there, two
+states holding one ring differ only by allocations); a snapshot names its pool's
+lineage. A restore to a snapshot with fewer free pages than the live state rebuilds. A
+record handed outside (`state`) is copied before the next write (`record_shared`). An
+SWA pool pair writes its whole state anew, so its snapshots keep everything.
+
 Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call returns what
 it refused. The host backend raises at once. A device status is read back without
 waiting: the backend starts its copy to the host (`copy_to_host_async`) as it launches
@@ -16,7 +28,9 @@ the call, `record` keeps it, `poll` (at every class call) reads the statuses tha
 landed and blocks only on one recorded WITHIN_CALLS or more class calls ago; `poll` with
 `everything` (at every call that returns a host value) reads them all. A refusal rolls
 the mirror back to the state's lengths (one read) and raises ValueError; the pool then
-refuses every call until `clear` or `restore`.
+refuses every call until `clear` or `restore`. So does a refusal read at once (host
+backend, debug mode), as the ownership record's own status is sticky: the backends
+agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
 """
 from __future__ import annotations
 
@@ -49,10 +63,12 @@ def read_status(status: Any) -> np.ndarray:
 class AllocatorSnapshot(NamedTuple):
   """What `backup_state` returns: the state, the config it belongs to and the lengths
   (free_len, release_len; an SWA pool's: full then SWA) as host ints, so that restoring
-  it needs no device read."""
+  it needs no device read. A single pool's state is detached (no ownership record: the
+  pool puts it back on restore); `origin` is the lineage of the pool that took it."""
   config: Any
   state: Any
   lengths: Optional[Tuple[int, ...]] = None
+  origin: Any = None
 
 
 class Lists:
@@ -106,13 +122,16 @@ class Pool:
   """One pool (one data-parallel rank): state, mirror, flags and statuses over
   `backend` (see the module docstring)."""
 
-  def __init__(self, config: Any, backend: Backend):
+  def __init__(self, config: Any, backend: Backend, label: str = ""):
     self.config = config
     self.backend = backend
+    self.label = label  # prefixed to its refusals' messages (a rank's: "dp_rank=r: ")
     self.sides = tuple(Lists(c) for c in backend.pools)
     self.pending: collections.deque = collections.deque()  # (call, op, status array)
     self.waits = 0       # statuses read before they had landed (each a wait)
     self.error: Optional[ValueError] = None
+    self.record_shared = False  # the ownership record is held outside (copy first)
+    self.lineage = object()     # see the module docstring
     self.clear()
 
   def clear(self) -> None:
@@ -120,7 +139,19 @@ class Pool:
     self.state = self.backend.init()
     for side in self.sides:
       side.reset(side.num_pages, 0)
+    self._new_lineage(shared=False)
     self._forget()
+
+  def _new_lineage(self, shared: bool) -> None:
+    self.lineage = object()
+    self.record_shared = shared and self.backend.patches_record
+
+  def own_record(self) -> None:
+    """Before a call that writes the ownership record in place: a copy of its own when
+    it is held outside."""
+    if self.record_shared:
+      self.state = self.backend.own_record(self.state)
+      self.record_shared = False
 
   def _forget(self) -> None:
     self.pending.clear()
@@ -160,8 +191,11 @@ class Pool:
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
     if not values[0]:  # no refusal
       return
-    message = _status.message(op, values)
+    message = self.label + _status.message(op, values)
     if not rollback:  # read at once: the call changed nothing, the mirror is right
+      self.pending.clear()  # sticky on every backend (SPEC 14), as the record's status
+      self.error = ValueError(f"{message} (every call raises until clear() or "
+                              f"restore_state())")
       raise ValueError(message)
     self.pending.clear()
     self.set_lengths(self.backend.lengths(self.state))  # one read: the state's counts
@@ -184,13 +218,21 @@ class Pool:
 
   # -- snapshots and states from outside -------------------------------------------------
   def hold(self) -> Any:
-    """The state, now held outside: the next write to a ring copies it."""
-    for side in self.sides:
-      side.free_shared = side.release_shared = True
+    """The state, now held outside: the next write to a ring or the record copies it."""
+    self._hold_rings()
+    self.record_shared = self.backend.patches_record  # (else its programs copy)
     return self.state
 
+  def _hold_rings(self) -> None:
+    for side in self.sides:
+      side.free_shared = side.release_shared = True
+
   def snapshot(self) -> AllocatorSnapshot:
-    return AllocatorSnapshot(self.config, self.hold(), self.lengths())
+    if not self.backend.patches_record:
+      return AllocatorSnapshot(self.config, self.hold(), self.lengths())
+    self._hold_rings()  # the record stays the pool's (detached from the snapshot)
+    return AllocatorSnapshot(self.config, self.backend.detach(self.state), self.lengths(),
+                             self.lineage)
 
   def check_snapshot(self, snap: Any) -> None:
     """`restore_state`'s checks of one rank's snapshot (TypeError / ValueError)."""
@@ -200,9 +242,19 @@ class Pool:
                        f"ints (free_len, release_len per allocator)")
 
   def restore(self, snap: AllocatorSnapshot) -> None:
-    """Puts back a checked snapshot. O(1); a snapshot without lengths (built by hand)
+    """Puts back a checked snapshot. O(1) on the host (a single pool's record: O(pages
+    taken since), see the module docstring); a snapshot without lengths (built by hand)
     has them read from its state (a wait). Forgets the calls since and any refusal."""
-    self.state = self.backend.adopt(snap.state)
+    if self.backend.patches_record:
+      same = snap.origin is self.lineage and snap.lengths is not None
+      self.own_record()  # patched or rebuilt in place
+      self.state = self.backend.restore(self.state, snap.state, self.lengths(),
+                                        snap.lengths and tuple(snap.lengths), same)
+      if not same:
+        self._new_lineage(shared=snap.state.guard is not None)  # (a hand-built one's)
+    else:
+      self.state = self.backend.adopt(snap.state)
+      self._new_lineage(shared=True)
     lengths = snap.lengths
     if lengths is None:
       lengths = self.backend.lengths(self.state)
@@ -217,6 +269,7 @@ class Pool:
   def take(self, state: Any, lengths: Tuple[int, ...]) -> None:
     """Takes a state `check_state` passed (held outside: writes copy first)."""
     self.state = self.backend.adopt(state)
+    self._new_lineage(shared=True)
     self.set_lengths(lengths, shared=True)
 
   # -- operations ------------------------------------------------------------------------
@@ -254,6 +307,7 @@ class Pool:
     part must be copied, not donated (a plain pool's allocations write no ring); the
     pages `takes[i]` leave allocator i's mirror when slots come back."""
     whole = self.backend.writes_whole_state
+    self.own_record()
     self.state, out, status = run(self.state, whole and self.any_shared())
     self.record(op, status, call)
     if out is not None:
@@ -273,8 +327,9 @@ class Pool:
     cut = tuple(None if c is None else s.room(c) for s, c in zip(self.sides, counts))
     if whole:
       shared = self.any_shared()
-    else:
-      shared = any(s.written_shared() for s, c in zip(self.sides, cut) if c != 0)
+    else:  # (a ring nothing reaches is written too: the record refuses such a free)
+      shared = any(s.written_shared() for s in self.sides)
+    self.own_record()
     self.state, out, status = free(self.state, cut, shared)
     self.record(op, status, call)
     got = tuple(out[i] if c is None else c for i, c in enumerate(cut))

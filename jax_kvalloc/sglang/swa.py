@@ -59,8 +59,8 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       or one per rank).
     kvcache: stored and returned by get_kvcache(); may be None (the mapping is ours).
     need_sort: both pools park freed pages until a shortfall merges them.
-    kernel, debug, backend: as our pool classes ("device": jax arrays, no waits on
-      allocation; "host": NumPy).
+    kernel, debug, guard, backend: as our pool classes ("device": jax arrays, no waits
+      on allocation; "host": NumPy; guard: each pool keeps its ownership record).
     dp_size, dp_ranks: data-parallel ranks as on the pool classes
       (jax_kvalloc.sglang.base), each an SWA pool pair of size // dp_size and
       size_swa // dp_size slots; methods then take `dp_rank=` (default 0).
@@ -69,11 +69,10 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
   def __init__(self, size: int, size_swa: int, page_size: int, dtype: Any = None,
                device: Any = None, kvcache: Any = None, need_sort: bool = False, *,
                kernel: Optional[str] = None, debug: Optional[bool] = None,
-               backend: str = "device", dp_size: int = 1,
+               guard: bool = True, backend: str = "device", dp_size: int = 1,
                dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
-    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
-    config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=False, **extra)
+    config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 
@@ -324,8 +323,9 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     return np.unique(idx // ps).shape[0] if ps > 1 else idx.shape[0]
 
   def _free(self, pool: Pool, op: str, idx: Any, start: int,
-            counts: Tuple[Optional[int], Optional[int]]) -> None:
-    pool.write(op, self._calls, counts, lambda s, cut, shared: pool.backend.free(
+            counts: Tuple[Optional[int], Optional[int]], name: Optional[str] = None) -> None:
+    """The backend's free `op`; a refusal names the class call `name` (default op)."""
+    pool.write(name or op, self._calls, counts, lambda s, cut, shared: pool.backend.free(
         s, op, idx, start, cut, shared))
 
   def _take(self, r: int, op: str, idx: Any, name: str) -> None:
@@ -470,17 +470,19 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     """One rank's free group (SPEC 13): the queued SWA page ids (one free_page_ids of
     their concatenation), the queued SWA slots (one free), then the full pool's queue
     (its slot frees, then its page ids)."""
+    end = "free_group_end"
     if q.swa_page_ids:
       ids = concat([p for p, _ in q.swa_page_ids])
-      self._free(pool, "swa_free_page_ids", ids, 0, (0, sum(c for _, c in q.swa_page_ids)))
+      self._free(pool, "swa_free_page_ids", ids, 0, (0, sum(c for _, c in q.swa_page_ids)),
+                 end)
     if q.swa_slots:
-      self._free(pool, "swa_free", concat(q.swa_slots), 0, (0, None))
+      self._free(pool, "swa_free", concat(q.swa_slots), 0, (0, None), end)
     if q.slots:
       idx = concat(q.slots)
-      self._free(pool, "full_free", idx, 0, (self._full_pages(idx), 0))
+      self._free(pool, "full_free", idx, 0, (self._full_pages(idx), 0), end)
     if q.page_ids:
       ids = concat(q.page_ids)
-      self._free(pool, "full_free_page_ids", ids, 0, (ids.shape[0], 0))
+      self._free(pool, "full_free_page_ids", ids, 0, (ids.shape[0], 0), end)
 
 
 class _PoolView:

@@ -26,6 +26,8 @@ class TokenToKVPoolAllocator(BaseAllocator):
       returned by get_kvcache().
     need_sort: park freed slots in release_pages until a shortfall merges them.
     kernel, debug: see AllocatorConfig (default from JAX_KVALLOC_KERNEL/JAX_KVALLOC_DEBUG).
+    guard: keep the ownership record (SPEC 14; default True): a free of a page not held
+      raises ValueError (jax_kvalloc.sglang.base, "Refusals"). False: SGLang's trust.
     backend: "device" (jax arrays on `device`, calls launch without waiting) or "host"
       (NumPy state and results, for host schedulers); see jax_kvalloc.sglang.base.
     dp_size: data-parallel ranks (sglang-jax's dp_size), each a pool of size // dp_size
@@ -39,12 +41,11 @@ class TokenToKVPoolAllocator(BaseAllocator):
 
   def __init__(self, size: int, dtype: Any = None, device: Any = None, kvcache: Any = None,
                need_sort: bool = False, *, kernel: Optional[str] = None,
-               debug: Optional[bool] = None, backend: str = "device", dp_size: int = 1,
-               dp_ranks: Optional[Sequence[int]] = None):
+               debug: Optional[bool] = None, guard: bool = True, backend: str = "device",
+               dp_size: int = 1, dp_ranks: Optional[Sequence[int]] = None):
     extra = {k: v for k, v in (("kernel", kernel), ("debug", debug)) if v is not None}
-    # guard=False until the class surfaces the ownership record's refusals (SPEC 14).
     config = AllocatorConfig(size=size, page_size=1, need_sort=need_sort, kind="token",
-                             guard=False, **extra)
+                             guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
 
@@ -59,24 +60,24 @@ class TokenToKVPoolAllocator(BaseAllocator):
   def free_page_ids(self, page_ids, dp_rank: int = 0) -> None:
     """`free(page_ids)` (SPEC 10: page ids are slots), after the page-id checks: each in
     1..num_pages and none twice (ValueError naming the entry; TypeError for floats)."""
-    self._pool_index(dp_rank)
+    r = self._pool_index(dp_rank)
     ids = validate.host_ints(page_ids, "page_ids")
     if ids.size == 0:
       return
     validate.page_ids(ids, num_pages=self.config.num_pages)
-    self.free(ids, dp_rank=dp_rank)
+    self._queue_or_free(r, ids, "free_page_ids")
 
   def free_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
     """`free(free_index)` (SPEC 10), after start_pos's check (a count)."""
-    self._pool_index(dp_rank)
+    r = self._pool_index(dp_rank)
     _, got = _segment(self, free_index, start_pos)
     if got.size:
-      self.free(got, dp_rank=dp_rank)
+      self._queue_or_free(r, got, "free_segment")
 
   def free_segments(self, segments: Sequence[Tuple[Any, int]], dp_rank: int = 0) -> None:
     """Each segment's `free_segment`, every one checked first (FIFO appends: one `free`
     of them all is the same)."""
-    self._pool_index(dp_rank)
+    r = self._pool_index(dp_rank)
     checked, spans = [], []
     for i, seg in enumerate(segments):
       free_index, start = _pair(seg, i)
@@ -89,7 +90,7 @@ class TokenToKVPoolAllocator(BaseAllocator):
     validate.segments_disjoint(spans, self.page_size)
     got = np.concatenate(checked) if checked else np.zeros((0,), np.int64)
     if got.size:
-      self.free(got, dp_rank=dp_rank)
+      self._queue_or_free(r, got, "free_segments")
 
 
 def _pair(seg: Any, i: int) -> Tuple[Any, Any]:

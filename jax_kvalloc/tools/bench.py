@@ -309,7 +309,7 @@ def table(record: Dict[str, Any], suite: Optional[Suite] = None) -> str:
   """The record as a markdown table: a row per row, `median [q1, q3]` us per column, a
   verdict column per `compare` pair; then the skipped columns, errors and mismatches."""
   impls = list(suite.impls if suite else ())
-  impls += [i for r in record["rows"] for i in r["cells"] if i not in impls]
+  impls = list(dict.fromkeys(impls + [i for r in record["rows"] for i in r["cells"]]))
   impls = [i for i in impls if any(i in r["cells"] for r in record["rows"])]
   pairs = [(a, b) for a, b in (suite.compare if suite else ()) if a in impls and b in impls]
   f = report.fmt_us

@@ -20,6 +20,8 @@ Rows: decode/B (alloc_decode of B requests, one in page_size starting a page), e
 (alloc_extend of R requests of --extend-tokens tokens from random prefixes), free/T (T
 slots of whole pages, allocated again untimed before each call),
 decode_after_restore/B and free_after_restore/T (the call right after restore_state),
+restore_after_decode/B and restore_after_free/T (restore_state itself, of a snapshot
+taken before that call: the ownership record is patched, or rebuilt after a free),
 floor (device: a jitted x + 1, timed alike), stalls/cold and stalls/warm (--stalls N
 random alloc_extend + free calls on a fresh device class, before and after `warmup`:
 the calls over 50 ms are compile stalls).
@@ -107,7 +109,7 @@ class ClassImpl:
 def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
   impl = ClassImpl(spec, o)
   ps, rng, before = impl.ps, np.random.default_rng(0), None
-  if op in ("decode", "decode_after_restore"):
+  if op in ("decode", "decode_after_restore", "restore_after_decode"):
     seq = bench.decode_lens(n, ps, rng)
     call = impl.decode(seq, impl.pages(n) * ps + (seq - 2) % ps)
   elif op == "extend":
@@ -123,6 +125,9 @@ def class_timed(spec: str, op: str, n: int, o) -> bench.Timed:
   if op.endswith("_after_restore"):
     snap = impl.a.backup_state()
     before = lambda: impl.a.restore_state(snap)
+  elif op.startswith("restore_after_"):  # the restore itself, after the untimed call
+    snap, work = impl.a.backup_state(), call
+    call, before = lambda: impl.a.restore_state(snap), lambda: impl.wait(work())
 
   def measure(opts):
     waits = getattr(impl.a, "status_waits", None)
@@ -171,7 +176,9 @@ def class_cases(o):
   rows = ([("decode", b) for b in o.decode] + [("extend", r) for r in o.extend]
           + [("free", t) for t in o.free]
           + [("decode_after_restore", b) for b in o.restore_decode]
-          + [("free_after_restore", t) for t in o.restore_free])
+          + [("free_after_restore", t) for t in o.restore_free]
+          + [("restore_after_decode", b) for b in o.restore_decode]
+          + [("restore_after_free", t) for t in o.restore_free])
   for op, n in rows:
     for spec in o.impls:
       yield bench.Case({"op": op, "size": n}, spec,
@@ -203,7 +210,8 @@ CLASS = bench.Suite(
     "device and host backends, sglang-jax, torch_ref, SGLang", cases=class_cases,
     impls=("device", "host", "sgljax", "torch_ref", "sglang"), render=class_render,
     compare=(("host", "sgljax"), ("device", "sglang"), ("host", "sglang")),
-    defaults=(("reps", 50),),
+    defaults=(("reps", 50),), guarded=("device", "host"),
+    guard_target=lambda row, column: (5.0, "%"),  # issue 32: class calls +5% at most
     dims=(bench.Dim("--sgljax", str(DEFAULT_SGLJAX), "folder holding sglang-jax's "
                     "sgljax_allocator.py (loaded by path)", str),
           bench.Dim("--pool", 1 << 24, "pool slots", quick=1 << 16),
@@ -226,9 +234,12 @@ CLASS = bench.Suite(
 # ---------------------------------------------------------------------------------------
 
 class SWAImpl:
-  """One SWA implementation; slots in and out in its own arrays (`ints` converts)."""
+  """One SWA implementation; slots in and out in its own arrays (`ints` converts).
+  `spec`: a column, with constructor / config arguments in brackets for ours
+  (`class[guard=False]`)."""
 
-  def __init__(self, name: str, o):
+  def __init__(self, spec: str, o):
+    name, kw = bench.parse_impl(spec)
     self.name, self.ps = name, o.page_size
     size, size_swa, ps = o.size, o.size_swa, o.page_size
     if name == "sglang":
@@ -246,11 +257,11 @@ class SWAImpl:
     if name == "class":
       from jax_kvalloc.sglang.swa import SWATokenToKVPoolAllocator  # pylint: disable=g-import-not-at-top
       self.a = SWATokenToKVPoolAllocator(size, size_swa, ps, None, o.device, None, False,
-                                         backend="device", debug=False)
+                                         backend="device", **dict(dict(debug=False), **kw))
       a = self.a
       self.wait = lambda: jax.block_until_ready(a._pools[0].state)  # pylint: disable=protected-access
       return
-    self.cfg = swa_core.SWAConfig(size, size_swa, ps, False, debug=False)
+    self.cfg = swa_core.SWAConfig(size, size_swa, ps, False, **dict(dict(debug=False), **kw))
     self.state = jax.device_put(swa_core.init(self.cfg), dev)
     jit = lambda f, **kw: jax.jit(f, static_argnums=0, donate_argnums=1, **kw)
     self.fns = {"alloc_extend": jit(swa_core.alloc_extend, static_argnames=("max_tokens",)),
@@ -331,7 +342,8 @@ SWA = bench.Suite(
     name="swa", help="the SWA allocator's extend, decode and window free per call: our "
     "class and core beside SGLang 0.5.23's SWA class", impls=("class", "core", "sglang"),
     cases=swa_cases, compare=(("class", "sglang"), ("core", "sglang")),
-    defaults=(("reps", 50),),
+    defaults=(("reps", 50),), guarded=("class", "core"),
+    guard_target=lambda row, column: (5.0, "%") if column == "class" else None,
     dims=(bench.Dim("--ops", list(OPS), "rows to time", cli.name_list(OPS)),
           bench.Dim("--size", 1 << 20, "full pool slots", quick=2048),
           bench.Dim("--size-swa", 1 << 18, "SWA pool slots", quick=1024),

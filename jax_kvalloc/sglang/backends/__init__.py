@@ -16,7 +16,10 @@ host mirror of the list lengths, copy-on-write flags, free groups, snapshots and
 statuses of recent calls (jax_kvalloc.sglang.pool), validates input, and decides success
 and the need_sort merge before it calls a backend; each call returns (state, output,
 status) where status says what the backend refused (jax_kvalloc.sglang.backends.status;
-None: nothing to read).
+None: nothing to read). Every backend keeps the ownership record of SPEC 14 when the
+config has guard=True (the classes' default): the device and debug backends run the
+functional core's record (jax_kvalloc.guard), the host backends the same rules in
+NumPy (a held bitmap per pool, checked before a free changes anything).
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ class Backend(Protocol):
   keeps_device_arrays: bool  # a device last_loc / page-id array is taken as it is
   defers_status: bool        # statuses are read back later (else at once)
   writes_whole_state: bool   # every call returns all of the state anew (SWA pools)
+  patches_record: bool       # writes the ownership record in place: snapshots are
+                             # detached, restores patch it (detach, restore, own_record)
 
   def init(self) -> Any: ...
   def adopt(self, state: Any) -> Any: ...
@@ -77,6 +82,11 @@ class Backend(Protocol):
   def free_page_ids(self, state: Any, ids: Any, counts: Counts,
                     shared: bool) -> Tuple[Any, Any, Any]: ...
   def merge_and_sort_free(self, state: Any, side: int, shared: bool) -> Any: ...
+  # patches_record only:
+  def detach(self, state: Any) -> Any: ...
+  def restore(self, live: Any, snap: Any, lengths: Any, snap_lengths: Any,
+              same_lineage: bool) -> Any: ...
+  def own_record(self, state: Any) -> Any: ...
   def warmup(self, state: Any, *, max_batch: int, max_tokens: int, max_free: int,
              exact_sizes: Sequence[int], extend: bool,
              device_last_loc: bool) -> WarmupReport: ...

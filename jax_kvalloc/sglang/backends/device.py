@@ -11,13 +11,17 @@ computation and the ring write:
     (SGLang computes it on the device) is not read back but passed as a second input,
     padded to the row bucket on the device by a cached tiny program (`padded`); page ids
     that are a device array (free_page_ids, free_segment) are padded the same way;
-  * an allocation takes only (free_ring, free_head, free_len) and returns the new head,
-    length and indices: it never writes a ring, so nothing is donated or copied and a
-    snapshot that holds the rings stays valid for free;
+  * an allocation takes only (free_ring, free_head, free_len) and the ownership record's
+    `held` (SPEC 14), and returns the new head, length, held and indices: it never
+    writes a ring, so a snapshot that holds the rings stays valid for free; `held` is
+    donated (snapshots do not keep it: a restore patches the live one, `restore`);
   * a free takes and returns only the ring it writes, donated unless a snapshot still
-    holds it (then that one ring is copied: copy-on-write); the entries it writes lie
-    outside the live list until its new head and length take them in, so a refused free
-    keeps the old head and length and changes nothing;
+    holds it (then that one ring is copied: copy-on-write), and the record (donated);
+    the entries it writes lie outside the live list until its new head and length take
+    them in, so a refused free keeps the old head and length and changes nothing (the
+    record refuses a free whole: its held is unchanged too); once the record holds a
+    refusal, frees free nothing (as the host backend raises at once, and the class
+    raises when it reads the status), so the backends end in the same state;
   * the merge runs as its own call, only when the host's mirror says it triggers, so the
     allocation programs carry no merge branch (config.need_sort is off inside them);
   * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
@@ -48,10 +52,12 @@ import numpy as np
 from jax_kvalloc import allocation
 from jax_kvalloc import buckets
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc import warmup as _warmup
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.guard import GuardState
 from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import host
 from jax_kvalloc.sglang.backends import resolve_device
@@ -164,21 +170,31 @@ class Programs:
     return self.fn(("slice", out.shape[0], n))(out)
 
 
-def _alloc_state(ring: Array, head: Array, length: Array) -> AllocatorState:
+def _fresh(held: Any) -> Any:
+  """The ownership record the programs run on: `held` and a status of this call alone
+  (None without a record)."""
+  return None if held is None else GuardState(held, jnp.zeros((3,), jnp.int32))
+
+
+def _alloc_state(ring: Array, head: Array, length: Array, held: Any) -> AllocatorState:
   """A state for the allocation functions: only the free list is read (need_sort off)."""
   zero = jnp.zeros((), jnp.int32)
   return AllocatorState(free_ring=ring, free_head=head, free_len=length, release_ring=ring,
-                        release_head=zero, release_len=zero)
+                        release_head=zero, release_len=zero, guard=_fresh(held))
 
 
 def _write_state(config: AllocatorConfig, ring: Array, head: Array, length: Array,
-                 other_len: Array) -> AllocatorState:
+                 other_len: Array, held: Any) -> AllocatorState:
   """A state for the free functions: the list they write (release_pages when need_sort,
   else free_pages) and the other list's length (the room check reads it)."""
   dummy, zero = jnp.zeros((0,), jnp.int32), jnp.zeros((), jnp.int32)
   if config.need_sort:  # the other ring is never read: the free writes this list
-    return AllocatorState(dummy, zero, other_len, ring, head, length)
-  return AllocatorState(ring, head, length, dummy, zero, other_len)
+    return AllocatorState(dummy, zero, other_len, ring, head, length, guard=_fresh(held))
+  return AllocatorState(ring, head, length, dummy, zero, other_len, guard=_fresh(held))
+
+
+def _held(s: AllocatorState) -> Any:
+  return None if s.guard is None else s.guard.held
 
 
 class DeviceOps(Programs):
@@ -191,15 +207,18 @@ class DeviceOps(Programs):
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
     acfg, cfg = self._alloc_cfg, self.config
+    # Allocations and frees donate the record's held (argument 3, 4): the class keeps
+    # it owned (Pool.own_record).
+    held_arg = (3,) if cfg.guard else ()
     if op == "decode_on_device":  # seq_lens and last_loc device arrays of `rows` rows
-      def decode_fn(ring, head, length, seq, last):
-        s, out, ok = allocation.alloc_decode(acfg, _alloc_state(ring, head, length), seq,
-                                             last)
-        return s.free_head, s.free_len, out, _status.make(_status.REFUSED, ~ok)
-      return self._jit(decode_fn)
+      def decode_fn(ring, head, length, held, seq, last):
+        s, out, ok = allocation.alloc_decode(acfg, _alloc_state(ring, head, length, held),
+                                             seq, last)
+        return s.free_head, s.free_len, _held(s), out, _status.make(_status.REFUSED, ~ok)
+      return self._jit(decode_fn, donate_argnums=held_arg)
     if op in ("alloc", "extend", "decode"):
-      def alloc_fn(ring, head, length, packed, last=None):
-        s = _alloc_state(ring, head, length)
+      def alloc_fn(ring, head, length, held, packed, last=None):
+        s = _alloc_state(ring, head, length, held)
         if op == "alloc":
           s, out, ok = allocation.alloc(acfg, s, packed[0], max_size=shape[0])
         elif op == "extend":
@@ -212,25 +231,49 @@ class DeviceOps(Programs):
           last = packed[r:2 * r] if last is None else last
           s, out, ok = allocation.alloc_decode(acfg, s, packed[:r], last,
                                                num_reqs=packed[2 * r])
-        return s.free_head, s.free_len, out, _status.make(_status.REFUSED, ~ok)
-      return self._jit(alloc_fn)
+        return (s.free_head, s.free_len, _held(s), out,
+                _status.make(_status.REFUSED, ~ok))
+      return self._jit(alloc_fn, donate_argnums=held_arg)
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
 
-      def free_fn(ring, head, length, other_len, values, count=None):
+      def free_fn(ring, head, length, other_len, held, sticky, values, count=None):
         if count is None:  # host values: the counts ride at their end (one transfer)
           values, count = values[:-2], values[-2:]
-        s = body(cfg, _write_state(cfg, ring, head, length, other_len), values)
-        ring, new_head, new_len = st.freed_list(cfg.need_sort, s)[:3]
-        short = count[0] - (new_len - length)
-        bad = short != 0  # refused whole: the entries written lie outside the list
         lo = cfg.page_size if op == "free" else 1  # free: slots; else page ids
         listed = (values >= lo) & (values <= (cfg.num_pages + 1) * lo - 1)
         given = jnp.arange(values.shape[0]) < count[1]
+        named = values
+        if held is not None:  # a 0 the caller gave is no padding here: the record
+          named = jnp.where(given & (values == 0), -1, values)  # refuses it whole;
+          named = jnp.where(sticky[0] != 0, 0, named)  # after a refusal nothing is freed
+        s = body(cfg, _write_state(cfg, ring, head, length, other_len, held), named)
+        ring, new_head, new_len = st.freed_list(cfg.need_sort, s)[:3]
+        short = count[0] - (new_len - length)
+        bad = short != 0  # refused whole: the entries written lie outside the list
+        status = _status.unlisted(values, given, listed, short)
+        if held is None:
+          return (ring, jnp.where(bad, head, new_head), jnp.where(bad, length, new_len),
+                  None, None, status)
+        mine = s.guard.status  # this call's refusal: named before a short count
+        status = jnp.where((status[0] != 0) & (status[1] >= 0), status,
+                           _status.first(_status.owned(mine), status))
         return (ring, jnp.where(bad, head, new_head), jnp.where(bad, length, new_len),
-                _status.unlisted(values, given, listed, short))
-      return self._jit(free_fn, donate_argnums=(0,) if donate else ())
+                s.guard.held, guard.record_status(sticky, mine[0] != 0, mine), status)
+      donated = ((0,) if donate else ()) + ((4,) if cfg.guard else ())
+      return self._jit(free_fn, donate_argnums=donated)
+    if op == "patch":  # held[ring window] = 0: a restore's record (restore_record)
+      (n,) = shape
+
+      def patch_fn(held, ring, head, count):
+        cap = ring.shape[0]
+        i = jnp.arange(n, dtype=jnp.int32)
+        at = jnp.where(i < count[0], ring[(head + i) % cap], held.shape[0])
+        return held.at[at].set(0, mode="drop"), jnp.zeros((3,), jnp.int32)
+      return self._jit(patch_fn, donate_argnums=(0,))
+    if op == "rebuild":  # the record of a state's lists (a restore across pools)
+      return self._jit(lambda s: (st.held_from_lists(s), jnp.zeros((3,), jnp.int32)))
     if op == "merge":
       (donate,) = shape
 
@@ -244,8 +287,12 @@ class DeviceOps(Programs):
   # -- operations (the class has validated the input and decided that it fits) ---------
   def _allocate(self, key: Tuple[Any, ...], state: AllocatorState, packed: np.ndarray,
                 extra: Tuple[Any, ...], n: int) -> Tuple[AllocatorState, Array, Array]:
-    head, length, out, status = self.fn(key)(state.free_ring, state.free_head,
-                                             state.free_len, packed, *extra)
+    rec = state.guard
+    head, length, held, out, status = self.fn(key)(
+        state.free_ring, state.free_head, state.free_len, None if rec is None else rec.held,
+        packed, *extra)
+    if rec is not None:
+      state = state._replace(guard=rec._replace(held=held))
     return state._replace(free_head=head, free_len=length), self.exact(out, n), status
 
   def alloc(self, state: AllocatorState, need_size: int):
@@ -287,10 +334,14 @@ class DeviceOps(Programs):
     is held by a snapshot."""
     n = values.shape[0]
     m = buckets.bucket(n, buckets.MIN_FREE)
-    ring, head, length, status = self.fn((op, m, not shared))(
+    rec = state.guard
+    ring, head, length, held, sticky, status = self.fn((op, m, not shared))(
         *st.freed_list(self.config.need_sort, state)[:4],
-        *self.with_counts(values, m, count, n))
-    return st.with_freed_list(self.config.need_sort, state, ring, head, length), status
+        *((None, None) if rec is None else rec), *self.with_counts(values, m, count, n))
+    state = st.with_freed_list(self.config.need_sort, state, ring, head, length)
+    if rec is not None:
+      state = state._replace(guard=GuardState(held, sticky))
+    return state, status
 
   def merge_and_sort_free(self, state: AllocatorState, shared: bool) -> AllocatorState:
     """The merge (SPEC 6); `shared`: the free ring is held by a snapshot."""
@@ -298,8 +349,29 @@ class DeviceOps(Programs):
     return state._replace(free_ring=ring, free_head=head, free_len=length,
                           release_head=rhead, release_len=rlen)
 
+  def restore_record(self, live: AllocatorState, snap: AllocatorState, lengths,
+                     snap_lengths, same_lineage: bool,
+                     clean: Callable[[], Array]) -> AllocatorState:
+    """A detached snapshot's state with its ownership record: the live held patched
+    (one launch, donated: O(pages taken between them), host.patch says when), else
+    rebuilt from the snapshot's lists (one launch, O(num_pages)); each launch also
+    gives the record's status, zeros; `clean()` gives it where nothing is launched."""
+    how = (host.patch(live, snap, lengths, snap_lengths)
+           if same_lineage and live.guard is not None else None)
+    if how is None:
+      record = self.fn(("rebuild",))(snap)
+    elif how[1] == 0:
+      record = GuardState(live.guard.held, clean())
+    else:
+      head, count = how
+      n = min(buckets.bucket(count, buckets.MIN_FREE), self.config.num_pages)
+      record = self.fn(("patch", n))(live.guard.held, snap.free_ring, head,
+                                     np.array([count], np.int32))
+    return snap._replace(guard=GuardState(*record))
+
 
 _INIT = jax.jit(st.init, static_argnames=("config",))
+_COPY = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
 
 class DeviceBackend:
@@ -309,6 +381,7 @@ class DeviceBackend:
   keeps_device_arrays = True
   defers_status = True
   writes_whole_state = False
+  patches_record = True  # snapshots are detached: restore patches the live record
 
   def __init__(self, config: AllocatorConfig, device: Any):
     self.config = config
@@ -330,10 +403,35 @@ class DeviceBackend:
     return state if self.device is None else jax.device_put(state, self.device)
 
   def adopt(self, state: AllocatorState) -> AllocatorState:
-    """A state from elsewhere (a snapshot, set_state) as this backend holds it."""
-    if isinstance(state.free_ring, jax.Array):
-      return state
-    return jax.device_put(jax.tree.map(np.asarray, state), self.device)
+    """A state from elsewhere (a snapshot, set_state) as this backend holds it; one
+    without its ownership record (a detached snapshot) gets it rebuilt from its lists."""
+    if not isinstance(state.free_ring, jax.Array):
+      state = jax.device_put(jax.tree.map(np.asarray, state), self.device)
+    if self.config.guard and state.guard is None:
+      state = state._replace(guard=GuardState(*self.ops.fn(("rebuild",))(state)))
+    return state
+
+  def _clean(self) -> Array:
+    """A fresh status of zeros on the backend's device (one transfer, no launch)."""
+    return jax.device_put(np.zeros((3,), np.int32), self.device)
+
+  def detach(self, state: AllocatorState) -> AllocatorState:
+    return host.detach(state)
+
+  def restore(self, live: AllocatorState, snap: AllocatorState, lengths, snap_lengths,
+              same_lineage: bool) -> AllocatorState:
+    """A detached snapshot's state with its record (DeviceOps.restore_record); others
+    as `adopt`."""
+    if (not self.config.guard or snap.guard is not None
+        or not isinstance(snap.free_ring, jax.Array)):
+      return self.adopt(snap)
+    return self.ops.restore_record(live, snap, lengths, snap_lengths, same_lineage,
+                                   self._clean)
+
+  def own_record(self, state: AllocatorState) -> AllocatorState:
+    """The state with a record of its own (the old one is held outside: the programs
+    donate it)."""
+    return state if state.guard is None else state._replace(guard=_COPY(state.guard))
 
   def lengths(self, state: AllocatorState) -> Tuple[int, int]:
     """(free_len, release_len) read from the state (a wait)."""
@@ -341,7 +439,9 @@ class DeviceBackend:
 
   def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
     validate.state_like(state, current, AllocatorState)
-    return validate.state_lengths(state, self.config.num_pages)
+    lengths = validate.state_lengths(state, self.config.num_pages)
+    guard.raise_if_refused(state)
+    return lengths
 
   def empty(self) -> Array:
     if self._empty is None:
@@ -434,8 +534,8 @@ class DeviceBackend:
     return self._free("free_page_ids", state, ids, counts, shared)
 
   def _free(self, op, state, values, counts, shared):
-    if counts[0] == 0:  # no room: every page is listed already (only a double free)
-      return state, None, None
+    if counts[0] == 0 and state.guard is None:  # no room: every page is listed already
+      return state, None, None  # (only a double free; with a record, it refuses it)
     state, status = self.ops.free(op, state, values, counts[0], shared)
     return self._landing((state, None, status))
 
@@ -485,24 +585,28 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
   t0 = time.perf_counter()
   outs: List[Any] = []
   ring, head, length = state.free_ring, state.free_head, state.free_len
+  rec = state.guard
+  # The programs donate the record's held: each run gets a copy of it.
+  held = lambda: None if rec is None else jnp.copy(rec.held)
   token_list = _warmup.bucket_sizes(max_tokens, buckets.MIN_TOKENS)
   for size in token_list:
-    outs.append(ops.fn(("alloc", size))(ring, head, length, np.zeros((1,), np.int32)))
+    outs.append(ops.fn(("alloc", size))(ring, head, length, held(),
+                                        np.zeros((1,), np.int32)))
   # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
   put = placer(device)
   lasts = lambda r: [()] + ([(put(np.zeros(r)),)] if device_last_loc else [])
   for r in decode_row_sizes(max_batch):
     for last in lasts(r):
-      outs.append(ops.fn(("decode", r))(ring, head, length, np.zeros((2 * r + 1,),
-                                                                     np.int32), *last))
+      outs.append(ops.fn(("decode", r))(ring, head, length, held(),
+                                        np.zeros((2 * r + 1,), np.int32), *last))
     if device_last_loc and r <= EXACT_ROWS:  # seq_lens on the device too
       outs.append(ops.fn(("decode_on_device", r))(
-          ring, head, length, put(np.ones(r)), put(np.full(r, -1))))
+          ring, head, length, held(), put(np.ones(r)), put(np.full(r, -1))))
   for r in _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH):
     for last in lasts(r) if extend and cfg.kind == "paged" else ():
       for tokens in token_list:
         outs.append(ops.fn(("extend", r, tokens))(
-            ring, head, length, np.zeros((3 * r + 1,), np.int32), *last))
+            ring, head, length, held(), np.zeros((3 * r + 1,), np.int32), *last))
   w_ring, w_head, w_len, other = st.freed_list(cfg.need_sort, state)
   names = ["free"] + (["free_page_ids"] if cfg.kind == "paged" else [])
   for m in _warmup.bucket_sizes(max_free, buckets.MIN_FREE):
@@ -513,12 +617,18 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
       for args in inputs:
         for donate in (True, False):
           target = jnp.copy(w_ring) if donate else w_ring
-          outs.append(ops.fn((name, m, donate))(target, w_head, w_len, other, *args))
+          outs.append(ops.fn((name, m, donate))(
+              target, w_head, w_len, other, held(), None if rec is None else rec.status,
+              *args))
   if cfg.need_sort:
     for donate in (True, False):
       target = jnp.copy(ring) if donate else ring
       outs.append(ops.fn(("merge", donate))(target, head, length, state.release_ring,
                                             state.release_head, state.release_len))
+  if rec is not None:  # a restore's record patches (the pages taken since a snapshot)
+    for m in _warmup.bucket_sizes(max_tokens // cfg.page_size or 1, buckets.MIN_FREE):
+      n = min(m, cfg.num_pages)
+      outs.append(ops.fn(("patch", n))(held(), ring, head, np.zeros((1,), np.int32)))
   outs += warmup_exact(ops, exact_sizes, device_last_loc, put)
   jax.block_until_ready(outs)
   return WarmupReport(len(outs), time.perf_counter() - t0)

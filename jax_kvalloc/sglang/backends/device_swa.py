@@ -17,6 +17,11 @@ pair slots of the reserved page 0), a segment free naming a full page without an
 peer (NO_PEER: SGLang's own `swa.peer_mapped` invariant), and a free whose entries do not
 reach their list (NOT_LISTED).
 
+Ownership (SPEC 14, each pool's record): a free program reads this call's refusal apart
+from the sticky status (`_fresh`, `_settle`) and returns it as an OWNED status; `free`
+and `free_segment` check the full pool's record first (`_full_refusal`), so that a call
+either pool refuses frees nothing in either.
+
 Debug mode (`DebugSWABackend`): the same programs with each pool's debug record
 (double frees and the like, jax_kvalloc.debug), every status and record read after each
 call, and SWA checks before it (SWADebugError): an SWA free of a slot without a peer,
@@ -34,6 +39,7 @@ import numpy as np
 from jax_kvalloc import buckets
 from jax_kvalloc import debug as _debug
 from jax_kvalloc import freeing
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as core
 from jax_kvalloc import validate
@@ -85,6 +91,67 @@ def _listed(old: SWAState, new: SWAState, counts: Array,
   k = jnp.argmax(short != 0)
   return (new._replace(full=kept[0], swa=kept[1]), jnp.where(bad, 0, pushed),
           _status.make(_status.NOT_LISTED, bad, -1, short[k]))
+
+
+def _fresh(state: SWAState) -> Tuple[SWAState, Any]:
+  """The state with each pool's ownership status emptied, so that a program reads this
+  call's refusal alone; and the statuses it had (None without a record)."""
+  if state.full.guard is None:
+    return state, None
+  zero = jnp.zeros((3,), jnp.int32)
+  old = (state.full.guard.status, state.swa.guard.status)
+  return state._replace(full=_with_status(state.full, zero),
+                        swa=_with_status(state.swa, zero)), old
+
+
+def _dead(old: Any) -> Array:
+  """bool[]: the state holds a refusal (`_fresh`'s statuses): frees free nothing more,
+  as the host backend raises at once."""
+  return jnp.zeros((), bool) if old is None else (old[0][0] != 0) | (old[1][0] != 0)
+
+
+def _with_status(part: Any, status: Array) -> Any:
+  return part._replace(guard=part.guard._replace(status=status))
+
+
+def _settle(state: SWAState, old: Any) -> Tuple[SWAState, Array]:
+  """(the state with each pool's sticky status back, the OWNED status of this call's
+  refusal: the full pool's, else the SWA pool's; 0 if none). `old`: `_fresh`'s."""
+  if old is None:
+    return state, _status.make(0, False)
+  mine = (state.full.guard.status, state.swa.guard.status)
+  sticky = [guard.record_status(o, m[0] != 0, m) for o, m in zip(old, mine)]
+  return (state._replace(full=_with_status(state.full, sticky[0]),
+                         swa=_with_status(state.swa, sticky[1])),
+          _status.first(_status.owned(mine[0], 1), _status.owned(mine[1], 2)))
+
+
+def _full_refusal(config: core.SWAConfig, state: SWAState, op: str, idx: Array,
+                  given: Array) -> Tuple[SWAState, Array]:
+  """The full pool's ownership check of `op` ("free": its slots' pages; else a segment's
+  page-starting slots), before anything changes, so that a call the full pool refuses
+  frees nothing in the SWA pool either. Returns (state, bool[] refused), the refusal
+  recorded in the full pool's status; without a record, (state, False)."""
+  rec = state.full.guard
+  if rec is None:
+    return state, jnp.zeros((), bool)
+  ps = config.page_size
+  distinct = ps == 1 or op != "free"  # the token free and segments do not de-duplicate
+  if ps > 1 and op != "free":
+    idx, given = idx[::ps], given[::ps]
+  given = given & (idx != 0)
+  pages = idx // ps  # floor: a negative slot names a negative page (outside the pool)
+  why, h0, work = guard.reasons(rec.held, pages, given, distinct=distinct)
+  found, new = guard.first_offence(guard.OP_FREE if op == "free" else guard.OP_FREE_SEGMENT,
+                                   why, pages)
+  held = rec.held
+  if distinct:  # undo the count `reasons` wrote, in place (its values back)
+    n = held.shape[0] - 1
+    held = work.at[jnp.where(given & (pages >= 1) & (pages <= n), pages, n + 1)].set(
+        h0, mode="drop")
+  part = state.full._replace(guard=rec._replace(
+      held=held, status=guard.record_status(rec.status, found, new)))
+  return state._replace(full=part), found
 
 
 # Free programs: (state, idx i32[m], info i32[4]) -> (state, i32[2], status), keyed by
@@ -178,13 +245,18 @@ class SWAOps(Programs):
     def fn(state, idx, info=None):
       if info is None:  # host slots: the counts ride at their end (one transfer)
         idx, info = idx[:-4], idx[-4:]
-      n, start = info[0], info[1]
+      old = state
+      state, sticky = _fresh(state)
+      n, start = jnp.where(_dead(sticky), 0, info[0]), info[1]
       given = jnp.arange(idx.shape[0]) < n
       bad = jnp.zeros((), bool)
       if segment:  # every page's first token must have its peer (SGLang's invariant)
         reps = jnp.arange(idx.shape[0]) % ps == 0
         bad, i = _peerless(state.mapping, idx, given & reps)
         n = jnp.where(bad, 0, n)
+      if op in ("free", "free_segment"):  # the full pool refuses before the SWA frees
+        state, refused = _full_refusal(cfg, state, op, idx, jnp.arange(idx.shape[0]) < n)
+        n = jnp.where(refused, 0, n)
       if op == "free":
         new = core.free(cfg, state, idx, n)
       elif op == "free_swa":
@@ -197,7 +269,9 @@ class SWAOps(Programs):
         new = core.free_full(cfg, state, jnp.where(given, idx, 0))
       else:
         new = core.free_full_segment(cfg, state, idx, start, n)
-      new, pushed, status = _listed(state, new, info[2:], cfg.need_sort)
+      new, owned = _settle(new, sticky)
+      new, pushed, status = _listed(old, new, info[2:], cfg.need_sort)
+      status = _status.first(owned, status)
       if segment:
         status = _status.first(_status.make(_status.NO_PEER, bad, i, idx[i]), status)
       return new, pushed, status
@@ -242,13 +316,20 @@ class SWAOps(Programs):
     def fn(state, values, info=None):
       if info is None:
         values, info = values[:-4], values[-4:]
+      old = state
+      state, sticky = _fresh(state)
       pool_cfg = getattr(cfg, side)
-      values = jnp.where(jnp.arange(values.shape[0]) < info[0], values, 0)
+      given = (jnp.arange(values.shape[0]) < info[0]) & ~_dead(sticky)
+      if page_ids and pool_cfg.guard:  # a queued 0 is no padding: the record refuses it
+        values = jnp.where(given & (values == 0), -1, values)
+      values = jnp.where(given, values, 0)
       if page_ids:
         new_pool = freeing.free_page_ids(pool_cfg, getattr(state, side), values)
       else:
         new_pool = freeing.free(pool_cfg, getattr(state, side), values)
-      return _listed(state, state._replace(**{side: new_pool}), info[2:], cfg.need_sort)
+      new, owned = _settle(state._replace(**{side: new_pool}), sticky)
+      new, pushed, status = _listed(old, new, info[2:], cfg.need_sort)
+      return new, pushed, _status.first(owned, status)
     return fn
 
   # -- the rest ----------------------------------------------------------------------------
@@ -282,6 +363,7 @@ class DeviceSWABackend:
   keeps_device_arrays = True
   defers_status = True
   writes_whole_state = True
+  patches_record = False  # snapshots keep the whole state (copied before a write)
 
   def __init__(self, config: core.SWAConfig, device: Any):
     self.config = config
@@ -491,7 +573,10 @@ class DebugSWABackend(DeviceSWABackend):
   def _run(self, key, state, shared, *args):
     del shared  # never donated: a refused call keeps the state as it was
     result = self.ops.fn(key + (False,))(state, *args)
-    self._raise_recorded(result if isinstance(result, SWAState) else result[0])
+    if isinstance(result, SWAState):
+      self._raise_recorded(result)
+    elif int(np.asarray(result[-1])[0]) != _status.OWNED:  # else the class raises it
+      self._raise_recorded(result[0])
     return result
 
   def translate(self, state, loc):

@@ -29,32 +29,48 @@ from typing import Any, NamedTuple, Tuple
 
 import numpy as np
 
+from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.guard import GuardState
 from jax_kvalloc.sglang.backends import Plan
+from jax_kvalloc.sglang.backends import status as _status
 from jax_kvalloc.state import AllocatorState
 from jax_kvalloc.warmup import WarmupReport
 
 _STATE_NEW = tuple.__new__  # AllocatorState without its Python-level __new__
+_GUARD = AllocatorState._fields.index("guard")
 
 
 def init(config: AllocatorConfig) -> AllocatorState:
-  """The initial state (SPEC 2) in numpy: free_pages = [1..num_pages], nothing released."""
+  """The initial state (SPEC 2) in numpy: free_pages = [1..num_pages], nothing released,
+  and (config.guard) an ownership record with nothing held."""
   n = config.num_pages
   return AllocatorState(free_ring=np.arange(1, n + 1, dtype=np.int32), free_head=0,
                         free_len=n, release_ring=np.zeros((n,), np.int32), release_head=0,
-                        release_len=0, debug=None)
+                        release_len=0, debug=None, guard=record(n) if config.guard else None)
+
+
+def record(num_pages: int, held: "np.ndarray | None" = None) -> GuardState:
+  """A host ownership record (jax_kvalloc.guard's GuardState in numpy: held
+  i32[num_pages + 1], status i32[3]): nothing held unless `held` is given (copied)."""
+  held = (np.zeros((num_pages + 1,), np.int32) if held is None
+          else np.array(held, np.int32))
+  return GuardState(held=held, status=np.zeros((3,), np.int32))
 
 
 def _take(state: AllocatorState, k: int) -> Tuple[AllocatorState, np.ndarray]:
-  """(state without the first k free pages, those pages: a view or copy, i32[k])."""
+  """(state without the first k free pages, those pages: a view or copy, i32[k]); the
+  pages are marked held in the ownership record (in place)."""
   ring, head, length = state[:3]
   cap = ring.shape[0]
   if head + k <= cap:  # st.ring_window's host case, inlined: the hot path of every call
     pages = ring[head:head + k]
   else:
     pages = st.ring_window(ring, head, length, k, xp=np)
+  if state[_GUARD] is not None:
+    state[_GUARD].held[_intp(pages)] = 1
   # The state rebuilt without namedtuple's _replace (a Python-level call).
   return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
@@ -268,16 +284,42 @@ def free(config: AllocatorConfig, state: AllocatorState, values: np.ndarray,
          shared: bool) -> AllocatorState:
   """`free` of validated values: the sorted unique pages (paged, SPEC 4.4: prepended,
   LIFO) or the slots as given (token, SPEC 3: appended, FIFO). `shared`: the ring
-  written is held by a snapshot (copy it first)."""
+  written is held by a snapshot (copy it first). The ownership record (checked by the
+  caller: `refusal`) no longer holds them."""
+  _release(state, values)
   return _push(config, state, values.astype(np.int32), shared,
                front=config.kind == "paged")
 
 
 def free_page_ids(config: AllocatorConfig, state: AllocatorState, page_ids: np.ndarray,
                   shared: bool) -> AllocatorState:
-  """SPEC 10: these pages, order kept, prepended as one block (token: appended)."""
+  """SPEC 10: these pages, order kept, prepended as one block (token: appended); the
+  record (checked by the caller) no longer holds them."""
+  _release(state, page_ids)
   return _push(config, state, page_ids.astype(np.int32), shared,
                front=config.kind == "paged")
+
+
+_SCALAR_PAGES = 8  # up to this many pages, the record is read and written page by page
+
+
+def _intp(pages: np.ndarray) -> np.ndarray:
+  """Pages as numpy's index type: fancy indexing with another dtype costs several
+  times more."""
+  return pages if pages.dtype == np.intp else pages.astype(np.intp)
+
+
+def _release(state: AllocatorState, pages: np.ndarray) -> None:
+  """held[pages] = 0 in the ownership record (in place; none without one). The
+  pages fit the list (a free only the record would refuse can overflow it)."""
+  if state.guard is None:
+    return
+  held = state.guard.held
+  if pages.shape[0] <= _SCALAR_PAGES:
+    for p in pages.tolist():
+      held[p] = 0
+  else:
+    held[_intp(pages)] = 0
 
 
 def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
@@ -300,12 +342,130 @@ def merge_and_sort_free(config: AllocatorConfig, state: AllocatorState,
 
 
 def from_jax(state: AllocatorState) -> AllocatorState:
-  """A host-backend state (writable numpy rings, int heads and lengths) from a jax one
-  (reads the device). Debug bookkeeping is dropped: the host backend keeps none."""
+  """A host-backend state (writable numpy rings, int heads and lengths, the ownership
+  record as writable numpy arrays) from a jax one (reads the device). Debug bookkeeping
+  is dropped: the host backend keeps none."""
+  rec = state.guard
+  if rec is not None:
+    rec = GuardState(np.array(rec.held, np.int32), np.array(rec.status, np.int32))
   return AllocatorState(
       free_ring=np.array(state.free_ring, np.int32), free_head=int(state.free_head),
       free_len=int(state.free_len), release_ring=np.array(state.release_ring, np.int32),
-      release_head=int(state.release_head), release_len=int(state.release_len), debug=None)
+      release_head=int(state.release_head), release_len=int(state.release_len), debug=None,
+      guard=rec)
+
+
+# ---------------------------------------------------------------------------------------
+# The ownership record (SPEC 14) in numpy: jax_kvalloc.guard's rules, checked before a
+# free changes anything. `_take` marks the pages an allocation takes, `_push` clears the
+# pages a free lists; `refusal` says whether a free may run. Snapshots do not keep the
+# record (`detach`): `restore_record` patches the live one instead (O(pages taken since
+# the snapshot)), so neither a snapshot nor the allocation after a restore copies it.
+# ---------------------------------------------------------------------------------------
+
+def refusal(held: np.ndarray, pages: np.ndarray, distinct: bool,
+            argument: Any = None, pool: int = 0) -> "np.ndarray | None":
+  """None when a free of `pages` may run: each a held page (and, `distinct`, none twice);
+  else the OWNED status (i32[3], status.owned_host) of the first refused entry of the
+  argument, by guard.reasons' rules and precedence.
+
+  Args:
+    held: i32[num_pages + 1] the record.
+    pages: integer[M] >= 0, the pages the free lists (the classes checked the range).
+    distinct: a page named twice is a misuse (token free, free_page_ids, free_segment).
+    argument: optional callable returning the page of each argument entry in argument
+      order (e.g. a paged free's slots // page_size), when `pages` is not that; read
+      only on a refusal.
+    pool: the pool the status names (status.owned).
+  """
+  m = pages.shape[0]
+  if m == 0:
+    return None
+  if m <= _SCALAR_PAGES:  # numpy scalar reads: a tenth of an array call's fixed cost
+    got = pages.tolist()
+    top = held.shape[0]
+    ok = all(0 < p < top and held[p] == 1 for p in got) and (
+        not distinct or len(set(got)) == m)
+  else:  # count_nonzero, not .all() / .any(): a third of their fixed cost
+    try:
+      ok = np.count_nonzero(held[_intp(pages)]) == m
+    except IndexError:  # a page past the pool
+      ok = False
+    if ok and distinct:
+      s = np.sort(pages)
+      ok = not np.count_nonzero(s[1:] == s[:-1])
+  if ok:
+    return None
+  return first_refused(held, pages if argument is None else argument(), distinct, pool)
+
+
+def first_refused(held: np.ndarray, pages: Any, distinct: bool,
+                  pool: int = 0) -> "np.ndarray | None":
+  """guard.reasons + first_offence in numpy: the OWNED status of the first entry of
+  `pages` (integer[M], argument order) that the record refuses, or None."""
+  pages = np.asarray(pages, np.int64).reshape(-1)
+  n = held.shape[0] - 1
+  inside = (pages >= 1) & (pages <= n)
+  h = np.zeros(pages.shape, np.int32)
+  h[inside] = held[pages[inside]]
+  why = np.where(pages == 0, guard.PAGE_ZERO, np.where(
+      ~inside, guard.OUT_OF_RANGE, np.where(h != 1, guard.NOT_HELD, 0)))
+  if distinct and pages.shape[0] > 1:
+    _, inverse, counts = np.unique(pages, return_inverse=True, return_counts=True)
+    why = np.where((why == 0) & (counts[inverse.reshape(-1)] > 1), guard.REPEATED, why)
+  bad = np.flatnonzero(why)
+  if not bad.size:
+    return None
+  i = int(bad[0])
+  return _status.owned_host(int(why[i]), int(pages[i]), pool)
+
+
+def detach(state: AllocatorState) -> AllocatorState:
+  """A snapshot's form of the state: the lists without the ownership record (the pool
+  keeps writing its record in place; `restore_record` puts the snapshot's back)."""
+  return state if state.guard is None else state._replace(guard=None)
+
+
+def patch(live: AllocatorState, snap: AllocatorState, lengths: Tuple[int, ...],
+          snap_lengths: Tuple[int, ...]) -> "Tuple[Any, int] | None":
+  """How the live record becomes a detached snapshot's when only allocations lie between
+  them: (head, count), clear held at the `count` free-list pages from the snapshot's
+  `head` (the pages taken since); None otherwise (rebuild it).
+
+  Both states hold the same rings (so nothing was freed or merged between them: their
+  free lists share an end, and the live one is the snapshot's without its first pages)
+  and the snapshot has at least as many free pages. `lengths`: (free_len, release_len)
+  of each, from the host mirror (which may count pages a refused device allocation did
+  not take: those are free in both states, so clearing them changes nothing). The
+  caller guarantees that both states come from one pool since its last clear or
+  foreign state (`Pool`'s lineage)."""
+  if (live.free_ring is not snap.free_ring or live.release_ring is not snap.release_ring
+      or lengths[1] != snap_lengths[1] or snap_lengths[0] < lengths[0]):
+    return None
+  return snap.free_head, snap_lengths[0] - lengths[0]
+
+
+def restore_record(config: AllocatorConfig, live: AllocatorState, snap: AllocatorState,
+                   lengths: Tuple[int, ...], snap_lengths: Tuple[int, ...],
+                   same_lineage: bool) -> AllocatorState:
+  """`snap` (a detached host snapshot state) with its ownership record: the live one
+  (which the caller owns) patched in place (see `patch`), or rebuilt in place from the
+  snapshot's lists (O(num_pages)); `live` may be `snap` itself (adopt: a new record)."""
+  how = patch(live, snap, lengths, snap_lengths) if same_lineage and live.guard else None
+  if how is None:  # rebuilt, into the live record where there is one (no allocation)
+    held = live.guard.held if live.guard is not None else np.empty(
+        (config.num_pages + 1,), np.int32)
+    held.fill(1)
+    held[0] = 0
+    for ring, head, length in ((snap.free_ring, snap.free_head, snap.free_len),
+                               (snap.release_ring, snap.release_head, snap.release_len)):
+      held[_intp(st.ring_window(ring, head, length, length, xp=np))] = 0
+    return snap._replace(guard=GuardState(held, np.zeros((3,), np.int32)))
+  head, count = how
+  held = live.guard.held
+  if count:
+    held[st.ring_window(snap.free_ring, head, count, count, xp=np)] = 0
+  return snap._replace(guard=GuardState(held, np.zeros((3,), np.int32)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -394,6 +554,16 @@ def _take_list(state: AllocatorState, k: int) -> Tuple[AllocatorState, list]:
     pages = ring[head:head + k].tolist()
   else:
     pages = ring[head:].tolist() + ring[:head + k - cap].tolist()
+  rec = state[_GUARD]
+  if rec is not None:
+    held = rec.held
+    if k <= _SCALAR_PAGES:  # a numpy scalar store: a tenth of a fancy-indexed one
+      for p in pages:
+        held[p] = 1
+    elif head + k <= cap:
+      held[_intp(ring[head:head + k])] = 1
+    else:
+      held[pages] = 1
   return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
 
@@ -454,12 +624,14 @@ class HostBackend:
   a check fails or the input is of another kind (lists of more than SMALL_BATCH,
   tensors, empty batches): the class then runs jax_kvalloc.validate, which raises
   naming the argument, or converts the input and asks again (`checked`). The class has
-  checked everything a call could refuse, so no call returns a status.
+  checked everything else a call could refuse; a free the ownership record refuses
+  returns its OWNED status (host i32[3]) and the state unchanged.
   """
 
   keeps_device_arrays = False
   defers_status = False
   writes_whole_state = False
+  patches_record = True  # snapshots are detached: restore patches the live record
 
   def __init__(self, config: AllocatorConfig):
     self.config = config
@@ -470,17 +642,42 @@ class HostBackend:
     return init(self.config)
 
   def adopt(self, state: AllocatorState) -> AllocatorState:
-    """A host-backend state from any AllocatorState (a device one is read: a wait)."""
-    if isinstance(state.free_ring, np.ndarray) and type(state.free_len) is int:
+    """A host-backend state from any AllocatorState (a device one is read: a wait); a
+    state without its ownership record (a detached snapshot) gets it rebuilt from its
+    lists."""
+    if not (isinstance(state.free_ring, np.ndarray) and type(state.free_len) is int):
+      state = from_jax(state)
+    if self.config.guard and state.guard is None:  # (`state` has no record to reuse)
+      state = restore_record(self.config, state, state, (0, 0), (0, 0), False)
+    return state
+
+  def detach(self, state: AllocatorState) -> AllocatorState:
+    return detach(state)
+
+  def restore(self, live: AllocatorState, snap: AllocatorState, lengths, snap_lengths,
+              same_lineage: bool) -> AllocatorState:
+    """A detached snapshot's state with its record (patched from the live one, which the
+    caller owns, when they share their rings; else rebuilt); others as `adopt`."""
+    if (not self.config.guard or snap.guard is not None
+        or not isinstance(snap.free_ring, np.ndarray)):
+      return self.adopt(snap)
+    return restore_record(self.config, live, snap, lengths, snap_lengths, same_lineage)
+
+  def own_record(self, state: AllocatorState) -> AllocatorState:
+    """The state with a record of its own (the old one is held outside)."""
+    rec = state.guard
+    if rec is None:
       return state
-    return from_jax(state)
+    return state._replace(guard=GuardState(rec.held.copy(), rec.status.copy()))
 
   def lengths(self, state: AllocatorState) -> Tuple[int, int]:
     return int(state.free_len), int(state.release_len)
 
   def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
     validate.state_like(state, current, AllocatorState)
-    return validate.state_lengths(state, self.config.num_pages)
+    lengths = validate.state_lengths(state, self.config.num_pages)
+    guard.raise_if_refused(state)
+    return lengths
 
   def empty(self) -> np.ndarray:
     return np.zeros((0,), np.int32)
@@ -546,12 +743,24 @@ class HostBackend:
     return alloc_decode(self.hc, state, *plan.data[1]) + (None,)
 
   def free(self, state, idx, values, counts, shared):
-    del idx  # `values`: the pages (paged) or slots (token) that reach the list
+    """`values`: the pages (paged: sorted unique) or slots (token) that reach the list;
+    the record checks them (token: none twice), naming the first refused slot's page."""
+    rec = state.guard
+    if rec is not None:
+      paged = self.config.kind == "paged"
+      refused = refusal(rec.held, values, not paged,
+                        (lambda: idx // self.config.page_size) if paged else None)
+      if refused is not None:
+        return state, None, refused
     if counts[0]:
       state = free(self.config, state, values, shared)
     return state, None, None
 
   def free_page_ids(self, state, ids, counts, shared):
+    if state.guard is not None:
+      refused = refusal(state.guard.held, ids, True)
+      if refused is not None:
+        return state, None, refused
     if counts[0]:
       state = free_page_ids(self.config, state, ids, shared)
     return state, None, None

@@ -1,11 +1,13 @@
 """The host backend of an SWA pool pair (SPEC 13): both pools in NumPy (each run by
 jax_kvalloc.sglang.backends.host's functions) and the mapping as a numpy int32 array.
 
-Every call checks what the state decides before it changes anything, and raises the
-device backend's messages (jax_kvalloc.sglang.backends.status) at once: an allocation
-continuing the page of a last_loc without an SWA peer, a segment free naming a full
-page without one. A call that finds a snapshot holding part of the state copies the
-state first (copy-on-write), then writes in place.
+Every call checks what the state decides before it changes anything, and returns the
+device backend's statuses (jax_kvalloc.sglang.backends.status) with the state
+unchanged, for the class to raise at once: an allocation continuing the page of a
+last_loc without an SWA peer, a segment free naming a full page without one, a free
+either pool's ownership record refuses (SPEC 14: each pool keeps a held bitmap, as
+host.py's). A call that finds a snapshot holding part of the state copies the state
+first (copy-on-write), then writes in place.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from jax_kvalloc import guard
 from jax_kvalloc import swa as core
 from jax_kvalloc import validate
 from jax_kvalloc.sglang.backends import Plan
@@ -34,7 +37,9 @@ def _i64(x: Any) -> Optional[np.ndarray]:
 
 def _copy(state: SWAState) -> SWAState:
   return SWAState(*(p._replace(free_ring=p.free_ring.copy(),
-                               release_ring=p.release_ring.copy())
+                               release_ring=p.release_ring.copy(),
+                               guard=None if p.guard is None else p.guard._replace(
+                                   held=p.guard.held.copy(), status=p.guard.status.copy()))
                     for p in (state.full, state.swa)), state.mapping.copy())
 
 
@@ -44,6 +49,7 @@ class HostSWABackend:
   keeps_device_arrays = False
   defers_status = False
   writes_whole_state = True
+  patches_record = False  # snapshots keep the whole state (copied before a write)
 
   def __init__(self, config: core.SWAConfig):
     self.config = config
@@ -68,8 +74,10 @@ class HostSWABackend:
 
   def check_state(self, state: Any, current: SWAState) -> Tuple[int, ...]:
     validate.state_like(state, current, SWAState)
-    return (validate.state_lengths(state.full, self.config.full.num_pages)
-            + validate.state_lengths(state.swa, self.config.swa.num_pages))
+    lengths = (validate.state_lengths(state.full, self.config.full.num_pages)
+               + validate.state_lengths(state.swa, self.config.swa.num_pages))
+    guard.raise_if_refused(state)
+    return lengths
 
   def empty(self) -> np.ndarray:
     return np.zeros((0,), np.int32)
@@ -100,16 +108,17 @@ class HostSWABackend:
     return None if plan is None else Plan(seq.shape[0], plan[2], seq.shape[0],
                                           (plan, seq, last))
 
-  def _swa_last(self, state: SWAState, op: str, last: np.ndarray, reads: np.ndarray,
-                unread: np.ndarray) -> np.ndarray:
-    """The SWA pool's last_loc: translate(last_loc) where a row reads it, else `unread`
-    (an aligned stand-in); LAST_NO_PEER where a read one has no peer."""
+  def _swa_last(self, state: SWAState, last: np.ndarray, reads: np.ndarray,
+                unread: np.ndarray) -> Tuple[np.ndarray, Any]:
+    """(the SWA pool's last_loc: translate(last_loc) where a row reads it, else `unread`
+    (an aligned stand-in); the LAST_NO_PEER status where a read one has no peer, else
+    None)."""
     swa_last = np.where(reads, self._translate(state, last), unread)
     bad = np.flatnonzero(reads & (swa_last <= 0))
     if bad.size:
       i = int(bad[0])
-      raise ValueError(_status.error_message(op, _status.LAST_NO_PEER, i, int(last[i])))
-    return swa_last
+      return swa_last, np.array([_status.LAST_NO_PEER, i, int(last[i])], np.int32)
+    return swa_last, None
 
   def alloc(self, state, need_size, shared):
     state = self._own(state, shared)
@@ -120,8 +129,10 @@ class HostSWABackend:
   def alloc_extend(self, state, plan: Plan, shared):
     full_plan, pre, seq, last = plan.data
     ps = self.ps
-    swa_last = self._swa_last(state, "alloc_extend", last, (pre % ps != 0) & (seq > pre),
-                              validate.aligned_last_loc(pre, ps, 1))
+    swa_last, refused = self._swa_last(state, last, (pre % ps != 0) & (seq > pre),
+                                       validate.aligned_last_loc(pre, ps, 1))
+    if refused is not None:
+      return state, None, refused
     swa_plan = host.extend_plan(self.swa.hc, pre, seq, swa_last, plan.tokens)
     state = self._own(state, shared)
     full_state, full = host.alloc_extend(self.full.hc, state.full, full_plan)
@@ -144,7 +155,9 @@ class HostSWABackend:
 
   def alloc_decode(self, state, plan: Plan, shared):
     full_plan, seq, last = plan.data
-    swa_last = self._swa_last(state, "alloc_decode", last, (seq - 1) % self.ps != 0, -1)
+    swa_last, refused = self._swa_last(state, last, (seq - 1) % self.ps != 0, -1)
+    if refused is not None:
+      return state, None, refused
     swa_plan = host.decode_plan(self.swa.hc, seq, swa_last)
     state = self._own(state, shared)
     full_state, full = host.alloc_decode(self.full.hc, state.full, *full_plan)
@@ -152,16 +165,16 @@ class HostSWABackend:
     return self._pair(SWAState(full_state, swa_state, state.mapping), full, swa), full, None
 
   # -- frees -------------------------------------------------------------------------------
-  def _segment_pages(self, state: SWAState, op: str, idx: np.ndarray) -> np.ndarray:
-    """free_swa_segment's SWA pages of checked slots (NO_PEER where a page's first
-    token has no peer, nothing changed)."""
+  def _segment_pages(self, state: SWAState, idx: np.ndarray) -> Tuple[np.ndarray, Any]:
+    """(free_swa_segment's SWA pages of checked slots; the NO_PEER status where a page's
+    first token has no peer, else None)."""
     reps = idx[::self.ps]
     peers = self._translate(state, reps)
     bad = np.flatnonzero(peers <= 0)
     if bad.size:
       i = int(bad[0]) * self.ps
-      raise ValueError(_status.error_message(op, _status.NO_PEER, i, int(idx[i])))
-    return peers // self.ps
+      return peers, np.array([_status.NO_PEER, i, int(idx[i])], np.int32)
+    return peers // self.ps, None
 
   def _page_slots(self, idx: np.ndarray) -> np.ndarray:
     """Every slot of the full pages of idx (idx itself at page size 1)."""
@@ -172,8 +185,11 @@ class HostSWABackend:
 
   def take(self, state, op, idx, shared, name):
     """A free group's SWA half at call time (see DeviceSWABackend.take)."""
+    del name
     if op == "take_pages":
-      pages = self._segment_pages(state, name, idx)
+      pages, refused = self._segment_pages(state, idx)
+      if refused is not None:
+        return state, None, refused
       state = self._own(state, shared)
       state.mapping[self._page_slots(idx[::self.ps])] = 0
       return state, pages, None
@@ -185,40 +201,65 @@ class HostSWABackend:
 
   def free(self, state, op, idx, start, counts, shared):
     """`op` of checked slots, pages or page ids (see DeviceSWABackend.free); the
-    counts are computed here."""
+    counts are computed here. Every check runs before anything changes, in the device
+    programs' order: an SWA peer for each page of a segment (NO_PEER), the full pool's
+    ownership record, the SWA pool's (OWNED: the status comes back, nothing freed)."""
     del start, counts
     ps = self.ps
     segment = op in ("free_swa_segment", "free_segment") or (
         ps == 1 and op in ("free", "free_swa"))
-    swa_pages = self._segment_pages(state, op, idx) if segment else None  # may raise
-    state = self._own(state, shared)
-    full, swa, got = state.full, state.swa, [0, 0]
+    swa_pages, refused = self._segment_pages(state, idx) if segment else (None, None)
+    if refused is not None:
+      return state, (0, 0), refused
+    full_in = swa_in = wide = None  # (values, page_ids) each pool's list gets
     if segment:
-      state.mapping[self._page_slots(idx[::ps])] = 0
-      swa, got[1] = self._push(self.swa, swa, swa_pages, page_ids=True)
+      swa_in = (swa_pages, True)
     elif op in ("free", "free_swa"):
       wide = self._page_slots(idx)
       peers = self._translate(state, wide)
-      state.mapping[wide] = 0
-      swa, got[1] = self._push(self.swa, swa, peers[peers > 0], page_ids=False)
+      swa_in = (peers[peers > 0], False)
     elif op in ("swa_free_page_ids", "swa_free"):
-      swa, got[1] = self._push(self.swa, swa, idx, page_ids=op == "swa_free_page_ids")
+      swa_in = (idx, op == "swa_free_page_ids")
     if op in ("free", "free_full", "full_free", "full_free_page_ids"):
-      full, got[0] = self._push(self.full, full, idx, page_ids=op == "full_free_page_ids")
+      full_in = (idx, op == "full_free_page_ids")
     elif op in ("free_segment", "free_full_segment"):
-      full, got[0] = self._push(self.full, full, idx[::ps] // ps, page_ids=True)
-    return SWAState(full, swa, state.mapping), tuple(got), None
+      full_in = (idx[::ps] // ps, True)
+    full_in = full_in and self._listed(self.full, *full_in)
+    swa_in = swa_in and self._listed(self.swa, *swa_in)
+    for pool, part, got in ((1, state.full, full_in), (2, state.swa, swa_in)):
+      if got and part.guard is not None:
+        refused = host.refusal(part.guard.held, got[0], got[1], got[2], pool)
+        if refused is not None:
+          return state, (0, 0), refused
+    state = self._own(state, shared)
+    if segment:
+      state.mapping[self._page_slots(idx[::ps])] = 0
+    elif wide is not None:
+      state.mapping[wide] = 0
+    full, full_n = self._push(self.full, state.full, full_in)
+    swa, swa_n = self._push(self.swa, state.swa, swa_in)
+    return SWAState(full, swa, state.mapping), (full_n, swa_n), None
 
   @staticmethod
-  def _push(pool: HostBackend, part, values: np.ndarray, page_ids: bool):
-    """A free of values into one pool (owned: written in place): page ids in order,
-    or slots (their sorted unique pages, paged; as given, token). Returns (state,
-    entries its list took)."""
+  def _listed(pool: HostBackend, values: np.ndarray, page_ids: bool):
+    """What a free of `values` into one pool lists: (values: page ids in order, or
+    slots' sorted unique pages (paged) / slots as given (token); whether a page named
+    twice is a misuse; the argument's pages for a refusal's message or None; whether
+    they are page ids)."""
     cfg = pool.config
     if not page_ids and cfg.kind == "paged":
-      values = np.unique(values // cfg.page_size)
-    if values.size == 0:
+      return (np.unique(values // cfg.page_size), False,
+              lambda: values // cfg.page_size, False)
+    return values, True, None, page_ids
+
+  @staticmethod
+  def _push(pool: HostBackend, part, listed):
+    """A checked free into one pool (owned: written in place) of what `_listed` gave.
+    Returns (state, entries its list took)."""
+    if not listed or listed[0].size == 0:
       return part, 0
+    cfg = pool.config
+    values, page_ids = listed[0], listed[3]
     before = part.release_len if cfg.need_sort else part.free_len
     part = (host.free_page_ids if page_ids else host.free)(cfg, part, values, False)
     return part, (part.release_len if cfg.need_sort else part.free_len) - before

@@ -16,11 +16,17 @@ mirror counted, and an SWA call found the peers it needs. Otherwise `reason` is:
                 was freed already (the caller wants free_full / free_full_segment).
   LAST_NO_PEER  an SWA allocation continues the page of last_loc[index] = value, whose
                 SWA KV was freed already, so the SWA pool cannot continue it.
+  OWNED         the ownership record (SPEC 14, jax_kvalloc.guard) refused a free: page
+                `value` is not held (guard.WHY[index % 8] says why: page 0, outside the
+                pool, not held, named twice); index // 8 names the pool (0: the pool;
+                1, 2: an SWA pair's full and SWA pool).
 
 A refused call changes nothing (each program keeps the old state when it refuses). The
-host backend finds the same cases on the host, before anything changes, and raises the
-same message at once; the device backend's class reads the status later without waiting
-(jax_kvalloc.sglang.pool).
+host backend finds the same cases on the host, before anything changes, and returns the
+same status as a host array (the class raises at once); the device backend's class reads
+the status later without waiting (jax_kvalloc.sglang.pool). An OWNED refusal is sticky
+on every backend (as the record's own status is): every later call raises until
+`clear()` or `restore_state()`.
 """
 from __future__ import annotations
 
@@ -28,8 +34,12 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-REFUSED, NOT_LISTED, NO_PEER, LAST_NO_PEER = 1, 2, 3, 4
+from jax_kvalloc import guard as _guard
+
+REFUSED, NOT_LISTED, NO_PEER, LAST_NO_PEER, OWNED = 1, 2, 3, 4, 5
+POOLS = ("", " in the full pool", " in the SWA pool")  # OWNED's index // 8
 
 # The argument whose entries a free's NOT_LISTED index points into, by operation.
 _LISTED_ARG = {"free_page_ids": "page_ids",
@@ -52,6 +62,18 @@ def first(*statuses: jax.Array) -> jax.Array:
   for s in statuses[-2::-1]:
     out = jnp.where(s[0] != 0, s, out)
   return out
+
+
+def owned(record_status: jax.Array, pool: int = 0) -> jax.Array:
+  """OWNED status (traced i32[3]) of a call whose ownership record recorded
+  `record_status` = (op, why, page) (guard.GuardState.status of a fresh record; op 0:
+  no refusal), in pool `pool` (0: a single pool; 1, 2: an SWA pair's full, SWA)."""
+  return make(OWNED, record_status[0] != 0, record_status[1] + 8 * pool, record_status[2])
+
+
+def owned_host(why: int, page: int, pool: int = 0) -> np.ndarray:
+  """The same OWNED status as a host array (the host backend's refusals)."""
+  return np.array([OWNED, why + 8 * pool, page], np.int32)
 
 
 def unlisted(values: jax.Array, given: jax.Array, listed: jax.Array,
@@ -88,6 +110,10 @@ def error_message(op: str, reason: int, index: int = 0, value: int = 0) -> str:
     return (f"{op}: free_index[{index}]={value} has no SWA peer (its sliding-window KV "
             f"was freed already: free it with free_full / free_full_segment); nothing "
             f"was freed")
+  if reason == OWNED:
+    return (f"{op}: page {value} {_guard.WHY.get(index % 8, 'is refused')}"
+            f"{POOLS[index // 8] if 0 <= index // 8 < len(POOLS) else ''}; nothing was "
+            f"freed (the ownership record, SPEC 14)")
   if reason == LAST_NO_PEER:
     return (f"{op}: last_loc[{index}]={value} has no SWA peer (its sliding-window KV was "
             f"freed), so the SWA pool cannot continue its page; nothing was allocated")
