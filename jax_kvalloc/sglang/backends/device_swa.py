@@ -320,8 +320,9 @@ class SWAOps(Programs):
       state, sticky = _fresh(state)
       pool_cfg = getattr(cfg, side)
       given = (jnp.arange(values.shape[0]) < info[0]) & ~_dead(sticky)
-      if page_ids and pool_cfg.guard:  # a queued 0 is no padding: the record refuses it
-        values = jnp.where(given & (values == 0), -1, values)
+      if page_ids and side == "full" and pool_cfg.guard:  # a segment's page 0 is no
+        values = jnp.where(given & (values == 0), -1, values)  # padding: refused (the
+      # SWA side's queue is `take_pages`' padded outputs: its zeros are padding)
       values = jnp.where(given, values, 0)
       if page_ids:
         new_pool = freeing.free_page_ids(pool_cfg, getattr(state, side), values)

@@ -381,11 +381,14 @@ def refusal(held: np.ndarray, pages: np.ndarray, distinct: bool,
   m = pages.shape[0]
   if m == 0:
     return None
-  if m <= _SCALAR_PAGES:  # numpy scalar reads: a tenth of an array call's fixed cost
-    got = pages.tolist()
-    top = held.shape[0]
-    ok = all(0 < p < top and held[p] == 1 for p in got) and (
-        not distinct or len(set(got)) == m)
+  if m <= _SCALAR_PAGES:  # scalar reads: a fraction of an array call's fixed cost
+    got, top, ok = pages.tolist(), held.shape[0], True
+    for p in got:
+      if not 0 < p < top or held.item(p) != 1:
+        ok = False
+        break
+    if ok and distinct and m > 1:
+      ok = len(set(got)) == m
   else:  # count_nonzero, not .all() / .any(): a third of their fixed cost
     try:
       ok = np.count_nonzero(held[_intp(pages)]) == m
