@@ -184,6 +184,12 @@ EXHAUSTIVE_TESTS = [
      "test_host_class_matches_sglang_0_5_23 runs it against SGLang, test_swa_dispatch the "
      "device programs against the host backend, test_swa_no_wait against the model)"),
     ("test_golden.py", "test_golden_trace", 30, "traces past the first 30 cases"),
+    ("test_refusals.py", "test_refusals_raise_and_change_nothing_on_every_backend",
+     _NAMED("-debug]"), "the SPEC 14 cases in debug mode (debug runs the device programs "
+     "the device cases check, plus its own checks, which test_debug covers)"),
+    ("test_simulate_drivers.py", "test_branch_free_step_makes_the_same_decisions",
+     _NAMED("[fused]", "[need_sort]"), "the fused and need_sort forms of the branch-free "
+     "step (the triton and swa forms run in CI)"),
     ("test_random_traces.py", "test_classes_match_model_on_random_traces", 6, "more seeds"),
     ("test_properties.py", "test_allocator_state_machine", 6, "more hypothesis machines"),
     ("test_simulate_drivers.py", "test_policy_under_pressure",
