@@ -216,16 +216,22 @@ def _debug_op(op: int) -> int:
 
 
 def _guard_free(config: AllocatorConfig, state: AllocatorState, op: int, pages: Array,
-                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None
+                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None,
+                unique: Optional[Tuple[Array, Array]] = None
                 ) -> Tuple[AllocatorState, Array]:
   """guard.free on the state's record: (state, bool[] refused). Without a record,
   (state, also_refuse), None when nothing can refuse (so that guard=False traces
-  exactly the unguarded program)."""
+  exactly the unguarded program). unique: the paged free's (sorted unique pages,
+  count), on which guard.free_by_page checks and clears the record once per page."""
   record = st.record(config, state)
   if record is None:
     return state, also_refuse
-  record, refused = guard.free(record, op, pages, given, distinct=distinct,
-                               also_refuse=also_refuse)
+  if unique is not None:
+    record, refused = guard.free_by_page(record, op, *unique, pages, given,
+                                         also_refuse=also_refuse)
+  else:
+    record, refused = guard.free(record, op, pages, given, distinct=distinct,
+                                 also_refuse=also_refuse)
   return state._replace(guard=record), refused
 
 
@@ -261,13 +267,14 @@ def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str
 def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
                     method: str, op: int = guard.OP_FREE) -> Tuple[AllocatorState, Array]:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
-  values, count = free_pages_sorted_unique(pages, config.num_pages, method)
-  err = None
+  values, named = free_pages_sorted_unique(pages, config.num_pages, method)
+  count, err = named, None
   if config.debug:
     state, count, err = debug.finish_free(config, state, free_index, values, count,
                                           _debug_op(op))
   state, refused = _guard_free(config, state, op, _slot_pages(config, free_index),
-                               free_index != 0, distinct=False, also_refuse=err)
+                               free_index != 0, distinct=False, also_refuse=err,
+                               unique=(values, named))
   return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 
