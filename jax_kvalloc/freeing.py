@@ -147,6 +147,16 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
     (values, count): i32[M] with the pages in values[:count] and 0 after them, and
     i32[] count. Both methods return the same bits.
   """
+  return _sorted_unique(pages, num_pages, method)[:2]
+
+
+def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
+                   named: Optional[Array] = None) -> Tuple[Array, Array, Array]:
+  """`free_pages_sorted_unique`, and, for the ownership record, bool[] whether an entry
+  where `named` (bool[M]) holds lies outside [1, num_pages] (False without `named`).
+  Such entries take the reserved id 0 through the method's own passes (the sort's first
+  key, the bitmap's bit 0), read there once and dropped: no pass over the M entries of
+  its own. Without `named`, exactly the unguarded program."""
   pages = validate.as_i32(pages, "pages").reshape(-1)
   m = pages.shape[0]
   n = num_pages
@@ -155,15 +165,24 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
     method = free_method(n, m)
   if method not in XLA_METHODS:
     raise ValueError(f"method must be one of {XLA_METHODS} or None, got {method!r}")
+  stray = jnp.zeros((), bool)
   if method == "sort":
-    pages = jnp.sort(jnp.where(valid, pages, st.SENTINEL))
+    key = st.SENTINEL if named is None else jnp.where(named, 0, st.SENTINEL)
+    pages = jnp.sort(jnp.where(valid, pages, key))
     is_first = jnp.concatenate([jnp.ones((1,), bool), pages[1:] != pages[:-1]])
-    return st.compact(pages, is_first & (pages != st.SENTINEL))
+    keep = is_first & (pages != st.SENTINEL)
+    if named is not None and m:
+      stray, keep = pages[0] == 0, keep & (pages != 0)
+    return (*st.compact(pages, keep), stray)
   # One bit per page id 0..n, in u32 words; ignored entries go past the map (dropped).
   words_n = (n + 1 + 31) // 32
-  marks = jnp.zeros((words_n * 32,), bool).at[jnp.where(valid, pages, words_n * 32)].set(
-      True, mode="drop")
+  drop = words_n * 32
+  at = jnp.where(valid, pages, drop if named is None else jnp.where(named, 0, drop))
+  marks = jnp.zeros((words_n * 32,), bool).at[at].set(True, mode="drop")
   bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  if named is not None:  # bit 0 (page 0) says a named entry was outside; not a page
+    stray = marks[0]
+    bits = jnp.where(jnp.arange(words_n)[:, None] * 32 + jnp.arange(32) == 0, 0, bits)
   words = jnp.sum(jnp.where(marks.reshape(words_n, 32), bits, jnp.uint32(0)), axis=1,
                   dtype=jnp.uint32)  # distinct bits: the sum is their OR
   per_word = jax.lax.population_count(words).astype(jnp.int32)
@@ -177,7 +196,7 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   slot = jnp.where(valid, before[word] + below.astype(jnp.int32), m)
   values = jnp.zeros((m,), jnp.int32).at[slot].set(pages, mode="drop")
   # The count from elements, not from one more reduction (kernel).
-  return values, before[-1] + per_word[-1]
+  return values, before[-1] + per_word[-1], stray
 
 
 def _exclusive_prefix(x: Array) -> Array:
@@ -216,22 +235,16 @@ def _debug_op(op: int) -> int:
 
 
 def _guard_free(config: AllocatorConfig, state: AllocatorState, op: int, pages: Array,
-                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None,
-                unique: Optional[Tuple[Array, Array]] = None
+                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None
                 ) -> Tuple[AllocatorState, Array]:
   """guard.free on the state's record: (state, bool[] refused). Without a record,
   (state, also_refuse), None when nothing can refuse (so that guard=False traces
-  exactly the unguarded program). unique: the paged free's (sorted unique pages,
-  count), on which guard.free_by_page checks and clears the record once per page."""
+  exactly the unguarded program)."""
   record = st.record(config, state)
   if record is None:
     return state, also_refuse
-  if unique is not None:
-    record, refused = guard.free_by_page(record, op, *unique, pages, given,
-                                         also_refuse=also_refuse)
-  else:
-    record, refused = guard.free(record, op, pages, given, distinct=distinct,
-                                 also_refuse=also_refuse)
+  record, refused = guard.free(record, op, pages, given, distinct=distinct,
+                               also_refuse=also_refuse)
   return state._replace(guard=record), refused
 
 
@@ -244,11 +257,6 @@ def _unless(state: AllocatorState, refused: Optional[Array], count: Array) -> Ar
 def _flag(refused: Optional[Array]) -> Array:
   """bool[] refused (False where nothing could refuse)."""
   return jnp.zeros((), bool) if refused is None else refused
-
-
-def _slot_pages(config: AllocatorConfig, slots: Array) -> Array:
-  """floor(slot / page_size): negative slots keep a negative page (out of range)."""
-  return slots // config.page_size
 
 
 def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:
@@ -267,15 +275,20 @@ def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str
 def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
                     method: str, op: int = guard.OP_FREE) -> Tuple[AllocatorState, Array]:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
-  values, named = free_pages_sorted_unique(pages, config.num_pages, method)
+  record = st.record(config, state)
+  values, named, stray = _sorted_unique(pages, config.num_pages, method,
+                                        None if record is None else free_index != 0)
   count, err = named, None
   if config.debug:
     state, count, err = debug.finish_free(config, state, free_index, values, count,
                                           _debug_op(op))
-  state, refused = _guard_free(config, state, op, _slot_pages(config, free_index),
-                               free_index != 0, distinct=False, also_refuse=err,
-                               unique=(values, named))
-  return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
+  if record is None:
+    return _give_back(config, state, values, count), _flag(err)
+  # The record is read and cleared at the distinct pages just found, not per slot.
+  record, refused = guard.free_by_page(record, op, free_index, values, named, stray,
+                                       page_size=config.page_size, also_refuse=err)
+  state = state._replace(guard=record)
+  return _give_back(config, state, values, jnp.where(refused, 0, count)), refused
 
 
 def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_index: Array,

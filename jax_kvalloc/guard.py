@@ -235,56 +235,64 @@ def free(record: GuardState, op: int, pages: Array, given: Array, *, distinct: b
   return GuardState(held, record_status(record.status, found, new)), refused
 
 
-@functools.partial(jax.jit, static_argnames=("op",))
-def free_by_page(record: GuardState, op: int, unique: Array, count: Array, pages: Array,
-                 given: Array, also_refuse: Optional[Array] = None
+@functools.partial(jax.jit, static_argnames=("op", "page_size"))
+def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count: Array,
+                 stray: Array, *, page_size: int, also_refuse: Optional[Array] = None
                  ) -> Tuple[GuardState, Array]:
-  """The paged free, `free(record, op, pages, given, distinct=False, also_refuse=...)`
-  bit for bit, with the record read and cleared once per distinct page, not per entry.
+  """The paged free: `free(record, op, slots // page_size, slots != 0, distinct=False,
+  also_refuse=...)` bit for bit, with the record read and cleared once per distinct
+  page the call names, not once per slot.
 
   Args:
-    record, op, pages, given, also_refuse: as `free` (pages: floor(slot / ps)).
-    unique: i32[M] the distinct pages in 1..num_pages that the given entries name, in
+    record: the pool's record.
+    op: the operation to name in the status (OP_*).
+    slots: i32[M] the free's slots (0: padding).
+    unique: i32[M] the distinct pages in 1..num_pages that the non-zero slots name, in
       unique[:count] (any order), 0 after them (freeing.free_pages_sorted_unique).
     count: i32[].
+    stray: bool[] whether a non-zero slot names a page outside 1..num_pages (page 0
+      included).
+    page_size: the pool's page size.
+    also_refuse: as `free`.
 
   Returns:
     As `free`.
 
-  Cost: one elementwise pass over the M entries (is any page 0 or outside the pool), a
-  gather and a scatter of K = min(M, num_pages) pages. Which entry offends first (the
-  status) is worked out by `free`'s per-entry rules only in a call that is refused with
-  an empty status, in a branch (`gated`: one under vmap too). On a GPU, where a branch
-  waits for the host, `free` itself runs instead (lax.platform_dependent).
+  Cost: a gather and a scatter of K = min(M, num_pages) pages and nothing per slot.
+  Which slot offends first (the status) is worked out by `free`'s per-entry rules only
+  in a call that is refused with an empty status, in a branch (`gated`: one under vmap
+  too). On a GPU, where a branch waits for the host, `free` itself runs instead
+  (lax.platform_dependent).
   """
-  per_entry = lambda record, unique, count, pages, given, also_refuse: free(
-      record, op, pages, given, distinct=False, also_refuse=also_refuse)
+  per_entry = lambda record, slots, unique, count, stray, also_refuse: free(
+      record, op, slots // page_size, slots != 0, distinct=False, also_refuse=also_refuse)
   return jax.lax.platform_dependent(
-      record, unique, count, pages, given, also_refuse, cuda=per_entry, rocm=per_entry,
-      default=functools.partial(_free_by_page, op))
+      record, slots, unique, count, stray, also_refuse, cuda=per_entry, rocm=per_entry,
+      default=functools.partial(_free_by_page, op, page_size))
 
 
-def _free_by_page(op: int, record: GuardState, unique: Array, count: Array, pages: Array,
-                  given: Array, also_refuse: Optional[Array]) -> Tuple[GuardState, Array]:
+def _free_by_page(op: int, page_size: int, record: GuardState, slots: Array,
+                  unique: Array, count: Array, stray: Array,
+                  also_refuse: Optional[Array]) -> Tuple[GuardState, Array]:
   n = record.held.shape[0] - 1
   k = min(unique.shape[0], n)  # count <= both
   live = jnp.arange(k, dtype=jnp.int32) < count
   at = jnp.where(live, unique[:k], 0)   # page 0 is never held: masked by `live` below
-  outside = jnp.any(given & ((pages < 1) | (pages > n)))
   not_held = jnp.any(live & (record.held.at[at].get(mode="promise_in_bounds") != 1))
-  found = outside | not_held
+  found = stray | not_held
   refused = found if also_refuse is None else found | also_refuse
   held = record.held.at[jnp.where(live & ~refused, at, n + 1)].set(0, mode="drop")
   # A refused call leaves held as it was, so the branch reads the rules' input there.
-  status = gated.gated(functools.partial(_first_status, op))(
-      record.status, found & (record.status[0] == 0), held, pages, given)
+  status = gated.gated(functools.partial(_first_status, op, page_size))(
+      record.status, found & (record.status[0] == 0), held, slots)
   return GuardState(held, status), refused
 
 
-def _first_status(op: int, status: Array, pred: Array, held: Array, pages: Array,
-                  given: Array) -> Array:
+def _first_status(op: int, page_size: int, status: Array, pred: Array, held: Array,
+                  slots: Array) -> Array:
   """The status `free(..., distinct=False)` records (where pred), from its rules."""
-  why, _, _ = reasons(held, pages, given, distinct=False)
+  pages = slots // page_size
+  why, _, _ = reasons(held, pages, slots != 0, distinct=False)
   found, new = first_offence(op, why, pages)
   return jnp.where(pred, record_status(status, found, new), status)
 
