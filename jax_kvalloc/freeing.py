@@ -151,12 +151,16 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
 
 
 def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
-                   named: Optional[Array] = None) -> Tuple[Array, Array, Array]:
-  """`free_pages_sorted_unique`, and, for the ownership record, bool[] whether an entry
-  where `named` (bool[M]) holds lies outside [1, num_pages] (False without `named`).
-  Such entries take the reserved id 0 through the method's own passes (the sort's first
-  key, the bitmap's bit 0), read there once and dropped: no pass over the M entries of
-  its own. Without `named`, exactly the unguarded program."""
+                   named: Optional[Array] = None) -> Tuple[Array, Array, Array, Array]:
+  """`free_pages_sorted_unique`, with what the ownership record reads
+  (guard.free_by_page): (values, count, ids, stray).
+
+  ids: i32[M] each entry's id in the method's own pass: its page where in
+  [1, num_pages], 0 where `named` (bool[M]) holds and the page is outside, above
+  num_pages elsewhere (ignored). stray: bool[] whether any entry has id 0, read off the
+  method's result (the sort's first key, the bitmap's bit 0, neither of them a page), so
+  that the record costs no pass over the M entries. Without `named`, exactly the
+  unguarded program (no id 0, stray False)."""
   pages = validate.as_i32(pages, "pages").reshape(-1)
   m = pages.shape[0]
   n = num_pages
@@ -167,18 +171,19 @@ def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
     raise ValueError(f"method must be one of {XLA_METHODS} or None, got {method!r}")
   stray = jnp.zeros((), bool)
   if method == "sort":
-    key = st.SENTINEL if named is None else jnp.where(named, 0, st.SENTINEL)
-    pages = jnp.sort(jnp.where(valid, pages, key))
+    ids = jnp.where(valid, pages, st.SENTINEL if named is None else
+                    jnp.where(named, 0, st.SENTINEL))
+    pages = jnp.sort(ids)
     is_first = jnp.concatenate([jnp.ones((1,), bool), pages[1:] != pages[:-1]])
     keep = is_first & (pages != st.SENTINEL)
     if named is not None and m:
       stray, keep = pages[0] == 0, keep & (pages != 0)
-    return (*st.compact(pages, keep), stray)
+    return (*st.compact(pages, keep), ids, stray)
   # One bit per page id 0..n, in u32 words; ignored entries go past the map (dropped).
   words_n = (n + 1 + 31) // 32
   drop = words_n * 32
-  at = jnp.where(valid, pages, drop if named is None else jnp.where(named, 0, drop))
-  marks = jnp.zeros((words_n * 32,), bool).at[at].set(True, mode="drop")
+  ids = jnp.where(valid, pages, drop if named is None else jnp.where(named, 0, drop))
+  marks = _marks(words_n * 32, ids)
   bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
   if named is not None:  # bit 0 (page 0) says a named entry was outside; not a page
     stray = marks[0]
@@ -196,7 +201,18 @@ def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
   slot = jnp.where(valid, before[word] + below.astype(jnp.int32), m)
   values = jnp.zeros((m,), jnp.int32).at[slot].set(pages, mode="drop")
   # The count from elements, not from one more reduction (kernel).
-  return values, before[-1] + per_word[-1], stray
+  return values, before[-1] + per_word[-1], ids, stray
+
+
+def _marks(size: int, ids: Array) -> Array:
+  """bool[size]: True at ids (i32[M], >= 0; those >= size dropped). lax.scatter, not
+  .at[]: jnp's wrap of negative indices would be a pass of its own over a materialized
+  `ids` (the record's branch reads it too)."""
+  dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                          scatter_dims_to_operand_dims=(0,))
+  return jax.lax.scatter(jnp.zeros((size,), bool), ids[:, None],
+                         jnp.ones(ids.shape, bool), dnums,
+                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _exclusive_prefix(x: Array) -> Array:
@@ -276,8 +292,8 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
                     method: str, op: int = guard.OP_FREE) -> Tuple[AllocatorState, Array]:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
   record = st.record(config, state)
-  values, named, stray = _sorted_unique(pages, config.num_pages, method,
-                                        None if record is None else free_index != 0)
+  values, named, ids, stray = _sorted_unique(pages, config.num_pages, method,
+                                             None if record is None else free_index != 0)
   count, err = named, None
   if config.debug:
     state, count, err = debug.finish_free(config, state, free_index, values, count,
@@ -285,7 +301,7 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
   if record is None:
     return _give_back(config, state, values, count), _flag(err)
   # The record is read and cleared at the distinct pages just found, not per slot.
-  record, refused = guard.free_by_page(record, op, free_index, values, named, stray,
+  record, refused = guard.free_by_page(record, op, free_index, values, named, ids, stray,
                                        page_size=config.page_size, also_refuse=err)
   state = state._replace(guard=record)
   return _give_back(config, state, values, jnp.where(refused, 0, count)), refused

@@ -237,8 +237,8 @@ def free(record: GuardState, op: int, pages: Array, given: Array, *, distinct: b
 
 @functools.partial(jax.jit, static_argnames=("op", "page_size"))
 def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count: Array,
-                 stray: Array, *, page_size: int, also_refuse: Optional[Array] = None
-                 ) -> Tuple[GuardState, Array]:
+                 ids: Array, stray: Array, *, page_size: int,
+                 also_refuse: Optional[Array] = None) -> Tuple[GuardState, Array]:
   """The paged free: `free(record, op, slots // page_size, slots != 0, distinct=False,
   also_refuse=...)` bit for bit, with the record read and cleared once per distinct
   page the call names, not once per slot.
@@ -250,51 +250,63 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
     unique: i32[M] the distinct pages in 1..num_pages that the non-zero slots name, in
       unique[:count] (any order), 0 after them (freeing.free_pages_sorted_unique).
     count: i32[].
-    stray: bool[] whether a non-zero slot names a page outside 1..num_pages (page 0
-      included).
+    ids: i32[M] each slot's page where in 1..num_pages; 0 for a non-zero slot whose
+      page is outside (page 0 included); above num_pages for padding.
+    stray: bool[] whether any id is 0.
     page_size: the pool's page size.
     also_refuse: as `free`.
 
   Returns:
     As `free`.
 
-  Cost: a gather and a scatter of K = min(M, num_pages) pages and nothing per slot.
-  Which slot offends first (the status) is worked out by `free`'s per-entry rules only
-  in a call that is refused with an empty status, in a branch (`gated`: one under vmap
-  too). On a GPU, where a branch waits for the host, `free` itself runs instead
+  Cost: a gather and a scatter of K = min(M, num_pages) pages and no pass over the
+  slots. Which slot offends first (the status) is looked up in `ids` only in a call
+  that is refused with an empty status, in a branch (`gated`: one under vmap too). On a
+  GPU, where a branch waits for the host, `free` itself runs instead
   (lax.platform_dependent).
   """
-  per_entry = lambda record, slots, unique, count, stray, also_refuse: free(
-      record, op, slots // page_size, slots != 0, distinct=False, also_refuse=also_refuse)
+  def per_entry(record, slots, unique, count, ids, stray, also_refuse):
+    del unique, count, ids, stray
+    return free(record, op, slots // page_size, slots != 0, distinct=False,
+                also_refuse=also_refuse)
   return jax.lax.platform_dependent(
-      record, slots, unique, count, stray, also_refuse, cuda=per_entry, rocm=per_entry,
-      default=functools.partial(_free_by_page, op, page_size))
+      record, slots, unique, count, ids, stray, also_refuse, cuda=per_entry,
+      rocm=per_entry, default=functools.partial(_free_by_page, op, page_size))
 
 
 def _free_by_page(op: int, page_size: int, record: GuardState, slots: Array,
-                  unique: Array, count: Array, stray: Array,
+                  unique: Array, count: Array, ids: Array, stray: Array,
                   also_refuse: Optional[Array]) -> Tuple[GuardState, Array]:
-  n = record.held.shape[0] - 1
-  k = min(unique.shape[0], n)  # count <= both
+  n, m = record.held.shape[0] - 1, slots.shape[0]
+  if m == 0:
+    return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
+  k = min(m, n)  # count <= both
   live = jnp.arange(k, dtype=jnp.int32) < count
-  at = jnp.where(live, unique[:k], 0)   # page 0 is never held: masked by `live` below
-  not_held = jnp.any(live & (record.held.at[at].get(mode="promise_in_bounds") != 1))
-  found = stray | not_held
+  at = jnp.where(live, unique[:k], 0)   # page 0 is never held: masked by `live`
+  not_held = live & (record.held.at[at].get(mode="promise_in_bounds") != 1)
+  found = stray | jnp.any(not_held)
   refused = found if also_refuse is None else found | also_refuse
   held = record.held.at[jnp.where(live & ~refused, at, n + 1)].set(0, mode="drop")
-  # A refused call leaves held as it was, so the branch reads the rules' input there.
-  status = gated.gated(functools.partial(_first_status, op, page_size))(
-      record.status, found & (record.status[0] == 0), held, slots)
-  return GuardState(held, status), refused
+  # The first offending slot, in a branch whose operands are arrays the free made
+  # anyway: neither held (the next write to it would wait on the branch: a copy of held
+  # per call) nor the slots (which XLA could otherwise fuse into their readers).
+  pos = gated.gated(functools.partial(_first_offender, n))(
+      jnp.zeros((), jnp.int32), found & (record.status[0] == 0), ids, at, not_held)
+  page = jnp.floor_divide(slots[pos], page_size)
+  why = jnp.where(page == 0, PAGE_ZERO,
+                  jnp.where((page < 1) | (page > n), OUT_OF_RANGE, NOT_HELD))
+  new = jnp.stack([jnp.int32(op), why, page]).astype(jnp.int32)
+  return GuardState(held, record_status(record.status, found, new)), refused
 
 
-def _first_status(op: int, page_size: int, status: Array, pred: Array, held: Array,
-                  slots: Array) -> Array:
-  """The status `free(..., distinct=False)` records (where pred), from its rules."""
-  pages = slots // page_size
-  why, _, _ = reasons(held, pages, slots != 0, distinct=False)
-  found, new = first_offence(op, why, pages)
-  return jnp.where(pred, record_status(status, found, new), status)
+def _first_offender(n: int, pos: Array, pred: Array, ids: Array, pages: Array,
+                    not_held: Array) -> Array:
+  """i32[]: the first entry whose id (ids, i32[M]) is 0 or a page that is not held
+  (bool[K] not_held at i32[K] pages), where pred; else pos."""
+  bad = jnp.zeros((n + 2,), bool).at[jnp.where(not_held, pages, n + 1)].set(True)
+  bad = bad.at[0].set(True).at[n + 1].set(False)
+  first = jnp.argmax(bad[jnp.minimum(ids, n + 1)]).astype(jnp.int32)
+  return jnp.where(pred, first, pos)
 
 
 # ---------------------------------------------------------------------------------------
