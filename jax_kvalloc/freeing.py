@@ -300,9 +300,15 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
                                           _debug_op(op))
   if record is None:
     return _give_back(config, state, values, count), _flag(err)
-  # The record is read and cleared at the distinct pages just found, not per slot.
-  record, refused = guard.free_by_page(record, op, free_index, values, named, ids, stray,
-                                       page_size=config.page_size, also_refuse=err)
+
+  def guarded(cheap_branch: bool):
+    if cheap_branch:  # the record read and cleared at the distinct pages just found
+      return guard.free_by_page(record, op, free_index, values, named, ids, stray,
+                                page_size=config.page_size, also_refuse=err)
+    return guard.free(record, op, free_index // config.page_size, free_index != 0,
+                      distinct=False, also_refuse=err)
+
+  record, refused = kernels.by_branch_cost(state.free_ring, guarded)
   state = state._replace(guard=record)
   return _give_back(config, state, values, jnp.where(refused, 0, count)), refused
 

@@ -21,7 +21,9 @@ What each operation does to the record:
                            returns slot 0 in every output entry (it always did).
   free (paged)             `free(..., distinct=False)` of the pages slot // ps of the
                            non-zero slots: two slots of one page are one page (SGLang's
-                           sorted-unique free), not a misuse.
+                           sorted-unique free), not a misuse. On CPU and TPU the XLA
+                           free runs `free_by_page`: the same bits, the record read and
+                           cleared once per distinct page.
   free (token),            `free(..., distinct=True)`: a page named twice by one call is a
   free_page_ids,           misuse (these do not de-duplicate). free_segment's pages are
   free_segment             those of the slots that start a page (free_index[::ps] // ps).
@@ -54,7 +56,9 @@ error. With `guard=False` the record is None, none of this is traced, and every
 operation is exactly the unguarded program (SGLang's costs and trust).
 
 Cost: O(work) per call, no scan of the pool: a gather and a scatter of the call's pages
-(frees: plus a scatter-add and a gather for `distinct`), in place under donation.
+(frees: plus a scatter-add and a gather for `distinct`; the paged free's
+`free_by_page`: of its distinct pages, with no pass over the slots), in place under
+donation.
 """
 from __future__ import annotations
 
@@ -261,32 +265,19 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
 
   Cost: a gather and a scatter of K = min(M, num_pages) pages and no pass over the
   slots. Which slot offends first (the status) is looked up in `ids` only in a call
-  that is refused with an empty status, in a branch (`gated`: one under vmap too). On a
-  GPU, where a branch waits for the host, `free` itself runs instead
-  (lax.platform_dependent).
+  that is refused with an empty status, in a branch (`gated`: one under vmap too), so
+  this suits platforms where a branch does not wait for the host (CPU, TPU; the paged
+  free runs `free` on a GPU).
   """
-  def per_entry(record, slots, unique, count, ids, stray, also_refuse):
-    del unique, count, ids, stray
-    return free(record, op, slots // page_size, slots != 0, distinct=False,
-                also_refuse=also_refuse)
-  return jax.lax.platform_dependent(
-      record, slots, unique, count, ids, stray, also_refuse, cuda=per_entry,
-      rocm=per_entry, default=functools.partial(_free_by_page, op, page_size))
-
-
-def _free_by_page(op: int, page_size: int, record: GuardState, slots: Array,
-                  unique: Array, count: Array, ids: Array, stray: Array,
-                  also_refuse: Optional[Array]) -> Tuple[GuardState, Array]:
+  del count  # unique[:min(M, num_pages)] holds the pages, 0 after them
   n, m = record.held.shape[0] - 1, slots.shape[0]
   if m == 0:
     return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
-  k = min(m, n)  # count <= both
-  live = jnp.arange(k, dtype=jnp.int32) < count
-  at = jnp.where(live, unique[:k], 0)   # page 0 is never held: masked by `live`
-  not_held = live & (record.held.at[at].get(mode="promise_in_bounds") != 1)
+  at = unique[:min(m, n)]
+  not_held = (at != 0) & (record.held.at[at].get(mode="promise_in_bounds") != 1)
   found = stray | jnp.any(not_held)
   refused = found if also_refuse is None else found | also_refuse
-  held = record.held.at[jnp.where(live & ~refused, at, n + 1)].set(0, mode="drop")
+  held = record.held.at[jnp.where(refused | (at == 0), n + 1, at)].set(0, mode="drop")
   # The first offending slot, in a branch whose operands are arrays the free made
   # anyway: neither held (the next write to it would wait on the branch: a copy of held
   # per call) nor the slots (which XLA could otherwise fuse into their readers).

@@ -252,6 +252,53 @@ def test_swa_pools_keep_their_own_records():
 
 
 # ---------------------------------------------------------------------------------------
+# The paged free reads the record once per distinct page (guard.free_by_page, CPU and
+# TPU): the per-entry rules' bits; on a GPU, where a branch waits for the host, the
+# per-entry rules themselves.
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", freeing.XLA_METHODS)
+def test_paged_free_by_page_equals_the_per_entry_rules(method):
+  ps, n, m, b = 4, 24, 20, 16
+
+  def both(record, x, also):
+    pages = jnp.where(x >= 0, x // ps, 0)
+    values, count, ids, stray = freeing._sorted_unique(pages, n, method, x != 0)
+    return (guard.free(record, F, x // ps, x != 0, distinct=False, also_refuse=also),
+            guard.free_by_page(record, F, x, values, count, ids, stray, page_size=ps,
+                               also_refuse=also))
+
+  run = jax.jit(jax.vmap(both))   # vmap: the status branch batched, taken by some rows
+  rng = np.random.default_rng(5)
+  reasons = set()
+  for _ in range(4):
+    held = (rng.random((b, n + 1)) < 0.7).astype(np.int32)
+    held[:, 0] = 0
+    status = np.where(rng.random((b, 1)) < 0.25, [[F, guard.NOT_HELD, 9]], 0)
+    good = (np.argsort(rng.random((b, n + 1)) + 2 * (held == 0), 1)[:, :m] * ps
+            + rng.integers(0, ps, (b, m)))   # slots of held pages, mostly
+    junk = rng.choice([0, 0, 1, 3, -1, -7, (n + 1) * ps, 5 * ps], (b, m))
+    slots = np.where(rng.random((b, m)) < 0.9 - 0.5 * (rng.random((b, 1)) < 0.5), good, junk)
+    record = guard.GuardState(jnp.asarray(held), jnp.asarray(status, jnp.int32))
+    also = jnp.asarray(rng.random(b) < 0.2)
+    want, got = run(record, jnp.asarray(slots, jnp.int32), also)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    reasons |= set(np.asarray(want[0].status)[status[:, 0] == 0, 1].tolist())
+  assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD}
+
+
+def test_paged_free_branches_only_where_a_branch_is_cheap():
+  cfg = kv.AllocatorConfig(size=4096 * 16, page_size=16, kernel="jnp")
+  state = jax.eval_shape(functools.partial(kv.init, cfg))
+  fn = functools.partial(kv.free, cfg)
+  gpu = lowering_check.export_for("h200", fn, state, i32(512)).mlir_module()
+  tpu = lowering_check.export_for("tpu_v6e", fn, state, i32(512)).mlir_module()
+  cpu = jax.jit(fn).lower(state, i32(512)).as_text()
+  assert "stablehlo.case" not in gpu
+  assert tpu.count("stablehlo.case") == cpu.count("stablehlo.case") == 1
+
+
+# ---------------------------------------------------------------------------------------
 # The kernels keep the record as the jnp rules do (the random sequences are
 # tests/test_properties.py's CoreMachine); their paged free over many programs.
 # ---------------------------------------------------------------------------------------
