@@ -282,7 +282,7 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
   # anyway: neither held (the next write to it would wait on the branch: a copy of held
   # per call) nor the slots (which XLA could otherwise fuse into their readers).
   pos = gated.gated(functools.partial(_first_offender, n))(
-      jnp.zeros((), jnp.int32), found & (record.status[0] == 0), ids, at, not_held)
+      jnp.zeros((), jnp.int32), found & (record.status[0] == 0), ids, unique, not_held)
   page = jnp.floor_divide(slots[pos], page_size)
   why = jnp.where(page == 0, PAGE_ZERO,
                   jnp.where((page < 1) | (page > n), OUT_OF_RANGE, NOT_HELD))
@@ -293,7 +293,8 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
 def _first_offender(n: int, pos: Array, pred: Array, ids: Array, pages: Array,
                     not_held: Array) -> Array:
   """i32[]: the first entry whose id (ids, i32[M]) is 0 or a page that is not held
-  (bool[K] not_held at i32[K] pages), where pred; else pos."""
+  (bool[K] not_held at pages[:K], i32[M]), where pred; else pos."""
+  pages = pages[:not_held.shape[0]]
   bad = jnp.zeros((n + 2,), bool).at[jnp.where(not_held, pages, n + 1)].set(True)
   bad = bad.at[0].set(True).at[n + 1].set(False)
   first = jnp.argmax(bad[jnp.minimum(ids, n + 1)]).astype(jnp.int32)
