@@ -234,7 +234,7 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
       state, count, err = debug.finish_free(config, state, free_index, values, count,
                                             _debug_op(op))
     state, refused = _guard_free(config, state, op, free_index, free_index != 0,
-                                 distinct=True, also_refuse=err)
+                                 also_refuse=err)
     return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
   if config.debug:  # the checks need XLA's (values, count)
     return _PAGED_FREE[free_method(n, m)](config, state, free_index, op=op)
@@ -251,16 +251,22 @@ def _debug_op(op: int) -> int:
 
 
 def _guard_free(config: AllocatorConfig, state: AllocatorState, op: int, pages: Array,
-                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None
+                given: Array, also_refuse: Optional[Array] = None
                 ) -> Tuple[AllocatorState, Array]:
-  """guard.free on the state's record: (state, bool[] refused). Without a record,
-  (state, also_refuse), None when nothing can refuse (so that guard=False traces
-  exactly the unguarded program)."""
+  """guard.free(distinct=True) on the state's record (the frees that do not
+  de-duplicate): (state, bool[] refused). Without a record, (state, also_refuse), None
+  when nothing can refuse (so that guard=False traces exactly the unguarded program).
+  Where a branch is cheap (kernels.by_branch_cost) guard.free_distinct, the same bits."""
   record = st.record(config, state)
   if record is None:
     return state, also_refuse
-  record, refused = guard.free(record, op, pages, given, distinct=distinct,
-                               also_refuse=also_refuse)
+
+  def guarded(cheap_branch: bool):
+    if cheap_branch:
+      return guard.free_distinct(record, op, pages, given, also_refuse=also_refuse)
+    return guard.free(record, op, pages, given, distinct=True, also_refuse=also_refuse)
+
+  record, refused = kernels.by_branch_cost(state.free_ring, guarded)
   return state._replace(guard=record), refused
 
 
@@ -392,8 +398,7 @@ def _prepend_pages(config: AllocatorConfig, state: AllocatorState, pages: Array,
     state, count, found = debug.finish_free_page_ids(config, state, _debug_op(op), pages,
                                                      given, positions, values, count, err)
     also = found if refuse is None else refuse | found
-  state, refused = _guard_free(config, state, op, pages, given, distinct=True,
-                               also_refuse=also)
+  state, refused = _guard_free(config, state, op, pages, given, also_refuse=also)
   return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 

@@ -239,6 +239,25 @@ def free(record: GuardState, op: int, pages: Array, given: Array, *, distinct: b
   return GuardState(held, record_status(record.status, found, new)), refused
 
 
+# x.at[idx] for idx >= 0, without jnp's wrap of negative indices: that wrap is a pass of
+# its own over an index array that several operations read (past x: dropped, read as 0).
+_GATHER = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,),
+                                         start_index_map=(0,))
+_SCATTER = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                           scatter_dims_to_operand_dims=(0,))
+_DROP = jax.lax.GatherScatterMode.FILL_OR_DROP
+
+
+def _read(x: Array, idx: Array) -> Array:
+  return jax.lax.gather(x, idx[:, None], _GATHER, (1,), mode=_DROP, fill_value=0)
+
+
+def _write(x: Array, idx: Array, value: int, *, add: bool = False) -> Array:
+  update = jnp.full(idx.shape, value, x.dtype)
+  scatter = jax.lax.scatter_add if add else jax.lax.scatter
+  return scatter(x, idx[:, None], update, _SCATTER, mode=_DROP)
+
+
 @functools.partial(jax.jit, static_argnames=("op", "page_size"))
 def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count: Array,
                  ids: Array, stray: Array, *, page_size: int,
@@ -274,10 +293,10 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
   if m == 0:
     return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
   at = unique[:min(m, n)]
-  not_held = (at != 0) & (record.held.at[at].get(mode="promise_in_bounds") != 1)
+  not_held = (at != 0) & (_read(record.held, at) != 1)
   found = stray | jnp.any(not_held)
   refused = found if also_refuse is None else found | also_refuse
-  held = record.held.at[jnp.where(refused | (at == 0), n + 1, at)].set(0, mode="drop")
+  held = _write(record.held, jnp.where(refused | (at == 0), n + 1, at), 0)
   # The first offending slot, in a branch whose operands are arrays the free made
   # anyway: neither held (the next write to it would wait on the branch: a copy of held
   # per call) nor the slots (which XLA could otherwise fuse into their readers).
@@ -288,6 +307,49 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
                   jnp.where((page < 1) | (page > n), OUT_OF_RANGE, NOT_HELD))
   new = jnp.stack([jnp.int32(op), why, page]).astype(jnp.int32)
   return GuardState(held, record_status(record.status, found, new)), refused
+
+
+@functools.partial(jax.jit, static_argnames=("op",))
+def free_distinct(record: GuardState, op: int, pages: Array, given: Array,
+                  also_refuse: Optional[Array] = None) -> Tuple[GuardState, Array]:
+  """`free(record, op, pages, given, distinct=True, also_refuse=...)` bit for bit, in
+  one scatter and one gather of the entries where the call is not refused.
+
+  Each given entry takes 1 from its page's held value: a held page named once reads 0
+  (freed), a page not held or named again reads below 0 (its entries offend). A refused
+  call puts the values back (a scatter adding 1) and finds its first offending entry in
+  a branch (`gated`), so this suits platforms where a branch does not wait for the host
+  (CPU, TPU); the args and result are `free`'s.
+  """
+  n, m = record.held.shape[0] - 1, pages.shape[0]
+  if m == 0:
+    return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
+  inside = given & (pages >= 1) & (pages <= n)
+  at = jnp.where(inside, pages, n + 1)
+  work = _write(record.held, at, -1, add=True)
+  offends = given & (~inside | (_read(work, at) != 0))
+  found = jnp.any(offends)
+  refused = found if also_refuse is None else found | also_refuse
+  held, status = gated.gated(functools.partial(_put_back, op))(
+      (work, record.status), refused, found, pages, at, offends)
+  return GuardState(held, status), refused
+
+
+def _put_back(op: int, x: Tuple[Array, Array], pred: Array, found: Array, pages: Array,
+              at: Array, offends: Array) -> Tuple[Array, Array]:
+  """Where pred: held with 1 added back at the pages `at` (i32[M]; past held: none),
+  and the status naming the first offending entry of bool[M] offends where found;
+  else x."""
+  held, status = x
+  n = held.shape[0] - 1
+  held = _write(held, jnp.where(pred, at, n + 1), 1, add=True)
+  pos = jnp.argmax(offends)
+  page = pages[pos]
+  h0 = held.at[page].get(mode="fill", fill_value=0)
+  why = jnp.where(page == 0, PAGE_ZERO, jnp.where(
+      (page < 1) | (page > n), OUT_OF_RANGE, jnp.where(h0 != 1, NOT_HELD, REPEATED)))
+  new = jnp.stack([jnp.int32(op), why, page]).astype(jnp.int32)
+  return held, record_status(status, pred & found, new)
 
 
 def _first_offender(n: int, pos: Array, pred: Array, ids: Array, pages: Array,
