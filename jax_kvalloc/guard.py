@@ -27,6 +27,7 @@ What each operation does to the record:
   free (token),            `free(..., distinct=True)`: a page named twice by one call is a
   free_page_ids,           misuse (these do not de-duplicate). free_segment's pages are
   free_segment             those of the slots that start a page (free_index[::ps] // ps).
+                           On CPU and TPU they run `free_distinct`: the same bits.
   release_and_alloc_decode free_page_ids (op RELEASE_AND_ALLOC_DECODE), then alloc_decode;
                            a refused release refuses the decode too (ok False, slots 0).
   release_rows (table)     free_page_ids of the rows' owned pages (op RELEASE_ROWS); a
@@ -55,10 +56,12 @@ the host (one sync, when the caller chooses), `checkify_check` turns it into a c
 error. With `guard=False` the record is None, none of this is traced, and every
 operation is exactly the unguarded program (SGLang's costs and trust).
 
-Cost: O(work) per call, no scan of the pool: a gather and a scatter of the call's pages
-(frees: plus a scatter-add and a gather for `distinct`; the paged free's
-`free_by_page`: of its distinct pages, with no pass over the slots), in place under
-donation.
+Cost: O(work) per call, no scan of the pool, in place under donation: an allocation
+scatters to its pages; `free` reads and writes each entry's page (distinct: a
+scatter-add, a gather and a scatter). Where a branch is cheap (CPU, TPU) the frees
+find the first offending entry in one, taken only by a refused call, and do less
+otherwise: `free_by_page` reads and clears the paged free's distinct pages (no pass
+over its slots), `free_distinct` is one scatter-add and one gather of the entries.
 """
 from __future__ import annotations
 

@@ -252,9 +252,10 @@ def test_swa_pools_keep_their_own_records():
 
 
 # ---------------------------------------------------------------------------------------
-# The paged free reads the record once per distinct page (guard.free_by_page, CPU and
-# TPU): the per-entry rules' bits; on a GPU, where a branch waits for the host, the
-# per-entry rules themselves.
+# Where a branch is cheap (CPU, TPU) the paged free reads the record once per distinct
+# page (guard.free_by_page) and the other frees clear first (guard.free_distinct): the
+# per-entry rules' bits; on a GPU, where a branch waits for the host, the rules
+# themselves.
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", freeing.XLA_METHODS)
@@ -287,10 +288,41 @@ def test_paged_free_by_page_equals_the_per_entry_rules(method):
   assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD}
 
 
-def test_paged_free_branches_only_where_a_branch_is_cheap():
-  cfg = kv.AllocatorConfig(size=4096 * 16, page_size=16, kernel="jnp")
+def test_distinct_free_equals_the_per_entry_rules():
+  n, m, b = 20, 12, 16
+  both = lambda record, pages, given, also: (
+      guard.free(record, FP, pages, given, distinct=True, also_refuse=also),
+      guard.free_distinct(record, FP, pages, given, also_refuse=also))
+  run = jax.jit(jax.vmap(both))
+  rng = np.random.default_rng(6)
+  reasons = set()
+  for _ in range(4):
+    held = (rng.random((b, n + 1)) < 0.7).astype(np.int32)
+    held[:, 0] = 0
+    status = np.where(rng.random((b, 1)) < 0.25, [[FP, guard.NOT_HELD, 9]], 0)
+    good = np.argsort(rng.random((b, n + 1)) + 2 * (held == 0), 1)[:, :m]  # held, distinct
+    junk = rng.choice([0, -1, -4, n + 1, n + 7, 3, 5], (b, m))
+    pages = np.where(rng.random((b, m)) < 0.92 - 0.5 * (rng.random((b, 1)) < 0.5), good,
+                     junk)
+    twice = rng.random(b) < 0.2
+    pages[twice, -1] = pages[twice, 0]
+    given = ((pages != 0) | (rng.random((b, m)) < 0.3)) & (rng.random((b, m)) < 0.95)
+    record = guard.GuardState(jnp.asarray(held), jnp.asarray(status, jnp.int32))
+    want, got = run(record, jnp.asarray(pages, jnp.int32), jnp.asarray(given),
+                    jnp.asarray(rng.random(b) < 0.2))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    reasons |= set(np.asarray(want[0].status)[status[:, 0] == 0, 1].tolist())
+  assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD,
+                     guard.REPEATED}
+
+
+@pytest.mark.parametrize("op", ["free", "free_page_ids", "token_free"])
+def test_frees_branch_only_where_a_branch_is_cheap(op):
+  cfg = (kv.AllocatorConfig(size=4096, page_size=1, kind="token", kernel="jnp")
+         if op == "token_free" else
+         kv.AllocatorConfig(size=4096 * 16, page_size=16, kernel="jnp"))
   state = jax.eval_shape(functools.partial(kv.init, cfg))
-  fn = functools.partial(kv.free, cfg)
+  fn = functools.partial(kv.free_page_ids if op == "free_page_ids" else kv.free, cfg)
   gpu = lowering_check.export_for("h200", fn, state, i32(512)).mlir_module()
   tpu = lowering_check.export_for("tpu_v6e", fn, state, i32(512)).mlir_module()
   cpu = jax.jit(fn).lower(state, i32(512)).as_text()
