@@ -258,9 +258,33 @@ def test_swa_pools_keep_their_own_records():
 # themselves.
 # ---------------------------------------------------------------------------------------
 
+def _against_the_rules(run, draw, op, seed, n=24, b=16):
+  """Four batches of b random records (some with a status already): run(record, *args)
+  gives (the rules' result, the one checked), args = draw(rng, order) with order the
+  pages of each record, held ones first. Returns the reasons of the statuses set."""
+  rng = np.random.default_rng(seed)
+  reasons = set()
+  for _ in range(4):
+    held = (rng.random((b, n + 1)) < 0.7).astype(np.int32)
+    held[:, 0] = 0
+    status = np.where(rng.random((b, 1)) < 0.25, [[op, guard.NOT_HELD, 9]], 0)
+    order = np.argsort(rng.random((b, n + 1)) + 2 * (held == 0), 1)
+    record = guard.GuardState(jnp.asarray(held), jnp.asarray(status, jnp.int32))
+    want, got = run(record, *draw(rng, order))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    reasons |= set(np.asarray(want[0].status)[status[:, 0] == 0, 1].tolist())
+  return reasons
+
+
+def _mostly(rng, good, junk):
+  """good, with junk in about 10% of the entries of half the rows and 60% of the rest."""
+  rows = rng.random((good.shape[0], 1)) < 0.5
+  return np.where(rng.random(good.shape) < 0.9 - 0.5 * rows, good, junk)
+
+
 @pytest.mark.parametrize("method", freeing.XLA_METHODS)
 def test_paged_free_by_page_equals_the_per_entry_rules(method):
-  ps, n, m, b = 4, 24, 20, 16
+  ps, n, m = 4, 24, 20
 
   def both(record, x, also):
     pages = jnp.where(x >= 0, x // ps, 0)
@@ -269,49 +293,34 @@ def test_paged_free_by_page_equals_the_per_entry_rules(method):
             guard.free_by_page(record, F, x, values, count, ids, stray, page_size=ps,
                                also_refuse=also))
 
-  run = jax.jit(jax.vmap(both))   # vmap: the status branch batched, taken by some rows
-  rng = np.random.default_rng(5)
-  reasons = set()
-  for _ in range(4):
-    held = (rng.random((b, n + 1)) < 0.7).astype(np.int32)
-    held[:, 0] = 0
-    status = np.where(rng.random((b, 1)) < 0.25, [[F, guard.NOT_HELD, 9]], 0)
-    good = (np.argsort(rng.random((b, n + 1)) + 2 * (held == 0), 1)[:, :m] * ps
-            + rng.integers(0, ps, (b, m)))   # slots of held pages, mostly
-    junk = rng.choice([0, 0, 1, 3, -1, -7, (n + 1) * ps, 5 * ps], (b, m))
-    slots = np.where(rng.random((b, m)) < 0.9 - 0.5 * (rng.random((b, 1)) < 0.5), good, junk)
-    record = guard.GuardState(jnp.asarray(held), jnp.asarray(status, jnp.int32))
-    also = jnp.asarray(rng.random(b) < 0.2)
-    want, got = run(record, jnp.asarray(slots, jnp.int32), also)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
-    reasons |= set(np.asarray(want[0].status)[status[:, 0] == 0, 1].tolist())
+  def draw(rng, order):   # slots of held pages, mostly (two of one page: one page)
+    good = order[:, :m] * ps + rng.integers(0, ps, (order.shape[0], m))
+    junk = rng.choice([0, 0, 1, 3, -1, -7, (n + 1) * ps, 5 * ps], good.shape)
+    return (jnp.asarray(_mostly(rng, good, junk), jnp.int32),
+            jnp.asarray(rng.random(order.shape[0]) < 0.2))
+
+  # vmap: the status branch batched, taken by some rows.
+  reasons = _against_the_rules(jax.jit(jax.vmap(both)), draw, F, 5, n)
   assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD}
 
 
 def test_distinct_free_equals_the_per_entry_rules():
-  n, m, b = 20, 12, 16
+  n, m = 24, 12
   both = lambda record, pages, given, also: (
       guard.free(record, FP, pages, given, distinct=True, also_refuse=also),
       guard.free_distinct(record, FP, pages, given, also_refuse=also))
-  run = jax.jit(jax.vmap(both))
-  rng = np.random.default_rng(6)
-  reasons = set()
-  for _ in range(4):
-    held = (rng.random((b, n + 1)) < 0.7).astype(np.int32)
-    held[:, 0] = 0
-    status = np.where(rng.random((b, 1)) < 0.25, [[FP, guard.NOT_HELD, 9]], 0)
-    good = np.argsort(rng.random((b, n + 1)) + 2 * (held == 0), 1)[:, :m]  # held, distinct
-    junk = rng.choice([0, -1, -4, n + 1, n + 7, 3, 5], (b, m))
-    pages = np.where(rng.random((b, m)) < 0.92 - 0.5 * (rng.random((b, 1)) < 0.5), good,
-                     junk)
-    twice = rng.random(b) < 0.2
+
+  def draw(rng, order):   # held pages, distinct, mostly; some rows name one twice
+    pages = _mostly(rng, order[:, :m], rng.choice([0, -1, -4, n + 1, n + 7, 3, 5],
+                                                  (order.shape[0], m)))
+    twice = rng.random(order.shape[0]) < 0.2
     pages[twice, -1] = pages[twice, 0]
-    given = ((pages != 0) | (rng.random((b, m)) < 0.3)) & (rng.random((b, m)) < 0.95)
-    record = guard.GuardState(jnp.asarray(held), jnp.asarray(status, jnp.int32))
-    want, got = run(record, jnp.asarray(pages, jnp.int32), jnp.asarray(given),
-                    jnp.asarray(rng.random(b) < 0.2))
-    jax.tree.map(np.testing.assert_array_equal, got, want)
-    reasons |= set(np.asarray(want[0].status)[status[:, 0] == 0, 1].tolist())
+    given = ((pages != 0) | (rng.random(pages.shape) < 0.3)) & (
+        rng.random(pages.shape) < 0.95)
+    return (jnp.asarray(pages, jnp.int32), jnp.asarray(given),
+            jnp.asarray(rng.random(order.shape[0]) < 0.2))
+
+  reasons = _against_the_rules(jax.jit(jax.vmap(both)), draw, FP, 6, n)
   assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD,
                      guard.REPEATED}
 
