@@ -151,16 +151,18 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
 
 
 def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
-                   named: Optional[Array] = None) -> Tuple[Array, Array, Array, Array]:
+                   named: Optional[Array] = None
+                   ) -> Tuple[Array, Array, Array, Array, Optional[Array]]:
   """`free_pages_sorted_unique`, with what the ownership record reads
-  (guard.free_by_page): (values, count, ids, stray).
+  (guard.free_by_page): (values, count, ids, stray, marks).
 
   ids: i32[M] each entry's id in the method's own pass: its page where in
   [1, num_pages], 0 where `named` (bool[M]) holds and the page is outside, above
   num_pages elsewhere (ignored). stray: bool[] whether any entry has id 0, read off the
   method's result (the sort's first key, the bitmap's bit 0, neither of them a page), so
-  that the record costs no pass over the M entries. Without `named`, exactly the
-  unguarded program (no id 0, stray False)."""
+  that the record costs no pass over the M entries. marks: the bitmap method's
+  bool[>= num_pages + 1], True at the ids (None for the sort). Without `named`, exactly
+  the unguarded program (no id 0, stray False)."""
   pages = validate.as_i32(pages, "pages").reshape(-1)
   m = pages.shape[0]
   n = num_pages
@@ -178,7 +180,7 @@ def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
     keep = is_first & (pages != st.SENTINEL)
     if named is not None and m:
       stray, keep = pages[0] == 0, keep & (pages != 0)
-    return (*st.compact(pages, keep), ids, stray)
+    return (*st.compact(pages, keep), ids, stray, None)
   # One bit per page id 0..n, in u32 words; ignored entries go past the map (dropped).
   words_n = (n + 1 + 31) // 32
   drop = words_n * 32
@@ -201,7 +203,7 @@ def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
   slot = jnp.where(valid, before[word] + below.astype(jnp.int32), m)
   values = jnp.zeros((m,), jnp.int32).at[slot].set(pages, mode="drop")
   # The count from elements, not from one more reduction (kernel).
-  return values, before[-1] + per_word[-1], ids, stray
+  return values, before[-1] + per_word[-1], ids, stray, marks
 
 
 def _marks(size: int, ids: Array) -> Array:
@@ -298,9 +300,9 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
                     method: str, op: int = guard.OP_FREE) -> Tuple[AllocatorState, Array]:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
   record = st.record(config, state)
-  values, named, ids, stray = _sorted_unique(pages, config.num_pages, method,
-                                             None if record is None else free_index != 0)
-  count, err = named, None
+  values, count, ids, stray, marks = _sorted_unique(
+      pages, config.num_pages, method, None if record is None else free_index != 0)
+  err = None
   if config.debug:
     state, count, err = debug.finish_free(config, state, free_index, values, count,
                                           _debug_op(op))
@@ -309,7 +311,7 @@ def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: 
 
   def guarded(cheap_branch: bool):
     if cheap_branch:  # the record read and cleared at the distinct pages just found
-      return guard.free_by_page(record, op, free_index, values, named, ids, stray,
+      return guard.free_by_page(record, op, free_index, values, ids, stray, marks,
                                 page_size=config.page_size, also_refuse=err)
     return guard.free(record, op, free_index // config.page_size, free_index != 0,
                       distinct=False, also_refuse=err)

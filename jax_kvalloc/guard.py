@@ -262,8 +262,8 @@ def _write(x: Array, idx: Array, value: int, *, add: bool = False) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("op", "page_size"))
-def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count: Array,
-                 ids: Array, stray: Array, *, page_size: int,
+def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, ids: Array,
+                 stray: Array, marks: Optional[Array] = None, *, page_size: int,
                  also_refuse: Optional[Array] = None) -> Tuple[GuardState, Array]:
   """The paged free: `free(record, op, slots // page_size, slots != 0, distinct=False,
   also_refuse=...)` bit for bit, with the record read and cleared once per distinct
@@ -273,38 +273,47 @@ def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, count
     record: the pool's record.
     op: the operation to name in the status (OP_*).
     slots: i32[M] the free's slots (0: padding).
-    unique: i32[M] the distinct pages in 1..num_pages that the non-zero slots name, in
-      unique[:count] (any order), 0 after them (freeing.free_pages_sorted_unique).
-    count: i32[].
+    unique: i32[M] the distinct pages in 1..num_pages that the non-zero slots name,
+      first (any order), 0 after them (freeing.free_pages_sorted_unique's values).
     ids: i32[M] each slot's page where in 1..num_pages; 0 for a non-zero slot whose
       page is outside (page 0 included); above num_pages for padding.
     stray: bool[] whether any id is 0.
+    marks: optional bool[>= num_pages + 1], True at each id in 0..num_pages (the
+      bitmap method's map): the record is then read through it, a vectorized pass over
+      the pool instead of a gather.
     page_size: the pool's page size.
     also_refuse: as `free`.
 
   Returns:
     As `free`.
 
-  Cost: a gather and a scatter of K = min(M, num_pages) pages and no pass over the
-  slots. Which slot offends first (the status) is looked up in `ids` only in a call
-  that is refused with an empty status, in a branch (`gated`: one under vmap too), so
-  this suits platforms where a branch does not wait for the host (CPU, TPU; the paged
-  free runs `free` on a GPU).
+  Cost: a scatter of K = min(M, num_pages) pages, a gather of them (or a pass over the
+  marks) and no pass over the slots. Which slot offends first (the status) is looked up
+  in `ids` only in a call that is refused with an empty status, in a branch (`gated`:
+  one under vmap too), so this suits platforms where a branch does not wait for the
+  host (CPU, TPU; the paged free runs `free` on a GPU).
   """
-  del count  # unique[:min(M, num_pages)] holds the pages, 0 after them
   n, m = record.held.shape[0] - 1, slots.shape[0]
   if m == 0:
     return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
   at = unique[:min(m, n)]
-  not_held = (at != 0) & (_read(record.held, at) != 1)
-  found = stray | jnp.any(not_held)
+  if marks is None:
+    not_held = (at != 0) & (_read(record.held, at) != 1)
+    found = stray | jnp.any(not_held)
+    first = functools.partial(_first_offender_of, n)
+    bad = (at, not_held)
+  else:  # page 0 is in the map where a slot strayed; it is never held
+    page = jnp.arange(n + 1, dtype=jnp.int32)
+    bad = (marks[:n + 1] & ((record.held != 1) | (page == 0)),)
+    found = jnp.any(bad[0])
+    first = _first_offender
   refused = found if also_refuse is None else found | also_refuse
   held = _write(record.held, jnp.where(refused | (at == 0), n + 1, at), 0)
   # The first offending slot, in a branch whose operands are arrays the free made
   # anyway: neither held (the next write to it would wait on the branch: a copy of held
   # per call) nor the slots (which XLA could otherwise fuse into their readers).
-  pos = gated.gated(functools.partial(_first_offender, n))(
-      jnp.zeros((), jnp.int32), found & (record.status[0] == 0), ids, unique, not_held)
+  pos = gated.gated(first)(jnp.zeros((), jnp.int32), found & (record.status[0] == 0),
+                           ids, *bad)
   page = jnp.floor_divide(slots[pos], page_size)
   why = jnp.where(page == 0, PAGE_ZERO,
                   jnp.where((page < 1) | (page > n), OUT_OF_RANGE, NOT_HELD))
@@ -355,15 +364,20 @@ def _put_back(op: int, x: Tuple[Array, Array], pred: Array, found: Array, pages:
   return held, record_status(status, pred & found, new)
 
 
-def _first_offender(n: int, pos: Array, pred: Array, ids: Array, pages: Array,
-                    not_held: Array) -> Array:
-  """i32[]: the first entry whose id (ids, i32[M]) is 0 or a page that is not held
-  (bool[K] not_held at pages[:K], i32[M]), where pred; else pos."""
-  pages = pages[:not_held.shape[0]]
-  bad = jnp.zeros((n + 2,), bool).at[jnp.where(not_held, pages, n + 1)].set(True)
-  bad = bad.at[0].set(True).at[n + 1].set(False)
-  first = jnp.argmax(bad[jnp.minimum(ids, n + 1)]).astype(jnp.int32)
-  return jnp.where(pred, first, pos)
+def _first_offender(pos: Array, pred: Array, ids: Array, bad: Array) -> Array:
+  """i32[]: the first entry whose id (ids, i32[M]) is a page where bad (bool[n + 1];
+  page 0: a named entry outside the pool; ids above n: none), where pred; else pos."""
+  n = bad.shape[0] - 1
+  hit = jnp.concatenate([bad, jnp.zeros((1,), bool)])[jnp.minimum(ids, n + 1)]
+  return jnp.where(pred, jnp.argmax(hit).astype(jnp.int32), pos)
+
+
+def _first_offender_of(n: int, pos: Array, pred: Array, ids: Array, pages: Array,
+                       not_held: Array) -> Array:
+  """`_first_offender` with bad = the pages (i32[K]) where not_held (bool[K]), and 0."""
+  bad = jnp.zeros((n + 1,), bool).at[jnp.where(not_held, pages, n + 1)].set(
+      True, mode="drop")
+  return _first_offender(pos, pred, ids, bad.at[0].set(True))
 
 
 # ---------------------------------------------------------------------------------------

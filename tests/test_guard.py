@@ -288,9 +288,9 @@ def test_paged_free_by_page_equals_the_per_entry_rules(method):
 
   def both(record, x, also):
     pages = jnp.where(x >= 0, x // ps, 0)
-    values, count, ids, stray = freeing._sorted_unique(pages, n, method, x != 0)
+    values, _, ids, stray, marks = freeing._sorted_unique(pages, n, method, x != 0)
     return (guard.free(record, F, x // ps, x != 0, distinct=False, also_refuse=also),
-            guard.free_by_page(record, F, x, values, count, ids, stray, page_size=ps,
+            guard.free_by_page(record, F, x, values, ids, stray, marks, page_size=ps,
                                also_refuse=also))
 
   def draw(rng, order):   # slots of held pages, mostly (two of one page: one page)
