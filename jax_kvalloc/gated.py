@@ -9,11 +9,12 @@ although a merge only runs on a shortfall.
 `gated(update)(x, pred, *operands)` is `update(x, pred, *operands)` when any entry of
 `pred` holds, else `x`, where `update` masks its own effect by `pred` (entries whose pred
 is False come back unchanged) and only reads `operands` (arrays it needs beside x, which
-the branch does not hand back). Unbatched, it is one `lax.cond`. Under `vmap` its batching rule keeps the
-branch at the outer level: `lax.cond(any(pred over the batch), vmap(update), identity)`,
-so a call in which no entry needs the update does no work proportional to `x`, and one
-in which some do runs the update, masked, on the whole batch (the same cost as a single
-update per entry, paid only then). Nested `vmap`s nest the same rule.
+the branch does not hand back). Unbatched, it is one `lax.cond`. Under `vmap` its
+batching rule keeps the branch at the outer level: `lax.cond(any(pred over the batch),
+vmap(update), identity)`, so a call in which no entry needs the update does no work
+proportional to `x`, and one in which some do runs the update, masked, on the whole
+batch (the same cost as a single update per entry, paid only then). Nested `vmap`s nest
+the same rule.
 """
 from __future__ import annotations
 
