@@ -147,6 +147,22 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
     (values, count): i32[M] with the pages in values[:count] and 0 after them, and
     i32[] count. Both methods return the same bits.
   """
+  return _sorted_unique(pages, num_pages, method)[:2]
+
+
+def _sorted_unique(pages: Array, num_pages: int, method: Optional[str],
+                   named: Optional[Array] = None
+                   ) -> Tuple[Array, Array, Array, Array, Optional[Array]]:
+  """`free_pages_sorted_unique`, with what the ownership record reads
+  (guard.free_by_page): (values, count, ids, stray, marks).
+
+  ids: i32[M] each entry's id in the method's own pass: its page where in
+  [1, num_pages], 0 where `named` (bool[M]) holds and the page is outside, above
+  num_pages elsewhere (ignored). stray: bool[] whether any entry has id 0, read off the
+  method's result (the sort's first key, the bitmap's bit 0, neither of them a page), so
+  that the record costs no pass over the M entries. marks: the bitmap method's
+  bool[>= num_pages + 1], True at the ids (None for the sort). Without `named`, exactly
+  the unguarded program (no id 0, stray False)."""
   pages = validate.as_i32(pages, "pages").reshape(-1)
   m = pages.shape[0]
   n = num_pages
@@ -155,15 +171,25 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
     method = free_method(n, m)
   if method not in XLA_METHODS:
     raise ValueError(f"method must be one of {XLA_METHODS} or None, got {method!r}")
+  stray = jnp.zeros((), bool)
   if method == "sort":
-    pages = jnp.sort(jnp.where(valid, pages, st.SENTINEL))
+    ids = jnp.where(valid, pages, st.SENTINEL if named is None else
+                    jnp.where(named, 0, st.SENTINEL))
+    pages = jnp.sort(ids)
     is_first = jnp.concatenate([jnp.ones((1,), bool), pages[1:] != pages[:-1]])
-    return st.compact(pages, is_first & (pages != st.SENTINEL))
+    keep = is_first & (pages != st.SENTINEL)
+    if named is not None and m:
+      stray, keep = pages[0] == 0, keep & (pages != 0)
+    return (*st.compact(pages, keep), ids, stray, None)
   # One bit per page id 0..n, in u32 words; ignored entries go past the map (dropped).
   words_n = (n + 1 + 31) // 32
-  marks = jnp.zeros((words_n * 32,), bool).at[jnp.where(valid, pages, words_n * 32)].set(
-      True, mode="drop")
+  drop = words_n * 32
+  ids = jnp.where(valid, pages, drop if named is None else jnp.where(named, 0, drop))
+  marks = _marks(words_n * 32, ids)
   bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  if named is not None:  # bit 0 (page 0) says a named entry was outside; not a page
+    stray = marks[0]
+    bits = jnp.where(jnp.arange(words_n)[:, None] * 32 + jnp.arange(32) == 0, 0, bits)
   words = jnp.sum(jnp.where(marks.reshape(words_n, 32), bits, jnp.uint32(0)), axis=1,
                   dtype=jnp.uint32)  # distinct bits: the sum is their OR
   per_word = jax.lax.population_count(words).astype(jnp.int32)
@@ -177,7 +203,18 @@ def free_pages_sorted_unique(pages: Array, num_pages: int,
   slot = jnp.where(valid, before[word] + below.astype(jnp.int32), m)
   values = jnp.zeros((m,), jnp.int32).at[slot].set(pages, mode="drop")
   # The count from elements, not from one more reduction (kernel).
-  return values, before[-1] + per_word[-1]
+  return values, before[-1] + per_word[-1], ids, stray, marks
+
+
+def _marks(size: int, ids: Array) -> Array:
+  """bool[size]: True at ids (i32[M], >= 0; those >= size dropped). lax.scatter, not
+  .at[]: jnp's wrap of negative indices would be a pass of its own over a materialized
+  `ids` (the record's branch reads it too)."""
+  dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                          scatter_dims_to_operand_dims=(0,))
+  return jax.lax.scatter(jnp.zeros((size,), bool), ids[:, None],
+                         jnp.ones(ids.shape, bool), dnums,
+                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _exclusive_prefix(x: Array) -> Array:
@@ -199,7 +236,7 @@ def _free(config: AllocatorConfig, state: AllocatorState, free_index: Array,
       state, count, err = debug.finish_free(config, state, free_index, values, count,
                                             _debug_op(op))
     state, refused = _guard_free(config, state, op, free_index, free_index != 0,
-                                 distinct=True, also_refuse=err)
+                                 also_refuse=err)
     return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
   if config.debug:  # the checks need XLA's (values, count)
     return _PAGED_FREE[free_method(n, m)](config, state, free_index, op=op)
@@ -216,16 +253,22 @@ def _debug_op(op: int) -> int:
 
 
 def _guard_free(config: AllocatorConfig, state: AllocatorState, op: int, pages: Array,
-                given: Array, *, distinct: bool, also_refuse: Optional[Array] = None
+                given: Array, also_refuse: Optional[Array] = None
                 ) -> Tuple[AllocatorState, Array]:
-  """guard.free on the state's record: (state, bool[] refused). Without a record,
-  (state, also_refuse), None when nothing can refuse (so that guard=False traces
-  exactly the unguarded program)."""
+  """guard.free(distinct=True) on the state's record (the frees that do not
+  de-duplicate): (state, bool[] refused). Without a record, (state, also_refuse), None
+  when nothing can refuse (so that guard=False traces exactly the unguarded program).
+  Where a branch is cheap (kernels.by_branch_cost) guard.free_distinct, the same bits."""
   record = st.record(config, state)
   if record is None:
     return state, also_refuse
-  record, refused = guard.free(record, op, pages, given, distinct=distinct,
-                               also_refuse=also_refuse)
+
+  def guarded(cheap_branch: bool):
+    if cheap_branch:
+      return guard.free_distinct(record, op, pages, given, also_refuse=also_refuse)
+    return guard.free(record, op, pages, given, distinct=True, also_refuse=also_refuse)
+
+  record, refused = kernels.by_branch_cost(state.free_ring, guarded)
   return state._replace(guard=record), refused
 
 
@@ -238,11 +281,6 @@ def _unless(state: AllocatorState, refused: Optional[Array], count: Array) -> Ar
 def _flag(refused: Optional[Array]) -> Array:
   """bool[] refused (False where nothing could refuse)."""
   return jnp.zeros((), bool) if refused is None else refused
-
-
-def _slot_pages(config: AllocatorConfig, slots: Array) -> Array:
-  """floor(slot / page_size): negative slots keep a negative page (out of range)."""
-  return slots // config.page_size
 
 
 def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str:
@@ -261,14 +299,26 @@ def paged_free_implementation(config: AllocatorConfig, name: str, m: int) -> str
 def _free_paged_xla(config: AllocatorConfig, state: AllocatorState, free_index: Array, *,
                     method: str, op: int = guard.OP_FREE) -> Tuple[AllocatorState, Array]:
   pages = jnp.where(free_index >= 0, free_index // config.page_size, 0)
-  values, count = free_pages_sorted_unique(pages, config.num_pages, method)
+  record = st.record(config, state)
+  values, count, ids, stray, marks = _sorted_unique(
+      pages, config.num_pages, method, None if record is None else free_index != 0)
   err = None
   if config.debug:
     state, count, err = debug.finish_free(config, state, free_index, values, count,
                                           _debug_op(op))
-  state, refused = _guard_free(config, state, op, _slot_pages(config, free_index),
-                               free_index != 0, distinct=False, also_refuse=err)
-  return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
+  if record is None:
+    return _give_back(config, state, values, count), _flag(err)
+
+  def guarded(cheap_branch: bool):
+    if cheap_branch:  # the record read and cleared at the distinct pages just found
+      return guard.free_by_page(record, op, free_index, values, ids, stray, marks,
+                                page_size=config.page_size, also_refuse=err)
+    return guard.free(record, op, free_index // config.page_size, free_index != 0,
+                      distinct=False, also_refuse=err)
+
+  record, refused = kernels.by_branch_cost(state.free_ring, guarded)
+  state = state._replace(guard=record)
+  return _give_back(config, state, values, jnp.where(refused, 0, count)), refused
 
 
 def _free_paged_triton(config: AllocatorConfig, state: AllocatorState, free_index: Array,
@@ -350,8 +400,7 @@ def _prepend_pages(config: AllocatorConfig, state: AllocatorState, pages: Array,
     state, count, found = debug.finish_free_page_ids(config, state, _debug_op(op), pages,
                                                      given, positions, values, count, err)
     also = found if refuse is None else refuse | found
-  state, refused = _guard_free(config, state, op, pages, given, distinct=True,
-                               also_refuse=also)
+  state, refused = _guard_free(config, state, op, pages, given, also_refuse=also)
   return _give_back(config, state, values, _unless(state, refused, count)), _flag(refused)
 
 

@@ -21,10 +21,13 @@ What each operation does to the record:
                            returns slot 0 in every output entry (it always did).
   free (paged)             `free(..., distinct=False)` of the pages slot // ps of the
                            non-zero slots: two slots of one page are one page (SGLang's
-                           sorted-unique free), not a misuse.
+                           sorted-unique free), not a misuse. On CPU and TPU the XLA
+                           free runs `free_by_page`: the same bits, the record read and
+                           cleared once per distinct page.
   free (token),            `free(..., distinct=True)`: a page named twice by one call is a
   free_page_ids,           misuse (these do not de-duplicate). free_segment's pages are
   free_segment             those of the slots that start a page (free_index[::ps] // ps).
+                           On CPU and TPU they run `free_distinct`: the same bits.
   release_and_alloc_decode free_page_ids (op RELEASE_AND_ALLOC_DECODE), then alloc_decode;
                            a refused release refuses the decode too (ok False, slots 0).
   release_rows (table)     free_page_ids of the rows' owned pages (op RELEASE_ROWS); a
@@ -53,8 +56,12 @@ the host (one sync, when the caller chooses), `checkify_check` turns it into a c
 error. With `guard=False` the record is None, none of this is traced, and every
 operation is exactly the unguarded program (SGLang's costs and trust).
 
-Cost: O(work) per call, no scan of the pool: a gather and a scatter of the call's pages
-(frees: plus a scatter-add and a gather for `distinct`), in place under donation.
+Cost: O(work) per call, no scan of the pool, in place under donation: an allocation
+scatters to its pages; `free` reads and writes each entry's page (distinct: a
+scatter-add, a gather and a scatter). Where a branch is cheap (CPU, TPU) the frees
+find the first offending entry in one, taken only by a refused call, and do less
+otherwise: `free_by_page` reads and clears the paged free's distinct pages (no pass
+over its slots), `free_distinct` is one scatter-add and one gather of the entries.
 """
 from __future__ import annotations
 
@@ -64,6 +71,8 @@ from typing import Any, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_kvalloc import gated
 
 Array = jax.Array
 
@@ -231,6 +240,144 @@ def free(record: GuardState, op: int, pages: Array, given: Array, *, distinct: b
   else:
     held = work.at[jnp.where(refused, n + 1, at)].set(0, mode="drop")
   return GuardState(held, record_status(record.status, found, new)), refused
+
+
+# x.at[idx] for idx >= 0, without jnp's wrap of negative indices: that wrap is a pass of
+# its own over an index array that several operations read (past x: dropped, read as 0).
+_GATHER = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,),
+                                         start_index_map=(0,))
+_SCATTER = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                           scatter_dims_to_operand_dims=(0,))
+_DROP = jax.lax.GatherScatterMode.FILL_OR_DROP
+
+
+def _read(x: Array, idx: Array) -> Array:
+  return jax.lax.gather(x, idx[:, None], _GATHER, (1,), mode=_DROP, fill_value=0)
+
+
+def _write(x: Array, idx: Array, value: int, *, add: bool = False) -> Array:
+  update = jnp.full(idx.shape, value, x.dtype)
+  scatter = jax.lax.scatter_add if add else jax.lax.scatter
+  return scatter(x, idx[:, None], update, _SCATTER, mode=_DROP)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "page_size"))
+def free_by_page(record: GuardState, op: int, slots: Array, unique: Array, ids: Array,
+                 stray: Array, marks: Optional[Array] = None, *, page_size: int,
+                 also_refuse: Optional[Array] = None) -> Tuple[GuardState, Array]:
+  """The paged free: `free(record, op, slots // page_size, slots != 0, distinct=False,
+  also_refuse=...)` bit for bit, with the record read and cleared once per distinct
+  page the call names, not once per slot.
+
+  Args:
+    record: the pool's record.
+    op: the operation to name in the status (OP_*).
+    slots: i32[M] the free's slots (0: padding).
+    unique: i32[M] the distinct pages in 1..num_pages that the non-zero slots name,
+      first (any order), 0 after them (freeing.free_pages_sorted_unique's values).
+    ids: i32[M] each slot's page where in 1..num_pages; 0 for a non-zero slot whose
+      page is outside (page 0 included); above num_pages for padding.
+    stray: bool[] whether any id is 0.
+    marks: optional bool[>= num_pages + 1], True at each id in 0..num_pages (the
+      bitmap method's map): the record is then read through it, a vectorized pass over
+      the pool instead of a gather.
+    page_size: the pool's page size.
+    also_refuse: as `free`.
+
+  Returns:
+    As `free`.
+
+  Cost: a scatter of K = min(M, num_pages) pages, a gather of them (or a pass over the
+  marks) and no pass over the slots. Which slot offends first (the status) is looked up
+  in `ids` only in a call that is refused with an empty status, in a branch (`gated`:
+  one under vmap too), so this suits platforms where a branch does not wait for the
+  host (CPU, TPU; the paged free runs `free` on a GPU).
+  """
+  n, m = record.held.shape[0] - 1, slots.shape[0]
+  if m == 0:
+    return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
+  at = unique[:min(m, n)]
+  if marks is None:
+    not_held = (at != 0) & (_read(record.held, at) != 1)
+    found = stray | jnp.any(not_held)
+    first = functools.partial(_first_offender_of, n)
+    bad = (at, not_held)
+  else:  # page 0 is in the map where a slot strayed; it is never held
+    page = jnp.arange(n + 1, dtype=jnp.int32)
+    bad = (marks[:n + 1] & ((record.held != 1) | (page == 0)),)
+    found = jnp.any(bad[0])
+    first = _first_offender
+  refused = found if also_refuse is None else found | also_refuse
+  held = _write(record.held, jnp.where(refused | (at == 0), n + 1, at), 0)
+  # The first offending slot, in a branch whose operands are arrays the free made
+  # anyway: neither held (the next write to it would wait on the branch: a copy of held
+  # per call) nor the slots (which XLA could otherwise fuse into their readers).
+  pos = gated.gated(first)(jnp.zeros((), jnp.int32), found & (record.status[0] == 0),
+                           ids, *bad)
+  page = jnp.floor_divide(slots[pos], page_size)
+  why = jnp.where(page == 0, PAGE_ZERO,
+                  jnp.where((page < 1) | (page > n), OUT_OF_RANGE, NOT_HELD))
+  new = jnp.stack([jnp.int32(op), why, page]).astype(jnp.int32)
+  return GuardState(held, record_status(record.status, found, new)), refused
+
+
+@functools.partial(jax.jit, static_argnames=("op",))
+def free_distinct(record: GuardState, op: int, pages: Array, given: Array,
+                  also_refuse: Optional[Array] = None) -> Tuple[GuardState, Array]:
+  """`free(record, op, pages, given, distinct=True, also_refuse=...)` bit for bit, in
+  one scatter and one gather of the entries where the call is not refused.
+
+  Each given entry takes 1 from its page's held value: a held page named once reads 0
+  (freed), a page not held or named again reads below 0 (its entries offend). A refused
+  call puts the values back (a scatter adding 1) and finds its first offending entry in
+  a branch (`gated`), so this suits platforms where a branch does not wait for the host
+  (CPU, TPU); the args and result are `free`'s.
+  """
+  n, m = record.held.shape[0] - 1, pages.shape[0]
+  if m == 0:
+    return record, jnp.zeros((), bool) if also_refuse is None else also_refuse
+  inside = given & (pages >= 1) & (pages <= n)
+  at = jnp.where(inside, pages, n + 1)
+  work = _write(record.held, at, -1, add=True)
+  offends = given & (~inside | (_read(work, at) != 0))
+  found = jnp.any(offends)
+  refused = found if also_refuse is None else found | also_refuse
+  held, status = gated.gated(functools.partial(_put_back, op))(
+      (work, record.status), refused, found, pages, at, offends)
+  return GuardState(held, status), refused
+
+
+def _put_back(op: int, x: Tuple[Array, Array], pred: Array, found: Array, pages: Array,
+              at: Array, offends: Array) -> Tuple[Array, Array]:
+  """Where pred: held with 1 added back at the pages `at` (i32[M]; past held: none),
+  and the status naming the first offending entry of bool[M] offends where found;
+  else x."""
+  held, status = x
+  n = held.shape[0] - 1
+  held = _write(held, jnp.where(pred, at, n + 1), 1, add=True)
+  pos = jnp.argmax(offends)
+  page = pages[pos]
+  h0 = held.at[page].get(mode="fill", fill_value=0)
+  why = jnp.where(page == 0, PAGE_ZERO, jnp.where(
+      (page < 1) | (page > n), OUT_OF_RANGE, jnp.where(h0 != 1, NOT_HELD, REPEATED)))
+  new = jnp.stack([jnp.int32(op), why, page]).astype(jnp.int32)
+  return held, record_status(status, pred & found, new)
+
+
+def _first_offender(pos: Array, pred: Array, ids: Array, bad: Array) -> Array:
+  """i32[]: the first entry whose id (ids, i32[M]) is a page where bad (bool[n + 1];
+  page 0: a named entry outside the pool; ids above n: none), where pred; else pos."""
+  n = bad.shape[0] - 1
+  hit = jnp.concatenate([bad, jnp.zeros((1,), bool)])[jnp.minimum(ids, n + 1)]
+  return jnp.where(pred, jnp.argmax(hit).astype(jnp.int32), pos)
+
+
+def _first_offender_of(n: int, pos: Array, pred: Array, ids: Array, pages: Array,
+                       not_held: Array) -> Array:
+  """`_first_offender` with bad = the pages (i32[K]) where not_held (bool[K]), and 0."""
+  bad = jnp.zeros((n + 1,), bool).at[jnp.where(not_held, pages, n + 1)].set(
+      True, mode="drop")
+  return _first_offender(pos, pred, ids, bad.at[0].set(True))
 
 
 # ---------------------------------------------------------------------------------------

@@ -358,6 +358,20 @@ def by_device(kernel: str, pool: Array, fn: Callable[[str], T],
   return jax.lax.platform_dependent(**branches, default=branches[platforms[0]])
 
 
+def by_branch_cost(pool: Array, fn: Callable[[bool], T]) -> T:
+  """fn(cheap): the work on a pool where a data-dependent branch (lax.cond) is cheap
+  (CPU, TPU: cheap=True) or waits for the host (GPU: False), for the platforms of the
+  device that holds `pool` as `trace_platforms` knows them; where both kinds are
+  possible, a `lax.platform_dependent` of the two (resolved when lowering)."""
+  gpu = {p: p in ("gpu", "cuda", "rocm") for p in trace_platforms(pool)}
+  if all(gpu.values()):
+    return fn(False)
+  if not any(gpu.values()):
+    return fn(True)
+  return jax.lax.platform_dependent(cuda=lambda: fn(False), rocm=lambda: fn(False),
+                                    default=lambda: fn(True))
+
+
 def extend_indices(name: str, free_window: Array, prefix_lens: Array, seq_lens: Array,
                    last_loc: Array, tok_start: Array, page_start: Array, *,
                    page_size: int, out_len: int, held: Optional[Array] = None):

@@ -264,6 +264,94 @@ def test_swa_pools_keep_their_own_records():
 
 
 # ---------------------------------------------------------------------------------------
+# Where a branch is cheap (CPU, TPU) the paged free reads the record once per distinct
+# page (guard.free_by_page) and the other frees clear first (guard.free_distinct): the
+# per-entry rules' bits; on a GPU, where a branch waits for the host, the rules
+# themselves.
+# ---------------------------------------------------------------------------------------
+
+def _against_the_rules(run, draw, op, seed, n=24, b=16):
+  """Four batches of b random records (some with a status already): run(record, *args)
+  gives (the rules' result, the one checked), args = draw(rng, order) with order the
+  pages of each record, held ones first. Returns the reasons of the statuses set."""
+  rng = np.random.default_rng(seed)
+  reasons = set()
+  for _ in range(4):
+    held = (rng.random((b, n + 1)) < 0.7).astype(np.int32)
+    held[:, 0] = 0
+    status = np.where(rng.random((b, 1)) < 0.25, [[op, guard.NOT_HELD, 9]], 0)
+    order = np.argsort(rng.random((b, n + 1)) + 2 * (held == 0), 1)
+    record = guard.GuardState(jnp.asarray(held), jnp.asarray(status, jnp.int32))
+    want, got = run(record, *draw(rng, order))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    reasons |= set(np.asarray(want[0].status)[status[:, 0] == 0, 1].tolist())
+  return reasons
+
+
+def _mostly(rng, good, junk):
+  """good, with junk in about 10% of the entries of half the rows and 60% of the rest."""
+  rows = rng.random((good.shape[0], 1)) < 0.5
+  return np.where(rng.random(good.shape) < 0.9 - 0.5 * rows, good, junk)
+
+
+@pytest.mark.parametrize("method", freeing.XLA_METHODS)
+def test_paged_free_by_page_equals_the_per_entry_rules(method):
+  ps, n, m = 4, 24, 20
+
+  def both(record, x, also):
+    pages = jnp.where(x >= 0, x // ps, 0)
+    values, _, ids, stray, marks = freeing._sorted_unique(pages, n, method, x != 0)
+    return (guard.free(record, F, x // ps, x != 0, distinct=False, also_refuse=also),
+            guard.free_by_page(record, F, x, values, ids, stray, marks, page_size=ps,
+                               also_refuse=also))
+
+  def draw(rng, order):   # slots of held pages, mostly (two of one page: one page)
+    good = order[:, :m] * ps + rng.integers(0, ps, (order.shape[0], m))
+    junk = rng.choice([0, 0, 1, 3, -1, -7, (n + 1) * ps, 5 * ps], good.shape)
+    return (jnp.asarray(_mostly(rng, good, junk), jnp.int32),
+            jnp.asarray(rng.random(order.shape[0]) < 0.2))
+
+  # vmap: the status branch batched, taken by some rows.
+  reasons = _against_the_rules(jax.jit(jax.vmap(both)), draw, F, 5, n)
+  assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD}
+
+
+def test_distinct_free_equals_the_per_entry_rules():
+  n, m = 24, 12
+  both = lambda record, pages, given, also: (
+      guard.free(record, FP, pages, given, distinct=True, also_refuse=also),
+      guard.free_distinct(record, FP, pages, given, also_refuse=also))
+
+  def draw(rng, order):   # held pages, distinct, mostly; some rows name one twice
+    pages = _mostly(rng, order[:, :m], rng.choice([0, -1, -4, n + 1, n + 7, 3, 5],
+                                                  (order.shape[0], m)))
+    twice = rng.random(order.shape[0]) < 0.2
+    pages[twice, -1] = pages[twice, 0]
+    given = ((pages != 0) | (rng.random(pages.shape) < 0.3)) & (
+        rng.random(pages.shape) < 0.95)
+    return (jnp.asarray(pages, jnp.int32), jnp.asarray(given),
+            jnp.asarray(rng.random(order.shape[0]) < 0.2))
+
+  reasons = _against_the_rules(jax.jit(jax.vmap(both)), draw, FP, 6, n)
+  assert reasons == {0, guard.PAGE_ZERO, guard.OUT_OF_RANGE, guard.NOT_HELD,
+                     guard.REPEATED}
+
+
+@pytest.mark.parametrize("op", ["free", "free_page_ids", "token_free"])
+def test_frees_branch_only_where_a_branch_is_cheap(op):
+  cfg = (kv.AllocatorConfig(size=4096, page_size=1, kind="token", kernel="jnp")
+         if op == "token_free" else
+         kv.AllocatorConfig(size=4096 * 16, page_size=16, kernel="jnp"))
+  state = jax.eval_shape(functools.partial(kv.init, cfg))
+  fn = functools.partial(kv.free_page_ids if op == "free_page_ids" else kv.free, cfg)
+  gpu = lowering_check.export_for("h200", fn, state, i32(512)).mlir_module()
+  tpu = lowering_check.export_for("tpu_v6e", fn, state, i32(512)).mlir_module()
+  cpu = jax.jit(fn).lower(state, i32(512)).as_text()
+  assert "stablehlo.case" not in gpu
+  assert tpu.count("stablehlo.case") == cpu.count("stablehlo.case") == 1
+
+
+# ---------------------------------------------------------------------------------------
 # The kernels keep the record as the jnp rules do (the random sequences are
 # tests/test_properties.py's CoreMachine); their paged free over many programs.
 # ---------------------------------------------------------------------------------------
