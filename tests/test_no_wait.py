@@ -19,7 +19,7 @@ import pytest
 
 import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
-from jax_kvalloc.sglang import pool as pool_module
+from jax_kvalloc.sglang.backends import status as status_module
 import jax.numpy as jnp
 from model import ModelAllocator
 from serving_driver import run_workload
@@ -59,7 +59,7 @@ def no_device_reads():
     mp.setattr(jax, "block_until_ready", refuse("jax.block_until_ready"))
     # The statuses of earlier calls (SPEC 14): read once landed, without a wait in a
     # steady loop (the classes count any wait in `status_waits`).
-    mp.setattr(pool_module, "read_status", _READ_STATUS)
+    mp.setattr(status_module, "read", _READ_STATUS)
     yield
   finally:
     mp.undo()

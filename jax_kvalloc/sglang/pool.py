@@ -38,7 +38,6 @@ import collections
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
-from jax._src import config as _config
 import numpy as np
 
 from jax_kvalloc import validate
@@ -47,17 +46,6 @@ from jax_kvalloc.sglang.backends import Backend
 from jax_kvalloc.sglang.backends import status as _status
 
 WITHIN_CALLS = 8  # a device refusal raises at the latest this many class calls later
-_GUARD = getattr(_config, "transfer_guard_device_to_host", None)  # its current value
-
-
-def read_status(status: Any) -> np.ndarray:
-  """A status as host ints (a device one: its host copy once landed, else a wait). The
-  class's own read, so a transfer guard the caller set (jax.transfer_guard_device_to_
-  host) does not apply to it."""
-  if _GUARD is not None and _GUARD.value in (None, "allow"):
-    return np.asarray(status)
-  with jax.transfer_guard_device_to_host("allow"):
-    return np.asarray(status)
 
 
 class AllocatorSnapshot(NamedTuple):
@@ -168,7 +156,7 @@ class Pool:
     if status is None:
       return
     if not self.backend.defers_status:
-      self._check(op, read_status(status), rollback=False)
+      self._check(op, _status.read(status), rollback=False)
       return
     self.pending.append((call, op, status))  # its copy to the host already started
 
@@ -186,7 +174,7 @@ class Pool:
           return
         self.waits += 1
       pending.popleft()
-      self._check(op, read_status(status), rollback=True)
+      self._check(op, _status.read(status), rollback=True)
 
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
     if not values[0]:  # no refusal

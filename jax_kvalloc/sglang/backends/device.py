@@ -395,7 +395,7 @@ class DeviceBackend:
   def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, ...]:
     """A call's (..., status) with the status's copy to the host started (no wait)."""
     if self._copy_status and result[-1] is not None:
-      result[-1].copy_to_host_async()
+      _status.start_copy(result[-1])
     return result
 
   def init(self) -> AllocatorState:

@@ -406,7 +406,7 @@ class DeviceSWABackend:
     host (no wait)."""
     result = self.ops.fn(key + (not shared,))(state, *args)
     if self._copy_status and not isinstance(result, SWAState):
-      result[-1].copy_to_host_async()
+      _status.start_copy(result[-1])
     return result
 
   # -- allocations (the class found that both pools fit) -------------------------------

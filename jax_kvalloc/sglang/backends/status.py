@@ -30,15 +30,18 @@ on every backend (as the record's own status is): every later call raises until
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Any, Optional, Sequence
 
 import jax
+from jax._src import config as _config
 import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import guard as _guard
 
 REFUSED, NOT_LISTED, NO_PEER, LAST_NO_PEER, OWNED = 1, 2, 3, 4, 5
+_GUARD = getattr(_config, "transfer_guard_device_to_host", None)  # its current value
 POOLS = ("", " in the full pool", " in the SWA pool")  # OWNED's index // 8
 
 # The argument whose entries a free's NOT_LISTED index points into, by operation.
@@ -46,6 +49,26 @@ _LISTED_ARG = {"free_page_ids": "page_ids",
                "free_segment": "free_index[::page_size] // page_size",
                "free_segments": "the segments' pages",
                "free_group_end": "the queued page ids"}
+
+
+def _own_transfer() -> Any:
+  """The class's own status transfers: a transfer guard the caller set
+  (jax.transfer_guard_device_to_host) does not apply to them."""
+  if _GUARD is None or _GUARD.value in (None, "allow"):
+    return contextlib.nullcontext()
+  return jax.transfer_guard_device_to_host("allow")
+
+
+def start_copy(status: jax.Array) -> None:
+  """Starts a device status's copy to the host (no wait)."""
+  with _own_transfer():
+    status.copy_to_host_async()
+
+
+def read(status: Any) -> np.ndarray:
+  """A status as host ints (a device one: its host copy once landed, else a wait)."""
+  with _own_transfer():
+    return np.asarray(status)
 
 
 def make(reason: int, bad: jax.Array, index: jax.Array = 0,
