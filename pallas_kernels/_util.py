@@ -177,6 +177,27 @@ def extend_contract_args(out_len: int, free_window, prefix_lens, seq_lens, last_
   return args, None
 
 
+def table_step_args(name: str, supported: Callable[..., bool], page_size: int,
+                    max_tokens: int, release, extend, decode, note: str = "",
+                    **table: Any) -> Tuple[Tuple[Array, ...], dict]:
+  """A table-step kernel's common entry: `check_ints` of the table arrays (free_ring,
+  free_head, free_len, release_len, pages, lens, owned_from, in that order) and the
+  phase sizes {"release", "extend", "decode"} (0 for an absent phase). ValueError naming
+  `name` when `supported` refuses the sizes (`note` is added to the message)."""
+  arrays = check_ints(**table)
+  pages = arrays[4]
+  max_reqs, width = pages.shape
+  n = arrays[0].shape[0]
+  sizes = dict(release=0 if release is None else release[0].shape[0],
+               extend=0 if extend is None else extend[0].shape[0],
+               decode=0 if decode is None else decode[0].shape[0])
+  if not supported(max_reqs=max_reqs, width=width, num_pages=n, page_size=page_size,
+                   max_tokens=max_tokens, **sizes):
+    raise ValueError(f"{name} does not take {sizes}, {max_tokens=}, a table of "
+                     f"{max_reqs}x{width}, ring length {n} (see supported{note})")
+  return arrays, sizes
+
+
 def store_take(head_out, len_out, ok_out, *, head, length, ring_len: int, pages, ok) -> None:
   """The fused kernels' last write (one program): the free list's new head and length
   after taking `pages` from its front when `ok`, and `ok` itself. i32/bool[1] refs."""

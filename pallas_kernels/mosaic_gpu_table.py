@@ -662,19 +662,14 @@ def table_step_mosaic_gpu(free_ring: Array, free_head: Array, free_len: Array,
   Raises TypeError naming the argument for a non-integer dtype, ValueError for sizes
   `supported` refuses.
   """
-  free_ring, free_head, free_len, release_len, pages, lens, owned_from = _util.check_ints(
-      free_ring=free_ring, free_head=free_head, free_len=free_len,
-      release_len=release_len, pages=pages, lens=lens, owned_from=owned_from)
+  (free_ring, free_head, free_len, release_len, pages, lens, owned_from), sizes = (
+      _util.table_step_args("table_step_mosaic_gpu", supported, page_size, max_tokens,
+                            release, extend, decode, note=f"; jax {jax.__version__}",
+                            free_ring=free_ring, free_head=free_head, free_len=free_len,
+                            release_len=release_len, pages=pages, lens=lens,
+                            owned_from=owned_from))
   max_reqs, width = pages.shape
   n = free_ring.shape[0]
-  sizes = dict(release=0 if release is None else release[0].shape[0],
-               extend=0 if extend is None else extend[0].shape[0],
-               decode=0 if decode is None else decode[0].shape[0])
-  if not supported(max_reqs=max_reqs, width=width, num_pages=n, page_size=page_size,
-                   max_tokens=max_tokens, **sizes):
-    raise ValueError(f"table_step_mosaic_gpu does not take {sizes}, {max_tokens=}, a "
-                     f"table of {max_reqs}x{width}, ring length {n} (see supported; jax "
-                     f"{jax.__version__})")
   nt = warpgroups or warpgroups_for(max(sizes.values()))
   p = _Params(page_size=page_size, num_pages=n, max_reqs=max_reqs, width=width,
               rel_rows=sizes["release"], ext_rows=sizes["extend"],

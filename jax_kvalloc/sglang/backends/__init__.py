@@ -27,7 +27,10 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import jax
 
+from jax_kvalloc import guard
+from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.state import AllocatorState
 from jax_kvalloc.warmup import WarmupReport
 
 
@@ -142,3 +145,21 @@ def make_backend(name: str, config: Any, device: Any) -> Backend:
     return DeviceSWABackend(config, device)
   from jax_kvalloc.sglang.backends.device import DeviceBackend
   return DeviceBackend(config, device)
+
+
+class PagedStateReads:
+  """`lengths` and `check_state` of the backends whose state is one AllocatorState
+  (device, host, debug)."""
+  config: AllocatorConfig
+
+  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
+    """(free_len, release_len) read from the state (a device state: a wait)."""
+    return int(state.free_len), int(state.release_len)
+
+  def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
+    """set_state's checks (ValueError/TypeError naming what is wrong) and a refusal the
+    state's ownership record holds (guard.FreeRefusedError); the lengths."""
+    validate.state_like(state, current, AllocatorState)
+    lengths = validate.state_lengths(state, self.config.num_pages)
+    guard.raise_if_refused(state)
+    return lengths

@@ -29,6 +29,7 @@ from jax_kvalloc import guard
 from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
+from jax_kvalloc.sglang.backends import PagedStateReads
 from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import resolve_device
 from jax_kvalloc.sglang.backends import status as _status
@@ -59,7 +60,7 @@ def owned_status(old: Any, new: Any) -> Any:
   return None
 
 
-class DebugBackend:
+class DebugBackend(PagedStateReads):
   """The Backend (jax_kvalloc.sglang.backends) of debug mode (see the module docstring).
 
   Allocations run even when the class found that they do not fit, so that their checks
@@ -87,15 +88,10 @@ class DebugBackend:
       return state
     return jax.device_put(jax.tree.map(np.asarray, state), self.device)
 
-  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
-    return int(state.free_len), int(state.release_len)
-
   def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
     """set_state's checks, and a misuse the caller's code recorded raises
     guard.FreeRefusedError / AllocatorDebugError (the state is not taken)."""
-    validate.state_like(state, current, AllocatorState)
-    lengths = validate.state_lengths(state, self.config.num_pages)
-    guard.raise_if_refused(state)
+    lengths = super().check_state(state, current)
     err = _debug.get_error(state)
     if err is not None:
       raise err

@@ -58,6 +58,7 @@ from jax_kvalloc import validate
 from jax_kvalloc import warmup as _warmup
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.guard import GuardState
+from jax_kvalloc.sglang.backends import PagedStateReads
 from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import host
 from jax_kvalloc.sglang.backends import resolve_device
@@ -374,7 +375,7 @@ _INIT = jax.jit(st.init, static_argnames=("config",))
 _COPY = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
 
-class DeviceBackend:
+class DeviceBackend(PagedStateReads):
   """The Backend (jax_kvalloc.sglang.backends) of jax arrays on `device`: each call one
   launch of `DeviceOps.for_config(config)`'s programs, never a wait."""
 
@@ -432,16 +433,6 @@ class DeviceBackend:
     """The state with a record of its own (the old one is held outside: the programs
     donate it)."""
     return state if state.guard is None else state._replace(guard=_COPY(state.guard))
-
-  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
-    """(free_len, release_len) read from the state (a wait)."""
-    return int(state.free_len), int(state.release_len)
-
-  def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
-    validate.state_like(state, current, AllocatorState)
-    lengths = validate.state_lengths(state, self.config.num_pages)
-    guard.raise_if_refused(state)
-    return lengths
 
   def empty(self) -> Array:
     if self._empty is None:

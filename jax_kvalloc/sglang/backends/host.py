@@ -34,6 +34,7 @@ from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.guard import GuardState
+from jax_kvalloc.sglang.backends import PagedStateReads
 from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import status as _status
 from jax_kvalloc.state import AllocatorState
@@ -619,7 +620,7 @@ def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
   return state, out
 
 
-class HostBackend:
+class HostBackend(PagedStateReads):
   """The Backend (jax_kvalloc.sglang.backends) of a NumPy state: every call on the host.
 
   Batches of up to SMALL_BATCH requests run on Python ints, larger ones on numpy arrays
@@ -672,15 +673,6 @@ class HostBackend:
     if rec is None:
       return state
     return state._replace(guard=GuardState(rec.held.copy(), rec.status.copy()))
-
-  def lengths(self, state: AllocatorState) -> Tuple[int, int]:
-    return int(state.free_len), int(state.release_len)
-
-  def check_state(self, state: AllocatorState, current: AllocatorState) -> Tuple[int, int]:
-    validate.state_like(state, current, AllocatorState)
-    lengths = validate.state_lengths(state, self.config.num_pages)
-    guard.raise_if_refused(state)
-    return lengths
 
   def empty(self) -> np.ndarray:
     return np.zeros((0,), np.int32)
