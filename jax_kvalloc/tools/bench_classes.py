@@ -37,6 +37,7 @@ freed untimed), swa_decode/B, swa_window_free/R (free_swa of R requests' oldest 
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import time
 from typing import Any, Dict
@@ -51,8 +52,9 @@ from jax_kvalloc.tools import bench
 from jax_kvalloc.tools import cli
 from jax_kvalloc.tools import timing
 
-DEFAULT_SGLJAX = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "anchors" /
-                  "sgljax")
+DEFAULT_SGLJAX = pathlib.Path(os.environ.get(  # ../shared beside the checkout, as the tests
+    "JAX_KVALLOC_SHARED", pathlib.Path(__file__).resolve().parents[3] / "shared")) / (
+        "anchors/sgljax")
 
 
 class ClassImpl:
