@@ -96,12 +96,12 @@ def test_device_last_loc_after_warmup_compiles_nothing():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   ps = 4
   a = kvs.PagedTokenToKVPoolAllocator(256 * ps, ps, kernel="jnp", debug=False)
-  a.warmup(max_batch=16, max_tokens=64, exact_sizes=range(1, 65), device_last_loc=True)
+  a.warmup(max_batch=8, max_tokens=32, exact_sizes=range(1, 33), device_last_loc=True)
   before = _cache_sizes(a)
   rng = np.random.default_rng(1)
   for _ in range(20):
-    bs = int(rng.integers(1, 17))
-    seq = rng.integers(1, 64 // bs + 1, bs)
+    bs = int(rng.integers(1, 9))
+    seq = rng.integers(1, 32 // bs + 1, bs)
     z = np.zeros(bs, np.int64)
     out = a.alloc_extend(z, z, seq, seq, jnp.full((bs,), -1, jnp.int32), int(seq.sum()))
     if out is None:
