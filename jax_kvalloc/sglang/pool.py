@@ -42,7 +42,6 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
-import jax
 import numpy as np
 
 from jax_kvalloc import validate

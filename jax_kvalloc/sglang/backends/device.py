@@ -392,7 +392,29 @@ _ZEROS = jax.jit(lambda: jnp.zeros((3,), jnp.int32))
 _COPY = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
 
-class DeviceBackend(PagedStateReads):
+class RunningStatus:
+  """A device backend's running status (status.running): i32[3] on its device, the
+  first refusal of the calls launched since `reset_running` (0 if none), passed to and
+  returned by each status-returning program."""
+  running: Array
+
+  def _start_running(self, device: Any) -> None:
+    self._copy_status = copies_status(device)
+    self._zero = zero_status(device)
+    self.running = self._zero
+
+  def reset_running(self) -> None:
+    """The running status back to no refusal (the pool's clear and restore)."""
+    self.running = self._zero
+
+  def running_status(self) -> Array:
+    """The running status with its copy to the host started (no wait)."""
+    if self._copy_status:
+      _status.start_copy(self.running)
+    return self.running
+
+
+class DeviceBackend(PagedStateReads, RunningStatus):
   """The Backend (jax_kvalloc.sglang.backends) of jax arrays on `device`: each call one
   launch of `DeviceOps.for_config(config)`'s programs, never a wait."""
 
@@ -408,20 +430,7 @@ class DeviceBackend(PagedStateReads):
     self.ops = DeviceOps.for_config(config)
     self._hc = host.host_config(config)
     self._empty = None
-    self._copy_status = copies_status(self.device)
-    self._zero = zero_status(self.device)
-    self.running = self._zero
-
-  def reset_running(self) -> None:
-    """The running status back to no refusal (the pool's clear and restore)."""
-    self.running = self._zero
-
-  def running_status(self) -> Array:
-    """The running status (i32[3]: the first refusal of the calls launched since
-    `reset_running`, 0 if none) with its copy to the host started (no wait)."""
-    if self._copy_status:
-      _status.start_copy(self.running)
-    return self.running
+    self._start_running(self.device)
 
   def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, Any, Array]:
     """A call's (state, output, status, running): keeps the running status, returns

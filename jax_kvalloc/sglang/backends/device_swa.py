@@ -49,14 +49,13 @@ from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import status as _status
 from jax_kvalloc.sglang.backends.device import DeviceBackend
 from jax_kvalloc.sglang.backends.device import Programs
-from jax_kvalloc.sglang.backends.device import copies_status
+from jax_kvalloc.sglang.backends.device import RunningStatus
 from jax_kvalloc.sglang.backends.device import decode_row_sizes
 from jax_kvalloc.sglang.backends.device import decode_rows
 from jax_kvalloc.sglang.backends.device import pack
 from jax_kvalloc.sglang.backends.device import placer
 from jax_kvalloc.sglang.backends.device import rows
 from jax_kvalloc.sglang.backends.device import warmup_exact
-from jax_kvalloc.sglang.backends.device import zero_status
 from jax_kvalloc.warmup import WarmupReport
 from jax_kvalloc.warmup import bucket_sizes
 
@@ -364,7 +363,7 @@ _TRANSLATE = jax.jit(core.translate)
 _SEGMENT_PAGES = jax.jit(lambda x, ps: x[::ps] // ps, static_argnums=1)
 
 
-class DeviceSWABackend:
+class DeviceSWABackend(RunningStatus):
   """The Backend (jax_kvalloc.sglang.backends) of an SWA pool pair in jax arrays on
   `device`: each call one launch of `SWAOps.for_config(config)`'s programs."""
 
@@ -379,12 +378,7 @@ class DeviceSWABackend:
     self.full = DeviceBackend(config.full, device)  # its plans (host checks) and empty
     self.device = self.full.device
     self.ops = SWAOps.for_config(config)
-    self._copy_status = copies_status(self.device)
-    self._zero = zero_status(self.device)
-    self.running = self._zero
-
-  reset_running = DeviceBackend.reset_running
-  running_status = DeviceBackend.running_status
+    self._start_running(self.device)
 
   # -- state -----------------------------------------------------------------------------
   def init(self) -> SWAState:
