@@ -386,18 +386,28 @@ def test_device_refusal_raises_at_the_next_host_value(slow_device):
   assert a.status_waits == 1
 
 
-def test_steady_device_calls_read_the_status_once_every_few_calls(monkeypatch):
+def _steady_reads(monkeypatch, **kw):
+  """How many statuses 40 valid device class calls (frees and allocations, no host
+  value) read."""
   reads = []
   read = status_module.read
   monkeypatch.setattr(status_module, "read", lambda x: reads.append(x) or read(x))
-  a = _make(kvs.PagedTokenToKVPoolAllocator, "device", 16 * PS, PS)
+  a = kvs.PagedTokenToKVPoolAllocator(16 * PS, PS, debug=False, **kw)
   out = a.alloc(2 * PS)
-  calls = 40
-  for _ in range(calls // 2):                    # class calls without a host value
+  for _ in range(20):
     a.free(np.asarray(out))
     out = a.alloc(2 * PS)
-  assert 0 < len(reads) <= calls // pool_module.CHECK_EVERY + 1
-  assert a.status_waits == 0                     # (each landed on the CPU by then)
+  return len(reads)
+
+
+def test_steady_device_calls_read_the_status_once_every_few_calls(monkeypatch):
+  assert 0 < _steady_reads(monkeypatch, kernel=KERNEL) <= 40 // pool_module.CHECK_EVERY + 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_steady_device_calls_read_the_status_once_every_few_calls_on_gpu(monkeypatch):
+  assert 0 < _steady_reads(monkeypatch, device="cuda") <= 40 // pool_module.CHECK_EVERY + 1
 
 
 def test_valid_calls_never_wait_for_a_status():
