@@ -23,6 +23,8 @@ from jax_kvalloc import state as st
 from jax_kvalloc import swa_table
 from jax_kvalloc import swa as core
 from jax_kvalloc.sglang import pool as pool_module
+from jax_kvalloc.sglang.backends import device as device_module
+from jax_kvalloc.sglang.backends import status as status_module
 from jax_kvalloc.sglang.swa import SWADebugError
 from gpu import needs_gpu
 
@@ -348,24 +350,30 @@ class _NeverReady:
 
 @pytest.fixture
 def slow_device(monkeypatch):
-  record = pool_module.Pool.record
-  monkeypatch.setattr(pool_module.Pool, "record", lambda self, op, status, call: record(
-      self, op, None if status is None else _NeverReady(status), call))
+  """The running status the pools read never lands before a read waits for it."""
+  backend = device_module.DeviceBackend
+  running = backend.running_status
+  monkeypatch.setattr(backend, "running_status", lambda self: _NeverReady(running(self)))
 
 
-def test_device_refusal_raises_within_8_calls(slow_device):
+@pytest.mark.parametrize("before", range(pool_module.CHECK_EVERY - 1, -1, -1))
+def test_device_refusal_raises_within_8_calls(slow_device, before):
+  # The running status is read only every few calls; whatever the phase of the refused
+  # call against those reads, it raises at the latest 8 class calls later, naming it.
   del slow_device
-  a = _paged("device")
+  a = _make(kvs.PagedTokenToKVPoolAllocator, "device", 16 * PS, PS)
   a.alloc(4 * PS)
-  a.available_size()                             # reads the alloc's status: one wait
+  a.available_size()                             # reads the running status: one wait
   assert a.status_waits == 1
-  a.free_page_ids(jnp.array([0, 3]))             # call m: refused by the device
-  for _ in range(7):                             # calls m+1 .. m+7 return no host value
-    a.merge_and_sort_free()
-  assert a.status_waits == 1
-  with pytest.raises(ValueError, match=r"page_ids\[0\]=0"):
-    a.merge_and_sort_free()                      # call m+8 waits for it, and raises
-  assert a.status_waits == 2
+  for _ in range(before):                        # valid calls, read in the same copy
+    a.alloc(PS)
+  a.free_page_ids(jnp.array([9]))                # refused by the device: not held
+  later = 0
+  with pytest.raises(ValueError, match=rf"^free_page_ids: page 9 {NOT_HELD}"):
+    for later in range(1, pool_module.WITHIN_CALLS + 1):
+      a.merge_and_sort_free()                    # calls that return no host value
+  assert later <= pool_module.WITHIN_CALLS == 8
+  assert 2 <= a.status_waits <= 3                # each copy read: none ever lands
 
 
 def test_device_refusal_raises_at_the_next_host_value(slow_device):
@@ -373,9 +381,33 @@ def test_device_refusal_raises_at_the_next_host_value(slow_device):
   a = _paged("device")
   a.alloc(4 * PS)
   a.free_page_ids(jnp.array([3, 0]))
-  with pytest.raises(ValueError, match=r"page_ids\[1\]=0"):
-    a.debug_print()                              # waits for both statuses
-  assert a.status_waits == 2
+  with pytest.raises(ValueError, match=r"^free_page_ids: page_ids\[1\]=0"):
+    a.debug_print()                              # waits for the running status
+  assert a.status_waits == 1
+
+
+def _steady_reads(monkeypatch, **kw):
+  """How many statuses 40 valid device class calls (frees and allocations, no host
+  value) read."""
+  reads = []
+  read = status_module.read
+  monkeypatch.setattr(status_module, "read", lambda x: reads.append(x) or read(x))
+  a = kvs.PagedTokenToKVPoolAllocator(16 * PS, PS, debug=False, **kw)
+  out = a.alloc(2 * PS)
+  for _ in range(20):
+    a.free(np.asarray(out))
+    out = a.alloc(2 * PS)
+  return len(reads)
+
+
+def test_steady_device_calls_read_the_status_once_every_few_calls(monkeypatch):
+  assert 0 < _steady_reads(monkeypatch, kernel=KERNEL) <= 40 // pool_module.CHECK_EVERY + 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_steady_device_calls_read_the_status_once_every_few_calls_on_gpu(monkeypatch):
+  assert 0 < _steady_reads(monkeypatch, device="cuda") <= 40 // pool_module.CHECK_EVERY + 1
 
 
 def test_valid_calls_never_wait_for_a_status():

@@ -217,8 +217,8 @@ class BaseAllocator:
 
   @property
   def status_waits(self) -> int:
-    """How many statuses of device calls were read before they had landed (each a
-    wait): the 8-call limit, or a call returning a host value right after a launch."""
+    """How many reads of a device pool's running status came before it had landed (each
+    a wait): the 8-call limit, or a call returning a host value right after a launch."""
     return sum(pool.waits for pool in self._pools)
 
   def _pool_index(self, dp_rank: Any, everything: bool = False) -> int:

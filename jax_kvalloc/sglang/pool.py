@@ -22,13 +22,18 @@ record handed outside (`state`) is copied before the next write (`record_shared`
 SWA pool pair writes its whole state anew, so its snapshots keep everything.
 
 Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call returns what
-it refused. The host backend raises at once. A device status is read back without
-waiting: the backend starts its copy to the host (`copy_to_host_async`) as it launches
-the call, `record` keeps it, `poll` (at every class call) reads the statuses that have
-landed and blocks only on one recorded WITHIN_CALLS or more class calls ago; `poll` with
-`everything` (at every call that returns a host value) reads them all. A refusal rolls
-the mirror back to the state's lengths (one read) and raises ValueError; the pool then
-refuses every call until `clear` or `restore`. So does a refusal read at once (host
+it refused. The host backend raises at once. A device backend also keeps a running
+status on the device (the first refusal since `clear` or `restore`, passed from program
+to program), and the pool reads only that one, without waiting: `record` keeps each
+call's own status unread; `poll` (at every class call) starts the running status's copy
+to the host (`copy_to_host_async`) at most once every CHECK_EVERY class calls, reads a
+copy once it has landed, and blocks only on one started CHECK_EVERY or more calls ago, so
+that a refusal raises at the latest WITHIN_CALLS class calls after its call; `poll` with
+`everything` (at every call that returns a host value) reads the running status at once.
+A copy showing no refusal clears the calls it covers; one showing a refusal has the kept
+statuses read in order (waits: the error path) to name the call that refused. A refusal
+rolls the mirror back to the state's lengths (one read) and raises ValueError; the pool
+then refuses every call until `clear` or `restore`. So does a refusal read at once (host
 backend, debug mode), as the ownership record's own status is sticky: the backends
 agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
 """
@@ -37,7 +42,6 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
-import jax
 import numpy as np
 
 from jax_kvalloc import validate
@@ -46,6 +50,7 @@ from jax_kvalloc.sglang.backends import Backend
 from jax_kvalloc.sglang.backends import status as _status
 
 WITHIN_CALLS = 8  # a device refusal raises at the latest this many class calls later
+CHECK_EVERY = WITHIN_CALLS // 2  # class calls between two reads of the running status
 
 
 class AllocatorSnapshot(NamedTuple):
@@ -116,6 +121,8 @@ class Pool:
     self.label = label  # prefixed to its refusals' messages (a rank's: "dp_rank=r: ")
     self.sides = tuple(Lists(c) for c in backend.pools)
     self.pending: collections.deque = collections.deque()  # (call, op, status array)
+    self.checks: collections.deque = collections.deque()  # (call, running status)
+    self.checked_to = 0  # the call of the last check: it covers the calls before it
     self.waits = 0       # statuses read before they had landed (each a wait)
     self.error: Optional[ValueError] = None
     self.record_shared = False  # the ownership record is held outside (copy first)
@@ -142,8 +149,14 @@ class Pool:
       self.record_shared = False
 
   def _forget(self) -> None:
-    self.pending.clear()
+    self._drop()
     self.error = None
+    if self.backend.defers_status:
+      self.backend.reset_running()
+
+  def _drop(self) -> None:
+    self.pending.clear()
+    self.checks.clear()
 
   def available_size(self, side: int = 0) -> int:
     lists = self.sides[side]
@@ -152,40 +165,67 @@ class Pool:
   # -- statuses ------------------------------------------------------------------------
   def record(self, op: str, status: Any, call: int) -> None:
     """Keeps the status of the backend call just made (class call number `call`): read
-    at once where the backend does not defer it (debug mode), else when it lands."""
+    at once where the backend does not defer it (host, debug mode), else kept unread
+    until the running status says whether some call refused."""
     if status is None:
       return
     if not self.backend.defers_status:
       self._check(op, _status.read(status), rollback=False)
       return
-    self.pending.append((call, op, status))  # its copy to the host already started
+    self.pending.append((call, op, status))
 
   def poll(self, call: int, everything: bool = False) -> None:
-    """At class call number `call`: raises the refusal seen earlier, reads the statuses
-    that have landed, and waits for those recorded WITHIN_CALLS calls ago (all of them
-    when `everything`: a call that returns a host value)."""
+    """At class call number `call` (before it runs): raises the refusal seen earlier,
+    reads the running status's copies that have landed, waits for one started
+    CHECK_EVERY calls ago, and starts a new copy when the last one is CHECK_EVERY calls
+    old and calls since are unchecked. `everything` (a call that returns a host value):
+    reads the running status now (a wait if the last call has not run yet)."""
     if self.error is not None:
       raise ValueError(str(self.error))
+    if everything:
+      if self.pending:
+        self._read_check(call, self.backend.running_status())
+      self.checks.clear()  # (covered)
+      self.checked_to = call
+      return
+    checks = self.checks
+    while checks:
+      at, running = checks[0]
+      if not running.is_ready() and call - at < CHECK_EVERY:
+        break
+      checks.popleft()
+      self._read_check(at, running)
+    if (self.pending and self.pending[-1][0] >= self.checked_to
+        and call - self.checked_to >= CHECK_EVERY):
+      checks.append((call, self.backend.running_status()))
+      self.checked_to = call
+
+  def _read_check(self, at: int, running: Any) -> None:
+    """Reads a running status taken before class call `at` (a wait, counted, if it has
+    not landed): no refusal clears the kept statuses of the calls before `at`; a refusal
+    reads them in order and raises the first one's (ValueError)."""
+    if not running.is_ready():
+      self.waits += 1
+    values = _status.read(running)
     pending = self.pending
-    while pending:
-      at, op, status = pending[0]
-      if not status.is_ready():
-        if not (everything or at <= call - WITHIN_CALLS):
-          return
-        self.waits += 1
-      pending.popleft()
+    if not values[0]:
+      while pending and pending[0][0] < at:
+        pending.popleft()
+      return
+    for _, op, status in list(pending):  # the error path: waits
       self._check(op, _status.read(status), rollback=True)
+    self._check("an earlier call", values, rollback=True)  # (kept statuses all clean)
 
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
     if not values[0]:  # no refusal
       return
     message = self.label + _status.message(op, values)
     if not rollback:  # read at once: the call changed nothing, the mirror is right
-      self.pending.clear()  # sticky on every backend (SPEC 14), as the record's status
+      self._drop()  # sticky on every backend (SPEC 14), as the record's status
       self.error = ValueError(f"{message} (every call raises until clear() or "
                               f"restore_state())")
       raise ValueError(message)
-    self.pending.clear()
+    self._drop()
     self.set_lengths(self.backend.lengths(self.state))  # one read: the state's counts
     self.error = ValueError(f"{message} (found after the call: a device status is read "
                             f"without waiting; every call raises until clear() or "

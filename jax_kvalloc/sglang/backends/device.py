@@ -25,7 +25,9 @@ computation and the ring write:
   * the merge runs as its own call, only when the host's mirror says it triggers, so the
     allocation programs carry no merge branch (config.need_sort is off inside them);
   * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
-    status): what it refused of what the mirror counted on;
+    status): what it refused of what the mirror counted on; and takes and returns the
+    pool's running status (the first refusal since the last reset), kept by the
+    backend (`running`), the one status the class reads back (every few calls);
   * alloc_extend's row counts, token and free counts pad to a power-of-two bucket
     (jax_kvalloc.buckets), alloc_decode's rows to `decode_rows`; an output
     longer than asked is cut by `exact`, a cached jitted slice (a second, tiny launch;
@@ -132,6 +134,16 @@ class Programs:
       fn = self._fns[key] = self._build(*key)
     return fn
 
+  def _jit_status(self, fn: Callable[..., Any],
+                  donate: Tuple[int, ...] = ()) -> Callable[..., Any]:
+    """fn(*args) -> (..., status) jitted as fn(prev, *args) -> (..., status, running),
+    `prev` and `running` the pool's running status (i32[3]) before and after the call
+    (status.running); `donate`: the indices of fn's donated arguments."""
+    def run(prev, *args):
+      *out, status = fn(*args)
+      return (*out, status, _status.running(prev, status))
+    return self._jit(run, donate_argnums=tuple(i + 1 for i in donate))
+
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
     if op == "slice":
       n = shape[1]
@@ -216,7 +228,7 @@ class DeviceOps(Programs):
         s, out, ok = allocation.alloc_decode(acfg, _alloc_state(ring, head, length, held),
                                              seq, last)
         return s.free_head, s.free_len, _held(s), out, _status.make(_status.REFUSED, ~ok)
-      return self._jit(decode_fn, donate_argnums=held_arg)
+      return self._jit_status(decode_fn, held_arg)
     if op in ("alloc", "extend", "decode"):
       def alloc_fn(ring, head, length, held, packed, last=None):
         s = _alloc_state(ring, head, length, held)
@@ -234,7 +246,7 @@ class DeviceOps(Programs):
                                                num_reqs=packed[2 * r])
         return (s.free_head, s.free_len, _held(s), out,
                 _status.make(_status.REFUSED, ~ok))
-      return self._jit(alloc_fn, donate_argnums=held_arg)
+      return self._jit_status(alloc_fn, held_arg)
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
@@ -263,7 +275,7 @@ class DeviceOps(Programs):
         return (ring, jnp.where(bad, head, new_head), jnp.where(bad, length, new_len),
                 s.guard.held, guard.record_status(sticky, mine[0] != 0, mine), status)
       donated = ((0,) if donate else ()) + ((4,) if cfg.guard else ())
-      return self._jit(free_fn, donate_argnums=donated)
+      return self._jit_status(free_fn, donated)
     if op == "patch":  # held[ring window] = 0: a restore's record (restore_record)
       (n,) = shape
 
@@ -286,33 +298,37 @@ class DeviceOps(Programs):
     return super()._build(op, *shape)
 
   # -- operations (the class has validated the input and decided that it fits) ---------
-  def _allocate(self, key: Tuple[Any, ...], state: AllocatorState, packed: np.ndarray,
-                extra: Tuple[Any, ...], n: int) -> Tuple[AllocatorState, Array, Array]:
+  # Each takes the running status `prev` (i32[3]) and returns (state, slots i32[n],
+  # status, running), or a free's (state, status, running).
+  def _allocate(self, key: Tuple[Any, ...], prev: Array, state: AllocatorState,
+                packed: np.ndarray, extra: Tuple[Any, ...], n: int
+                ) -> Tuple[AllocatorState, Array, Array, Array]:
     rec = state.guard
-    head, length, held, out, status = self.fn(key)(
-        state.free_ring, state.free_head, state.free_len, None if rec is None else rec.held,
-        packed, *extra)
+    head, length, held, out, status, running = self.fn(key)(
+        prev, state.free_ring, state.free_head, state.free_len,
+        None if rec is None else rec.held, packed, *extra)
     if rec is not None:
       state = state._replace(guard=rec._replace(held=held))
-    return state._replace(free_head=head, free_len=length), self.exact(out, n), status
+    return (state._replace(free_head=head, free_len=length), self.exact(out, n), status,
+            running)
 
-  def alloc(self, state: AllocatorState, need_size: int):
+  def alloc(self, prev: Array, state: AllocatorState, need_size: int):
     size = buckets.bucket(need_size, buckets.MIN_TOKENS)
-    return self._allocate(("alloc", size), state, np.array([need_size], np.int32), (),
-                          need_size)
+    return self._allocate(("alloc", size), prev, state, np.array([need_size], np.int32),
+                          (), need_size)
 
-  def alloc_extend(self, state: AllocatorState, pre: Any, seq: Any, last: Any,
-                   total: int):
+  def alloc_extend(self, prev: Array, state: AllocatorState, pre: Any, seq: Any,
+                   last: Any, total: int):
     """pre, seq: host ints[bs] (int64 arrays or lists); `last`: the same, or a device
     i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
     r = rows(len(pre))
     on_device = isinstance(last, jax.Array)
     packed = pack(r, len(pre), pre, seq, None if on_device else last)
     extra = (self.padded(last, r, -1),) if on_device else ()
-    return self._allocate(("extend", r, buckets.bucket(total, buckets.MIN_TOKENS)), state,
-                          packed, extra, total)
+    return self._allocate(("extend", r, buckets.bucket(total, buckets.MIN_TOKENS)), prev,
+                          state, packed, extra, total)
 
-  def alloc_decode(self, state: AllocatorState, seq: Any, last: Any,
+  def alloc_decode(self, prev: Array, state: AllocatorState, seq: Any, last: Any,
                    seq_dev: Any = None):
     """seq: host ints[bs] (an int64 array or a list); `last`: the same, or a device
     i32[bs] (jax.Array) taken as it is: padded on the device, never read back.
@@ -322,13 +338,13 @@ class DeviceOps(Programs):
     r = decode_rows(bs)
     on_device = isinstance(last, jax.Array)
     if on_device and seq_dev is not None and r == bs:
-      return self._allocate(("decode_on_device", r), state, seq_dev, (last,), bs)
+      return self._allocate(("decode_on_device", r), prev, state, seq_dev, (last,), bs)
     packed = pack(r, bs, seq, None if on_device else last)
     extra = (self.padded(last, r, -1),) if on_device else ()
-    return self._allocate(("decode", r), state, packed, extra, bs)
+    return self._allocate(("decode", r), prev, state, packed, extra, bs)
 
-  def free(self, op: str, state: AllocatorState, values: Any, count: int,
-           shared: bool) -> Tuple[AllocatorState, Array]:
+  def free(self, op: str, prev: Array, state: AllocatorState, values: Any, count: int,
+           shared: bool) -> Tuple[AllocatorState, Array, Array]:
     """A free of validated values (host ints, or a device i32[n] padded with 0 on the
     device, never read): `free` slots or `free_page_ids` page ids. `count`: the entries
     that must reach the list (else the free is refused); `shared`: the ring it writes
@@ -336,13 +352,13 @@ class DeviceOps(Programs):
     n = values.shape[0]
     m = buckets.bucket(n, buckets.MIN_FREE)
     rec = state.guard
-    ring, head, length, held, sticky, status = self.fn((op, m, not shared))(
-        *st.freed_list(self.config.need_sort, state)[:4],
+    ring, head, length, held, sticky, status, running = self.fn((op, m, not shared))(
+        prev, *st.freed_list(self.config.need_sort, state)[:4],
         *((None, None) if rec is None else rec), *self.with_counts(values, m, count, n))
     state = st.with_freed_list(self.config.need_sort, state, ring, head, length)
     if rec is not None:
       state = state._replace(guard=GuardState(held, sticky))
-    return state, status
+    return state, status, running
 
   def merge_and_sort_free(self, state: AllocatorState, shared: bool) -> AllocatorState:
     """The merge (SPEC 6); `shared`: the free ring is held by a snapshot."""
@@ -372,10 +388,33 @@ class DeviceOps(Programs):
 
 
 _INIT = jax.jit(st.init, static_argnames=("config",))
+_ZEROS = jax.jit(lambda: jnp.zeros((3,), jnp.int32))
 _COPY = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
 
-class DeviceBackend(PagedStateReads):
+class RunningStatus:
+  """A device backend's running status (status.running): i32[3] on its device, the
+  first refusal of the calls launched since `reset_running` (0 if none), passed to and
+  returned by each status-returning program."""
+  running: Array
+
+  def _start_running(self, device: Any) -> None:
+    self._copy_status = copies_status(device)
+    self._zero = zero_status(device)
+    self.running = self._zero
+
+  def reset_running(self) -> None:
+    """The running status back to no refusal (the pool's clear and restore)."""
+    self.running = self._zero
+
+  def running_status(self) -> Array:
+    """The running status with its copy to the host started (no wait)."""
+    if self._copy_status:
+      _status.start_copy(self.running)
+    return self.running
+
+
+class DeviceBackend(PagedStateReads, RunningStatus):
   """The Backend (jax_kvalloc.sglang.backends) of jax arrays on `device`: each call one
   launch of `DeviceOps.for_config(config)`'s programs, never a wait."""
 
@@ -391,13 +430,13 @@ class DeviceBackend(PagedStateReads):
     self.ops = DeviceOps.for_config(config)
     self._hc = host.host_config(config)
     self._empty = None
-    self._copy_status = copies_status(self.device)
+    self._start_running(self.device)
 
-  def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """A call's (..., status) with the status's copy to the host started (no wait)."""
-    if self._copy_status and result[-1] is not None:
-      _status.start_copy(result[-1])
-    return result
+  def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, Any, Array]:
+    """A call's (state, output, status, running): keeps the running status, returns
+    (state, output, status)."""
+    *out, self.running = result
+    return tuple(out)
 
   def init(self) -> AllocatorState:
     state = _INIT(self.config)
@@ -442,7 +481,7 @@ class DeviceBackend(PagedStateReads):
   def alloc(self, state, need_size, fits):
     if not fits:
       return state, None, None
-    return self._landing(self.ops.alloc(state, need_size))
+    return self._landing(self.ops.alloc(self.running, state, need_size))
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     """Checked input (`checked`: validate.extend_args' result), or host data the host
@@ -488,7 +527,8 @@ class DeviceBackend(PagedStateReads):
     if not fits:
       return state, None, None
     pre, seq, last = plan.data
-    return self._landing(self.ops.alloc_extend(state, pre, seq, last, plan.tokens))
+    return self._landing(self.ops.alloc_extend(self.running, state, pre, seq, last,
+                                               plan.tokens))
 
   def decode_plan(self, seq, last, checked):
     """Checked input (host int64 seq_lens; last_loc host int64 or device i32), or host
@@ -515,7 +555,8 @@ class DeviceBackend(PagedStateReads):
   def alloc_decode(self, state, plan, fits):
     if not fits:
       return state, None, None
-    return self._landing(self.ops.alloc_decode(state, *plan.data, plan.seq_lens))
+    return self._landing(self.ops.alloc_decode(self.running, state, *plan.data,
+                                               plan.seq_lens))
 
   def free(self, state, idx, values, counts, shared):
     del values  # the program finds the sorted unique pages itself
@@ -527,8 +568,9 @@ class DeviceBackend(PagedStateReads):
   def _free(self, op, state, values, counts, shared):
     if counts[0] == 0 and state.guard is None:  # no room: every page is listed already
       return state, None, None  # (only a double free; with a record, it refuses it)
-    state, status = self.ops.free(op, state, values, counts[0], shared)
-    return self._landing((state, None, status))
+    state, status, running = self.ops.free(op, self.running, state, values, counts[0],
+                                           shared)
+    return self._landing((state, None, status, running))
 
   def merge_and_sort_free(self, state, side, shared):
     del side  # one allocator
@@ -545,6 +587,13 @@ def copies_status(device: Any) -> bool:
   """Whether a status on `device` (None: the default one) needs its copy to the host
   started: not on the CPU, where the host reads the device's own buffer."""
   return (device or jax.devices()[0]).platform != "cpu"
+
+
+def zero_status(device: Any) -> Array:
+  """A running status of no refusal, i32[3] zeros, placed as a backend's state on
+  `device` (None: jax's default device)."""
+  zero = _ZEROS()
+  return zero if device is None else jax.device_put(zero, device)
 
 
 def decode_row_sizes(max_batch: int) -> List[int]:
@@ -580,24 +629,25 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
   # The programs donate the record's held: each run gets a copy of it.
   held = lambda: None if rec is None else jnp.copy(rec.held)
   token_list = _warmup.bucket_sizes(max_tokens, buckets.MIN_TOKENS)
+  prev = zero_status(device)  # the running status, placed as the backend's
   for size in token_list:
-    outs.append(ops.fn(("alloc", size))(ring, head, length, held(),
+    outs.append(ops.fn(("alloc", size))(prev, ring, head, length, held(),
                                         np.zeros((1,), np.int32)))
   # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
   put = placer(device)
   lasts = lambda r: [()] + ([(put(np.zeros(r)),)] if device_last_loc else [])
   for r in decode_row_sizes(max_batch):
     for last in lasts(r):
-      outs.append(ops.fn(("decode", r))(ring, head, length, held(),
+      outs.append(ops.fn(("decode", r))(prev, ring, head, length, held(),
                                         np.zeros((2 * r + 1,), np.int32), *last))
     if device_last_loc and r <= EXACT_ROWS:  # seq_lens on the device too
       outs.append(ops.fn(("decode_on_device", r))(
-          ring, head, length, held(), put(np.ones(r)), put(np.full(r, -1))))
+          prev, ring, head, length, held(), put(np.ones(r)), put(np.full(r, -1))))
   for r in _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH):
     for last in lasts(r) if extend and cfg.kind == "paged" else ():
       for tokens in token_list:
         outs.append(ops.fn(("extend", r, tokens))(
-            ring, head, length, held(), np.zeros((3 * r + 1,), np.int32), *last))
+            prev, ring, head, length, held(), np.zeros((3 * r + 1,), np.int32), *last))
   w_ring, w_head, w_len, other = st.freed_list(cfg.need_sort, state)
   names = ["free"] + (["free_page_ids"] if cfg.kind == "paged" else [])
   for m in _warmup.bucket_sizes(max_free, buckets.MIN_FREE):
@@ -609,7 +659,7 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
         for donate in (True, False):
           target = jnp.copy(w_ring) if donate else w_ring
           outs.append(ops.fn((name, m, donate))(
-              target, w_head, w_len, other, held(), None if rec is None else rec.status,
+              prev, target, w_head, w_len, other, held(), None if rec is None else rec.status,
               *args))
   if cfg.need_sort:
     for donate in (True, False):

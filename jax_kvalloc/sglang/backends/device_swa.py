@@ -10,7 +10,9 @@ EXACT_ROWS requests (one launch). Allocations run with need_sort off inside the 
 the class runs each pool's merge first, as its own call, when its mirror says that
 SPEC's trigger fires.
 
-Every program returns a status (jax_kvalloc.sglang.backends.status). What only the state
+Every program but the merge and the mapping's returns a status (jax_kvalloc.sglang.
+backends.status), and takes and returns the pool pair's running status (kept by the
+backend, as the single pool's: `running`). What only the state
 shows is checked inside, and a call that fails a check changes nothing: an allocation
 whose rows continue the page of a last_loc without an SWA peer (LAST_NO_PEER: it would
 pair slots of the reserved page 0), a segment free naming a full page without an SWA
@@ -47,7 +49,7 @@ from jax_kvalloc.sglang.backends import Plan
 from jax_kvalloc.sglang.backends import status as _status
 from jax_kvalloc.sglang.backends.device import DeviceBackend
 from jax_kvalloc.sglang.backends.device import Programs
-from jax_kvalloc.sglang.backends.device import copies_status
+from jax_kvalloc.sglang.backends.device import RunningStatus
 from jax_kvalloc.sglang.backends.device import decode_row_sizes
 from jax_kvalloc.sglang.backends.device import decode_rows
 from jax_kvalloc.sglang.backends.device import pack
@@ -158,6 +160,7 @@ def _full_refusal(config: core.SWAConfig, state: SWAState, op: str, idx: Array,
 # (op, m, donate). A class call's frees, and a free group's pool frees (pool, page ids?).
 FREES = ("free", "free_swa", "free_swa_segment", "free_segment", "free_full",
          "free_full_segment")
+NO_STATUS = ("merge", "set_mapping", "clear_mapping")  # programs returning the state alone
 POOL_FREES = {"swa_free_page_ids": ("swa", True), "swa_free": ("swa", False),
               "full_free": ("full", False), "full_free_page_ids": ("full", True)}
 
@@ -170,15 +173,18 @@ class SWAOps(Programs):
     if op in ("slice", "pad"):
       return super()._build(op, *shape)
     *args, donate = shape
+    if op in NO_STATUS:  # (state, ...) -> state
+      return self._jit(getattr(self, f"_{op}")(*args),
+                       donate_argnums=(0,) if donate else ())
     if op in FREES:
       fn = self._free_op(op)
     elif op in POOL_FREES:
       fn = self._pool_free(*POOL_FREES[op])
     elif op in ("take_pages", "take_peers"):
       fn = getattr(self, f"_{op}")()
-    else:  # alloc, extend, tail, decode (shapes), merge (side), set/clear_mapping
+    else:  # alloc, extend, tail, decode (shapes)
       fn = getattr(self, f"_{op}")(*args)
-    return self._jit(fn, donate_argnums=(0,) if donate else ())
+    return self._jit_status(fn, (0,) if donate else ())
 
   # -- allocations: (state, packed[, device last_loc]) -> (state, slots, status) --------
   def _acfg(self) -> core.SWAConfig:
@@ -357,7 +363,7 @@ _TRANSLATE = jax.jit(core.translate)
 _SEGMENT_PAGES = jax.jit(lambda x, ps: x[::ps] // ps, static_argnums=1)
 
 
-class DeviceSWABackend:
+class DeviceSWABackend(RunningStatus):
   """The Backend (jax_kvalloc.sglang.backends) of an SWA pool pair in jax arrays on
   `device`: each call one launch of `SWAOps.for_config(config)`'s programs."""
 
@@ -372,7 +378,7 @@ class DeviceSWABackend:
     self.full = DeviceBackend(config.full, device)  # its plans (host checks) and empty
     self.device = self.full.device
     self.ops = SWAOps.for_config(config)
-    self._copy_status = copies_status(self.device)
+    self._start_running(self.device)
 
   # -- state -----------------------------------------------------------------------------
   def init(self) -> SWAState:
@@ -402,12 +408,13 @@ class DeviceSWABackend:
     return self.ops.exact(out, n)
 
   def _run(self, key, state, shared, *args):
-    """One program; a (state, output, status) result's status starts its copy to the
-    host (no wait)."""
-    result = self.ops.fn(key + (not shared,))(state, *args)
-    if self._copy_status and not isinstance(result, SWAState):
-      _status.start_copy(result[-1])
-    return result
+    """One program: its new state, or (state, output, status), the running status
+    kept."""
+    fn = self.ops.fn(key + (not shared,))
+    if key[0] in NO_STATUS:
+      return fn(state, *args)
+    *result, self.running = fn(self.running, state, *args)
+    return tuple(result)
 
   # -- allocations (the class found that both pools fit) -------------------------------
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
@@ -524,7 +531,8 @@ class DeviceSWABackend:
     def run(key, *args):  # both variants: copying, and donating (a copy of the state)
       for donate in (False, True):
         target = jax.tree.map(jnp.copy, state) if donate else state
-        outs.append(ops.fn(key + (donate,))(target, *args))
+        first = () if key[0] in NO_STATUS else (self._zero,)
+        outs.append(ops.fn(key + (donate,))(*first, target, *args))
     if ps == 1:
       for t in tokens_list:
         run(("alloc", t), np.zeros((1,), np.int32))
@@ -573,7 +581,7 @@ class DebugSWABackend(DeviceSWABackend):
 
   def _run(self, key, state, shared, *args):
     del shared  # never donated: a refused call keeps the state as it was
-    result = self.ops.fn(key + (False,))(state, *args)
+    result = super()._run(key, state, True, *args)
     if isinstance(result, SWAState):
       self._raise_recorded(result)
     elif int(np.asarray(result[-1])[0]) != _status.OWNED:  # else the class raises it

@@ -23,10 +23,14 @@ mirror counted, and an SWA call found the peers it needs. Otherwise `reason` is:
 
 A refused call changes nothing (each program keeps the old state when it refuses). The
 host backend finds the same cases on the host, before anything changes, and returns the
-same status as a host array (the class raises at once); the device backend's class reads
-the status later without waiting (jax_kvalloc.sglang.pool). An OWNED refusal is sticky
-on every backend (as the record's own status is): every later call raises until
-`clear()` or `restore_state()`.
+same status as a host array (the class raises at once). A device program also takes the
+pool's running status, `prev: i32[3]`, and returns the new one, `running(prev, status)`:
+the first refusal since the pool's last reset (clear, restore), all 0 while there is
+none. The device backend's class reads only that running status, every few calls,
+without waiting (`start_copy`, then `read` once landed; jax_kvalloc.sglang.pool), and
+reads the per-call statuses it kept only when the running one shows a refusal, to name
+the call. An OWNED refusal is sticky on every backend (as the record's own status is):
+every later call raises until `clear()` or `restore_state()`.
 """
 from __future__ import annotations
 
@@ -77,6 +81,12 @@ def make(reason: int, bad: jax.Array, index: jax.Array = 0,
   got = jnp.stack([jnp.int32(reason), jnp.asarray(index, jnp.int32),
                    jnp.asarray(value, jnp.int32)])
   return jnp.where(bad, got, 0)
+
+
+def running(prev: jax.Array, status: jax.Array) -> jax.Array:
+  """The running status (traced i32[3]) after a call whose status is `status`: `prev`
+  if it holds a refusal (the first one wins), else `status`."""
+  return jnp.where(prev[0] != 0, prev, status)
 
 
 def first(*statuses: jax.Array) -> jax.Array:
