@@ -83,6 +83,7 @@ SUITES = {  # name -> "module:attribute" of its Suite
     "simulate": "jax_kvalloc.tools.bench_simulate:SUITE",
 }
 QUICK = {"reps": 3, "min_time": 0.005, "unroll": 4}
+DEVICE = {"reps": (5, 5), "min_time": (0.05, 0.02), "unroll": (32, 8)}  # (GPU/TPU, CPU)
 
 
 class Skip(Exception):
@@ -538,14 +539,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--impls", type=impl_list(suite.impls),
                    default=list(suite.default_impls or suite.impls),
                    help=f"columns to run, of {','.join(suite.impls)}")
-    device = {"min_time": "0.05 on GPU/TPU, 0.02 on CPU", "unroll": "32 on GPU/TPU, 8 on CPU"}
     for name_, kind, what in (("reps", int, "repetitions per figure (its median, quartiles)"),
                               ("min_time", float, "seconds per timed run"),
                               ("unroll", int, "chained calls per loop iteration")):
       minimum = kind(name_ != "min_time")  # reps, unroll >= 1; min_time >= 0
-      s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, minimum), help=(
-          f"{what} (default: {defaults.get(name_, device.get(name_, 5))}; --quick: "
-          f"{QUICK[name_]})"))
+      accel, cpu = DEVICE[name_]
+      default = defaults.get(name_, accel if accel == cpu else
+                             f"{accel} on GPU/TPU, {cpu} on CPU")
+      s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, minimum),
+                     help=f"{what} (default: {default}; --quick: {QUICK[name_]})")
     if suite.guarded:
       s.add_argument("--guard", type=cli.name_list(("on", "off")), default=["on"],
                      help="the allocator columns' ownership record (SPEC 14): on (the "
@@ -565,7 +567,7 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
   suite's default, else the device's (more time per figure on a GPU/TPU)."""
   import jax  # pylint: disable=g-import-not-at-top
   accel = jax.default_backend() != "cpu"
-  device = {"reps": 5, "min_time": 0.05 if accel else 0.02, "unroll": 32 if accel else 8}
+  device = {name: v[0] if accel else v[1] for name, v in DEVICE.items()}
   for d in opts.dims:
     name = d.flag[2:].replace("-", "_")
     if getattr(opts, name) is None:

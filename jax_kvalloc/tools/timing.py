@@ -176,45 +176,16 @@ def _checked(res: Dict[str, float]) -> Dict[str, float]:
   return res
 
 
-def _slope(timed: Callable[[int], float], *, unroll: int, min_time: float, reps: int,
-           compile_s: float = 0.0) -> Dict[str, float]:
-  """Seconds per call from `reps` pairs of runs of 1 and n iterations (`unroll` calls
-  each), n grown by `_grow`; where noise outweighs the work, longer runs, up to
-  MAX_ITERS (then TimingError)."""
-  n = _grow(timed, min_time)
-  while True:
-    ta, tb = [], []
-    for _ in range(reps):
-      ta.append(timed(1))
-      tb.append(timed(n))
-    res = _result(ta, tb, n, unroll, compile_s)
-    if res["s"] > 0 or n >= MAX_ITERS:
-      return _checked(res)
-    n *= 4
-
-
-def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-               reps: int, consumers: int = DEFAULT_CONSUMERS,
-               linked: bool = True) -> Dict[str, float]:
-  """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
-  one jit (module docstring): {"s": median per-call slope, "min_s": the slope of the
-  fastest run of each length, "spread": (max - min) / median, "q1_s", "q3_s", "iters",
-  "compile_s"}. TimingError when noise outweighs the work even at MAX_ITERS."""
-  timed, compile_s = _loop_timer(call, carry, inputs, unroll, consumers, linked)
-  return _slope(timed, unroll=unroll, min_time=min_time, reps=reps, compile_s=compile_s)
-
-
-def chain_time_interleaved(variants: List[Dict[str, Any]], *, unroll: int,
-                           min_time: float, reps: int) -> List[Dict[str, float]]:
-  """`chain_time` of several variants, each a dict(call, carry, inputs, consumers), their
-  repetitions interleaved (rep 1 of every variant, then rep 2, ...), so that a drift of
-  the machine falls on all of them alike. One result per variant; like `chain_time`,
-  where noise outweighs a variant's work, all are timed again with its runs longer."""
-  timers = [_loop_timer(v["call"], v["carry"], v["inputs"], unroll,
-                        v.get("consumers", DEFAULT_CONSUMERS)) for v in variants]
+def _slopes(timers: List[Tuple[Callable[[int], float], float]], *, unroll: int,
+            min_time: float, reps: int) -> List[Dict[str, float]]:
+  """Seconds per call of each (timed(n) -> seconds of n iterations, compile seconds) in
+  `timers`: `reps` pairs of runs of 1 and n iterations (`unroll` calls each), n grown by
+  `_grow`, the repetitions interleaved (rep 1 of every timer, then rep 2, ...) so that a
+  drift of the machine falls on all alike. Where noise outweighs a timer's work, all are
+  timed again with its runs 4x longer, up to MAX_ITERS (then TimingError)."""
   ns = [_grow(timed, min_time) for timed, _ in timers]
   while True:
-    times = [([], []) for _ in variants]
+    times = [([], []) for _ in timers]
     for _ in range(reps):
       for (timed, _), n, (ta, tb) in zip(timers, ns, times):
         ta.append(timed(1))
@@ -226,6 +197,26 @@ def chain_time_interleaved(variants: List[Dict[str, Any]], *, unroll: int,
       return [_checked(r) for r in results]
     for i in noisy:
       ns[i] *= 4
+
+
+def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
+               reps: int, consumers: int = DEFAULT_CONSUMERS,
+               linked: bool = True) -> Dict[str, float]:
+  """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
+  one jit (module docstring): {"s": median per-call slope, "min_s": the slope of the
+  fastest run of each length, "spread": (max - min) / median, "q1_s", "q3_s", "iters",
+  "compile_s"}. TimingError when noise outweighs the work even at MAX_ITERS."""
+  timer = _loop_timer(call, carry, inputs, unroll, consumers, linked)
+  return _slopes([timer], unroll=unroll, min_time=min_time, reps=reps)[0]
+
+
+def chain_time_interleaved(variants: List[Dict[str, Any]], *, unroll: int,
+                           min_time: float, reps: int) -> List[Dict[str, float]]:
+  """`chain_time` of several variants, each a dict(call, carry, inputs, consumers), their
+  repetitions interleaved (`_slopes`); one result per variant."""
+  return _slopes([_loop_timer(v["call"], v["carry"], v["inputs"], unroll,
+                              v.get("consumers", DEFAULT_CONSUMERS)) for v in variants],
+                 unroll=unroll, min_time=min_time, reps=reps)
 
 
 def loop_overhead(*, unroll: int, min_time: float, reps: int) -> float:
@@ -437,4 +428,4 @@ def torch_graph_time(fn: Callable[[], Any], *, unroll: int, min_time: float,
     end.synchronize()
     return start.elapsed_time(end) / 1e3
 
-  return _slope(timed, unroll=unroll, min_time=min_time, reps=reps)
+  return _slopes([(timed, 0.0)], unroll=unroll, min_time=min_time, reps=reps)[0]
