@@ -82,13 +82,11 @@ def record(config: AllocatorConfig, state: AllocatorState) -> Optional[_guard.Gu
 def with_record(config: AllocatorConfig, state: AllocatorState) -> AllocatorState:
   """`state` with its ownership record rebuilt from its lists (every page in neither
   list held, no refusal), or dropped when config.guard is off; for states assembled by
-  hand (tests, benchmarks). Syncs: the lists are read on the host; a single pool."""
+  hand (tests, benchmarks); a single pool."""
   if not config.guard:
     return state._replace(guard=None)
-  free = np.concatenate([live_free_pages(state), live_release_pages(state)])
-  return state._replace(guard=_guard.GuardState(
-      held=jnp.asarray(_guard.from_free(config.num_pages, free)),
-      status=jnp.zeros((3,), jnp.int32)))
+  return state._replace(guard=_guard.GuardState(held=held_from_lists(state),
+                                                status=jnp.zeros((3,), jnp.int32)))
 
 
 def held_from_lists(state: AllocatorState) -> Array:

@@ -451,10 +451,6 @@ class DeviceBackend(PagedStateReads, RunningStatus):
       state = state._replace(guard=GuardState(*self.ops.fn(("rebuild",))(state)))
     return state
 
-  def _clean(self) -> Array:
-    """A fresh status of zeros on the backend's device (one transfer, no launch)."""
-    return jax.device_put(np.zeros((3,), np.int32), self.device)
-
   def detach(self, state: AllocatorState) -> AllocatorState:
     return host.detach(state)
 
@@ -466,7 +462,7 @@ class DeviceBackend(PagedStateReads, RunningStatus):
         or not isinstance(snap.free_ring, jax.Array)):
       return self.adopt(snap)
     return self.ops.restore_record(live, snap, lengths, snap_lengths, same_lineage,
-                                   self._clean)
+                                   functools.partial(zero_status, self.device))
 
   def own_record(self, state: AllocatorState) -> AllocatorState:
     """The state with a record of its own (the old one is held outside: the programs
