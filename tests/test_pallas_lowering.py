@@ -184,3 +184,26 @@ def test_mosaic_kernel_under_tpu_interpreter(case):
   got = pallas_kernels.decode_indices(win[:3], seq, last, pst, page_size=ps,
                                       interpret=params, backend="mosaic")
   np.testing.assert_array_equal(got, want)
+
+
+def test_one_program_runs_a_function_whole():
+  from pallas_kernels import one_program  # pylint: disable=g-import-not-at-top
+  def fn(x, pair):
+    a, s = pair
+    m = x[:, None] < x[None, :]
+    return {"rank": jnp.sum(m.astype(jnp.int32), axis=0), "top": jnp.max(x) + s,
+            "big": a > s}
+  rng = np.random.default_rng(0)
+  args = (jnp.asarray(rng.permutation(16), jnp.int32),
+          (jnp.asarray(rng.integers(0, 9, 8), jnp.int32), jnp.int32(4)))
+  want = fn(*args)
+  got = one_program.run(fn, *args, interpret=True, name="t")
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+      lambda a, b: a.dtype == b.dtype and bool(jnp.all(a == b)), want, got))
+  exported = lowering_check.export_for(
+      "h200", lambda *a: one_program.run(fn, *a, name="t"), *args)
+  assert _targets(exported) == [TRITON]
+  with pytest.raises(ValueError, match=r"argument \[0\] is int32\(12,\)"):
+    one_program.run(fn, jnp.zeros(12, jnp.int32), args[1], interpret=True)
+  with pytest.raises(ValueError, match=r"argument \[1\]\[1\] is float32"):
+    one_program.run(fn, args[0], (args[1][0], jnp.float32(1)), interpret=True)

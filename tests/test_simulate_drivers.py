@@ -12,6 +12,7 @@ import pytest
 
 from jax_kvalloc.tools import simulate
 from jax_kvalloc.tools import simulate_step as steps
+from gpu import needs_gpu
 
 # Small pools under pressure: admission waits, cached prefixes get evicted, need_sort
 # merges run. One set of shapes per page size and need_sort, shared by every case.
@@ -85,17 +86,18 @@ def test_policy_under_pressure(ps, need_sort, share):
 def test_branch_free_step_makes_the_same_decisions(monkeypatch, form):
   # The accelerators' form: every table phase every step, the ones not needed with no
   # rows: need_sort's merge must stay where the branches put it; without need_sort the
-  # three pool phases go through one step_rows (on a GPU pool, the Triton table kernel:
-  # here in its interpreter, on a smaller workload).
+  # three pool phases go through one step_rows (on a GPU pool, the Triton table kernel
+  # and the plan as one Triton program: here in the interpreter, on a smaller workload).
   cfg = dataclasses.replace(BASE, page_sizes=(16,), need_sort=form in ("need_sort", "swa"))
   if form == "swa":
     cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3)
   if form == "triton":
-    cfg = dataclasses.replace(cfg, num_requests=12, output_len="uniform:1:20")
+    cfg = dataclasses.replace(cfg, num_requests=12, output_len="uniform:1:20", max_frees=4)
   branched = _run(cfg)
   monkeypatch.setattr(simulate, "branches", lambda: False)
   if form == "triton":
     cfg = dataclasses.replace(cfg, kernel="triton_interpret")
+    assert simulate.plan_kernel(cfg) == "triton_interpret"
   _check_same(_run(cfg), branched)
 
 
@@ -107,3 +109,50 @@ def test_step_cap_is_exact():
                               driver=driver)
     with pytest.raises(RuntimeError, match="no progress after 5 steps"):
       simulate.run(cfg, progress=False)
+
+
+# The plan as one Triton program (Layout.plan_kernel): lowered for an abstract H200 on
+# CPU (what the Triton compiler would see), and on a real GPU the same decisions as the
+# plan's XLA operations. Its interpreter's run is the "triton" form above.
+@pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+def test_plan_program_lowers_for_h200(swa):
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import lowering_check  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(BASE, page_sizes=(16,), kernel="triton", max_frees=4)
+  if swa:
+    cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3, num_prefixes=0)
+  wl = cfg.workload()
+  lay = dataclasses.replace(simulate.make_layout(cfg, wl, 16), branch=False)
+  assert lay.plan_kernel == "triton"
+  spec = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.int32)
+  dwl = steps.Workload(*map(spec, (wl.arrival, wl.group, wl.prompt, wl.output,
+                                   np.zeros(max(cfg.num_prefixes, 1)), 0)))
+  calls = {}
+  for kernel in ("triton", ""):
+    lay_k = dataclasses.replace(lay, plan_kernel=kernel)
+    carry = jax.eval_shape(functools.partial(steps.init_carry, lay_k))
+    exported = lowering_check.export_for("h200", lambda w, c, lay_k=lay_k: steps.run_steps(
+        lay_k, w, c, blocks=1, runs_every=2), dwl, carry)
+    calls[kernel] = lowering_check.custom_call_targets(exported).count(
+        lowering_check.TRITON_CUSTOM_CALL)
+  assert calls["triton"] == calls[""] + 1, calls
+
+
+def test_plan_program_needs_power_of_two_vectors():
+  cfg = dataclasses.replace(BASE, kernel="triton_interpret")
+  assert simulate.plan_kernel(cfg) == ""  # max_frees=3
+  assert simulate.plan_kernel(dataclasses.replace(cfg, max_frees=4)) == "triton_interpret"
+  assert simulate.plan_kernel(dataclasses.replace(cfg, max_frees=4, plan_kernel=False)) == ""
+  assert simulate.plan_kernel(dataclasses.replace(cfg, max_frees=4, kernel="jnp")) == ""
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("swa", [False, True], ids=["plain", "swa"])
+def test_plan_program_on_gpu_makes_the_same_decisions(swa):
+  cfg = dataclasses.replace(BASE, page_sizes=(16,), max_frees=4)
+  if swa:
+    cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3, need_sort=True)
+  assert simulate.plan_kernel(cfg) == "triton"
+  _check_same(_run(cfg), _run(dataclasses.replace(cfg, plan_kernel=False)))

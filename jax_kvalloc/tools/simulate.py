@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvalloc import guard
+from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as swa_core
 from jax_kvalloc.buckets import bucket
@@ -94,6 +95,7 @@ class SimConfig:
   swa_window: int = 0          # SWA mode: the window in tokens; 0 = off
   swa_ratio: float = 0.25      # SWA mode: SWA pool slots / pool_size (whole pages)
   guard: bool = True           # the pools' ownership record (SPEC 14); False: dropped
+  plan_kernel: bool = True     # the plan as one Triton program with Triton pools (Layout)
 
   def workload(self) -> Workload:
     return make_workload(num_requests=self.num_requests, arrival=self.arrival,
@@ -284,7 +286,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
                tokens=bucket(cfg.max_prefill_tokens, 1), frees=cfg.max_frees,
                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
                prefix_width=max(1, cdiv(prefix_hi, page_size)),
-               branch=branches())
+               branch=branches(), plan_kernel=plan_kernel(cfg))
   if cfg.swa_window <= 0:
     return lay
   swa_pages = int(round(cfg.swa_ratio * cfg.pool_size / page_size))
@@ -347,6 +349,17 @@ def branches() -> bool:
   """Layout.branch: skip a step's unneeded table phases in lax.cond (on the CPU), or run
   them with no rows (on accelerators, where a branch waits for the host)."""
   return jax.default_backend() == "cpu"
+
+
+def plan_kernel(cfg: SimConfig) -> str:
+  """Layout.plan_kernel: the scheduler's plan as one Triton program where the pool's
+  kernels are Triton (or in its interpreter, with theirs) and its vectors have
+  power-of-two sizes (--num-prefixes, --max-frees); else "" (XLA operations)."""
+  base, interpret = kernels.family(kernels.resolve(cfg.kernel))
+  if not cfg.plan_kernel:
+    return ""
+  pow2 = all(n & (n - 1) == 0 for n in (max(cfg.num_prefixes, 1), cfg.max_frees))
+  return (base + "_interpret" * interpret) if base == "triton" and pow2 else ""
 
 
 def prepare(cfg: SimConfig, wl: Workload, page_size: int,

@@ -57,6 +57,7 @@ from jax_kvalloc import swa_table
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.swa import SWAConfig, SWAState
+from pallas_kernels import one_program
 
 Array = jax.Array
 i32 = jnp.int32
@@ -108,6 +109,7 @@ class Layout:
   swa: Optional[SWAConfig] = None  # SWA mode: both pools (acfg is swa.full)
   window: int = 0                  # SWA mode: the window in tokens
   branch: bool = True              # skip unneeded table phases in lax.cond (module doc)
+  plan_kernel: str = ""            # "triton" / "triton_interpret": `plan` as one program
 
   @property
   def swa_pages(self) -> int:
@@ -218,11 +220,20 @@ def init_carry(lay: Layout) -> Carry:
   return Carry(state, table, sched)
 
 
-# Small-vector helpers: O(n * m) compares and reductions instead of sorts, cumsums and
-# scatters (n, m are at most max_running): XLA fuses them into few kernels.
+# Small-vector helpers: O(n * m) compares and reductions instead of gathers, sorts,
+# cumsums and scatters (n, m are at most max_running). They use only what a single Triton
+# program can run (elementwise operations, broadcasts, reductions), so on a GPU the whole
+# plan is one kernel (`Layout.plan_kernel`); on the CPU XLA fuses them into few loops.
 def _get(x: Array, i: Array) -> Array:
-  """x[i] for indices inside x (clamped; no negative-index handling)."""
-  return jnp.take(x, i, mode="clip")
+  """x[clip(i)] for an index array or scalar i (bool x gives bool)."""
+  n = x.shape[0]
+  hit = jnp.clip(i, 0, n - 1)[..., None] == jnp.arange(n, dtype=i32)
+  got = jnp.sum(jnp.where(hit, x.astype(i32), 0), axis=-1)
+  return got > 0 if x.dtype == jnp.bool_ else got
+
+
+def _any(x: Array, axis=None) -> Array:
+  return jnp.max(x.astype(i32), axis=axis) > 0
 
 
 def _div(a: Array, n: int) -> Array:
@@ -256,32 +267,51 @@ def _compact(values: Array, keep: Array) -> Array:
 
 def stopped(wl: Workload, c: Sched) -> Array:
   """bool[]: every request done and freed, the scheduler stuck, or the step cap reached."""
-  n_req = wl.arrival.shape[0]
-  return (((c.done >= n_req) & ~jnp.any(c.phase == FREEING)) | (c.error != 0)
-          | (c.steps >= wl.max_steps))
+  return _stopped(wl.arrival.shape[0], wl.max_steps, c)
 
 
-def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
-  """One scheduler iteration (the module docstring's five parts) and its table work.
+def _stopped(n_req: int, max_steps: Array, c: Sched) -> Array:
+  return (((c.done >= n_req) & ~_any(c.phase == FREEING)) | (c.error != 0)
+          | (c.steps >= max_steps))
 
-  Returns (carry, i32[len(record_columns)] record); the record's kind is 0 when no step
-  ran (an idle iteration, or the run is over: `stopped`), and then nothing changed but
-  the clock (or the error flag).
-  """
-  c = carry.sched
+
+class Queue(NamedTuple):
+  """The next B requests in arrival order, from the scheduler's head (entries past
+  `waiting` are padding)."""
+  waiting: Array        # i32[] requests arrived and not yet admitted, at most B
+  next_arrival: Array   # i32[] the head request's arrival (the last request's, past it)
+  group: Array          # i32[B]
+  prompt: Array         # i32[B]
+  output: Array         # i32[B]
+
+
+def queue(lay: Layout, wl: Workload, c: Sched) -> Queue:
+  """The Queue at the scheduler's head and clock (arrivals are non-decreasing)."""
+  n = wl.arrival.shape[0]
+  idx = c.head + jnp.arange(lay.batch, dtype=i32)
+  at = jnp.minimum(idx, n - 1)
+  arrived = (idx < n) & (jnp.take(wl.arrival, at) <= c.clock)
+  return Queue(jnp.sum(arrived).astype(i32), wl.arrival[jnp.minimum(c.head, n - 1)],
+               jnp.take(wl.group, at), jnp.take(wl.prompt, at), jnp.take(wl.output, at))
+
+
+def plan(lay: Layout, n_req: int, q: Queue, prefix_len: Array, max_steps: Array,
+         c: Sched) -> Tuple[Sched, Plan, dict]:
+  """The scheduler's decisions of one iteration (the module docstring's parts 1-5):
+  (the next Sched, the table work as a Plan, {record column: i32[]} for every column but
+  the device's status: ok, device_pages, checksum, swa_device_pages). Elementwise
+  operations and reductions only (see the helpers above)."""
   ps, r_, g_, b_, t_, f_ = (lay.acfg.page_size, lay.rows, lay.groups, lay.batch,
                             lay.tokens, lay.frees)
   swa = lay.swa is not None
-  n_req = wl.arrival.shape[0]
   rows = jnp.arange(r_, dtype=i32)
-  go = ~stopped(wl, c)
+  go = ~_stopped(n_req, max_steps, c)
   # 1-2. Arrivals; the free group: the rows that finished first (at most F).
-  arrived = jnp.sum(wl.arrival <= c.clock).astype(i32)
   freeing = c.phase == FREEING
   key = c.finished_at * r_ + rows
-  order = jnp.sum((key[None, :] < key[:, None]) & freeing[None, :], axis=1)
+  order = jnp.sum(((key[None, :] < key[:, None]) & freeing[None, :]).astype(i32), axis=1)
   gone = freeing & (order < f_) & go
-  npop = jnp.sum(gone).astype(i32)
+  npop = jnp.sum(gone.astype(i32))
   pop_rows = _at(jnp.where(gone, order, f_), f_, rows)
   held = _up(c.seq, ps) - _div(c.own, ps)
   free_pages = c.free_pages + jnp.sum(jnp.where(gone, held, 0))
@@ -304,11 +334,10 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   rem = jnp.where(p < c.n_prefilling, _get(c.prompt, pf) - _get(c.seq, pf), 0)
   before = _excl_cumsum(rem)
   cont = (p < c.n_prefilling) & (before < t_) & go
-  n_cont = jnp.sum(cont).astype(i32)
+  n_cont = jnp.sum(cont.astype(i32))
   # 3b. Queued requests, in arrival order (candidate j: request head + j).
-  q = jnp.minimum(c.head + p, n_req - 1)
-  valid = (c.head + p < arrived) & go
-  g, p_q, o_q = _get(wl.group, q), _get(wl.prompt, q), _get(wl.output, q)
+  valid = (p < q.waiting) & go
+  g, p_q, o_q = q.group, q.prompt, q.output
   gc = jnp.maximum(g, 0)
   hit = valid & (g >= 0) & (_get(c.cache_tokens, gc) > 0)
   pre0 = jnp.where(hit, _get(c.cache_tokens, gc), 0)
@@ -329,13 +358,14 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
     k, n_evict, evict_code = k0, jnp.zeros((), i32), jnp.zeros((), i32)
     cache_tokens, evicted = c.cache_tokens, jnp.zeros((f_,), i32)
     refused = ((blocked & ~_get(fits_full, at)).astype(i32)
-               + 2 * (blocked & ~_get(fits_swa, at)))
+               + 2 * (blocked & ~_get(fits_swa, at)).astype(i32))
   else:  # the blocked request may evict unused cached prefixes, LRU first
     groups = jnp.arange(g_, dtype=i32)
     in_use = c.refcount + _at(jnp.where(hit & (p < k0), g, g_), g_)
     evictable = (c.cache_tokens > 0) & (in_use == 0) & (groups != _get(g, at)) & blocked
     lru_key = c.last_used * g_ + groups
-    lru = jnp.sum((lru_key[None, :] < lru_key[:, None]) & evictable[None, :], axis=1)
+    lru = jnp.sum(((lru_key[None, :] < lru_key[:, None]) & evictable[None, :]).astype(i32),
+                  axis=1)
     pages_g = jnp.where(evictable, _div(c.cache_tokens, ps), 0)
     deficit = _get(need, at) - (avail - _get(need_before, at))
     got_before = jnp.sum(jnp.where(evictable[None, :] & (lru[None, :] < lru[:, None]),
@@ -344,7 +374,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
              & (lru < f_ - npop))
     gained = jnp.sum(jnp.where(evict, pages_g, 0))
     k = k0 + (blocked & (gained >= deficit)).astype(i32)
-    n_evict = jnp.sum(evict).astype(i32)
+    n_evict = jnp.sum(evict.astype(i32))
     evict_code = jnp.sum(jnp.where(evict, (groups + 1) << lru, 0))
     free_pages += gained
     cache_tokens = jnp.where(evict, 0, c.cache_tokens)
@@ -366,54 +396,48 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   hit_b = jnp.where(new, _get(hit, j), _get(c.hit, brow) > 0)
   spent_a = jnp.minimum(spent_q, t_)
   chunk = jnp.where(p < n_batch, jnp.where(
-      old, jnp.minimum(rem, t_ - before), jnp.minimum(p_q - pre0, t_ - spent_a)[j]), 0)
+      old, jnp.minimum(rem, t_ - before), _get(jnp.minimum(p_q - pre0, t_ - spent_a), j)),
+      0)
   # 4. The step's kind.
   decoding = (phase == DECODE) & go
-  n_dec = jnp.sum(decoding).astype(i32)
+  n_dec = jnp.sum(decoding.astype(i32))
   nfree = npop + n_evict
   is_pre = n_batch > 0
   is_dec = ~is_pre & ((n_dec > 0) | (nfree > 0))
-  kind = jnp.where(is_pre, KIND_PREFILL, jnp.where(is_dec, KIND_DECODE, 0))
+  kind = KIND_PREFILL * is_pre.astype(i32) + KIND_DECODE * is_dec.astype(i32)
   dec = decoding & ~is_pre
   # 5. Hand-overs: a row that completed its prompt, first of its group in the batch.
   completes = is_pre & (p < n_batch) & (seq0 + chunk == prompt_b)
   gb = jnp.maximum(group_b, 0)
-  aligned = _div(_get(wl.prefix_len, gb), ps) * ps
+  aligned = _div(_get(prefix_len, gb), ps) * ps
   own_b = jnp.where(new, _get(pre0, j), _get(c.own, brow))
   eligible = (completes & (group_b >= 0) & ~hit_b & (_get(cache_tokens, gb) == 0)
               & (own_b == 0) & (aligned > 0))
-  earlier = jnp.any(eligible[None, :] & (group_b[None, :] == group_b[:, None])
-                    & (p[None, :] < p[:, None]), axis=1)
+  earlier = _any(eligible[None, :] & (group_b[None, :] == group_b[:, None])
+                 & (p[None, :] < p[:, None]), axis=1)
   ins = eligible & ~earlier
-  # Back to rows: row r's batch entry, where it has one (one reduction for every field).
+  # Back to rows: row r's batch entry, where it has one.
   listed = (p < c.n_prefilling + k)
   m = (brow[None, :] == rows[:, None]) & listed[None, :]
-  fields = dict(new=new, ins=ins, chunk=chunk, seq0=seq0, need=_get(need, j), own=own_b,
-                aligned=aligned, hit=hit_b, completes=completes, out=_get(o_q, j),
-                group=group_b, prompt=prompt_b)
-  if swa:
-    fields["need_swa"] = _get(need_swa, j)
-  got = jnp.sum(jnp.where(m[:, :, None], jnp.stack(
-      [jnp.asarray(v, i32) for v in fields.values()], axis=1)[None], 0), axis=1)
-  row = dict(zip(fields, got.T))
-  adm_r, ins_r = row["new"] > 0, row["ins"] > 0
-  grow = jnp.where(is_pre, row["chunk"], dec.astype(i32))
-  seq = jnp.where(adm_r, row["seq0"], c.seq)
+  back = lambda v: jnp.sum(jnp.where(m, v.astype(i32)[None, :], 0), axis=1)
+  adm_r, ins_r, completes_r = back(new) > 0, back(ins) > 0, back(completes) > 0
+  grow = jnp.where(is_pre, back(chunk), dec.astype(i32))
+  seq = jnp.where(adm_r, back(seq0), c.seq)
   pages = jnp.sum(_up(seq + grow, ps) - _up(seq, ps))
   seq = seq + grow
-  reserved = jnp.where(adm_r, row["need"], c.reserved)
-  own = jnp.where(ins_r, row["aligned"], jnp.where(adm_r, row["own"], c.own))
+  reserved = jnp.where(adm_r, back(_get(need, j)), c.reserved)
+  own = jnp.where(ins_r, back(aligned), jnp.where(adm_r, back(own_b), c.own))
   reserved = jnp.where(ins_r, reserved - _div(own, ps), reserved)
-  hit_r = jnp.where(adm_r, row["hit"], c.hit) | ins_r
-  gen = jnp.where(adm_r, 0, c.gen) + dec
+  hit_r = jnp.where(adm_r, back(hit_b) > 0, c.hit > 0) | ins_r
+  gen = jnp.where(adm_r, 0, c.gen) + dec.astype(i32)
   phase = jnp.where(adm_r, PREFILL, phase)
-  phase = jnp.where(row["completes"] > 0, DECODE, phase)
-  out = jnp.where(adm_r, row["out"], c.out)
-  prompt = jnp.where(adm_r, row["prompt"], c.prompt)
+  phase = jnp.where(completes_r, DECODE, phase)
+  out = jnp.where(adm_r, back(_get(o_q, j)), c.out)
+  prompt = jnp.where(adm_r, back(prompt_b), c.prompt)
   fin = dec & (gen >= out)
   phase = jnp.where(fin, FREEING, phase)
-  n_fin = jnp.sum(fin).astype(i32)
-  group = jnp.where(adm_r, row["group"], c.group)
+  n_fin = jnp.sum(fin.astype(i32))
+  group = jnp.where(adm_r, back(group_b), c.group)
   admitted_at = jnp.where(adm_r, c.clock, c.admitted_at)
   # The groups: admitted hits take a reference; hand-overs fill the cache.
   adm_hit_g = _at(jnp.where(adm & hit, g, g_), g_)
@@ -421,44 +445,42 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   cache_tokens = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, aligned),
                            cache_tokens)
   refcount = jnp.where(ins_g > 0, 1, c.refcount + adm_hit_g)
-  refcount -= _at(jnp.where(fin & (hit_r > 0), group, g_), g_)
+  refcount -= _at(jnp.where(fin & hit_r, group, g_), g_)
   last_used = jnp.where(adm_hit_g > 0, c.clock, c.last_used)
   last_used = jnp.where(ins_g > 0, _at(jnp.where(ins, group_b, g_), g_, jnp.where(
       new, c.clock, _get(c.admitted_at, brow))), last_used)
   keep = listed & ~completes
   n_empty = c.n_empty - k
-  empty = c.empty.at[jnp.where(jnp.arange(f_) < npop, n_empty + jnp.arange(f_), r_)].set(
-      pop_rows, mode="drop")
+  slot = rows - n_empty  # the finished rows go back on the stack, in order
+  empty = jnp.where((slot >= 0) & (slot < npop), _get(pop_rows, slot), c.empty)
   swa_reserved = c.swa_reserved
   if swa:
     swa_from = jnp.where(adm_r, 0, swa_from)
-    swa_reserved = jnp.where(adm_r, row["need_swa"], swa_reserved)
+    swa_reserved = jnp.where(adm_r, back(need_swa), swa_reserved)
     # A decoding row's reservation: the window and one token.
-    swa_reserved = jnp.where(row["completes"] > 0, swa_need(
+    swa_reserved = jnp.where(completes_r, swa_need(
         prompt, out, lay.window, t_, ps, decoding=True), swa_reserved)
     swa_free -= pages
   # The idle iteration: the clock jumps to the next arrival, or the scheduler is stuck.
   idle = go & (kind == 0)
-  stuck = idle & ((c.head < arrived) | (arrived >= n_req))
-  nxt = _get(wl.arrival, jnp.minimum(arrived, n_req - 1))
-  clock = jnp.where(kind > 0, c.clock + 1,
-                    jnp.where(idle & ~stuck, jnp.maximum(c.clock + 1, nxt), c.clock))
+  stuck = idle & ((q.waiting > 0) | (c.head >= n_req))
+  clock = jnp.where(kind > 0, c.clock + 1, jnp.where(
+      idle & ~stuck, jnp.maximum(c.clock + 1, q.next_arrival), c.clock))
   sched = Sched(
       phase=phase, seq=seq, prompt=prompt, out=out, gen=gen, own=own, group=group,
       hit=hit_r.astype(i32), reserved=reserved, admitted_at=admitted_at,
       finished_at=jnp.where(fin, c.steps, c.finished_at), swa_from=swa_from,
       swa_reserved=swa_reserved, empty=empty, n_empty=n_empty + npop,
-      prefilling=_compact(brow, keep), n_prefilling=jnp.sum(keep).astype(i32),
+      prefilling=_compact(brow, keep), n_prefilling=jnp.sum(keep.astype(i32)),
       cache_tokens=cache_tokens, refcount=refcount, last_used=last_used,
       free_pages=free_pages - pages, swa_free=swa_free, clock=clock, head=c.head + k,
-      steps=c.steps + (kind > 0), done=c.done + n_fin,
+      steps=c.steps + (kind > 0).astype(i32), done=c.done + n_fin,
       error=jnp.where(stuck, ERR_STUCK, c.error))
 
   # The table work: the free group (finished rows, then evicted cache rows), the borrows
   # (every admitted row; 0 pages without a cache hit), the extend or decode, hand-overs.
-  ins_pos = _excl_cumsum(ins.astype(i32))
-  ins_at = jnp.where(ins, ins_pos, b_)
-  plan = Plan(
+  ins_at = jnp.where(ins, _excl_cumsum(ins.astype(i32)), b_)
+  work = Plan(
       free_rows=jnp.where(jnp.arange(f_) < npop, pop_rows, evicted), num_free=nfree,
       borrow_rows=adm_rows, borrow_src=r_ + gc,
       borrow_pages=jnp.where(hit, _div(pre0, ps), 0), num_borrow=k,
@@ -466,30 +488,50 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
       num_ext=jnp.where(is_pre, n_batch, 0),
       dec_rows=_compact(rows, dec), num_dec=jnp.where(is_dec, n_dec, 0),
       ins_rows=_at(ins_at, b_, brow), ins_dst=_at(ins_at, b_, r_ + group_b),
-      ins_pages=_at(ins_at, b_, _div(aligned, ps)), num_ins=jnp.sum(ins).astype(i32),
+      ins_pages=_at(ins_at, b_, _div(aligned, ps)), num_ins=jnp.sum(ins.astype(i32)),
       window=jnp.where(go & (window_freed > 0), r_, 0) if swa else jnp.zeros((), i32))
-  with jax.named_scope("table"):
-    state, table, status = _table_step(lay, carry.state, carry.table, plan)
 
   live = phase != EMPTY
   held = _up(seq, ps) - _div(own, ps)
   active = (phase == PREFILL) | (phase == DECODE)
-  per_row_sums = dict(waste=jnp.where(live, held * ps - (seq - own), 0), running=live,
-                      committed=jnp.where(active, reserved - held, 0), tokens=grow)
+  tally = dict(
+      waste=jnp.where(live, held * ps - (seq - own), 0), running=live,
+      committed=jnp.where(active, reserved - held, 0), tokens=grow)
   if swa:
     swa_held = jnp.where(live, _up(seq, ps) - swa_from, 0)
-    per_row_sums["swa_committed"] = jnp.where(active, jnp.maximum(
-        swa_reserved - swa_held, 0), 0)
-  sums = jnp.sum(jnp.stack([jnp.asarray(v, i32) for v in per_row_sums.values()]), axis=1)
-  vals = dict(zip(per_row_sums, sums))
-  vals.update(
+    tally["swa_committed"] = jnp.where(active, jnp.maximum(swa_reserved - swa_held, 0), 0)
+  tally = {name: jnp.sum(jnp.asarray(v, i32)) for name, v in tally.items()}
+  tally.update(
       kind=kind, admitted=k, finished=n_fin, evicted=n_evict, evict_code=evict_code,
-      hits=jnp.sum(adm & hit), pages=pages, used=lay.num_pages - sched.free_pages,
-      runs=-1, ok=status[0], device_pages=status[1], checksum=status[2])
+      hits=jnp.sum((adm & hit).astype(i32)), pages=pages,
+      used=lay.num_pages - sched.free_pages, runs=jnp.full((), -1, i32))
   if swa:
-    vals.update(swa_used=lay.swa_pages - swa_free, window_freed=window_freed,
-                swa_device_pages=status[3], refused=refused)
-  rec = jnp.stack([jnp.asarray(vals[name], i32) for name in record_columns(swa)])
+    tally.update(swa_used=lay.swa_pages - swa_free, window_freed=window_freed,
+                 refused=refused)
+  tally = {name: jnp.asarray(v, i32) for name, v in tally.items()}
+  return sched, work, tally
+
+
+def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
+  """One scheduler iteration (`plan`) and its table work.
+
+  Returns (carry, i32[len(record_columns)] record); the record's kind is 0 when no step
+  ran (an idle iteration, or the run is over: `stopped`), and then nothing changed but
+  the clock (or the error flag).
+  """
+  args = (queue(lay, wl, carry.sched), wl.prefix_len, wl.max_steps, carry.sched)
+  decide = functools.partial(plan, lay, wl.arrival.shape[0])
+  if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program)
+    sched, work, tally = one_program.run(
+        decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan")
+  else:
+    sched, work, tally = decide(*args)
+  with jax.named_scope("table"):
+    state, table, status = _table_step(lay, carry.state, carry.table, work)
+  tally.update(ok=status[0], device_pages=status[1], checksum=status[2])
+  if lay.swa is not None:
+    tally["swa_device_pages"] = status[3]
+  rec = jnp.stack([tally[name] for name in record_columns(lay.swa is not None)])
   return Carry(state, table, sched), rec
 
 
