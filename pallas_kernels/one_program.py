@@ -8,8 +8,10 @@ each on a GPU, even inside a CUDA graph), this is one launch.
 `fn` must use only what the Triton lowering runs on values: elementwise operations,
 comparisons, `where`, broadcasts, iota, reductions along an axis, integer division and
 shifts; no gathers, scatters, slices or sorts (index a small vector by comparing it with
-an iota and reducing). Every input and output is an int32 array (or scalar) whose size
-is a power of two, so a (R, R) intermediate of R rows must fit one program: this is
+an iota and reducing). A select between two constants (`jnp.where(p, 3, 0)` on scalars)
+is refused: Pallas' Triton lowering gives both constants the predicate's type (i1), so it
+would return 1 or 0 (write `3 * p.astype(jnp.int32)`). Every input and output is an int32
+array (or scalar) whose size is a power of two, so a (R, R) intermediate of R rows must fit one program: this is
 for vectors of at most a few hundred entries.
 """
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Callable, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jax_core
 
 from pallas_kernels._util import TritonCall, is_pow2
 
@@ -30,6 +34,7 @@ class _Fn:
   in_tree: Any
   out_tree: Any
   out_shapes: Tuple[Tuple[int, ...], ...]
+  aliases: Tuple[Tuple[int, int], ...]  # (input leaf, output leaf) sharing a buffer
 
 
 def _body(*refs, p: _Fn):
@@ -40,16 +45,40 @@ def _body(*refs, p: _Fn):
     ref[...] = jnp.asarray(value, jnp.int32)
 
 
+def _constant_selects(jaxpr, constant, where: str = "") -> list:
+  """Source lines of select_n equations whose cases are all constants (literals, or
+  parameters of an inner jaxpr bound to them); `constant(var)` says which outer ones."""
+  found = []
+  for eqn in jaxpr.eqns:
+    const = [constant(v) for v in eqn.invars]
+    line = where or source_info_util.summarize(eqn.source_info)
+    if eqn.primitive.name == "select_n" and all(const[1:]):
+      found.append(line)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns") and len(inner.invars) == len(const):
+        bound = {id(v): c for v, c in zip(inner.invars, const)}
+        found += _constant_selects(inner, lambda v, b=bound: b.get(id(v), False), line)
+  return found
+
+
 @dataclasses.dataclass(frozen=True)
 class _OneProgram(TritonCall):
   def spec(self):
     out = tuple(jax.ShapeDtypeStruct(s, jnp.int32) for s in self.p.out_shapes)
     return out, _body, ()
 
+  def aliases(self) -> dict:
+    return dict(self.p.aliases)
+
 
 def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str = "fn",
-        num_warps: int = 4) -> Any:
+        num_warps: int = 4, update: Tuple[Tuple[int, int], ...] = ()) -> Any:
   """fn(*args) as one Triton program (pytrees in and out, int32 leaves).
+
+  update: (argument index, result index) pairs of the same tree structure and shapes:
+  that result is written over that argument's buffers (input_output_aliases; in place
+  when the caller donates them, as a loop's carry does).
 
   Raises ValueError naming the leaf when an input is not int32, an output not int32 or
   bool (stored as 0/1), or a size not a power of two. interpret: run in Pallas'
@@ -67,8 +96,25 @@ def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str =
         raise ValueError(f"one_program.run({name}): {kind} {path} is {dtype}"
                          f"{tuple(leaf.shape)}; every leaf must be int32 (a result may be "
                          "bool) of a power-of-two size")
+  bad = _constant_selects(jax.make_jaxpr(fn)(*args).jaxpr,
+                          lambda v: isinstance(v, jax_core.Literal))
+  if bad:
+    raise ValueError(f"one_program.run({name}): a select between two constants at "
+                     f"{bad[0]} (the Triton lowering makes them i1: write the select as "
+                     "arithmetic)")
+  firsts = lambda tree: np.cumsum([0] + [t.num_leaves for t in tree.children()])
+  ins, outs = firsts(in_tree), firsts(out_tree)
+  pairs = []
+  for a, r in update:
+    if (jax.tree_util.tree_structure(args[a]) != jax.tree_util.tree_structure(out[r])
+        or any(np.shape(x) != y.shape for x, y in zip(
+            jax.tree_util.tree_leaves(args[a]), jax.tree_util.tree_leaves(out[r])))):
+      raise ValueError(f"one_program.run({name}): update ({a}, {r}): argument {a} and "
+                       f"result {r} differ in structure or shapes")
+    pairs += [(int(ins[a] + i), int(outs[r] + i)) for i in range(outs[r + 1] - outs[r])]
   call = _OneProgram(name=name, p=_Fn(fn, in_tree, out_tree,
-                                      tuple(tuple(o.shape) for o in out_leaves)),
+                                      tuple(tuple(o.shape) for o in out_leaves),
+                                      tuple(pairs)),
                      num_warps=num_warps, interpret=interpret)
   outs = call.run(*leaves)
   return jax.tree_util.tree_unflatten(out_tree, [

@@ -489,7 +489,7 @@ def plan(lay: Layout, n_req: int, q: Queue, prefix_len: Array, max_steps: Array,
       dec_rows=_compact(rows, dec), num_dec=jnp.where(is_dec, n_dec, 0),
       ins_rows=_at(ins_at, b_, brow), ins_dst=_at(ins_at, b_, r_ + group_b),
       ins_pages=_at(ins_at, b_, _div(aligned, ps)), num_ins=jnp.sum(ins.astype(i32)),
-      window=jnp.where(go & (window_freed > 0), r_, 0) if swa else jnp.zeros((), i32))
+      window=r_ * (go & (window_freed > 0)).astype(i32) if swa else jnp.zeros((), i32))
 
   live = phase != EMPTY
   held = _up(seq, ps) - _div(own, ps)
@@ -523,7 +523,8 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   decide = functools.partial(plan, lay, wl.arrival.shape[0])
   if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program)
     sched, work, tally = one_program.run(
-        decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan")
+        decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan",
+        update=((3, 0),))
   else:
     sched, work, tally = decide(*args)
   with jax.named_scope("table"):
