@@ -156,12 +156,8 @@ def _class_table(record: Dict[str, Any]) -> str:
 
 def tables(record: Dict[str, Any]) -> str:
   """What `jax-kvalloc bench` printed for a record, whichever run wrote it."""
-  from jax_kvalloc.tools import bench, bench_kernels  # pylint: disable=g-import-not-at-top
-  if "suite" in record:
-    return bench.render(record)
-  if "micro" in record:  # kernels and serving records without the harness's "suite"
-    return bench_kernels.render(record)
-  return _class_table(record)
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  return bench.render(record) if "suite" in record else _class_table(record)
 
 
 def _cite(paths: Sequence[str]) -> str:
@@ -180,11 +176,6 @@ def _run_name(path: str) -> str:
   return path.rstrip("/").split("/")[-2].split("-", 4)[-1]
 
 
-def _kernels(root: str, path: str) -> Dict[str, Any]:
-  from jax_kvalloc.tools import bench_kernels  # pylint: disable=g-import-not-at-top
-  return bench_kernels.legacy(load(path, root))
-
-
 def _headline_block(root: str, specs: Sequence[str]) -> str:
   from jax_kvalloc.tools import bench_kernels as bk  # pylint: disable=g-import-not-at-top
   kernel_rows, serving_rows, cited = [], [], []
@@ -194,19 +185,20 @@ def _headline_block(root: str, specs: Sequence[str]) -> str:
     if kind not in ("decode", "extend", "serving") or not path:
       raise ReportError(f"headline spec {spec!r}: expected decode=FILE:BS,..., "
                         "extend=FILE:BS,... or serving=FILE")
-    data = _kernels(root, path)
+    data = load(path, root)
     cited.append(path)
     link = f"[{_run_name(path)}]({path})"
     if kind == "serving":
-      for r in data["serving"]:
-        fused = r.get("scan_alloc_fused_us")
-        serving_rows.append([r["bs"], fmt_us(fused), fmt_us(r["scan_alloc_us"]),
-                             fmt_us(r.get("scan_alloc_pages_us")), "-" if fused is None
+      for r in data["rows"]:
+        u = bk.serving_figures(r)
+        fused = u.get("alloc_fused")
+        serving_rows.append([r["bs"], fmt_us(fused), fmt_us(u["alloc"]),
+                             fmt_us(u.get("alloc_pages")), "-" if fused is None
                              else ("yes" if fused <= bk.SCAN_ALLOC_TARGET_US else "no"),
                              link])
       continue
     want = [int(b) for b in sizes.split(",")] if sizes else None
-    for r in data["micro"]:
+    for r in data["rows"]:
       if r["op"] != kind or (want is not None and r["bs"] not in want):
         continue
       pb, sg = bk.bare_cells(r)
@@ -237,7 +229,7 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
   per_file = []
   for path in paths:
     found = {}
-    for r in _kernels(root, path)["micro"]:
+    for r in load(path, root)["rows"]:
       v = bk.bare_verdict(r)
       if v is not None:
         pb, sg = bk.bare_cells(r)
