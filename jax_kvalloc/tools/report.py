@@ -113,8 +113,6 @@ def pyplot():
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
 #   verdicts FILE...         the bare verdict of every (op, bs) the kernels files share,
 #                            file by file, and whether they agree (a re-run's check)
-#   mosaic-gpu FILE          a record of mosaic_gpu_tables' format (Mosaic GPU, Triton
-#                            and XLA side by side)
 
 _BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
                     re.S)
@@ -249,65 +247,9 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
           f"\n\n{agree} of {len(rows)} verdicts agree.\n\n" + _cite(paths))
 
 
-def mosaic_gpu_tables(rows: Sequence[Dict[str, Any]]) -> str:
-  """The tables of a Mosaic GPU comparison's rows ({"op": decode | table_decode |
-  table_extend, "bs", and a cell per family: mosaic_gpu, triton, jnp, none}): per
-  operation and size, each family's median (q1-q3) in us, and the verdicts of Mosaic GPU
-  against Triton and XLA (`verdict`). Rows a run's budget skipped are left out."""
-  rows = [r for r in rows if "skipped" not in r]
-  def cell(c, prefix=""):
-    if not c or f"{prefix}us" not in c:
-      return (c or {}).get("error", "-")[:40]
-    return (f"{fmt_us(c[prefix + 'us'])} ({fmt_us(c[prefix + 'q1_us'])}-"
-            f"{fmt_us(c[prefix + 'q3_us'])})")
-
-  def vs(a, b, prefix=""):
-    return verdict(iqr(a, prefix), iqr(b, prefix))
-
-  out = []
-  dec = [r for r in rows if r["op"] == "decode"]
-  if dec:
-    header = ["bs", "mosaic_gpu (us)", "triton (us)", "jnp (us)", "mosaic_gpu bare",
-              "triton bare", "mosaic_gpu vs triton (bare)", "mosaic_gpu vs jnp"]
-    body = [[r["bs"], cell(r["mosaic_gpu"]), cell(r["triton"]), cell(r["jnp"]),
-             cell(r["mosaic_gpu"], "bare_"), cell(r["triton"], "bare_"),
-             vs(r["mosaic_gpu"], r["triton"], "bare_"), vs(r["mosaic_gpu"], r["jnp"])]
-            for r in dec]
-    out.append("alloc_decode, page size 64: the whole jitted call, linked (median, "
-               "q1-q3, us per call); bare = the kernel's own GPU time (CUPTI)\n"
-               + table(header, body))
-  for step in ("decode", "extend"):
-    tab = [r for r in rows if r["op"] == f"table_{step}"]
-    if not tab:
-      continue
-    header = ["bs", "stand-ins (us)", "mosaic_gpu share", "triton share", "jnp share",
-              "mosaic_gpu kernels", "triton kernels", "mosaic_gpu vs triton",
-              "mosaic_gpu vs jnp"]
-    body = [[r["bs"], fmt_us(r["none"].get("us")), cell(r["mosaic_gpu"], "share_"),
-             cell(r["triton"], "share_"), cell(r["jnp"], "share_"),
-             fmt_us(r["mosaic_gpu"].get("kernels_us")),
-             fmt_us(r["triton"].get("kernels_us")),
-             vs(r["mosaic_gpu"], r["triton"], "share_"),
-             vs(r["mosaic_gpu"], r["jnp"], "share_")] for r in tab]
-    out.append(f"request table, {step} step (step_rows), page size 64: share = step - "
-               "stand-ins (median, q1-q3 of the step, us per step); kernels = the "
-               "jax_kvalloc kernels' GPU time per step (CUPTI)\n" + table(header, body))
-  return "\n\n".join(out)
-
-
-def _mosaic_gpu_block(root: str, paths: Sequence[str]) -> str:
-  (path,) = paths
-  data = load(path, root)
-  skipped = [f"{r['op']} {r['bs']}" for r in data["rows"] if "skipped" in r]
-  note = (f"\n\nNot measured (the run's budget ran out first): {', '.join(skipped)}."
-          if skipped else "")
-  return ("```\n" + mosaic_gpu_tables(data["rows"]) + "\n```" + note + "\n\n"
-          + _cite(paths))
-
-
 _KINDS = {"bench": _tables_block, "bench-class": _tables_block,
           "bench-swa": _tables_block, "headline": _headline_block,
-          "verdicts": _verdicts_block, "mosaic-gpu": _mosaic_gpu_block}
+          "verdicts": _verdicts_block}
 
 
 def generate_block(spec: str, root: str) -> str:
