@@ -591,15 +591,11 @@ def serving_table(record: Dict[str, Any]) -> str:
   header = ["bs"] + [h for h, _ in cols] + ["sync: torch / jit", "async: torch / jit",
                                             "parity"] * torch_on
   return (f"serving loop (page_size {rows[0]['page_size']}, {rows[0]['steps']} decode steps; "
-          f"us per step, median of {record['settings']['reps']} runs for jit and torch "
-          "alike; sync = the host reads each step's ok (JAX) / synchronizes (torch) once "
-          "per step, async = once at the end; each step: free group of the rows that "
-          "finished, alloc_decode for every row, last_loc gather and token-table write; "
-          "'no allocator' = the same step with free and alloc_decode replaced by stand-ins; "
-          "the alloc_decode / free columns are what one more call of each adds per step; "
-          "'page release' frees the finished requests' pages with free_page_ids, in request "
-          "order, no sort; 'fused release+decode' frees the same pages and allocates in one "
-          "release_and_alloc_decode call, one kernel launch on GPU)\n"
+          f"us per step, median of {record['settings']['reps']} runs; sync: the host waits "
+          "for each step, async: once at the end; 'no allocator': free and alloc_decode "
+          "replaced by stand-ins; 'in scan': what the allocator, or one more alloc_decode "
+          "or free, adds to a step; page release: free_page_ids; fused: "
+          "release_and_alloc_decode, one call)\n"
           + report.table(header, body) + "\n")
 
 

@@ -131,31 +131,10 @@ def load(path: str, root: str = "") -> Dict[str, Any]:
     return json.load(f)
 
 
-def _class_table(record: Dict[str, Any]) -> str:
-  """The fixed-width table of a class record of the format {"rows": {"op/size": {impl:
-  {"median_us"}}}, "skipped", "stalls"} (medians, ratios)."""
-  impls = [n for n in ("device", "host", "sgljax", "torch_ref", "sglang")
-           if any(n in r for r in record["rows"].values())]
-  head = f"{'row':28s}" + "".join(f"{n:>11s}" for n in impls) + "  host/sgljax  device/sglang"
-  lines = [head, "-" * len(head)]
-  for key, res in record["rows"].items():
-    med = {n: res.get(n, {}).get("median_us") for n in impls}
-    ratio = lambda a, b: (f"{med[b] / med[a]:8.2f}x" if med.get(a) and med.get(b)
-                          else "       -")
-    lines.append(f"{key:28s}" + "".join(f"{med[n]:11.1f}" if med[n] is not None else
-                                        f"{'-':>11s}" for n in impls)
-                 + f"     {ratio('host', 'sgljax')}     {ratio('device', 'sglang')}")
-  lines += [f"skipped {name}: {why}" for name, why in record["skipped"].items()]
-  lines += [f"stalls ({mode}): {s['stalls_over_50ms']} of {s['calls']} calls over 50 ms, "
-            f"{s['stall_s']:.2f} s in all; warm-up {s['warmup_s']:.1f} s"
-            for mode, s in record.get("stalls", {}).items()]
-  return "\n".join(lines)
-
-
 def tables(record: Dict[str, Any]) -> str:
   """What `jax-kvalloc bench` printed for a record, whichever run wrote it."""
   from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
-  return bench.render(record) if "suite" in record else _class_table(record)
+  return bench.render(record)
 
 
 def _cite(paths: Sequence[str]) -> str:
