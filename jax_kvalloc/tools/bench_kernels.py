@@ -683,7 +683,7 @@ def render(record: Dict[str, Any]) -> str:
         "stand-in that only writes the case's outputs the way the column does: one XLA "
         "fusion for jnp, one Pallas launch otherwise; 'harness floor' is an XLA stand-in "
         "for every column)")
-  lines += [f"skipped {k}: {v}" for k, v in record["skipped"].items()] + [""]
+  lines += [f"note: {k} column skipped: {v}" for k, v in record["skipped"].items()] + [""]
   lines.append(serving_table(record) if record["suite"] == "serving" else
                micro_tables(record))
   rows = targets(record)
