@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_kvalloc.tools import bench, bench_kernels, report, timing
+from jax_kvalloc.tools import bench, bench_kernels, cli, report, timing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -74,6 +74,9 @@ def test_a_missing_file_or_kind_is_named(tmp_path):
   assert report.run_report([doc], write=True) == 0
   assert "old" not in (tmp_path / "A.md").read_text()
   assert report.run_report([doc], check=True) == 0
+  (tmp_path / "old.json").write_text('{"rows": {}}')   # not a harness record
+  with pytest.raises(cli.UsageError, match="names no suite"):
+    report.run_report([str(tmp_path / "old.json")])
 
 
 @pytest.mark.parametrize("ours, theirs, word", [

@@ -258,7 +258,11 @@ def run_report(paths: Sequence[str], *, check: bool = False, write: bool = False
   status = 0
   for path in paths:
     if path.endswith(".json"):
-      print(tables(load(path)))
+      record = load(path)
+      if "suite" not in record:
+        raise cli.UsageError("FILE", f"{path} is not a record of `jax-kvalloc bench` "
+                             "(it names no suite)")
+      print(tables(record))
       continue
     with open(path) as f:
       old = f.read()
