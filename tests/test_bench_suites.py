@@ -162,7 +162,7 @@ def test_kernels_free_and_torch_ref(tmp_path, capsys):
   if "torch_ref" in rec["skipped"]:  # no torch here (the 3.12 venv)
     assert "note: torch_ref column skipped: torch unavailable" in text
   else:
-    assert "torch_ref (us)" in text and "torch_ref / jnp host" in text
+    assert "torch_ref (us)" in text and "torch_ref / eager" in text
   assert "MISMATCH" not in text   # guard=False columns included: the same outputs
   for row, col in (("decode/8/8", "jnp"), ("free/2/64", "jnp"), ("free/2/64", "eager")):
     assert re.search(rf"\| {row} +\| {col} +\|", text), (row, col)

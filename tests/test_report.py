@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_kvalloc.tools import bench, bench_kernels, report, timing
+from jax_kvalloc.tools import bench, bench_kernels, cli, report, timing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -74,6 +74,9 @@ def test_a_missing_file_or_kind_is_named(tmp_path):
   assert report.run_report([doc], write=True) == 0
   assert "old" not in (tmp_path / "A.md").read_text()
   assert report.run_report([doc], check=True) == 0
+  (tmp_path / "old.json").write_text('{"rows": {}}')   # not a harness record
+  with pytest.raises(cli.UsageError, match="names no suite"):
+    report.run_report([str(tmp_path / "old.json")])
 
 
 @pytest.mark.parametrize("ours, theirs, word", [
@@ -90,9 +93,8 @@ def test_verdict(ours, theirs, word):
 
 
 def _row(pallas_q, sglang_q):
-  row = json.loads((ROOT / RUN13).read_text())["micro"][1]
-  row = copy.deepcopy(row)
-  pb, sg = row["jax"]["pallas"], row["sglang"]
+  row = json.loads((ROOT / RUN13).read_text())["rows"][2]   # decode bs 16
+  pb, sg = row["cells"]["pallas"], row["cells"]["sglang"]
   for cell, q in ((pb, pallas_q), (sg, sglang_q)):
     if q is not None:
       cell["bare_q1_us"], cell["bare_q3_us"] = q
@@ -112,17 +114,15 @@ def test_targets_never_judge_linked_ratios_and_miss_only_on_a_clear_loss():
   assert not any("linked" in t or "torch_ref (same run)" in t for t, _, _ in rows)
   bare = [r for r in rows if "both bare" in r[0] and "every size" in r[0]]
   assert bare and bare[0][2] == report.NO_SPREAD   # run 13 kept no quartiles
-  for r in data["micro"]:   # ties everywhere: met, though the medians differ
-    m = r["jax"]["pallas"]["bare_us"]
-    r["jax"]["pallas"].update(bare_q1_us=m - 0.5, bare_q3_us=m + 0.5)
-    r["sglang"].update(bare_q1_us=r["sglang"]["bare_us"] - 0.5,
-                       bare_q3_us=r["sglang"]["bare_us"] + 0.5)
+  for r in data["rows"][1:]:   # ties everywhere: met, though the medians differ
+    pb, sg = r["cells"]["pallas"], r["cells"]["sglang"]
+    pb.update(bare_q1_us=pb["bare_us"] - 0.5, bare_q3_us=pb["bare_us"] + 0.5)
+    sg.update(bare_q1_us=sg["bare_us"] - 0.5, bare_q3_us=sg["bare_us"] + 0.5)
   verdicts = {t: v for t, _, v in bench_kernels.targets(data)}
   key = next(t for t in verdicts if "both bare" in t and "every size" in t)
   assert verdicts[key] == "met"
-  r = data["micro"][2]   # bs 64: ours clearly slower
-  r["jax"]["pallas"].update(bare_q1_us=r["sglang"]["bare_q3_us"] + 0.1,
-                            bare_q3_us=r["sglang"]["bare_q3_us"] + 0.2)
+  pb, sg = data["rows"][3]["cells"]["pallas"], data["rows"][3]["cells"]["sglang"]
+  pb.update(bare_q1_us=sg["bare_q3_us"] + 0.1, bare_q3_us=sg["bare_q3_us"] + 0.2)  # bs 64
   verdicts = {t: v for t, _, v in bench_kernels.targets(data)}
   assert verdicts[key] == "MISSED at 1/7"
 
@@ -222,8 +222,8 @@ def test_manifest_of_a_run(tmp_path, monkeypatch):
 def test_verdicts_compare_runs_row_by_row(tmp_path):
   src = json.loads((RESULTS / "2026-12-01-h200-b" / "decode.json").read_text())
   flipped = copy.deepcopy(src)
-  row = next(r for r in flipped["micro"] if r["bs"] == 16)
-  row["sglang"].update(bare_us=9.0, bare_q1_us=8.9, bare_q3_us=9.1)  # a clear win now
+  row = next(r for r in flipped["rows"] if r["bs"] == 16)
+  row["cells"]["sglang"].update(bare_us=9.0, bare_q1_us=8.9, bare_q3_us=9.1)  # a clear win now
   for name, data in (("a", src), ("b", flipped)):
     (tmp_path / f"2026-12-01-h200-{name}").mkdir()
     (tmp_path / f"2026-12-01-h200-{name}" / "decode.json").write_text(json.dumps(data))

@@ -325,7 +325,7 @@ def table(record: Dict[str, Any], suite: Optional[Suite] = None) -> str:
                         [f"{a} vs {b}" for a, b in pairs], body)]
   lines += [f"skipped {name}: {why}" for name, why in record["skipped"].items()]
   lines += [f"error in {label(r)} {i}: {c['error']}" for r in record["rows"]
-            for i, c in r["cells"].items() if "error" in c and "suite" in record]
+            for i, c in r["cells"].items() if "error" in c]
   return "\n".join(lines + mismatches(record))
 
 

@@ -456,72 +456,28 @@ SUITE = bench.Suite(
                     "consumer of its outputs, net of the consumer's own cost"),
           bench.Dim("--sglang-kernels", None, "SGLang's sglang/kernels/ops/memory/"
                     "allocator.py from its wheel (CUDA)", cli.existing_file)),
-    render=lambda r: render(legacy(r)), guarded=KERNELS + ("eager",),
+    render=lambda r: render(r), guarded=KERNELS + ("eager",),
     guard_target=lambda row, col: (GUARD_TARGET_PCT, "%") if row["bs"] >= 64 and (
         bench.parse_impl(col)[0] in KERNELS) else None)
 
 
 # ---------------------------------------------------------------------------------------
-# The tables (of this suite's and the serving suite's records, and of the files earlier
-# runs wrote: {"env", "config", "loop_overhead_us", "micro", "serving", "notes"}).
+# The tables of a kernels or serving record.
 # ---------------------------------------------------------------------------------------
 
-SERVING_KEYS = {"jit_sync": "jit_step_sync", "jit": "jit_step", "jit_none":
-                "jit_step_baseline", "scan": "scan", "scan_none": "scan_baseline",
-                "scan_extra_alloc": "scan_extra_alloc", "scan_extra_free": "scan_extra_free",
-                "scan_pages": "scan_pages", "scan_fused": "scan_fused",
-                "torch_sync": "torch_step_sync", "torch": "torch_step"}
 SCAN_ALLOC_TARGET_US = 5.0
 DECODE_BIG_SPEEDUP = 20.0
 EXTRA_CONSUMER_TOLERANCE = 0.10
+RATIOS = (("sglang", "pallas", "bare_"), ("torch_ref", "eager", ""))  # (theirs, ours, figure)
+SGLANG_NOTE = ("; sglang: its Triton kernel, CUDA graph replay, linked like ours (bare: each "
+               "kernel's own GPU time, median over 2048 launches, from CUPTI; faster / "
+               "slower only where the interquartile ranges do not overlap, else tie); "
+               "linked figures include each side's own link (XLA fuses ours into 1-2 "
+               "kernels, torch runs 4-5 eager ones), so no ratio is taken between them")
 
 
-def legacy(record: Dict[str, Any]) -> Dict[str, Any]:
-  """A kernels or serving record in the shape `render` reads (an earlier run's file as
-  it is)."""
-  if "suite" not in record:
-    return record
-  s, rows, env = record["settings"], record["rows"], dict(record["env"])
-  env["triton"] = env.get("triton") or "-"
-  out = {"env": env, "micro": [], "serving": [],
-         "notes": [f"{k} column skipped: {v}" for k, v in record["skipped"].items()],
-         "config": {"suite": record["suite"], "ops": s.get("ops", []), "unroll": s["unroll"],
-                    "runs": s["reps"],
-                    "page_size": s.get("page_size")}}
-  paths = []
-  for r in rows:
-    c = r["cells"]
-    checks = [x["check"] for x in c.values() if x.get("check", "ok") != "ok"]
-    if record["suite"] == "serving":
-      row = {k: r[k] for k in ("bs", "page_size", "steps")}
-      row.update({f"{SERVING_KEYS[i]}_us": x["us"] for i, x in c.items() if "us" in x})
-      for part, key in (("", "scan_us"), ("_pages", "scan_pages_us"),
-                        ("_fused", "scan_fused_us")):
-        if key in row and "scan_baseline_us" in row:
-          row[f"scan_alloc{part}_us"] = row[key] - row["scan_baseline_us"]
-      row["parity"] = ("MISMATCH" if checks else "identical" if "torch" in c else "jax only")
-      row["ok"] = all(x.get("ok", True) for x in c.values())
-      out["serving"].append(row)
-    elif r["op"] == "harness":
-      out["loop_overhead_us"] = next(iter(c.values())).get("us")
-    else:
-      jax_cells = {i: x for i, x in c.items()
-                   if bench.parse_impl(i)[0] not in ("eager", "torch_ref", "sglang")}
-      paths += [i for i in jax_cells if i not in paths]
-      if c.get("sglang", {}).get("sglang_version"):
-        env["sglang"] = c["sglang"]["sglang_version"]
-      out["micro"].append({"op": r["op"], "bs": r["bs"], "tokens": r["tokens"],
-                           "page_size": s["page_size"], "jax": jax_cells,
-                           "torch": c.get("torch_ref"), "sglang": c.get("sglang"),
-                           "jax_host": c.get("eager"), "check": (checks or ["ok"])[0]})
-  torch_on = any(r.get("torch") for r in out["micro"]) or any(
-      "torch_step_us" in r for r in out["serving"])
-  out["config"]["paths"] = paths + (["torch"] if torch_on else [])
-  return out
-
-
-def _us(cell: Optional[Dict[str, Any]]) -> Optional[float]:
-  return None if not cell or "us" not in cell else cell["us"]
+def _fig(row: Dict[str, Any], impl: str, key: str = "us") -> Any:
+  return (row["cells"].get(impl) or {}).get(key)
 
 
 def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
@@ -544,122 +500,102 @@ def consumer_cell(cell: Dict[str, Any]) -> str:
   return raw
 
 
-def bare_cells(r: Dict[str, Any]):
-  """(pallas cell, SGLang cell) of a row, each possibly empty."""
-  return (r["jax"].get("pallas") or {}), (r.get("sglang") or {})
+def bare_cells(row: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """(pallas cell, sglang cell) of a record's row, each possibly empty."""
+  return row["cells"].get("pallas") or {}, row["cells"].get("sglang") or {}
 
 
-def bare_verdict(r: Dict[str, Any]) -> Optional[str]:
+def bare_verdict(row: Dict[str, Any]) -> Optional[str]:
   """The pallas kernel against SGLang's, both bare (report.verdict of their quartiles);
   None where either bare figure is missing."""
-  pb, sg = bare_cells(r)
+  pb, sg = bare_cells(row)
   if pb.get("bare_us") is None or sg.get("bare_us") is None:
     return None
   return report.verdict(report.iqr(pb, "bare_"), report.iqr(sg, "bare_"))
 
 
-LINKED_NOTE = ("linked figures include each side's own link (XLA fuses ours into 1-2 "
-               "kernels, torch runs 4-5 eager ones), so no ratio is taken between them")
-SGLANG_NOTE = ("; SGLang: its Triton kernel, CUDA graph replay, linked like ours (bare: "
-               "each kernel's own GPU time, median over 2048 launches, from CUPTI; faster "
-               "/ slower only where the interquartile ranges do not overlap, else tie)")
+def _check(row: Dict[str, Any]) -> str:
+  return next((c["check"] for c in row["cells"].values() if "check" in c), "ok")
 
 
-def micro_tables(result: Dict[str, Any]) -> str:
-  f, fr = report.fmt_us, report.fmt_ratio
-  cfg = result["config"]
-  torch_on = "torch" in cfg["paths"]
-  per_path = any("floor_us" in c for r in result["micro"] for c in r["jax"].values())
+def micro_tables(record: Dict[str, Any]) -> str:
+  """A table per operation: each column's median (us per call), then every floor, bare
+  and +1 consumer figure the run recorded, the RATIOS, the bare verdict of pallas against
+  sglang and the outputs' check; each failed cell's error below."""
+  f = report.fmt_us
   out = []
-  for op in cfg["ops"]:
-    rows = [r for r in result["micro"] if r["op"] == op]
-    if not rows:
-      continue
-    paths = [p for p in cfg["paths"] if p != "torch" and any(p in r["jax"] for r in rows)]
-    sgl = any(r.get("sglang") for r in rows)
-    extra = any("us_extra_consumer" in c for r in rows for c in r["jax"].values())
-    bare = any("bare_us" in c for r in rows for c in r["jax"].values())
-    err = lambda x: f(x) if x is not None else "error"
-    jx = lambda r, p: r["jax"].get(p) or {}
-    floor = lambda r, p: jx(r, p).get("floor_us", r.get("floor_us") if p == "jnp" else None)
-    # (header, cell of a row, shown): the columns in order
-    cols = [(f"{p} (us)", lambda r, p=p: err(_us(jx(r, p)) if jx(r, p) else None), True)
-            for p in paths]
-    cols += ([(f"{p} floor (us)", lambda r, p=p: f(floor(r, p)), True) for p in paths]
-             if per_path else [("harness floor (us)", lambda r: f(r.get("floor_us")), True)])
-    cols += [("jnp eager host (us)", lambda r: f(_us(r.get("jax_host"))), op == "free"),
-             ("torch_ref (us)", lambda r: err(_us(r.get("torch"))), torch_on),
-             ("pallas bare (us)", lambda r: f(bare_cells(r)[0].get("bare_us")), bare),
-             ("SGLang (us)", lambda r: err(_us(r.get("sglang"))), sgl),
-             ("SGLang bare (us)", lambda r: f(bare_cells(r)[1].get("bare_us")), sgl),
-             ("torch_ref / jnp host", lambda r: fr(_ratio(_us(r.get("torch")),
-                                                          _us(r.get("jax_host")))),
-              torch_on and op == "free"),
-             ("SGLang bare / pallas bare", lambda r: fr(_ratio(
-                 bare_cells(r)[1].get("bare_us"), bare_cells(r)[0].get("bare_us"))),
-              sgl and bare),
-             ("pallas bare vs SGLang bare", lambda r: bare_verdict(r) or "-", sgl and bare)]
-    cols += [(f"{p} +1 consumer (net)", lambda r, p=p: consumer_cell(jx(r, p)), extra)
-             for p in paths] + [("check", lambda r: r["check"], True)]
-    cols = [(h, c) for h, c, shown in cols if shown]
-    tmethod = next((r["torch"]["method"] for r in rows
-                    if r.get("torch") and "method" in r["torch"]), None)
-    note = ("; free: the XLA path (kernel='jnp'; the Pallas free kernel is timed by "
-            "benchmarks/free_methods_gpu.py)" if op == "free" and "suite" not in cfg else "")
-    out.append(f"{op} (page_size {rows[0]['page_size']}; us per call, median{note}"
-               + (f"; torch_ref: {tmethod}" if tmethod else "") + (SGLANG_NOTE if sgl else "")
-               + (f"; {LINKED_NOTE}" if sgl or (torch_on and op != "free") else "")
-               + ("; ratio > 1: jax_kvalloc faster)" if sgl or op == "free" else ")"))
-    out.append(report.table(["bs", "tokens"] + [h for h, _ in cols],
-                            [[r["bs"], r["tokens"]] + [c(r) for _, c in cols] for r in rows]))
-    out += [f"  {op} bs={r['bs']} {k}: {v['error']}" for r in rows
-            for k, v in list(r["jax"].items()) + [("torch_ref", r.get("torch") or {}),
-                                                   ("sglang", r.get("sglang") or {})]
-            if v and "error" in v]
+  for op in dict.fromkeys(r["op"] for r in record["rows"] if r["op"] != "harness"):
+    rows = [r for r in record["rows"] if r["op"] == op]
+    impls = list(dict.fromkeys(i for r in rows for i in r["cells"]))
+    has = lambda key: [i for i in impls if any(_fig(r, i, key) is not None for r in rows)]
+    fig = lambda i, key: lambda r: f(_fig(r, i, key))
+    cols = [(f"{i} (us)", lambda r, i=i: "error" if _fig(r, i, "error") else f(_fig(r, i)))
+            for i in impls]
+    cols += [(f"{i} floor (us)", fig(i, "floor_us")) for i in has("floor_us")]
+    cols += [(f"{i} bare (us)", fig(i, "bare_us")) for i in has("bare_us")]
+    cols += [(f"{a}{' bare' * bool(p)} / {b}{' bare' * bool(p)}", lambda r, a=a, b=b, p=p:
+              report.fmt_ratio(_ratio(_fig(r, a, p + "us"), _fig(r, b, p + "us"))))
+             for a, b, p in RATIOS if a in has(p + "us") and b in has(p + "us")]
+    if "sglang" in impls and "pallas" in has("bare_us"):
+      cols.append(("pallas bare vs sglang bare", lambda r: bare_verdict(r) or "-"))
+    cols += [(f"{i} +1 consumer (net)", lambda r, i=i: consumer_cell(r["cells"].get(i) or {}))
+             for i in has("extra_consumer_change")]
+    methods = ", ".join(dict.fromkeys(m for r in rows if (m := _fig(r, "torch_ref", "method"))))
+    out.append(f"{op} (page_size {record['settings']['page_size']}; us per call, median"
+               + (f"; torch_ref: {methods}" if methods else "")
+               + (SGLANG_NOTE if "sglang" in impls else "") + ")")
+    out.append(report.table(["bs", "tokens"] + [h for h, _ in cols] + ["check"],
+                            [[r["bs"], r["tokens"]] + [c(r) for _, c in cols] + [_check(r)]
+                             for r in rows]))
+    out += [f"  {op} bs={r['bs']} {i}: {c['error']}" for r in rows
+            for i, c in r["cells"].items() if "error" in c]
     out.append("")
   return "\n".join(out)
 
 
-def breakdown(row: Dict[str, Any], part: str) -> Optional[float]:
-  """us per step that one more alloc_decode ("alloc") or free ("free") adds in the scan."""
-  extra = row.get(f"scan_extra_{part}_us")
-  return None if extra is None else extra - row["scan_us"]
+SERVING_COLUMNS = (  # (header, figure of serving_figures)
+    ("jit/step sync", "jit_sync"), ("jit/step async", "jit"),
+    ("jit/step, no allocator", "jit_none"), ("scan/step", "scan"),
+    ("scan, no allocator", "scan_none"), ("allocator in scan", "alloc"),
+    ("alloc_decode in scan", "alloc_decode"), ("free in scan", "free"),
+    ("allocator in scan, page release", "alloc_pages"),
+    ("allocator in scan, fused release+decode", "alloc_fused"),
+    ("torch_ref sync/step", "torch_sync"), ("torch_ref async/step", "torch"))
 
 
-def serving_table(result: Dict[str, Any]) -> str:
-  fmt_us, fmt_ratio = report.fmt_us, report.fmt_ratio
-  rows = result["serving"]
-  torch_on = any("torch_step_us" in r for r in rows)
-  header = ["bs", "jit/step sync", "jit/step async", "jit/step, no allocator",
-            "scan/step", "scan, no allocator", "allocator in scan",
-            "alloc_decode in scan", "free in scan", "allocator in scan, page release",
-            "allocator in scan, fused release+decode"] + [
-                "torch_ref sync/step", "torch_ref async/step", "sync: torch / jit",
-                "async: torch / jit", "parity"] * torch_on
+def serving_figures(row: Dict[str, Any]) -> Dict[str, float]:
+  """us per step of a serving row's columns, and what the allocator adds to a step in
+  the scan: alloc, alloc_pages, alloc_fused (scan, scan_pages, scan_fused less
+  scan_none) and alloc_decode, free (what one more call of each adds to scan)."""
+  u = {i: c["us"] for i, c in row["cells"].items() if "us" in c}
+  for name, a, b in (("alloc", "scan", "scan_none"), ("alloc_pages", "scan_pages", "scan_none"),
+                     ("alloc_fused", "scan_fused", "scan_none"),
+                     ("alloc_decode", "scan_extra_alloc", "scan"),
+                     ("free", "scan_extra_free", "scan")):
+    if a in u and b in u:
+      u[name] = u[a] - u[b]
+  return u
+
+
+def serving_table(record: Dict[str, Any]) -> str:
+  f, rows = report.fmt_us, record["rows"]
+  torch_on = any("torch" in r["cells"] or "torch_sync" in r["cells"] for r in rows)
+  cols = [c for c in SERVING_COLUMNS if torch_on or not c[1].startswith("torch")]
   body = []
   for r in rows:
-    cells = [r["bs"], fmt_us(r.get("jit_step_sync_us")), fmt_us(r.get("jit_step_us")),
-             fmt_us(r.get("jit_step_baseline_us")), fmt_us(r.get("scan_us")),
-             fmt_us(r.get("scan_baseline_us")), fmt_us(r.get("scan_alloc_us")),
-             fmt_us(breakdown(r, "alloc")), fmt_us(breakdown(r, "free")),
-             fmt_us(r.get("scan_alloc_pages_us")), fmt_us(r.get("scan_alloc_fused_us"))]
-    if torch_on:
-      t, ts = r.get("torch_step_us"), r.get("torch_step_sync_us")
-      cells += [fmt_us(ts) if ts else r.get("torch_error", "-")[:40], fmt_us(t),
-                fmt_ratio(_ratio(ts, r.get("jit_step_sync_us"))),
-                fmt_ratio(_ratio(t, r.get("jit_step_us"))), r.get("parity", "-")]
-    body.append(cells)
-  r0 = rows[0]
-  return (f"serving loop (page_size {r0['page_size']}, {r0['steps']} decode steps; us per "
-          f"step, median of {result['config'].get('runs', 3)} runs for jit and torch alike; sync = the host reads each "
-          f"step's ok (JAX) / synchronizes (torch) once per step, async = once at the end; "
-          f"each step: free group of the rows that finished, alloc_decode for every row, "
-          f"last_loc gather and token-table write; 'no allocator' = the same step with "
-          f"free and alloc_decode replaced by stand-ins; the alloc_decode / free columns "
-          f"are what one more call of each adds per step; 'page release' frees the finished "
-          f"requests' pages with free_page_ids, in request order, no sort; 'fused "
-          f"release+decode' frees the same pages and allocates in one "
-          f"release_and_alloc_decode call, one kernel launch on GPU)\n"
+    u = serving_figures(r)
+    parity = ("MISMATCH" if _check(r) != "ok" else "identical" if torch_on else "jax only")
+    body.append([r["bs"]] + [f(u.get(k)) for _, k in cols] + [
+        report.fmt_ratio(_ratio(u.get("torch_sync"), u.get("jit_sync"))),
+        report.fmt_ratio(_ratio(u.get("torch"), u.get("jit"))), parity] * torch_on)
+  header = ["bs"] + [h for h, _ in cols] + ["sync: torch / jit", "async: torch / jit",
+                                            "parity"] * torch_on
+  return (f"serving loop (page_size {rows[0]['page_size']}, {rows[0]['steps']} decode steps; "
+          f"us per step, median of {record['settings']['reps']} runs; sync: the host waits "
+          "for each step, async: once at the end; 'no allocator': free and alloc_decode "
+          "replaced by stand-ins; 'in scan': what the allocator, or one more alloc_decode "
+          "or free, adds to a step; page release: free_page_ids; fused: "
+          "release_and_alloc_decode, one call)\n"
           + report.table(header, body) + "\n")
 
 
@@ -667,99 +603,94 @@ def _met(ok: bool) -> str:
   return "met" if ok else "MISSED"
 
 
-def targets(result: Dict[str, Any]) -> List[Tuple[str, str, str]]:
-  """(target, measured, verdict) rows, every measured figure from the run."""
+def targets(record: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+  """(target, measured, verdict) rows, every measured figure from the record."""
   out = []
-  micro = result["micro"]
-  main = "pallas" if "pallas" in result["config"]["paths"] else "jnp"
-  t = lambda r: _us(r["jax"].get(main))
+  if record["suite"] == "serving":
+    for r in record["rows"]:
+      u = serving_figures(r)
+      if u.get("torch_sync") and u.get("jit_sync"):
+        out.append((f"serving bs={r['bs']}: jit/step <= half of torch_ref eager/step "
+                    f"(both syncing once per step)",
+                    f"{u['jit_sync']:.1f} vs {u['torch_sync']:.1f} us",
+                    _met(u["jit_sync"] <= 0.5 * u["torch_sync"])))
+      for key, what in (("alloc", "free of slots, sorted unique"),
+                        ("alloc_pages", "request-level page release"),
+                        ("alloc_fused", "page release and alloc_decode in one call")):
+        if key in u:
+          out.append((f"serving bs={r['bs']}: allocator adds <= {SCAN_ALLOC_TARGET_US:.0f} us"
+                      f" per step in a scan ({what})", f"{u[key]:.2f} us",
+                      _met(u[key] <= SCAN_ALLOC_TARGET_US)))
+    return out
+  rows = [r for r in record["rows"] if r["op"] != "harness"]
+  main = "pallas" if any("pallas" in r["cells"] for r in rows) else "jnp"
+  t = lambda r: _fig(r, main)
+  ratio = lambda r: bare_cells(r)[1]["bare_us"] / bare_cells(r)[0]["bare_us"]
   for op in ("decode", "extend"):
-    rows = [r for r in micro if r["op"] == op and t(r) is not None]
-    cmp = [r for r in rows if bare_verdict(r)]
-    if cmp:
-      words = {r["bs"]: bare_verdict(r) for r in cmp}
+    timed = [r for r in rows if r["op"] == op and t(r) is not None]
+    words = {r["bs"]: bare_verdict(r) for r in timed if bare_verdict(r)}
+    if words:
+      worst = min((r for r in timed if r["bs"] in words), key=ratio)
       slower = [bs for bs, w in words.items() if w == "slower"]
-      ties = [bs for bs, w in words.items() if w == "tie"]
-      ratio = lambda r: r["sglang"]["bare_us"] / r["jax"]["pallas"]["bare_us"]
-      worst = min(cmp, key=ratio)
       measured = f"worst bs={worst['bs']}: {ratio(worst):.2f}x" + "".join(
           f"; {w} at bs {', '.join(map(str, b))}" for w, b in
-          (("slower", slower), ("tie", ties)) if b)
-      verdict = (f"MISSED at {len(slower)}/{len(cmp)}" if slower else report.NO_SPREAD
+          (("slower", slower), ("tie", [bs for bs, w in words.items() if w == "tie"])) if b)
+      verdict = (f"MISSED at {len(slower)}/{len(words)}" if slower else report.NO_SPREAD
                  if report.NO_SPREAD in words.values() else "met")
       out.append((f"{op}: pallas kernel at least as fast as SGLang's kernel, both bare "
                   f"(same run) at every size", measured, verdict))
-    big = sorted((r for r in rows if r["bs"] >= 1024), key=lambda r: r["bs"])
+    big = sorted((r for r in timed if r["bs"] >= 1024), key=lambda r: r["bs"])
     if len(big) >= 2:
       worst_e, at = max((math.log(t(b) / t(a)) / math.log(b["bs"] / a["bs"]), b["bs"])
                         for a, b in zip(big, big[1:]))
       out.append((f"{op}: linear growth in bs (largest log-log slope between "
                   f"consecutive sizes from bs 1024)", f"{worst_e:.2f} (up to bs {at})",
                   _met(worst_e <= 1.25)))
-  for r in micro:
+  for r in rows:
     if r["op"] != "decode" or r["bs"] != 16384 or not bare_verdict(r):
       continue
-    pb, sg = bare_cells(r)
-    q_ours, q_theirs = report.iqr(pb, "bare_"), report.iqr(sg, "bare_")
+    q_ours, q_theirs = (report.iqr(c, "bare_") for c in bare_cells(r))
     word = (_met(q_theirs[0] >= DECODE_BIG_SPEEDUP * q_ours[1]) if q_ours and q_theirs
             else report.NO_SPREAD)  # the whole interquartile ranges this far apart
     out.append((f"decode bs 16384: pallas kernel >= {DECODE_BIG_SPEEDUP:.0f}x faster than "
-                f"SGLang's, both bare (same run)", f"{sg['bare_us'] / pb['bare_us']:.0f}x",
-                word))
-  changes = [(abs(consumer_change(c)), r, p) for r in micro
-             for p, c in r["jax"].items() if "extra_consumer_change" in c]
+                f"SGLang's, both bare (same run)", f"{ratio(r):.0f}x", word))
+  changes = [(abs(consumer_change(c)), r, i) for r in rows
+             for i, c in r["cells"].items() if "extra_consumer_change" in c]
   if changes:
-    worst, r, p = max(changes, key=lambda x: x[0])
+    worst, r, i = max(changes, key=lambda x: x[0])
     out.append((f"every JAX figure moves < {100 * EXTRA_CONSUMER_TOLERANCE:.0f}% with one "
                 f"more consumer of its outputs (net of that consumer's own cost on the "
-                f"stand-in)", f"worst {100 * worst:.1f}% ({r['op']} bs={r['bs']} {p})",
+                f"stand-in)", f"worst {100 * worst:.1f}% ({r['op']} bs={r['bs']} {i})",
                 _met(worst < EXTRA_CONSUMER_TOLERANCE)))
-  for r in result["serving"]:
-    if r.get("torch_step_sync_us") and r.get("jit_step_sync_us"):
-      out.append((f"serving bs={r['bs']}: jit/step <= half of torch_ref eager/step "
-                  f"(both syncing once per step)",
-                  f"{r['jit_step_sync_us']:.1f} vs {r['torch_step_sync_us']:.1f} us",
-                  _met(r["jit_step_sync_us"] <= 0.5 * r["torch_step_sync_us"])))
-    for key, what in (("scan_alloc_us", "free of slots, sorted unique"),
-                      ("scan_alloc_pages_us", "request-level page release"),
-                      ("scan_alloc_fused_us", "page release and alloc_decode in one call")):
-      if r.get(key) is not None:
-        out.append((f"serving bs={r['bs']}: allocator adds <= {SCAN_ALLOC_TARGET_US:.0f} us"
-                    f" per step in a scan ({what})", f"{r[key]:.2f} us",
-                    _met(r[key] <= SCAN_ALLOC_TARGET_US)))
   return out
 
 
-def render(result: Dict[str, Any]) -> str:
+def render(record: Dict[str, Any]) -> str:
   """The tables `jax-kvalloc bench kernels` / `serving` print (and `jax-kvalloc report`)."""
-  e = result["env"]
-  per_path = any("floor_us" in c for r in result["micro"] for c in r["jax"].values())
+  e = record["env"]
+  sglang = next((c["sglang_version"] for r in record["rows"] for c in r["cells"].values()
+                 if c.get("sglang_version")), e.get("sglang"))
   lines = [f"jax-kvalloc bench on {e['platform']}:{e['device']} ({e['date']}; python "
            f"{e['python']}, jax {e['jax']}, torch {e.get('torch')}, triton "
-           f"{e.get('triton', '-')}" + (f", SGLang kernels: {e['sglang']}"
-                                         if e.get("sglang") else "") + ")"]
-  if result.get("loop_overhead_us") is not None:
+           f"{e.get('triton') or '-'}" + (f", SGLang kernels: {sglang}" if sglang else "") + ")"]
+  floor = record.get("loop_overhead_us", next(
+      (_fig(r, i) for r in record["rows"] if r.get("op") == "harness" for i in r["cells"]),
+      None))
+  if floor is not None:
     lines.append(
-        f"harness floor: {result['loop_overhead_us']:.3f} us per call for a scalar call "
-        f"(unroll {result['config']['unroll']}; " + (
-            "each path's floor column is the same harness around a stand-in that only "
-            "writes the case's outputs the way the path does: one XLA fusion for jnp, "
-            "one Pallas launch for pallas)" if per_path else
-            "the per-case floor column is the same harness around an XLA stand-in that "
-            "only writes outputs of the case's shapes, for every path: where it exceeds "
-            "a Pallas figure, that stand-in's fusions cost more than the one Pallas "
-            "launch; runs since issue 26 take a Pallas stand-in for the Pallas path)"))
-  lines += [f"note: {n}" for n in result.get("notes", ())] + [""]
-  if result["micro"]:
-    lines.append(micro_tables(result))
-  if result["serving"]:
-    lines.append(serving_table(result))
-  rows = targets(result)
+        f"harness floor: {floor:.3f} us per call for a scalar call (unroll "
+        f"{record['settings']['unroll']}; a column's floor is the same harness around a "
+        "stand-in that only writes the case's outputs the way the column does: one XLA "
+        "fusion for jnp, one Pallas launch otherwise; 'harness floor' is an XLA stand-in "
+        "for every column)")
+  lines += [f"note: {k} column skipped: {v}" for k, v in record["skipped"].items()] + [""]
+  lines.append(serving_table(record) if record["suite"] == "serving" else
+               micro_tables(record))
+  rows = targets(record)
   if rows:
     lines.append("targets (each measured figure from this run)")
     lines.append(report.table(["target", "measured", "verdict"], rows, align="llr"))
-  mism = [r for r in result["micro"] if r["check"] != "ok"] + [
-      r for r in result["serving"] if r.get("parity") == "MISMATCH" or not r.get("ok", 1)]
+  mism = bench.mismatches(record)
   if mism:
     lines.append(f"\nCHECK FAILED in {len(mism)} case(s): outputs disagree (see 'check').")
   return "\n".join(lines)

@@ -274,4 +274,4 @@ SERVING = bench.Suite(
           bench.Dim("--steps", 1000, "timed steps per run", quick=50),
           bench.Dim("--warmup", 20, "steps before the parity point", quick=5),
           bench.Dim("--seed", 0, "seed of the initial lengths and pool")),
-    render=lambda r: bench_kernels.render(bench_kernels.legacy(r)))
+    render=bench_kernels.render)

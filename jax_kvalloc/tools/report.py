@@ -113,8 +113,6 @@ def pyplot():
 #                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
 #   verdicts FILE...         the bare verdict of every (op, bs) the kernels files share,
 #                            file by file, and whether they agree (a re-run's check)
-#   mosaic-gpu FILE          a record of mosaic_gpu_tables' format (Mosaic GPU, Triton
-#                            and XLA side by side)
 
 _BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
                     re.S)
@@ -133,35 +131,10 @@ def load(path: str, root: str = "") -> Dict[str, Any]:
     return json.load(f)
 
 
-def _class_table(record: Dict[str, Any]) -> str:
-  """The fixed-width table of a class record of the format {"rows": {"op/size": {impl:
-  {"median_us"}}}, "skipped", "stalls"} (medians, ratios)."""
-  impls = [n for n in ("device", "host", "sgljax", "torch_ref", "sglang")
-           if any(n in r for r in record["rows"].values())]
-  head = f"{'row':28s}" + "".join(f"{n:>11s}" for n in impls) + "  host/sgljax  device/sglang"
-  lines = [head, "-" * len(head)]
-  for key, res in record["rows"].items():
-    med = {n: res.get(n, {}).get("median_us") for n in impls}
-    ratio = lambda a, b: (f"{med[b] / med[a]:8.2f}x" if med.get(a) and med.get(b)
-                          else "       -")
-    lines.append(f"{key:28s}" + "".join(f"{med[n]:11.1f}" if med[n] is not None else
-                                        f"{'-':>11s}" for n in impls)
-                 + f"     {ratio('host', 'sgljax')}     {ratio('device', 'sglang')}")
-  lines += [f"skipped {name}: {why}" for name, why in record["skipped"].items()]
-  lines += [f"stalls ({mode}): {s['stalls_over_50ms']} of {s['calls']} calls over 50 ms, "
-            f"{s['stall_s']:.2f} s in all; warm-up {s['warmup_s']:.1f} s"
-            for mode, s in record.get("stalls", {}).items()]
-  return "\n".join(lines)
-
-
 def tables(record: Dict[str, Any]) -> str:
   """What `jax-kvalloc bench` printed for a record, whichever run wrote it."""
-  from jax_kvalloc.tools import bench, bench_kernels  # pylint: disable=g-import-not-at-top
-  if "suite" in record:
-    return bench.render(record)
-  if "micro" in record:  # kernels and serving records without the harness's "suite"
-    return bench_kernels.render(record)
-  return _class_table(record)
+  from jax_kvalloc.tools import bench  # pylint: disable=g-import-not-at-top
+  return bench.render(record)
 
 
 def _cite(paths: Sequence[str]) -> str:
@@ -180,11 +153,6 @@ def _run_name(path: str) -> str:
   return path.rstrip("/").split("/")[-2].split("-", 4)[-1]
 
 
-def _kernels(root: str, path: str) -> Dict[str, Any]:
-  from jax_kvalloc.tools import bench_kernels  # pylint: disable=g-import-not-at-top
-  return bench_kernels.legacy(load(path, root))
-
-
 def _headline_block(root: str, specs: Sequence[str]) -> str:
   from jax_kvalloc.tools import bench_kernels as bk  # pylint: disable=g-import-not-at-top
   kernel_rows, serving_rows, cited = [], [], []
@@ -194,19 +162,20 @@ def _headline_block(root: str, specs: Sequence[str]) -> str:
     if kind not in ("decode", "extend", "serving") or not path:
       raise ReportError(f"headline spec {spec!r}: expected decode=FILE:BS,..., "
                         "extend=FILE:BS,... or serving=FILE")
-    data = _kernels(root, path)
+    data = load(path, root)
     cited.append(path)
     link = f"[{_run_name(path)}]({path})"
     if kind == "serving":
-      for r in data["serving"]:
-        fused = r.get("scan_alloc_fused_us")
-        serving_rows.append([r["bs"], fmt_us(fused), fmt_us(r["scan_alloc_us"]),
-                             fmt_us(r.get("scan_alloc_pages_us")), "-" if fused is None
+      for r in data["rows"]:
+        u = bk.serving_figures(r)
+        fused = u.get("alloc_fused")
+        serving_rows.append([r["bs"], fmt_us(fused), fmt_us(u["alloc"]),
+                             fmt_us(u.get("alloc_pages")), "-" if fused is None
                              else ("yes" if fused <= bk.SCAN_ALLOC_TARGET_US else "no"),
                              link])
       continue
     want = [int(b) for b in sizes.split(",")] if sizes else None
-    for r in data["micro"]:
+    for r in data["rows"]:
       if r["op"] != kind or (want is not None and r["bs"] not in want):
         continue
       pb, sg = bk.bare_cells(r)
@@ -237,7 +206,7 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
   per_file = []
   for path in paths:
     found = {}
-    for r in _kernels(root, path)["micro"]:
+    for r in load(path, root)["rows"]:
       v = bk.bare_verdict(r)
       if v is not None:
         pb, sg = bk.bare_cells(r)
@@ -257,65 +226,9 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
           f"\n\n{agree} of {len(rows)} verdicts agree.\n\n" + _cite(paths))
 
 
-def mosaic_gpu_tables(rows: Sequence[Dict[str, Any]]) -> str:
-  """The tables of a Mosaic GPU comparison's rows ({"op": decode | table_decode |
-  table_extend, "bs", and a cell per family: mosaic_gpu, triton, jnp, none}): per
-  operation and size, each family's median (q1-q3) in us, and the verdicts of Mosaic GPU
-  against Triton and XLA (`verdict`). Rows a run's budget skipped are left out."""
-  rows = [r for r in rows if "skipped" not in r]
-  def cell(c, prefix=""):
-    if not c or f"{prefix}us" not in c:
-      return (c or {}).get("error", "-")[:40]
-    return (f"{fmt_us(c[prefix + 'us'])} ({fmt_us(c[prefix + 'q1_us'])}-"
-            f"{fmt_us(c[prefix + 'q3_us'])})")
-
-  def vs(a, b, prefix=""):
-    return verdict(iqr(a, prefix), iqr(b, prefix))
-
-  out = []
-  dec = [r for r in rows if r["op"] == "decode"]
-  if dec:
-    header = ["bs", "mosaic_gpu (us)", "triton (us)", "jnp (us)", "mosaic_gpu bare",
-              "triton bare", "mosaic_gpu vs triton (bare)", "mosaic_gpu vs jnp"]
-    body = [[r["bs"], cell(r["mosaic_gpu"]), cell(r["triton"]), cell(r["jnp"]),
-             cell(r["mosaic_gpu"], "bare_"), cell(r["triton"], "bare_"),
-             vs(r["mosaic_gpu"], r["triton"], "bare_"), vs(r["mosaic_gpu"], r["jnp"])]
-            for r in dec]
-    out.append("alloc_decode, page size 64: the whole jitted call, linked (median, "
-               "q1-q3, us per call); bare = the kernel's own GPU time (CUPTI)\n"
-               + table(header, body))
-  for step in ("decode", "extend"):
-    tab = [r for r in rows if r["op"] == f"table_{step}"]
-    if not tab:
-      continue
-    header = ["bs", "stand-ins (us)", "mosaic_gpu share", "triton share", "jnp share",
-              "mosaic_gpu kernels", "triton kernels", "mosaic_gpu vs triton",
-              "mosaic_gpu vs jnp"]
-    body = [[r["bs"], fmt_us(r["none"].get("us")), cell(r["mosaic_gpu"], "share_"),
-             cell(r["triton"], "share_"), cell(r["jnp"], "share_"),
-             fmt_us(r["mosaic_gpu"].get("kernels_us")),
-             fmt_us(r["triton"].get("kernels_us")),
-             vs(r["mosaic_gpu"], r["triton"], "share_"),
-             vs(r["mosaic_gpu"], r["jnp"], "share_")] for r in tab]
-    out.append(f"request table, {step} step (step_rows), page size 64: share = step - "
-               "stand-ins (median, q1-q3 of the step, us per step); kernels = the "
-               "jax_kvalloc kernels' GPU time per step (CUPTI)\n" + table(header, body))
-  return "\n\n".join(out)
-
-
-def _mosaic_gpu_block(root: str, paths: Sequence[str]) -> str:
-  (path,) = paths
-  data = load(path, root)
-  skipped = [f"{r['op']} {r['bs']}" for r in data["rows"] if "skipped" in r]
-  note = (f"\n\nNot measured (the run's budget ran out first): {', '.join(skipped)}."
-          if skipped else "")
-  return ("```\n" + mosaic_gpu_tables(data["rows"]) + "\n```" + note + "\n\n"
-          + _cite(paths))
-
-
 _KINDS = {"bench": _tables_block, "bench-class": _tables_block,
           "bench-swa": _tables_block, "headline": _headline_block,
-          "verdicts": _verdicts_block, "mosaic-gpu": _mosaic_gpu_block}
+          "verdicts": _verdicts_block}
 
 
 def generate_block(spec: str, root: str) -> str:
@@ -345,7 +258,11 @@ def run_report(paths: Sequence[str], *, check: bool = False, write: bool = False
   status = 0
   for path in paths:
     if path.endswith(".json"):
-      print(tables(load(path)))
+      record = load(path)
+      if "suite" not in record:
+        raise cli.UsageError("FILE", f"{path} is not a record of `jax-kvalloc bench` "
+                             "(it names no suite)")
+      print(tables(record))
       continue
     with open(path) as f:
       old = f.read()
