@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from jax_kvalloc.config import KERNELS
 from jax_kvalloc.tools.cli import UsageError, existing_file, int_list, name_list, positive
@@ -149,23 +149,31 @@ def _step(impl: Impl, trace_id: Any, step: int, rec: traces.Record,
                          f"{type(e).__name__}: {e}", records) from e
 
 
-def _check_step(trace_id: Any, step: int, rec: traces.Record, lead: Impl,
-                others: Sequence[Impl], stats: Stats, records: List[traces.Record]) -> None:
-  """Steps every other implementation and compares it with the lead's record."""
-  for impl in others:
-    got = _step(impl, trace_id, step, rec, records)
-    diff = traces.compare(rec, got, release_unordered=impl.replayer.release_unordered)
-    if diff:
-      raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, rec)}: {impl.name} vs "
-                           f"{lead.name}: {diff}", records)
-    stats.compared[impl.name] = stats.compared.get(impl.name, 0) + 1
+def _check(trace_id: Any, step: int, want: traces.Record, got: traces.Record, impl: Impl,
+           against: str, records: Sequence[traces.Record]) -> None:
+  diff = traces.compare(want, got, release_unordered=impl.replayer.release_unordered)
+  if diff:
+    raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, want)}: {impl.name} vs "
+                         f"{against}: {diff}", records)
 
 
-def _active(impls: Sequence[Impl], init: Dict[str, Any], stats: Stats) -> List[Impl]:
-  """The implementations that can run a trace of this pool; the others' reasons in stats."""
+def _lock_step(impls: Sequence[Impl], init: Dict[str, Any], trace_id: Any, stats: Stats,
+               records: List[traces.Record]) -> Tuple[Impl, Callable[[int, traces.Record], None]]:
+  """The lead (the first implementation that can run a pool of `init`; the others'
+  reasons go to stats) and on_step(step, record): appends the lead's record to
+  `records`, steps every other implementation and compares it with the lead."""
   why = {impl.name: impl.skip(init) for impl in impls}
   stats.skipped.update({name: r for name, r in why.items() if r})
-  return [impl for impl in impls if not why[impl.name]]
+  lead, *others = [impl for impl in impls if not why[impl.name]]
+
+  def on_step(step: int, rec: traces.Record) -> None:
+    records.append(rec)
+    for impl in others:
+      _check(trace_id, step, rec, _step(impl, trace_id, step, rec, records), impl,
+             lead.name, records)
+      stats.compared[impl.name] = stats.compared.get(impl.name, 0) + 1
+    stats.count(records[-2] if len(records) > 1 else None, rec)
+  return lead, on_step
 
 
 def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
@@ -177,22 +185,14 @@ def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
   on the first difference.
   """
   stats = stats or Stats()
-  trace_id = records[0]["trace"]
-  active = _active(impls, traces.init_args(records[0].get("args", {})), stats)
-  lead, others = active[0], active[1:]
-  done: List[traces.Record] = []
-  prev = None
+  trace_id, done = records[0]["trace"], []
+  lead, on_step = _lock_step(impls, traces.init_args(records[0].get("args", {})), trace_id,
+                             stats, done)
   for step, want in enumerate(records):
     stats.recorded += any(f in want for f in traces.STATE_FIELDS)
     got = dict(want, **_step(lead, trace_id, step, want, done + [want]))
-    diff = traces.compare(want, got, release_unordered=lead.replayer.release_unordered)
-    if diff:
-      raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, want)}: {lead.name} vs "
-                           f"the trace: {diff}", done + [want])
-    done.append(got)
-    _check_step(trace_id, step, got, lead, others, stats, done)
-    stats.count(prev, got)
-    prev = got
+    _check(trace_id, step, want, got, lead, "the trace", done + [want])
+    on_step(step, got)
   stats.traces += 1
   return stats
 
@@ -203,17 +203,8 @@ def run_generated(config: traces.WorkloadConfig, impls: Sequence[Impl],
   workload, stepping the others in lock step. Returns the trace; raises ParityMismatch
   (carrying the trace so far) on the first difference, and on a leak of the lead."""
   stats = stats or Stats()
-  active = _active(impls, config.init_args(), stats)
-  lead, others = active[0], active[1:]
   records: List[traces.Record] = []
-  prev: List[Optional[traces.Record]] = [None]
-
-  def on_step(step: int, rec: traces.Record) -> None:
-    records.append(rec)
-    _check_step(config.seed, step, rec, lead, others, stats, records)
-    stats.count(prev[0], rec)
-    prev[0] = rec
-
+  lead, on_step = _lock_step(impls, config.init_args(), config.seed, stats, records)
   try:
     traces.generate(config, lead.replayer, trace_id=config.seed, on_step=on_step)
   except traces.TraceMismatch as e:

@@ -21,51 +21,6 @@ from jax_kvalloc.tools import traces
 from jax_kvalloc.tools.simulate import (PageSizeResult, SimConfig, SimConfigError, SimResult,
                                         check_partition, device_name, percentile, versions)
 
-ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode")
-
-
-class _Tracker:
-  """The slots handed out in each page in use (`held`: page -> slots) and the unused
-  slots inside those pages (`waste`), as the allocator frees: whole pages (single slots
-  at page size 1), inside a free group at its end; restore_state puts back backup_state's."""
-
-  def __init__(self, page_size: int):
-    self.ps, self.held, self.waste, self.group, self.snapshot = page_size, {}, 0, None, None
-
-  def take(self, slots) -> None:
-    for s in slots:
-      got = self.held.setdefault(s // self.ps, set())
-      if s not in got:
-        self.waste += -1 if got else self.ps - 1
-        got.add(s)
-
-  def free(self, slots) -> None:
-    if self.group is not None:
-      return self.group.extend(slots)
-    for page in {s // self.ps for s in slots}:
-      got = self.held.pop(page, None)
-      if got is not None:
-        self.waste -= self.ps - len(got)
-
-  def apply(self, op: str, args: Dict[str, Any], result) -> None:
-    if op in ALLOC_OPS and result is not None:
-      self.take(result)
-    elif op in ("free", "free_segment"):
-      self.free([int(s) for s in args["free_index"]])
-    elif op == "free_page_ids":
-      self.free([int(p) * self.ps for p in args["page_ids"]])
-    elif op == "free_group_begin":
-      self.group = []
-    elif op == "free_group_end":
-      queued, self.group = self.group or [], None
-      self.free(queued)
-    elif op == "backup_state":
-      self.snapshot = ({p: set(s) for p, s in self.held.items()}, self.waste)
-    elif op == "restore_state" and self.snapshot is not None:
-      self.held, self.waste = {p: set(s) for p, s in self.snapshot[0].items()}, self.snapshot[1]
-    elif op in ("clear", "init"):
-      self.held, self.waste, self.group = {}, 0, None
-
 
 def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: List[int],
                 runs_every: int) -> None:
@@ -74,7 +29,7 @@ def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: L
   and the last)."""
   init = traces.init_args(records[0].get("args", {}))
   ps, num_pages = init["page_size"], init["size"] // init["page_size"]
-  tracker = _Tracker(ps)
+  tracker = traces.PageTracker(ps)
   replayer.apply("init", records[0].get("args"))
   seen = replayer.observe()
   for step, rec in enumerate(records[1:], 1):
@@ -83,7 +38,7 @@ def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: L
     result = replayer.apply(op, args)
     res.step_us.append((time.perf_counter() - t0) * 1e6)
     tracker.apply(op, args, result)
-    if op in ALLOC_OPS:
+    if op in traces.ALLOC_OPS:
       res.alloc_failures += result is None
       res.tokens_allocated += len(result or ())
       res.decode_steps += op == "alloc_decode"

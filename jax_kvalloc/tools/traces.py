@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -255,6 +255,51 @@ def jax_factory(kernel: str = "jnp", device: Any = None,
   return make
 
 
+ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode")
+
+
+class PageTracker:
+  """The pages in use as a trace's operations and results say, without reading the
+  allocator (a leak check): `held` maps each page in use to the slots handed out in it,
+  `waste` counts the unused slots inside those pages. Frees return whole pages (single
+  slots at page size 1), inside a free group at its end; restore_state puts back the
+  latest backup_state's."""
+
+  def __init__(self, page_size: int):
+    self.ps, self.held, self.waste = page_size, {}, 0
+    self.group: Optional[List[int]] = None   # slots queued in an open free group
+    self.snapshot: Any = None
+
+  def apply(self, op: str, args: Dict[str, Any], result: Optional[Sequence[int]]) -> None:
+    """Books one operation; `result` is what it returned (None for a failure)."""
+    if op in ALLOC_OPS and result is not None:
+      for s in result:
+        got = self.held.setdefault(s // self.ps, set())
+        if s not in got:
+          self.waste += -1 if got else self.ps - 1
+          got.add(s)
+    elif op in ("free", "free_segment", "free_page_ids"):
+      slots = ([int(p) * self.ps for p in args["page_ids"]] if op == "free_page_ids"
+               else args["free_index"])
+      if self.group is not None:
+        return self.group.extend(slots)
+      for page in {int(s) // self.ps for s in slots}:
+        got = self.held.pop(page, None)
+        if got is not None:
+          self.waste -= self.ps - len(got)
+    elif op == "free_group_begin":
+      self.group = []
+    elif op == "free_group_end":
+      queued, self.group = self.group or [], None
+      self.apply("free", {"free_index": queued}, None)
+    elif op == "backup_state":
+      self.snapshot = ({p: set(s) for p, s in self.held.items()}, self.waste)
+    elif op == "restore_state" and self.snapshot is not None:
+      self.held, self.waste = {p: set(s) for p, s in self.snapshot[0].items()}, self.snapshot[1]
+    elif op in ("clear", "init"):
+      self.held, self.waste, self.group = {}, 0, None
+
+
 # ---------------------------------------------------------------------------------------
 # The workload generator.
 # ---------------------------------------------------------------------------------------
@@ -377,16 +422,12 @@ class SchedulerSim:
     self.running: List[_Req] = []
     self.cache: Dict[int, List[int]] = {}   # group -> its prefix's slots, oldest first
     self.refs: Dict[int, int] = {}          # group -> requests borrowing its prefix
-    self.in_use: Set[int] = set()   # pages that a request, the cache or a draft holds
-    self._group: Optional[List[int]] = None   # slots queued in an open free group
+    self.pages = PageTracker(self.ps)   # what a request, the cache or a draft holds
     self._exec: Callable[[str, Dict[str, Any]], Optional[List[int]]] = lambda op, args: None
 
   def expected_available(self) -> int:
     """available_size that a correct allocator reports now."""
-    return (self.num_pages - len(self.in_use)) * self.ps
-
-  def _take(self, slots: Iterable[int]) -> None:
-    self.in_use.update(s // self.ps for s in slots)
+    return (self.num_pages - len(self.pages.held)) * self.ps
 
   def _fits(self, pre: Sequence[int], seq: Sequence[int]) -> bool:
     pages = sum(-(-s // self.ps) - (-(-p // self.ps)) for p, s in zip(pre, seq))
@@ -405,17 +446,14 @@ class SchedulerSim:
 
   def _do(self, op: str, args: Optional[Dict[str, Any]] = None) -> Optional[List[int]]:
     self.ops += 1
-    return self._exec(op, args or {})
+    out = self._exec(op, args or {})
+    self.pages.apply(op, args or {}, out)
+    return out
 
   def _free(self, slots: List[int], op: str = "free", args: Optional[Dict] = None) -> None:
-    """Frees `slots` through `op` (free, or free_segment / free_page_ids with `args`);
-    inside a free group their pages return at its end."""
+    """Frees `slots` through `op` (free, or free_segment / free_page_ids with `args`)."""
     if slots:
       self._do(op, args or {"free_index": list(slots)})
-      if self._group is not None:
-        self._group.extend(slots)
-      else:
-        self.in_use.difference_update(s // self.ps for s in slots)
 
   def _extend(self, pre: List[int], seq: List[int], last: List[int]) -> Optional[List[int]]:
     """alloc_extend, or alloc of the new tokens on the token allocator ([] for none)."""
@@ -472,7 +510,6 @@ class SchedulerSim:
     if out is None:
       return self._stalled()
     self._stall = 0
-    self._take(out)
     for r, p, s in zip(batch, pre, seq):
       r.slots, out = r.slots + out[: s - p], out[s - p:]
       if s == r.prompt:
@@ -496,7 +533,6 @@ class SchedulerSim:
     out = self._do("alloc", {"need_size": need})
     if out is None:
       return self._stalled()
-    self._take(out)
     req = _Req(-1, tokens, self.rng.randint(1, max(2, self.num_pages)), started=True)
     req.slots, req.extra = out[:tokens], out[tokens:]
     self.running.append(req)
@@ -522,8 +558,6 @@ class SchedulerSim:
     for r, s in zip(batch, out):
       if r.extra and r.extra[0] == s:
         r.extra.pop(0)
-      else:
-        self._take([s])
       r.slots.append(s)
 
   def _spec_decode(self) -> None:
@@ -539,13 +573,10 @@ class SchedulerSim:
       return self._decode()
     rollback = rng.random() < 0.5
     if rollback:
-      saved = set(self.in_use)
       self._do("backup_state")
     out = self._extend(pre, seq, [(r.extra or r.slots)[-1] for r in batch])
-    self._take(out or [])
     if rollback:
       self._do("restore_state")
-      self.in_use = saved
       return
     if out is None:
       return self._stalled()
@@ -568,7 +599,7 @@ class SchedulerSim:
     if (cache and not r.shared and r.group >= 0 and r.group not in self.cache
         and 0 < aligned <= len(r.slots)):
       self.cache[r.group], owned = r.slots[:aligned], owned[aligned:]
-    if self.paged and owned and self._group is not None and rng.random() < 0.3:
+    if self.paged and owned and self.pages.group is not None and rng.random() < 0.3:
       owned = owned + [owned[-1]]   # overlap scheduler: a slot freed twice in one group
     elif owned and self.cfg.segment_prob and rng.random() < self.cfg.segment_prob:
       # The request's own tokens from a page boundary on (its borrowed or cached prefix
@@ -586,14 +617,11 @@ class SchedulerSim:
             if len(r.slots) - r.prompt >= r.output or rng.random() < 0.02]
     group = bool(done) and rng.random() < 0.5
     if group:
-      self._group = []
       self._do("free_group_begin")
     for r in done:
       self._finish(r, cache=rng.random() < self.cfg.cache_prob)
     if group:
-      queued, self._group = self._group, None
       self._do("free_group_end")
-      self.in_use.difference_update(s // self.ps for s in queued)
 
 
 def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
@@ -601,18 +629,18 @@ def generate(config: WorkloadConfig, replayer: Replayer, trace_id: Any = 0,
   """Runs the workload of `config` against the allocator of `replayer` and records it:
   the init record, then one record per operation with the observed STATE_FIELDS.
   on_step(step, record), if given, runs after every step (for lock-step comparison; it
-  may raise to stop the run). TraceMismatch when a step's available_size is not what the
-  workload's own bookkeeping of pages in use predicts (a leak or a double allocation)."""
+  may raise to stop the run). TraceMismatch when a step's available_size is not what a
+  PageTracker of the operations and results predicts (a leak or a double allocation)."""
   records: List[Record] = []
   sim = SchedulerSim(config)
 
   def check_leak() -> None:
-    # The workload books the outcome of an op after it returns: check before the next.
+    # The tracker books an op after it returns: check before the next.
     if records and records[-1]["available_size"] != sim.expected_available():
       rec = records[-1]
       raise TraceMismatch(
           f"trace {trace_id!r} step {len(records) - 1} ({rec['op']}): available_size "
-          f"{rec['available_size']}, but the workload holds pages for "
+          f"{rec['available_size']}, but the trace holds pages for "
           f"{sim.expected_available()} free slots (a leak or a double allocation)")
 
   def execute(op: str, args: Dict[str, Any]) -> Optional[List[int]]:
