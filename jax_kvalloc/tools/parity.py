@@ -69,16 +69,13 @@ class Stats:
   compared: Dict[str, int] = dataclasses.field(default_factory=dict)  # impl -> steps
   skipped: Dict[str, str] = dataclasses.field(default_factory=dict)   # impl -> reason
 
-  def count(self, prev: Optional[traces.Record], rec: traces.Record) -> None:
+  def count(self, prev: traces.Record, rec: traces.Record) -> None:
     self.steps += 1
-    if rec["op"].startswith("alloc") and rec.get("result", []) is None:
-      self.failed_allocs += 1
-    elif (rec["op"].startswith("alloc") and prev is not None and prev.get("free_pages")
-          and rec.get("free_pages") == []):
-      self.emptied += 1
-    if (prev is not None and rec["op"].startswith("alloc") and prev.get("release_pages")
-        and not rec.get("release_pages")):
-      self.shortfall_merges += 1
+    if rec["op"].startswith("alloc"):
+      failed = rec.get("result", []) is None
+      self.failed_allocs += failed
+      self.emptied += not failed and bool(prev.get("free_pages")) and rec.get("free_pages") == []
+      self.shortfall_merges += bool(prev.get("release_pages")) and not rec.get("release_pages")
 
 
 # ---------------------------------------------------------------------------------------
@@ -105,29 +102,27 @@ def torch_impl(kernel: str = "auto", device: str = "cpu") -> Impl:
       return torch_ref.TokenToKVPoolAllocator(size, device=dev, need_sort=need_sort)
     return torch_ref.PagedTokenToKVPoolAllocator(size, page_size, device=dev,
                                                  need_sort=need_sort, kernel=resolved)
-  return Impl(f"torch_ref[{resolved}, {dev}]",
-              traces.Replayer(make, _torch_array(dev), _torch_array(torch.device("cpu"))))
+  return Impl(f"torch_ref[{resolved}, {dev}]", _torch_replayer(make, dev))
 
 
 def sglang_impl(device: str = "cpu") -> Impl:
-  """The installed SGLang's allocators (see torch_ref.sglang_oracle)."""
+  """The installed SGLang's allocators (see jax_kvalloc.tools.sglang_oracle)."""
   import torch  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
   dev = torch.device(device)
-
-  def make(size, page_size, need_sort, kind):
-    return sglang_oracle.SGLangAllocator(size, page_size, need_sort, kind, dev)
-
-  def skip(init):
-    return sglang_oracle.unsupported_reason(**init)
+  make = lambda **init: sglang_oracle.SGLangAllocator(**init, device=dev)  # noqa: E731
   return Impl(f"sglang {sglang_oracle.version()}",
-              traces.Replayer(make, _torch_array(dev), _torch_array(torch.device("cpu")),
-                              release_unordered=True), skip)
+              _torch_replayer(make, dev, release_unordered=True),
+              lambda init: sglang_oracle.unsupported_reason(**init))
 
 
 def _torch_array(device):
   import torch  # pylint: disable=g-import-not-at-top
   return lambda values: torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _torch_replayer(make, device, **kw) -> traces.Replayer:
+  return traces.Replayer(make, _torch_array(device), _torch_array("cpu"), **kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,7 +167,7 @@ def _lock_step(impls: Sequence[Impl], init: Dict[str, Any], trace_id: Any, stats
       _check(trace_id, step, rec, _step(impl, trace_id, step, rec, records), impl,
              lead.name, records)
       stats.compared[impl.name] = stats.compared.get(impl.name, 0) + 1
-    stats.count(records[-2] if len(records) > 1 else None, rec)
+    stats.count(records[-2] if len(records) > 1 else {}, rec)
   return lead, on_step
 
 

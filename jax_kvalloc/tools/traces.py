@@ -1,39 +1,26 @@
 """Allocator traces: the file format, a replay driver for any SGLang-style allocator object
 (jax_kvalloc, torch_ref, SGLang itself) and a seeded serving-workload generator.
 
-Trace format (the golden format of ../shared/golden, JSON lines)
------------------------------------------------------------------
-One JSON object per line, one line per allocator operation, in order. Lines of several
-traces may share a file; a trace is the run of lines with the same `trace` id (int or
-str) and starts with an `init` line.
+The format is the golden one (../shared/golden): JSON lines, one per allocator operation,
+in order. A trace is the run of lines with one `trace` id (int or str), starting with an
+`init` line; several may share a file.
 
   {"trace": 0, "op": "init", "args": {"size": 64, "page_size": 4, "need_sort": false},
    "result": null, "free_pages": [1, ..., 16], "release_pages": [], "available_size": 64}
-  {"trace": 0, "op": "alloc_extend",
-   "args": {"prefix_lens": [0, 2], "seq_lens": [3, 11], "last_loc": [-1, 9]},
-   "result": [4, 5, 6, 10, 11, 12, 13, 14, 15, 16, 17, 18], ...}
+  {"trace": 0, "op": "alloc_extend", "args": {"prefix_lens": [0, 2], "seq_lens": [3, 11],
+   "last_loc": [-1, 9]}, "result": [4, 5, 6, 10, 11, 12, 13, 14, 15, 16, 17, 18], ...}
 
-`op` and `args` (SGLang's argument names; lists of ints for per-request arrays):
-    init            size, page_size, need_sort, optionally kind ("token" or "paged";
-                    default "token" iff page_size == 1)
-    alloc           need_size (a multiple of page_size for the paged allocator)
-    alloc_extend    prefix_lens, seq_lens, last_loc (last_loc[i] = -1 when
-                    prefix_lens[i] == 0); extend_num_tokens optional
-    alloc_decode    seq_lens (counting the new token), last_loc
-    free            free_index (slot ids)
-    free_page_ids   page_ids (SPEC 10: prepended in the given order, no sort)
-    free_segment    free_index, start_pos (SPEC 10; start_pos a multiple of page_size)
-    free_group_begin, free_group_end, merge_and_sort_free, backup_state, clear: no args
-    restore_state   no args: the snapshot of the trace's latest backup_state (it may be
-                    restored several times)
-`args` may be omitted for ops without arguments. The expected outcome is optional and
-every field given is checked: `result` (the returned slot ids; null for a failed
-allocation and for ops that return nothing), `free_pages` and `release_pages` (the full
-lists after the op, in order; slot ids for the token allocator) and `available_size`.
+`op` is one of ARGS' keys, `args` the SGLang arguments ARGS names (lists of ints for
+per-request arrays; omitted when there are none), plus: init's optional need_sort and kind
+("token" or "paged"; default "token" iff page_size == 1), alloc_extend's optional
+extend_num_tokens. restore_state restores the trace's latest backup_state (again and
+again if repeated). The outcome is optional and every field given is checked: `result`
+(slot ids; null for a failed allocation and for ops that return nothing), `free_pages`
+and `release_pages` (the full lists after the op; slot ids for the token allocator) and
+`available_size`.
 
 `generate(random_config(seed), Replayer(make_allocator))` records a seeded serving workload
-(`SchedulerSim`) in this format. This module never imports torch: array conversion for
-other frameworks is passed in.
+(`SchedulerSim`). This module never imports torch: array conversion is passed in.
 """
 from __future__ import annotations
 
@@ -48,11 +35,12 @@ from jax_kvalloc.tools import workload
 
 _NO_ARGS = ("free_group_begin", "free_group_end", "merge_and_sort_free", "backup_state",
             "restore_state", "clear")
-ARGS = {"init": ("size", "page_size"), "alloc": ("need_size",),
-        "alloc_extend": ("prefix_lens", "seq_lens", "last_loc"),
-        "alloc_decode": ("seq_lens", "last_loc"), "free": ("free_index",),
-        "free_page_ids": ("page_ids",), "free_segment": ("free_index", "start_pos"),
-        **dict.fromkeys(_NO_ARGS, ())}   # op -> the args it needs
+ARGS = {  # op -> the args it needs (free_page_ids, free_segment: SPEC 10)
+    "init": ("size", "page_size"), "alloc": ("need_size",),
+    "alloc_extend": ("prefix_lens", "seq_lens", "last_loc"),
+    "alloc_decode": ("seq_lens", "last_loc"), "free": ("free_index",),
+    "free_page_ids": ("page_ids",), "free_segment": ("free_index", "start_pos"),
+    **dict.fromkeys(_NO_ARGS, ())}
 OPS = tuple(ARGS)
 STATE_FIELDS = ("result", "free_pages", "release_pages", "available_size")
 
@@ -417,7 +405,7 @@ class SchedulerSim:
         output_len=f"uniform:1:{max(2, min(cap // 12, 600))}", num_prefixes=PREFIX_GROUPS,
         prefix_len=f"uniform:1:{max(1, cap // 4)}", share_prob=config.share_prob,
         seed=config.seed)
-    self.arrived = self.ops = self.iteration = self._stall = 0
+    self.arrived = self.ops = self.iteration = 0
     self.waiting: List[_Req] = []
     self.running: List[_Req] = []
     self.cache: Dict[int, List[int]] = {}   # group -> its prefix's slots, oldest first
@@ -450,10 +438,9 @@ class SchedulerSim:
     self.pages.apply(op, args or {}, out)
     return out
 
-  def _free(self, slots: List[int], op: str = "free", args: Optional[Dict] = None) -> None:
-    """Frees `slots` through `op` (free, or free_segment / free_page_ids with `args`)."""
+  def _free(self, slots: List[int]) -> None:
     if slots:
-      self._do(op, args or {"free_index": list(slots)})
+      self._do("free", {"free_index": list(slots)})
 
   def _extend(self, pre: List[int], seq: List[int], last: List[int]) -> Optional[List[int]]:
     """alloc_extend, or alloc of the new tokens on the token allocator ([] for none)."""
@@ -509,7 +496,6 @@ class SchedulerSim:
     out = self._extend(pre, seq, [r.slots[-1] if r.slots else -1 for r in batch])
     if out is None:
       return self._stalled()
-    self._stall = 0
     for r, p, s in zip(batch, pre, seq):
       r.slots, out = r.slots + out[: s - p], out[s - p:]
       if s == r.prompt:
@@ -517,12 +503,10 @@ class SchedulerSim:
         self.running.append(r)
 
   def _stalled(self) -> None:
-    """An allocation failed or was not tried. After a few in a row, abort a request to
-    make room (a retraction)."""
-    self._stall += 1
+    """An allocation failed or was not tried: now and then a request is aborted to make
+    room (a retraction)."""
     holders = self.running + [r for r in self.waiting if r.started]
-    if self._stall >= 3 and holders:
-      self._stall = 0
+    if holders and self.rng.random() < 0.3:
       self._finish(self.rng.choice(holders), cache=False)
 
   def _prealloc(self) -> None:
@@ -554,7 +538,6 @@ class SchedulerSim:
       out = self._do("alloc", {"need_size": len(batch)})
     if out is None:
       return self._stalled()
-    self._stall = 0
     for r, s in zip(batch, out):
       if r.extra and r.extra[0] == s:
         r.extra.pop(0)
@@ -599,17 +582,19 @@ class SchedulerSim:
     if (cache and not r.shared and r.group >= 0 and r.group not in self.cache
         and 0 < aligned <= len(r.slots)):
       self.cache[r.group], owned = r.slots[:aligned], owned[aligned:]
-    if self.paged and owned and self.pages.group is not None and rng.random() < 0.3:
-      owned = owned + [owned[-1]]   # overlap scheduler: a slot freed twice in one group
-    elif owned and self.cfg.segment_prob and rng.random() < self.cfg.segment_prob:
+    if not owned:
+      return
+    op, args = "free", {"free_index": owned}
+    if self.paged and self.pages.group is not None and rng.random() < 0.3:
+      args["free_index"] = owned + owned[-1:]   # overlap scheduler: a slot freed twice
+    elif self.cfg.segment_prob and rng.random() < self.cfg.segment_prob:
       # The request's own tokens from a page boundary on (its borrowed or cached prefix
       # ends on one), in token order: a segment (SPEC 10).
       if self.paged and rng.random() < 0.5:
-        pages = [s // self.ps for s in owned[::self.ps]]
-        return self._free(owned, "free_page_ids", {"page_ids": pages})
-      start = len(r.slots) + len(r.extra) - len(owned)
-      return self._free(owned, "free_segment", {"free_index": owned, "start_pos": start})
-    self._free(owned)
+        op, args = "free_page_ids", {"page_ids": [s // self.ps for s in owned[::self.ps]]}
+      else:
+        op, args = "free_segment", dict(args, start_pos=len(r.slots) + len(r.extra) - len(owned))
+    self._do(op, args)
 
   def _finish_some(self) -> None:
     rng = self.rng
