@@ -5,13 +5,12 @@ and reports the same metrics as the synthetic run, one row per page size.
 Each trace is replayed twice: once to compile every shape bucket it touches, once timed
 (per operation, through the eager class API, host conversion included). Recorded
 results and lists, where the trace has them, are checked on the way (a mismatch raises
-jax_kvalloc.tools.traces.TraceMismatch). A tracker follows which slots each operation hands out
-and frees (free groups and snapshots included), for the fragmentation metric and for the
-final leak check: free + released + still held must be exactly pages 1..num_pages.
+jax_kvalloc.tools.traces.TraceMismatch). A traces.PageTracker books the pages each
+operation hands out and frees, for the fragmentation metric and the final leak check:
+free + released + still held must be exactly pages 1..num_pages.
 """
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any, Dict, List
 
@@ -31,7 +30,7 @@ def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: L
   ps, num_pages = init["page_size"], init["size"] // init["page_size"]
   tracker = traces.PageTracker(ps)
   replayer.apply("init", records[0].get("args"))
-  seen = replayer.observe()
+  seen, last = replayer.observe(), len(records) - 1
   for step, rec in enumerate(records[1:], 1):
     op, args = rec["op"], rec.get("args") or {}
     t0 = time.perf_counter()
@@ -43,8 +42,7 @@ def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: L
       res.tokens_allocated += len(result or ())
       res.decode_steps += op == "alloc_decode"
       res.prefill_steps += op != "alloc_decode"
-    if (any(k in rec for k in traces.STATE_FIELDS[1:]) or step % runs_every == 0
-        or step == len(records) - 1):
+    if any(k in rec for k in traces.STATE_FIELDS[1:]) or step % runs_every == 0 or step == last:
       seen = replayer.observe()
       diff = traces.compare(rec, dict(seen, result=result))
       if diff:
@@ -84,9 +82,9 @@ def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
     raise SimConfigError("--trace", f"{path} is not a readable trace file ({e})") from None
   if not all_traces:
     raise SimConfigError("--trace", f"{path} holds no trace")
-  by_ps: Dict[int, List[Any]] = collections.defaultdict(list)
+  by_ps: Dict[int, List[Any]] = {}
   for tid, init in inits.items():
-    by_ps[init["page_size"]].append(tid)
+    by_ps.setdefault(init["page_size"], []).append(tid)
   make = traces.jax_factory(cfg.kernel)
   out = []
   for ps in sorted(by_ps):
