@@ -8,12 +8,10 @@ A trace (the JSON-lines format of jax_kvalloc.tools.traces) is replayed step by 
 the first implementation (the lead) against the trace's recorded fields, every other one
 against the lead: each step's result (slot ids or failure), the full free and release
 lists (SGLang's release list as a set: newer releases keep it unordered) and
-available_size. `--generate` draws seeded serving workloads instead (traces.SchedulerSim:
-arrivals, shared prefixes, chunked prefills, decode, speculative steps with snapshots
-and rollbacks, free groups, evictions, pools that run out), driven by the lead with a
-leak check at every step. On a mismatch it prints the trace, step, op and arguments,
-which implementations disagree and the field's first differing index, and saves the
-trace up to there (--write, else a temporary file) for replay.
+available_size. `--generate` draws seeded serving workloads instead (traces.SchedulerSim),
+driven by the lead with a leak check at every step. On a mismatch it prints the trace,
+step, op and arguments, which implementations disagree and the field's first differing
+index, and saves the trace up to there (--write, else a temporary file) for replay.
 
 Exit status: 0 all steps matched, 1 a mismatch, 2 bad arguments or trace file, 3 a
 requested implementation is not available.
