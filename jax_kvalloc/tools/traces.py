@@ -125,7 +125,7 @@ def compare(expected: Record, actual: Record, *, release_unordered: bool = False
             ) -> Optional[str]:
   """None if `actual` agrees with every STATE_FIELDS entry `expected` has, else a message
   naming the field and the first differing index. release_unordered compares
-  release_pages as sets (SGLang 0.5.23 keeps need_sort's freed pages unordered)."""
+  release_pages as sorted lists (SGLang 0.5.23 keeps need_sort's freed pages unordered)."""
   for field in (f for f in STATE_FIELDS if f in expected and f in actual):
     e, a = expected[field], actual[field]
     if field == "available_size":
