@@ -158,8 +158,8 @@ def test_trace_replay(tmp_path, capsys, golden_path):
 
 def test_trace_replay_follows_every_kind_of_free():
   # simulate --trace's own accounting of the pages in use (its leak check and waste).
-  from jax_kvalloc.tools.simulate_trace import _Tracker  # pylint: disable=g-import-not-at-top
-  t = _Tracker(4)
+  from jax_kvalloc.tools.traces import PageTracker  # pylint: disable=g-import-not-at-top
+  t = PageTracker(4)
   t.apply("alloc", {}, [4, 5, 6, 8, 12, 16])
   t.apply("free", {"free_index": [16]}, None)
   t.apply("free_segment", {"free_index": [8], "start_pos": 4}, None)

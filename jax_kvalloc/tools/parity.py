@@ -8,12 +8,10 @@ A trace (the JSON-lines format of jax_kvalloc.tools.traces) is replayed step by 
 the first implementation (the lead) against the trace's recorded fields, every other one
 against the lead: each step's result (slot ids or failure), the full free and release
 lists (SGLang's release list as a set: newer releases keep it unordered) and
-available_size. `--generate` draws seeded serving workloads instead (traces.SchedulerSim:
-arrivals, shared prefixes, chunked prefills, decode, speculative steps with snapshots
-and rollbacks, free groups, evictions, pools that run out), driven by the lead with a
-leak check at every step. On a mismatch it prints the trace, step, op and arguments,
-which implementations disagree and the field's first differing index, and saves the
-trace up to there (--write, else a temporary file) for replay.
+available_size. `--generate` draws seeded serving workloads instead (traces.SchedulerSim),
+driven by the lead with a leak check at every step. On a mismatch it prints the trace,
+step, op and arguments, which implementations disagree and the field's first differing
+index, and saves the trace up to there (--write, else a temporary file) for replay.
 
 Exit status: 0 all steps matched, 1 a mismatch, 2 bad arguments or trace file, 3 a
 requested implementation is not available.
@@ -31,7 +29,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from jax_kvalloc.config import KERNELS
 from jax_kvalloc.tools.cli import UsageError, existing_file, int_list, name_list, positive
@@ -69,16 +67,13 @@ class Stats:
   compared: Dict[str, int] = dataclasses.field(default_factory=dict)  # impl -> steps
   skipped: Dict[str, str] = dataclasses.field(default_factory=dict)   # impl -> reason
 
-  def count(self, prev: Optional[traces.Record], rec: traces.Record) -> None:
+  def count(self, prev: traces.Record, rec: traces.Record) -> None:
     self.steps += 1
-    if rec["op"].startswith("alloc") and rec.get("result", []) is None:
-      self.failed_allocs += 1
-    elif (rec["op"].startswith("alloc") and prev is not None and prev.get("free_pages")
-          and rec.get("free_pages") == []):
-      self.emptied += 1
-    if (prev is not None and rec["op"].startswith("alloc") and prev.get("release_pages")
-        and not rec.get("release_pages")):
-      self.shortfall_merges += 1
+    if rec["op"].startswith("alloc"):
+      failed = rec.get("result", []) is None
+      self.failed_allocs += failed
+      self.emptied += not failed and bool(prev.get("free_pages")) and rec.get("free_pages") == []
+      self.shortfall_merges += bool(prev.get("release_pages")) and not rec.get("release_pages")
 
 
 # ---------------------------------------------------------------------------------------
@@ -105,29 +100,27 @@ def torch_impl(kernel: str = "auto", device: str = "cpu") -> Impl:
       return torch_ref.TokenToKVPoolAllocator(size, device=dev, need_sort=need_sort)
     return torch_ref.PagedTokenToKVPoolAllocator(size, page_size, device=dev,
                                                  need_sort=need_sort, kernel=resolved)
-  return Impl(f"torch_ref[{resolved}, {dev}]",
-              traces.Replayer(make, _torch_array(dev), _torch_array(torch.device("cpu"))))
+  return Impl(f"torch_ref[{resolved}, {dev}]", _torch_replayer(make, dev))
 
 
 def sglang_impl(device: str = "cpu") -> Impl:
-  """The installed SGLang's allocators (see torch_ref.sglang_oracle)."""
+  """The installed SGLang's allocators (see jax_kvalloc.tools.sglang_oracle)."""
   import torch  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import sglang_oracle  # pylint: disable=g-import-not-at-top
   dev = torch.device(device)
-
-  def make(size, page_size, need_sort, kind):
-    return sglang_oracle.SGLangAllocator(size, page_size, need_sort, kind, dev)
-
-  def skip(init):
-    return sglang_oracle.unsupported_reason(**init)
+  make = lambda **init: sglang_oracle.SGLangAllocator(**init, device=dev)  # noqa: E731
   return Impl(f"sglang {sglang_oracle.version()}",
-              traces.Replayer(make, _torch_array(dev), _torch_array(torch.device("cpu")),
-                              release_unordered=True), skip)
+              _torch_replayer(make, dev, release_unordered=True),
+              lambda init: sglang_oracle.unsupported_reason(**init))
 
 
 def _torch_array(device):
   import torch  # pylint: disable=g-import-not-at-top
   return lambda values: torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _torch_replayer(make, device, **kw) -> traces.Replayer:
+  return traces.Replayer(make, _torch_array(device), _torch_array("cpu"), **kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,23 +142,31 @@ def _step(impl: Impl, trace_id: Any, step: int, rec: traces.Record,
                          f"{type(e).__name__}: {e}", records) from e
 
 
-def _check_step(trace_id: Any, step: int, rec: traces.Record, lead: Impl,
-                others: Sequence[Impl], stats: Stats, records: List[traces.Record]) -> None:
-  """Steps every other implementation and compares it with the lead's record."""
-  for impl in others:
-    got = _step(impl, trace_id, step, rec, records)
-    diff = traces.compare(rec, got, release_unordered=impl.replayer.release_unordered)
-    if diff:
-      raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, rec)}: {impl.name} vs "
-                           f"{lead.name}: {diff}", records)
-    stats.compared[impl.name] = stats.compared.get(impl.name, 0) + 1
+def _check(trace_id: Any, step: int, want: traces.Record, got: traces.Record, impl: Impl,
+           against: str, records: Sequence[traces.Record]) -> None:
+  diff = traces.compare(want, got, release_unordered=impl.replayer.release_unordered)
+  if diff:
+    raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, want)}: {impl.name} vs "
+                         f"{against}: {diff}", records)
 
 
-def _active(impls: Sequence[Impl], init: Dict[str, Any], stats: Stats) -> List[Impl]:
-  """The implementations that can run a trace of this pool; the others' reasons in stats."""
+def _lock_step(impls: Sequence[Impl], init: Dict[str, Any], trace_id: Any, stats: Stats,
+               records: List[traces.Record]) -> Tuple[Impl, Callable[[int, traces.Record], None]]:
+  """The lead (the first implementation that can run a pool of `init`; the others'
+  reasons go to stats) and on_step(step, record): appends the lead's record to
+  `records`, steps every other implementation and compares it with the lead."""
   why = {impl.name: impl.skip(init) for impl in impls}
   stats.skipped.update({name: r for name, r in why.items() if r})
-  return [impl for impl in impls if not why[impl.name]]
+  lead, *others = [impl for impl in impls if not why[impl.name]]
+
+  def on_step(step: int, rec: traces.Record) -> None:
+    records.append(rec)
+    for impl in others:
+      _check(trace_id, step, rec, _step(impl, trace_id, step, rec, records), impl,
+             lead.name, records)
+      stats.compared[impl.name] = stats.compared.get(impl.name, 0) + 1
+    stats.count(records[-2] if len(records) > 1 else {}, rec)
+  return lead, on_step
 
 
 def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
@@ -177,22 +178,14 @@ def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
   on the first difference.
   """
   stats = stats or Stats()
-  trace_id = records[0]["trace"]
-  active = _active(impls, traces.init_args(records[0].get("args", {})), stats)
-  lead, others = active[0], active[1:]
-  done: List[traces.Record] = []
-  prev = None
+  trace_id, done = records[0]["trace"], []
+  lead, on_step = _lock_step(impls, traces.init_args(records[0].get("args", {})), trace_id,
+                             stats, done)
   for step, want in enumerate(records):
     stats.recorded += any(f in want for f in traces.STATE_FIELDS)
     got = dict(want, **_step(lead, trace_id, step, want, done + [want]))
-    diff = traces.compare(want, got, release_unordered=lead.replayer.release_unordered)
-    if diff:
-      raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, want)}: {lead.name} vs "
-                           f"the trace: {diff}", done + [want])
-    done.append(got)
-    _check_step(trace_id, step, got, lead, others, stats, done)
-    stats.count(prev, got)
-    prev = got
+    _check(trace_id, step, want, got, lead, "the trace", done + [want])
+    on_step(step, got)
   stats.traces += 1
   return stats
 
@@ -203,17 +196,8 @@ def run_generated(config: traces.WorkloadConfig, impls: Sequence[Impl],
   workload, stepping the others in lock step. Returns the trace; raises ParityMismatch
   (carrying the trace so far) on the first difference, and on a leak of the lead."""
   stats = stats or Stats()
-  active = _active(impls, config.init_args(), stats)
-  lead, others = active[0], active[1:]
   records: List[traces.Record] = []
-  prev: List[Optional[traces.Record]] = [None]
-
-  def on_step(step: int, rec: traces.Record) -> None:
-    records.append(rec)
-    _check_step(config.seed, step, rec, lead, others, stats, records)
-    stats.count(prev[0], rec)
-    prev[0] = rec
-
+  lead, on_step = _lock_step(impls, config.init_args(), config.seed, stats, records)
   try:
     traces.generate(config, lead.replayer, trace_id=config.seed, on_step=on_step)
   except traces.TraceMismatch as e:

@@ -5,13 +5,12 @@ and reports the same metrics as the synthetic run, one row per page size.
 Each trace is replayed twice: once to compile every shape bucket it touches, once timed
 (per operation, through the eager class API, host conversion included). Recorded
 results and lists, where the trace has them, are checked on the way (a mismatch raises
-jax_kvalloc.tools.traces.TraceMismatch). A tracker follows which slots each operation hands out
-and frees (free groups and snapshots included), for the fragmentation metric and for the
-final leak check: free + released + still held must be exactly pages 1..num_pages.
+jax_kvalloc.tools.traces.TraceMismatch). A traces.PageTracker books the pages each
+operation hands out and frees, for the fragmentation metric and the final leak check:
+free + released + still held must be exactly pages 1..num_pages.
 """
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any, Dict, List
 
@@ -21,51 +20,6 @@ from jax_kvalloc.tools import traces
 from jax_kvalloc.tools.simulate import (PageSizeResult, SimConfig, SimConfigError, SimResult,
                                         check_partition, device_name, percentile, versions)
 
-ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode")
-
-
-class _Tracker:
-  """The slots handed out in each page in use (`held`: page -> slots) and the unused
-  slots inside those pages (`waste`), as the allocator frees: whole pages (single slots
-  at page size 1), inside a free group at its end; restore_state puts back backup_state's."""
-
-  def __init__(self, page_size: int):
-    self.ps, self.held, self.waste, self.group, self.snapshot = page_size, {}, 0, None, None
-
-  def take(self, slots) -> None:
-    for s in slots:
-      got = self.held.setdefault(s // self.ps, set())
-      if s not in got:
-        self.waste += -1 if got else self.ps - 1
-        got.add(s)
-
-  def free(self, slots) -> None:
-    if self.group is not None:
-      return self.group.extend(slots)
-    for page in {s // self.ps for s in slots}:
-      got = self.held.pop(page, None)
-      if got is not None:
-        self.waste -= self.ps - len(got)
-
-  def apply(self, op: str, args: Dict[str, Any], result) -> None:
-    if op in ALLOC_OPS and result is not None:
-      self.take(result)
-    elif op in ("free", "free_segment"):
-      self.free([int(s) for s in args["free_index"]])
-    elif op == "free_page_ids":
-      self.free([int(p) * self.ps for p in args["page_ids"]])
-    elif op == "free_group_begin":
-      self.group = []
-    elif op == "free_group_end":
-      queued, self.group = self.group or [], None
-      self.free(queued)
-    elif op == "backup_state":
-      self.snapshot = ({p: set(s) for p, s in self.held.items()}, self.waste)
-    elif op == "restore_state" and self.snapshot is not None:
-      self.held, self.waste = {p: set(s) for p, s in self.snapshot[0].items()}, self.snapshot[1]
-    elif op in ("clear", "init"):
-      self.held, self.waste, self.group = {}, 0, None
-
 
 def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: List[int],
                 runs_every: int) -> None:
@@ -74,22 +28,21 @@ def _replay_one(records, replayer: traces.Replayer, res: PageSizeResult, runs: L
   and the last)."""
   init = traces.init_args(records[0].get("args", {}))
   ps, num_pages = init["page_size"], init["size"] // init["page_size"]
-  tracker = _Tracker(ps)
+  tracker = traces.PageTracker(ps)
   replayer.apply("init", records[0].get("args"))
-  seen = replayer.observe()
+  seen, last = replayer.observe(), len(records) - 1
   for step, rec in enumerate(records[1:], 1):
     op, args = rec["op"], rec.get("args") or {}
     t0 = time.perf_counter()
     result = replayer.apply(op, args)
     res.step_us.append((time.perf_counter() - t0) * 1e6)
     tracker.apply(op, args, result)
-    if op in ALLOC_OPS:
+    if op in traces.ALLOC_OPS:
       res.alloc_failures += result is None
       res.tokens_allocated += len(result or ())
       res.decode_steps += op == "alloc_decode"
       res.prefill_steps += op != "alloc_decode"
-    if (any(k in rec for k in traces.STATE_FIELDS[1:]) or step % runs_every == 0
-        or step == len(records) - 1):
+    if any(k in rec for k in traces.STATE_FIELDS[1:]) or step % runs_every == 0 or step == last:
       seen = replayer.observe()
       diff = traces.compare(rec, dict(seen, result=result))
       if diff:
@@ -129,9 +82,9 @@ def run(cfg: SimConfig, path: str, *, progress: bool = True) -> SimResult:
     raise SimConfigError("--trace", f"{path} is not a readable trace file ({e})") from None
   if not all_traces:
     raise SimConfigError("--trace", f"{path} holds no trace")
-  by_ps: Dict[int, List[Any]] = collections.defaultdict(list)
+  by_ps: Dict[int, List[Any]] = {}
   for tid, init in inits.items():
-    by_ps[init["page_size"]].append(tid)
+    by_ps.setdefault(init["page_size"], []).append(tid)
   make = traces.jax_factory(cfg.kernel)
   out = []
   for ps in sorted(by_ps):
