@@ -195,9 +195,10 @@ class Metric(NamedTuple):
   """A field of PageSizeResult. `compute(cols, result)` gives it from the step records
   (cols: record column -> i64[steps]; the metrics above it already set); None where the
   driver, the leak check or a trace replay sets it. `rows`: the table rows it prints,
-  each (label, str.format of the result `r` or a function of it[, the runs that show it:
-  synthetic, trace, device, host or swa; default every run]). `json`: the JSON keeps it
-  always (""), in SWA mode only ("swa"), with the per-step series only ("series")."""
+  each (label, a str.format of its value `{}` and of the result `{r.field}`, or a
+  function of the result[, the runs that show it: synthetic, trace, device, host or swa;
+  default every run]). `json`: the JSON keeps it always (""), in SWA mode only ("swa"),
+  with the per-step series only ("series")."""
   key: str
   default: Any
   compute: Optional[Callable[[Dict[str, np.ndarray], Any], Any]]
@@ -217,6 +218,11 @@ def _mean(x: np.ndarray):
   return x.mean() if x.size else 0.0
 
 
+def _sum(col: str, bit: int = 0):
+  """A column's total; with `bit`, the steps whose value has that bit."""
+  return lambda c, r: np.sum((c[col] & bit) != 0) if bit else np.sum(c[col])
+
+
 SYN, TRACE, SWA = "synthetic", "trace", "swa"
 _STEPS = "{r.steps} ({r.prefill_steps}/{r.decode_steps})"
 _ROUND_TRIP = lambda r: (f"{r.steps / max(r.calls, 1):.0f} ({r.calls} calls of up to "
@@ -225,83 +231,79 @@ _swa_share = lambda key: lambda c, r: getattr(r, key) / max(r.swa_num_pages, 1)
 
 # Usage and waste are fractions; usage is pages in use / num_pages after each step.
 METRICS = (
-    _m("page_size", dataclasses.MISSING, None, ("page_size", "{r.page_size}")),
-    _m("num_pages", dataclasses.MISSING, None, ("pages in pool", "{r.num_pages}")),
+    _m("page_size", dataclasses.MISSING, None, ("page_size", "{}")),
+    _m("num_pages", dataclasses.MISSING, None, ("pages in pool", "{}")),
     _m("kernel", dataclasses.MISSING),
     _m("driver", "device"),
     _m("steps", 0, lambda c, r: c["kind"].size, ("steps (prefill/decode)", _STEPS, SYN),
        ("ops (extend+alloc/decode)", _STEPS, TRACE)),
     _m("prefill_steps", 0, lambda c, r: np.sum(c["kind"] == sstep.KIND_PREFILL)),
     _m("decode_steps", 0, lambda c, r: np.sum(c["kind"] == sstep.KIND_DECODE)),
-    _m("requests_done", 0, None, ("requests done", "{r.requests_done}", SYN),
-       ("traces replayed", "{r.requests_done}", TRACE)),
-    _m("prefix_hits", 0, lambda c, r: np.sum(c["hits"]),
-       ("prefix cache hits", "{r.prefix_hits}", SYN)),
-    _m("evictions", 0, lambda c, r: np.sum(c["evicted"])),
-    _m("tokens_allocated", 0, lambda c, r: np.sum(c["tokens"]),
-       ("tokens allocated", "{r.tokens_allocated}")),
-    _m("pages_allocated", 0, lambda c, r: np.sum(c["pages"]),
-       ("pages allocated", "{r.pages_allocated}", SYN)),
+    _m("requests_done", 0, None, ("requests done", "{}", SYN),
+       ("traces replayed", "{}", TRACE)),
+    _m("prefix_hits", 0, _sum("hits"), ("prefix cache hits", "{}", SYN)),
+    _m("evictions", 0, _sum("evicted")),
+    _m("tokens_allocated", 0, _sum("tokens"), ("tokens allocated", "{}")),
+    _m("pages_allocated", 0, _sum("pages"), ("pages allocated", "{}", SYN)),
     _m("alloc_failures", 0, lambda c, r: np.sum(c["ok"] == 0),
-       ("allocation failures", "{r.alloc_failures}")),
+       ("allocation failures", "{}")),
     _m("peak_usage", 0.0, lambda c, r: _max(c["used"]) / r.num_pages,
-       ("pool usage peak", "{r.peak_usage:.1%}")),
+       ("pool usage peak", "{:.1%}")),
     _m("mean_usage", 0.0, lambda c, r: _mean(c["used"]) / r.num_pages,
-       ("pool usage mean", "{r.mean_usage:.1%}")),
+       ("pool usage mean", "{:.1%}")),
     # SWA mode: both pools, in pages.
     _m("swa_window", 0, None, ("SWA window (tokens), SWA pool (pages)",
-                               "{r.swa_window}, {r.swa_num_pages}", SWA), json=SWA),
+                               "{}, {r.swa_num_pages}", SWA), json=SWA),
     _m("swa_num_pages", 0, json=SWA),
-    _m("full_peak_pages", 0, lambda c, r: _max(c["used"]), (
-        "full pool used pages peak / mean", "{r.full_peak_pages} / {r.full_mean_pages:.0f}",
-        SWA), json=SWA),
+    _m("full_peak_pages", 0, lambda c, r: _max(c["used"]),
+       ("full pool used pages peak / mean", "{} / {r.full_mean_pages:.0f}", SWA), json=SWA),
     _m("full_mean_pages", 0.0, lambda c, r: _mean(c["used"]), json=SWA),
     _m("swa_peak_pages", 0, lambda c, r: _max(c["swa_used"]), json=SWA),
     _m("swa_mean_pages", 0.0, lambda c, r: _mean(c["swa_used"]), json=SWA),
     _m("swa_peak_usage", 0.0, _swa_share("swa_peak_pages"),
-       ("SWA pool usage peak", "{r.swa_peak_usage:.1%}", SWA), json=SWA),
+       ("SWA pool usage peak", "{:.1%}", SWA), json=SWA),
     _m("swa_mean_usage", 0.0, _swa_share("swa_mean_pages"),
-       ("SWA pool usage mean", "{r.swa_mean_usage:.1%}", SWA),
-       ("SWA pool used pages peak / mean", "{r.swa_peak_pages} / {r.swa_mean_pages:.0f}",
-        SWA), json=SWA),
-    _m("window_frees", 0, lambda c, r: np.sum(c["window_freed"]),  # finishes not counted
-       ("SWA pages freed by the window", "{r.window_frees}", SWA), json=SWA),
-    _m("refused_full", 0, lambda c, r: np.sum((c["refused"] & 1) != 0),  # admissions
-       ("admission stopped by full / SWA pool (steps)", "{r.refused_full} / "
-        "{r.refused_swa}", SWA), json=SWA),
-    _m("refused_swa", 0, lambda c, r: np.sum((c["refused"] & 2) != 0), json=SWA),
+       ("SWA pool usage mean", "{:.1%}", SWA),
+       ("SWA pool used pages peak / mean", "{r.swa_peak_pages} / {r.swa_mean_pages:.0f}", SWA),
+       json=SWA),
+    _m("window_frees", 0, _sum("window_freed"),  # finishes not counted
+       ("SWA pages freed by the window", "{}", SWA), json=SWA),
+    _m("refused_full", 0, _sum("refused", 1),  # steps whose next admission it stopped
+       ("admission stopped by full / SWA pool (steps)", "{} / {r.refused_swa}", SWA),
+       json=SWA),
+    _m("refused_swa", 0, _sum("refused", 2), json=SWA),
     _m("peak_reserved", 0.0, lambda c, r: _max(c["used"] + c["committed"]) / r.num_pages,
-       ("pool reserved peak (in use + promised)", "{r.peak_reserved:.1%}", SYN)),
+       ("pool reserved peak (in use + promised)", "{:.1%}", SYN)),
     _m("mean_running", 0.0, lambda c, r: _mean(c["running"]),
-       ("running requests mean", "{r.mean_running:.1f}", SYN)),
+       ("running requests mean", "{:.1f}", SYN)),
     _m("waste_mean", 0.0,  # unused slots in allocated pages / their slots
        lambda c, r: _mean(c["waste"] / np.maximum(c["used"] * r.page_size, 1)),
-       ("unused slots in pages (mean)", "{r.waste_mean:.2%}")),
+       ("unused slots in pages (mean)", "{:.2%}")),
     _m("waste_peak_slots", 0, lambda c, r: _max(c["waste"]),
-       ("unused slots in pages (peak)", "{r.waste_peak_slots}")),
+       ("unused slots in pages (peak)", "{}")),
     _m("runs_mean", 0.0, lambda c, r: np.mean(np.append(c["runs"][c["runs"] >= 0],
                                                         r.runs_final)),
-       ("free-list runs (mean/final)", "{r.runs_mean:.0f} / {r.runs_final}")),
+       ("free-list runs (mean/final)", "{:.0f} / {r.runs_final}")),
     _m("runs_final", 0),   # runs of consecutive pages in the free list at the end
     _m("free_pages_final", 0),
     _m("in_use_final", 0),
     # Host driver: the time to launch a step; trace: an op's time.
     _m("step_us_p50", 0.0, lambda c, r: percentile(r.step_us, 50),
-       ("op time p50 (us)", "{r.step_us_p50:.0f}", TRACE)),
+       ("op time p50 (us)", "{:.0f}", TRACE)),
     _m("step_us_p99", 0.0, lambda c, r: percentile(r.step_us, 99),
-       ("op time p99 (us)", "{r.step_us_p99:.0f}", TRACE)),
+       ("op time p99 (us)", "{:.0f}", TRACE)),
     _m("step_wall_us", 0.0, lambda c, r: r.wall_s * 1e6 / max(r.steps, 1),  # device incl.
-       ("wall time per step (us)", "{r.step_wall_us:.1f}", SYN),
+       ("wall time per step (us)", "{:.1f}", SYN),
        ("launch time per step p50 / p99 (us)", "{r.step_us_p50:.0f} / {r.step_us_p99:.0f}",
         "host")),
     _m("steps_per_call", 1),
     _m("calls", 0, None, ("steps per host round trip", _ROUND_TRIP, "device")),
-    _m("sim_time", 0, None, ("sim time (iterations)", "{r.sim_time}", SYN)),
+    _m("sim_time", 0, None, ("sim time (iterations)", "{}", SYN)),
     _m("compile_s", 0.0),        # this page size's compile (they overlap: SimResult)
     _m("cache_hit", False),      # its loop came from the persistent compilation cache
     _m("compile_options", "default"),
-    _m("wall_s", 0.0, None, ("wall time (s)", "{r.wall_s:.2f}")),  # compile excluded
-    _m("leak_check", "not run", None, ("leak check", "{r.leak_check}")),
+    _m("wall_s", 0.0, None, ("wall time (s)", "{:.2f}")),  # compile excluded
+    _m("leak_check", "not run", None, ("leak check", "{}")),
     _m("usage", [], lambda c, r: (c["used"] / r.num_pages).tolist(), json="series"),
     _m("step_us", [], json="series"),
     _m("records", None, json="series"),   # i64[steps, record_columns]
@@ -712,8 +714,8 @@ def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
   rs = result.results
   modes = {TRACE} if result.mode == TRACE else {SYN, rs[0].driver if rs else ""}
   modes |= {SWA} if rs and rs[0].swa_window else set()
-  text = lambda fmt, r: fmt(r) if callable(fmt) else fmt.format(r=r)
-  return [(label, [text(fmt, r) for r in rs]) for m in METRICS
+  text = lambda m, fmt, r: fmt(r) if callable(fmt) else fmt.format(getattr(r, m.key), r=r)
+  return [(label, [text(m, fmt, r) for r in rs]) for m in METRICS
           for label, fmt, *when in m.rows if not when or when[0] in modes]
 
 
