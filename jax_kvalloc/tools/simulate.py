@@ -67,32 +67,46 @@ class SimConfigError(UsageError, ValueError):
   """A setting the simulator cannot run; the message names the command-line option."""
 
 
+def _opt(default: Any, text: str) -> Any:
+  """A SimConfig field that is a `jax-kvalloc simulate` option: `--field-name`, `text` its
+  help."""
+  return dataclasses.field(default=default, metadata={"help": text})
+
+
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
   """Everything a simulation run depends on (see `jax-kvalloc simulate --help`)."""
-  num_requests: int = 600
-  pool_size: int = 32768
+  num_requests: int = _opt(600, "requests in the workload")
+  pool_size: int = _opt(32768, "usable KV slots in the pool")
   page_sizes: Tuple[int, ...] = (1, 16, 64)
   need_sort: bool = False
-  arrival: str = "poisson"
-  rate: float = 2.0
-  prompt_len: str = "lognormal:256:0.8:2048"
-  output_len: str = "uniform:16:320"
-  num_prefixes: int = 8
-  prefix_len: str = "uniform:64:1024"
-  share_prob: float = 0.5
-  max_running: int = 128
-  max_prefill_tokens: int = 4096
-  max_prefill_reqs: int = 16
-  max_frees: int = 16
-  seed: int = 0
-  kernel: str = "auto"
+  arrival: str = _opt("poisson", "arrival pattern")
+  rate: float = _opt(2.0, "requests per step, poisson and uniform arrivals")
+  prompt_len: str = _opt("lognormal:256:0.8:2048", "prompt tokens after the shared prefix")
+  output_len: str = _opt("uniform:16:320", "generated tokens per request")
+  num_prefixes: int = _opt(8, "shared-prefix groups (system prompts); 0: no sharing")
+  prefix_len: str = _opt("uniform:64:1024", "tokens of each shared prefix")
+  share_prob: float = _opt(0.5, "probability that a request starts with a shared prefix")
+  max_running: int = _opt(128, "request rows, the largest decode batch")
+  max_prefill_tokens: int = _opt(4096, "tokens per prefill batch; longer prompts are "
+                                 "chunked")
+  max_prefill_reqs: int = _opt(16, "requests per prefill batch")
+  max_frees: int = _opt(16, "rows freed per free group")
+  seed: int = _opt(0, "seed of the workload's random draws")
+  kernel: str = _opt("auto", "implementations (jax_kvalloc.kernels; auto: Triton on GPU, "
+                     "Mosaic on TPU, jnp on CPU)")
   runs_every: int = 16         # free-list census every this many iterations
   max_steps: int = 1_000_000   # a run that needs more steps fails
-  driver: str = "device"
-  steps_per_call: int = 256    # device driver: iterations per call (a multiple of runs_every)
-  swa_window: int = 0          # SWA mode: the window in tokens; 0 = off
-  swa_ratio: float = 0.25      # SWA mode: SWA pool slots / pool_size (whole pages)
+  driver: str = _opt("device", "device: the scheduler's loop runs on the device, "
+                     "--steps-per-call steps per host round trip; host: one jitted call "
+                     "per step from Python")
+  steps_per_call: int = _opt(256, "scheduler iterations per call of the device driver, "
+                             "rounded up to a multiple of 16")
+  swa_window: int = _opt(0, "tokens of a sliding window: run on the SWA allocator (a "
+                         "full pool and an SWA pool; each step frees the SWA pages that "
+                         "left the window; page sizes > 1, no prefix sharing); 0: off")
+  swa_ratio: float = _opt(0.25, "with --swa-window: SWA pool slots = this * --pool-size, "
+                          "in whole pages")
   guard: bool = True           # the pools' ownership record (SPEC 14); False: dropped
 
   def workload(self) -> Workload:
@@ -264,7 +278,8 @@ METRICS = (
        ("SWA pool usage peak", "{:.1%}", SWA), json=SWA),
     _m("swa_mean_usage", 0.0, _swa_share("swa_mean_pages"),
        ("SWA pool usage mean", "{:.1%}", SWA),
-       ("SWA pool used pages peak / mean", "{r.swa_peak_pages} / {r.swa_mean_pages:.0f}", SWA),
+       ("SWA pool used pages peak / mean", "{r.swa_peak_pages} / {r.swa_mean_pages:.0f}",
+        SWA),
        json=SWA),
     _m("window_frees", 0, _sum("window_freed"),  # finishes not counted
        ("SWA pages freed by the window", "{}", SWA), json=SWA),
