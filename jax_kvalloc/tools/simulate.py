@@ -68,32 +68,46 @@ class SimConfigError(UsageError, ValueError):
   """A setting the simulator cannot run; the message names the command-line option."""
 
 
+def _opt(default: Any, text: str) -> Any:
+  """A SimConfig field that is a `jax-kvalloc simulate` option: `--field-name`, `text` its
+  help."""
+  return dataclasses.field(default=default, metadata={"help": text})
+
+
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
   """Everything a simulation run depends on (see `jax-kvalloc simulate --help`)."""
-  num_requests: int = 600
-  pool_size: int = 32768
+  num_requests: int = _opt(600, "requests in the workload")
+  pool_size: int = _opt(32768, "usable KV slots in the pool")
   page_sizes: Tuple[int, ...] = (1, 16, 64)
   need_sort: bool = False
-  arrival: str = "poisson"
-  rate: float = 2.0
-  prompt_len: str = "lognormal:256:0.8:2048"
-  output_len: str = "uniform:16:320"
-  num_prefixes: int = 8
-  prefix_len: str = "uniform:64:1024"
-  share_prob: float = 0.5
-  max_running: int = 128
-  max_prefill_tokens: int = 4096
-  max_prefill_reqs: int = 16
-  max_frees: int = 16
-  seed: int = 0
-  kernel: str = "auto"
+  arrival: str = _opt("poisson", "arrival pattern")
+  rate: float = _opt(2.0, "requests per step, poisson and uniform arrivals")
+  prompt_len: str = _opt("lognormal:256:0.8:2048", "prompt tokens after the shared prefix")
+  output_len: str = _opt("uniform:16:320", "generated tokens per request")
+  num_prefixes: int = _opt(8, "shared-prefix groups (system prompts); 0: no sharing")
+  prefix_len: str = _opt("uniform:64:1024", "tokens of each shared prefix")
+  share_prob: float = _opt(0.5, "probability that a request starts with a shared prefix")
+  max_running: int = _opt(128, "request rows, the largest decode batch")
+  max_prefill_tokens: int = _opt(4096, "tokens per prefill batch; longer prompts are "
+                                 "chunked")
+  max_prefill_reqs: int = _opt(16, "requests per prefill batch")
+  max_frees: int = _opt(16, "rows freed per free group")
+  seed: int = _opt(0, "seed of the workload's random draws")
+  kernel: str = _opt("auto", "implementations (jax_kvalloc.kernels; auto: Triton on GPU, "
+                     "Mosaic on TPU, jnp on CPU)")
   runs_every: int = 16         # free-list census every this many iterations
   max_steps: int = 1_000_000   # a run that needs more steps fails
-  driver: str = "device"
-  steps_per_call: int = 256    # device driver: iterations per call (a multiple of runs_every)
-  swa_window: int = 0          # SWA mode: the window in tokens; 0 = off
-  swa_ratio: float = 0.25      # SWA mode: SWA pool slots / pool_size (whole pages)
+  driver: str = _opt("device", "device: the scheduler's loop runs on the device, "
+                     "--steps-per-call steps per host round trip; host: one jitted call "
+                     "per step from Python")
+  steps_per_call: int = _opt(256, "scheduler iterations per call of the device driver, "
+                             "rounded up to a multiple of 16")
+  swa_window: int = _opt(0, "tokens of a sliding window: run on the SWA allocator (a "
+                         "full pool and an SWA pool; each step frees the SWA pages that "
+                         "left the window; page sizes > 1, no prefix sharing); 0: off")
+  swa_ratio: float = _opt(0.25, "with --swa-window: SWA pool slots = this * --pool-size, "
+                          "in whole pages")
   guard: bool = True           # the pools' ownership record (SPEC 14); False: dropped
   plan_kernel: bool = True     # the plan as one Triton program with Triton pools (Layout)
 
@@ -188,65 +202,138 @@ def memory_estimate(cfg: SimConfig) -> Tuple[float, float]:
   return per_request, pools
 
 
-@dataclasses.dataclass
-class PageSizeResult:
-  """What one page size did with the workload. Usage and waste are fractions."""
-  page_size: int
-  num_pages: int
-  kernel: str
-  driver: str = "device"
-  steps: int = 0
-  prefill_steps: int = 0
-  decode_steps: int = 0
-  sim_time: int = 0              # scheduler iterations' clock at the end (idle ones too)
-  requests_done: int = 0
-  prefix_hits: int = 0
-  tokens_allocated: int = 0
-  pages_allocated: int = 0
-  alloc_failures: int = 0
-  peak_usage: float = 0.0        # max over steps of (pages in use) / num_pages
-  mean_usage: float = 0.0
-  peak_reserved: float = 0.0     # max of (in use + promised to running requests) / num_pages
-  mean_running: float = 0.0      # requests holding a row, mean over steps
-  waste_mean: float = 0.0        # unused slots in allocated pages / allocated slots
-  waste_peak_slots: int = 0
-  runs_mean: float = 0.0         # runs of consecutive pages in the free list
-  runs_final: int = 0
-  free_pages_final: int = 0
-  in_use_final: int = 0
-  evictions: int = 0
-  step_us_p50: float = 0.0       # host driver: time to launch a step; trace: op time
-  step_us_p99: float = 0.0
-  step_wall_us: float = 0.0      # wall time / steps: the throughput, device included
-  steps_per_call: int = 1        # device driver: iterations per call
-  calls: int = 0                 # jitted calls (host round trips)
-  compile_s: float = 0.0         # this page size's compile (they overlap: SimResult)
-  cache_hit: bool = False        # its loop came from the persistent compilation cache
-  compile_options: str = "default"
-  wall_s: float = 0.0            # the run, compile excluded
-  leak_check: str = "not run"
-  usage: List[float] = dataclasses.field(default_factory=list, repr=False)
-  step_us: List[float] = dataclasses.field(default_factory=list, repr=False)
-  records: Any = dataclasses.field(default=None, repr=False)  # i64[steps, columns]
-  free_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
-  release_list_final: List[int] = dataclasses.field(default_factory=list, repr=False)
-  # SWA mode only (absent from the JSON otherwise): both pools in pages.
-  swa_window: int = 0
-  swa_num_pages: int = 0
-  full_peak_pages: int = 0
-  full_mean_pages: float = 0.0
-  swa_peak_pages: int = 0
-  swa_mean_pages: float = 0.0
-  swa_peak_usage: float = 0.0
-  swa_mean_usage: float = 0.0
-  window_frees: int = 0          # SWA pages the window freed (finishes not counted)
-  refused_full: int = 0          # steps whose next admission the full pool stopped
-  refused_swa: int = 0           # ... the SWA pool stopped (both: counted in each)
-  swa_usage: List[float] = dataclasses.field(default_factory=list, repr=False)
+# --------------------------------------------------------------------------------------
+# The results: one table of metrics gives PageSizeResult's fields, how the step records
+# fill them, the rows of the printed table and the JSON's keys.
+# --------------------------------------------------------------------------------------
+
+class Metric(NamedTuple):
+  """A field of PageSizeResult. `compute(cols, result)` gives it from the step records
+  (cols: record column -> i64[steps]; the metrics above it already set); None where the
+  driver, the leak check or a trace replay sets it. `rows`: the table rows it prints,
+  each (label, a str.format of its value `{}` and of the result `{r.field}`, or a
+  function of the result[, the runs that show it: synthetic, trace, device, host or swa;
+  default every run]). `json`: the JSON keeps it always (""), in SWA mode only ("swa"),
+  with the per-step series only ("series")."""
+  key: str
+  default: Any
+  compute: Optional[Callable[[Dict[str, np.ndarray], Any], Any]]
+  rows: Tuple[Tuple[Any, ...], ...]
+  json: str
 
 
-_NAMES = [f.name for f in dataclasses.fields(PageSizeResult)]
-SWA_FIELDS = tuple(_NAMES[_NAMES.index("swa_window"):])
+def _m(key: str, default: Any, compute=None, *rows, json: str = "") -> Metric:
+  return Metric(key, default, compute, rows, json)
+
+
+def _max(x: np.ndarray):
+  return x.max() if x.size else 0
+
+
+def _mean(x: np.ndarray):
+  return x.mean() if x.size else 0.0
+
+
+def _sum(col: str, bit: int = 0):
+  """A column's total; with `bit`, the steps whose value has that bit."""
+  return lambda c, r: np.sum((c[col] & bit) != 0) if bit else np.sum(c[col])
+
+
+SYN, TRACE, SWA = "synthetic", "trace", "swa"
+_STEPS = "{r.steps} ({r.prefill_steps}/{r.decode_steps})"
+_ROUND_TRIP = lambda r: (f"{r.steps / max(r.calls, 1):.0f} ({r.calls} calls of up to "
+                         f"{r.steps_per_call})")
+_swa_share = lambda key: lambda c, r: getattr(r, key) / max(r.swa_num_pages, 1)
+
+# Usage and waste are fractions; usage is pages in use / num_pages after each step.
+METRICS = (
+    _m("page_size", dataclasses.MISSING, None, ("page_size", "{}")),
+    _m("num_pages", dataclasses.MISSING, None, ("pages in pool", "{}")),
+    _m("kernel", dataclasses.MISSING),
+    _m("driver", "device"),
+    _m("steps", 0, lambda c, r: c["kind"].size, ("steps (prefill/decode)", _STEPS, SYN),
+       ("ops (extend+alloc/decode)", _STEPS, TRACE)),
+    _m("prefill_steps", 0, lambda c, r: np.sum(c["kind"] == sstep.KIND_PREFILL)),
+    _m("decode_steps", 0, lambda c, r: np.sum(c["kind"] == sstep.KIND_DECODE)),
+    _m("requests_done", 0, None, ("requests done", "{}", SYN),
+       ("traces replayed", "{}", TRACE)),
+    _m("prefix_hits", 0, _sum("hits"), ("prefix cache hits", "{}", SYN)),
+    _m("evictions", 0, _sum("evicted")),
+    _m("tokens_allocated", 0, _sum("tokens"), ("tokens allocated", "{}")),
+    _m("pages_allocated", 0, _sum("pages"), ("pages allocated", "{}", SYN)),
+    _m("alloc_failures", 0, lambda c, r: np.sum(c["ok"] == 0),
+       ("allocation failures", "{}")),
+    _m("peak_usage", 0.0, lambda c, r: _max(c["used"]) / r.num_pages,
+       ("pool usage peak", "{:.1%}")),
+    _m("mean_usage", 0.0, lambda c, r: _mean(c["used"]) / r.num_pages,
+       ("pool usage mean", "{:.1%}")),
+    # SWA mode: both pools, in pages.
+    _m("swa_window", 0, None, ("SWA window (tokens), SWA pool (pages)",
+                               "{}, {r.swa_num_pages}", SWA), json=SWA),
+    _m("swa_num_pages", 0, json=SWA),
+    _m("full_peak_pages", 0, lambda c, r: _max(c["used"]),
+       ("full pool used pages peak / mean", "{} / {r.full_mean_pages:.0f}", SWA), json=SWA),
+    _m("full_mean_pages", 0.0, lambda c, r: _mean(c["used"]), json=SWA),
+    _m("swa_peak_pages", 0, lambda c, r: _max(c["swa_used"]), json=SWA),
+    _m("swa_mean_pages", 0.0, lambda c, r: _mean(c["swa_used"]), json=SWA),
+    _m("swa_peak_usage", 0.0, _swa_share("swa_peak_pages"),
+       ("SWA pool usage peak", "{:.1%}", SWA), json=SWA),
+    _m("swa_mean_usage", 0.0, _swa_share("swa_mean_pages"),
+       ("SWA pool usage mean", "{:.1%}", SWA),
+       ("SWA pool used pages peak / mean", "{r.swa_peak_pages} / {r.swa_mean_pages:.0f}",
+        SWA),
+       json=SWA),
+    _m("window_frees", 0, _sum("window_freed"),  # finishes not counted
+       ("SWA pages freed by the window", "{}", SWA), json=SWA),
+    _m("refused_full", 0, _sum("refused", 1),  # steps whose next admission it stopped
+       ("admission stopped by full / SWA pool (steps)", "{} / {r.refused_swa}", SWA),
+       json=SWA),
+    _m("refused_swa", 0, _sum("refused", 2), json=SWA),
+    _m("peak_reserved", 0.0, lambda c, r: _max(c["used"] + c["committed"]) / r.num_pages,
+       ("pool reserved peak (in use + promised)", "{:.1%}", SYN)),
+    _m("mean_running", 0.0, lambda c, r: _mean(c["running"]),
+       ("running requests mean", "{:.1f}", SYN)),
+    _m("waste_mean", 0.0,  # unused slots in allocated pages / their slots
+       lambda c, r: _mean(c["waste"] / np.maximum(c["used"] * r.page_size, 1)),
+       ("unused slots in pages (mean)", "{:.2%}")),
+    _m("waste_peak_slots", 0, lambda c, r: _max(c["waste"]),
+       ("unused slots in pages (peak)", "{}")),
+    _m("runs_mean", 0.0, lambda c, r: np.mean(np.append(c["runs"][c["runs"] >= 0],
+                                                        r.runs_final)),
+       ("free-list runs (mean/final)", "{:.0f} / {r.runs_final}")),
+    _m("runs_final", 0),   # runs of consecutive pages in the free list at the end
+    _m("free_pages_final", 0),
+    _m("in_use_final", 0),
+    # Host driver: the time to launch a step; trace: an op's time.
+    _m("step_us_p50", 0.0, lambda c, r: percentile(r.step_us, 50),
+       ("op time p50 (us)", "{:.0f}", TRACE)),
+    _m("step_us_p99", 0.0, lambda c, r: percentile(r.step_us, 99),
+       ("op time p99 (us)", "{:.0f}", TRACE)),
+    _m("step_wall_us", 0.0, lambda c, r: r.wall_s * 1e6 / max(r.steps, 1),  # device incl.
+       ("wall time per step (us)", "{:.1f}", SYN),
+       ("launch time per step p50 / p99 (us)", "{r.step_us_p50:.0f} / {r.step_us_p99:.0f}",
+        "host")),
+    _m("steps_per_call", 1),
+    _m("calls", 0, None, ("steps per host round trip", _ROUND_TRIP, "device")),
+    _m("sim_time", 0, None, ("sim time (iterations)", "{}", SYN)),
+    _m("compile_s", 0.0),        # this page size's compile (they overlap: SimResult)
+    _m("cache_hit", False),      # its loop came from the persistent compilation cache
+    _m("compile_options", "default"),
+    _m("wall_s", 0.0, None, ("wall time (s)", "{:.2f}")),  # compile excluded
+    _m("leak_check", "not run", None, ("leak check", "{}")),
+    _m("usage", [], lambda c, r: (c["used"] / r.num_pages).tolist(), json="series"),
+    _m("step_us", [], json="series"),
+    _m("records", None, json="series"),   # i64[steps, record_columns]
+    _m("free_list_final", [], json="series"),
+    _m("release_list_final", [], json="series"),
+    _m("swa_usage", [], lambda c, r: (c["swa_used"] / max(r.swa_num_pages, 1)).tolist(),
+       json="swa series"),
+)
+
+PageSizeResult = dataclasses.make_dataclass("PageSizeResult", [
+    (m.key, Any, dataclasses.field(default_factory=list, repr=False) if m.default == []
+     else dataclasses.field(default=m.default, repr=m.json != "series")) for m in METRICS])
+PageSizeResult.__doc__ = "What one page size did with the workload: METRICS' fields."
 
 
 @dataclasses.dataclass
@@ -503,9 +590,8 @@ def run_page_size(cfg: SimConfig, wl: Workload, prep: Prepared,
   records = np.concatenate(chunks) if chunks else np.zeros((0, width), np.int64)
   res.requests_done, res.sim_time = int(sched.done), int(sched.clock)
   res.runs_final = int(jax.jit(sstep.free_list_runs)(carry.state))
-  finish_result(res, records)
   res.step_us = times
-  res.step_us_p50, res.step_us_p99 = percentile(times, 50), percentile(times, 99)
+  finish_result(res, records)
   final_leak_check(res, lay, carry.state, carry.table, sched.cache_tokens)
   return res
 
@@ -531,44 +617,14 @@ def _check_records(lay: Layout, first_step: int, recs: np.ndarray) -> None:
 
 
 def finish_result(res: PageSizeResult, records: np.ndarray) -> None:
-  """Fills the result's counts and series from the step records; `res.runs_final` must
-  be set."""
-  c, n = COL, res.num_pages
+  """Sets the metrics the step records give (METRICS' compute, in order); the result's
+  runs_final, wall_s and step_us must be set."""
   res.records = records
-  kind = records[:, c["kind"]]
-  res.steps = int(kind.size)
-  res.prefill_steps = int(np.sum(kind == sstep.KIND_PREFILL))
-  res.decode_steps = int(np.sum(kind == sstep.KIND_DECODE))
-  res.prefix_hits = int(np.sum(records[:, c["hits"]]))
-  res.tokens_allocated = int(np.sum(records[:, c["tokens"]]))
-  res.pages_allocated = int(np.sum(records[:, c["pages"]]))
-  res.alloc_failures = int(np.sum(records[:, c["ok"]] == 0))
-  res.evictions = int(np.sum(records[:, c["evicted"]]))
-  used = records[:, c["used"]]
-  res.usage = (used / n).tolist()
-  runs = records[:, c["runs"]]
-  res.runs_mean = float(np.mean(np.concatenate([runs[runs >= 0], [res.runs_final]])))
-  res.step_wall_us = res.wall_s * 1e6 / max(res.steps, 1)
-  if not used.size:
-    return
-  res.peak_usage, res.mean_usage = float(used.max() / n), float(used.mean() / n)
-  res.peak_reserved = float((used + records[:, c["committed"]]).max() / n)
-  res.mean_running = float(records[:, c["running"]].mean())
-  waste = records[:, c["waste"]]
-  res.waste_mean = float(np.mean(waste / np.maximum(used * res.page_size, 1)))
-  res.waste_peak_slots = int(waste.max())
-  if records.shape[1] > len(sstep.RECORD):  # SWA mode
-    n_swa = max(res.swa_num_pages, 1)
-    swa_used = records[:, c["swa_used"]]
-    res.swa_usage = (swa_used / n_swa).tolist()
-    res.full_peak_pages, res.full_mean_pages = int(used.max()), float(used.mean())
-    res.swa_peak_pages, res.swa_mean_pages = int(swa_used.max()), float(swa_used.mean())
-    res.swa_peak_usage = res.swa_peak_pages / n_swa
-    res.swa_mean_usage = res.swa_mean_pages / n_swa
-    res.window_frees = int(np.sum(records[:, c["window_freed"]]))
-    refused = records[:, c["refused"]]
-    res.refused_full = int(np.sum((refused & 1) != 0))
-    res.refused_swa = int(np.sum((refused & 2) != 0))
+  cols = dict(zip(record_columns(records.shape[1] > len(sstep.RECORD)), records.T))
+  for m in METRICS:
+    if m.compute is not None and ("swa" not in m.json or "swa_used" in cols):
+      v = m.compute(cols, res)
+      setattr(res, m.key, v if isinstance(v, list) else type(m.default)(v))
 
 
 def check_partition(name: str, ps: int, n: int, parts: Sequence[np.ndarray]) -> int:
@@ -682,53 +738,13 @@ def run(cfg: SimConfig, *, progress: bool = True) -> SimResult:
 
 
 def summary_rows(result: SimResult) -> List[Tuple[str, List[str]]]:
-  """(metric, one value per page size) rows of the results table."""
+  """(metric, one value per page size): the rows of METRICS that this run shows."""
   rs = result.results
-  trace, host = result.mode == "trace", bool(rs) and rs[0].driver == "host"
-  swa = bool(rs) and bool(rs[0].swa_window)
-
-  def row(name, fn, when=True):
-    return [(name, [fn(r) for r in rs])] if when else []
-
-  return (
-      row("page_size", lambda r: str(r.page_size))
-      + row("pages in pool", lambda r: f"{r.num_pages}")
-      + row("ops (extend+alloc/decode)" if trace else "steps (prefill/decode)",
-            lambda r: f"{r.steps} ({r.prefill_steps}/{r.decode_steps})")
-      + row("traces replayed" if trace else "requests done", lambda r: f"{r.requests_done}")
-      + row("prefix cache hits", lambda r: f"{r.prefix_hits}", not trace)
-      + row("tokens allocated", lambda r: f"{r.tokens_allocated}")
-      + row("pages allocated", lambda r: f"{r.pages_allocated}", not trace)
-      + row("allocation failures", lambda r: f"{r.alloc_failures}")
-      + row("pool usage peak", lambda r: f"{100 * r.peak_usage:.1f}%")
-      + row("pool usage mean", lambda r: f"{100 * r.mean_usage:.1f}%")
-      + row("SWA window (tokens), SWA pool (pages)",
-            lambda r: f"{r.swa_window}, {r.swa_num_pages}", swa)
-      + row("full pool used pages peak / mean",
-            lambda r: f"{r.full_peak_pages} / {r.full_mean_pages:.0f}", swa)
-      + row("SWA pool usage peak", lambda r: f"{100 * r.swa_peak_usage:.1f}%", swa)
-      + row("SWA pool usage mean", lambda r: f"{100 * r.swa_mean_usage:.1f}%", swa)
-      + row("SWA pool used pages peak / mean",
-            lambda r: f"{r.swa_peak_pages} / {r.swa_mean_pages:.0f}", swa)
-      + row("SWA pages freed by the window", lambda r: f"{r.window_frees}", swa)
-      + row("admission stopped by full / SWA pool (steps)",
-            lambda r: f"{r.refused_full} / {r.refused_swa}", swa)
-      + row("pool reserved peak (in use + promised)",
-            lambda r: f"{100 * r.peak_reserved:.1f}%", not trace)
-      + row("running requests mean", lambda r: f"{r.mean_running:.1f}", not trace)
-      + row("unused slots in pages (mean)", lambda r: f"{100 * r.waste_mean:.2f}%")
-      + row("unused slots in pages (peak)", lambda r: f"{r.waste_peak_slots}")
-      + row("free-list runs (mean/final)", lambda r: f"{r.runs_mean:.0f} / {r.runs_final}")
-      + row("op time p50 (us)", lambda r: f"{r.step_us_p50:.0f}", trace)
-      + row("op time p99 (us)", lambda r: f"{r.step_us_p99:.0f}", trace)
-      + row("wall time per step (us)", lambda r: f"{r.step_wall_us:.1f}", not trace)
-      + row("launch time per step p50 / p99 (us)",
-            lambda r: f"{r.step_us_p50:.0f} / {r.step_us_p99:.0f}", host and not trace)
-      + row("steps per host round trip", lambda r: f"{r.steps / max(r.calls, 1):.0f} "
-            f"({r.calls} calls of up to {r.steps_per_call})", not host and not trace)
-      + row("sim time (iterations)", lambda r: f"{r.sim_time}", not trace)
-      + row("wall time (s)", lambda r: f"{r.wall_s:.2f}")
-      + row("leak check", lambda r: r.leak_check))
+  modes = {TRACE} if result.mode == TRACE else {SYN, rs[0].driver if rs else ""}
+  modes |= {SWA} if rs and rs[0].swa_window else set()
+  text = lambda m, fmt, r: fmt(r) if callable(fmt) else fmt.format(getattr(r, m.key), r=r)
+  return [(label, [text(m, fmt, r) for r in rs]) for m in METRICS
+          for label, fmt, *when in m.rows if not when or when[0] in modes]
 
 
 def compile_line(result: SimResult) -> str:
@@ -742,21 +758,21 @@ def compile_line(result: SimResult) -> str:
 
 
 def to_json(result: SimResult, *, series: bool = True) -> Dict[str, Any]:
-  d = dataclasses.asdict(result)
-  swa = bool(d["config"].get("swa_window"))
-  if not swa:  # without an SWA pool, no SWA keys
-    for k in ("swa_window", "swa_ratio"):
-      d["config"].pop(k, None)
-  for r in d["results"]:
-    recs = r.pop("records")
-    if series and recs is not None:
-      r["records"] = {"columns": list(record_columns(swa)),
+  """The result as JSON data: per page size the METRICS keys (SWA keys in SWA mode only,
+  the per-step series only with `series`, the records as {"columns", "rows"})."""
+  swa = bool(result.config.get("swa_window"))
+  skip = ({""} if swa else {SWA}) | ({""} if series else {"series"})
+  out = []
+  for r in result.results:
+    d = {m.key: getattr(r, m.key) for m in METRICS if not skip & set(m.json.split())}
+    recs = d.pop("records", None)
+    if recs is not None:
+      d["records"] = {"columns": list(record_columns(swa)),
                       "rows": np.asarray(recs).tolist()}
-    for k in (SWA_FIELDS if not swa else ()) + (() if series else (
-        "usage", "step_us", "free_list_final", "release_list_final")
-        + (("swa_usage",) if swa else ())):
-      r.pop(k)
-  return d
+    out.append(d)
+  config = {k: v for k, v in result.config.items()
+            if swa or k not in ("swa_window", "swa_ratio")}
+  return dict(vars(result), config=config, results=out)
 
 
 def plot(result: SimResult, path: str) -> None:

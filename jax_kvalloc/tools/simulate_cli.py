@@ -9,39 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
-from typing import Optional
+from typing import List, Optional
 
 from jax_kvalloc.tools.cli import existing_file, int_list
-
-HELP = {  # SimConfig field: help (the option is --field-name)
-    "num_requests": "requests in the workload",
-    "pool_size": "usable KV slots in the pool",
-    "arrival": "arrival pattern",
-    "rate": "requests per step, poisson and uniform arrivals",
-    "prompt_len": "prompt tokens after the shared prefix",
-    "output_len": "generated tokens per request",
-    "num_prefixes": "shared-prefix groups (system prompts); 0: no sharing",
-    "prefix_len": "tokens of each shared prefix",
-    "share_prob": "probability that a request starts with a shared prefix",
-    "max_running": "request rows, the largest decode batch",
-    "max_prefill_tokens": "tokens per prefill batch; longer prompts are chunked",
-    "max_prefill_reqs": "requests per prefill batch",
-    "max_frees": "rows freed per free group",
-    "seed": "seed of the workload's random draws",
-    "driver": "device: the scheduler's loop runs on the device, --steps-per-call steps "
-              "per host round trip; host: one jitted call per step from Python",
-    "steps_per_call": "scheduler iterations per call of the device driver, rounded up to "
-                      "a multiple of 16",
-    "kernel": "implementations (jax_kvalloc.kernels; auto: Triton on GPU, Mosaic on TPU, "
-              "jnp on CPU)",
-    "swa_window": "tokens of a sliding window: run on the SWA allocator (a full pool and "
-                  "an SWA pool; each step frees the SWA pages that left the window; page "
-                  "sizes > 1, no prefix sharing); 0: off",
-    "swa_ratio": "with --swa-window: SWA pool slots = this * --pool-size, in whole pages",
-}
-
 
 def _typed(field: str):
   """The argparse type of a setting: its default's type, then simulate.RULES."""
@@ -59,6 +32,12 @@ def _typed(field: str):
     return value
   parse.__name__ = kind.__name__
   return parse
+
+
+def options() -> List[dataclasses.Field]:
+  """The SimConfig fields that are options (their metadata holds the help)."""
+  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
+  return [f for f in dataclasses.fields(simulate.SimConfig) if "help" in f.metadata]
 
 
 def default_cache_dir() -> str:
@@ -84,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "(AllocatorConfig(guard=False), SPEC 14): SGLang's costs and trust")
   choices = {"arrival": simulate.ARRIVALS, "driver": simulate.DRIVERS,
              "kernel": simulate.KERNELS}
-  for field, text in HELP.items():
-    kw = {"choices": choices[field]} if field in choices else {"type": _typed(field)}
-    a(simulate.option(field), default=getattr(d, field), help=text, **kw)
+  for field in options():
+    kw = {"choices": choices[field.name]} if field.name in choices else {
+        "type": _typed(field.name)}
+    a(simulate.option(field.name), default=field.default, help=field.metadata["help"], **kw)
   a("--trace", metavar="FILE", type=existing_file, help="replay a recorded trace file "
     "(jax_kvalloc.tools.traces / golden format) instead of the synthetic workload")
   a("--json", metavar="FILE", help="also write the results as JSON")
@@ -132,7 +112,8 @@ def run(args) -> int:
   from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   cfg = simulate.SimConfig(page_sizes=tuple(args.page_sizes), need_sort=args.need_sort,
-                           guard=not args.no_guard, **{f: getattr(args, f) for f in HELP})
+                           guard=not args.no_guard,
+                           **{f.name: getattr(args, f.name) for f in options()})
   for opt, path in (("--json", args.json), ("--plot", args.plot)):
     folder = os.path.dirname(os.path.abspath(path)) if path else None
     if folder and not os.path.isdir(folder):
