@@ -76,7 +76,8 @@ def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str =
         num_warps: int = 4, update: Tuple[Tuple[int, int], ...] = ()) -> Any:
   """fn(*args) as one Triton program (pytrees in and out, int32 leaves).
 
-  update: (argument index, result index) pairs of the same tree structure and shapes:
+  update: (argument index, result index) pairs, a result index being a position in the
+  tuple fn returns, of the same tree structure and shapes:
   that result is written over that argument's buffers (input_output_aliases; in place
   when the caller donates them, as a loop's carry does).
 

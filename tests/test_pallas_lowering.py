@@ -207,3 +207,15 @@ def test_one_program_runs_a_function_whole():
     one_program.run(fn, jnp.zeros(12, jnp.int32), args[1], interpret=True)
   with pytest.raises(ValueError, match=r"argument \[1\]\[1\] is float32"):
     one_program.run(fn, args[0], (args[1][0], jnp.float32(1)), interpret=True)
+  # A select between two scalar constants lowers to i1 constants (3 would come back as
+  # 1): refused, naming the line; arithmetic, or an array case, is fine.
+  with pytest.raises(ValueError, match=r"two constants at .*test_pallas_lowering"):
+    one_program.run(lambda s: jnp.where(s > 0, 3, 0), args[1][1], interpret=True)
+  one_program.run(lambda s: jnp.where(s > 0, s, 0), args[1][1], interpret=True)
+  # update=((0, 0),): the result is written over the argument's buffers.
+  step = lambda pair: ((pair[0] + 1, pair[1] * 2), pair[0])  # (new pair, old first)
+  exported = lowering_check.export_for(
+      "h200", lambda p: one_program.run(step, p, update=((0, 0),)), args[1])
+  assert exported.mlir_module().count("#stablehlo.output_operand_alias<") == 2
+  with pytest.raises(ValueError, match=r"update \(0, 1\)"):
+    one_program.run(step, args[1], update=((0, 1),), interpret=True)

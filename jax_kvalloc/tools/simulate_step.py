@@ -64,6 +64,7 @@ i32 = jnp.int32
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
 KIND_PREFILL, KIND_DECODE = 1, 2
 ERR_STUCK = 1
+PLAN_WARPS = 8  # the plan program's warps: the fastest of 1-16 on the H200 (BENCHMARKS.md)
 
 # One row per step (an iteration that ran a prefill or a decode), from either driver.
 RECORD = ("kind",          # 1 prefill, 2 decode
@@ -524,7 +525,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program)
     sched, work, tally = one_program.run(
         decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan",
-        update=((3, 0),))
+        num_warps=PLAN_WARPS, update=((3, 0),))
   else:
     sched, work, tally = decide(*args)
   with jax.named_scope("table"):
