@@ -184,7 +184,7 @@ def borrow_triton(pages: Array, lens: Array, owned_from: Array, rows: Array,
                   num_rows: Array, num_pages: Array, *, page_size: int, pool_pages: int,
                   page_ids: Optional[Array] = None, src: Optional[Array] = None,
                   hand_over: bool = False, interpret: bool = False,
-                  num_warps: Optional[int] = None
+                  num_warps: Optional[int] = None, tile: Optional[int] = None
                   ) -> Tuple[Array, Array, Array, Array]:
   """request_table.borrow_pages (page_ids given) or borrow_from_rows (src given) in one
   kernel launch.
@@ -198,6 +198,8 @@ def borrow_triton(pages: Array, lens: Array, owned_from: Array, rows: Array,
     src: i32[B] the rows whose first pages to take; hand_over (src only): the rows own
       them and the sources keep them borrowed.
     interpret: run in Pallas' interpreter (CPU tests).
+    num_warps, tile: the launch's warps and the columns per pass (a power of two);
+      defaults from the rows and LANES.
 
   Returns:
     (pages i32[R, W], lens i32[R], owned_from i32[R], ok bool[]): the jnp path's bits;
@@ -236,7 +238,10 @@ def borrow_triton(pages: Array, lens: Array, owned_from: Array, rows: Array,
     raise ValueError(f"borrow_triton does not take {num} rows of a table of "
                      f"{max_reqs}x{width} (see supported)")
   rows_pad = _util.next_pow2(num)
-  tile = min(_util.next_pow2(width), max(1, LANES // rows_pad))
+  if tile is None:
+    tile = min(_util.next_pow2(width), max(1, LANES // rows_pad))
+  if not _util.is_pow2(tile):
+    raise ValueError(f"tile must be a power of two, got {tile}")
   p = _Params(page_size=page_size, pool_pages=pool_pages, max_reqs=max_reqs, width=width,
               rows=num, rows_pad=rows_pad, ids_width=ids_width, tile=tile,
               hand_over=hand_over, barrier=not interpret)
