@@ -628,7 +628,8 @@ def check_borrows(ps, n, max_reqs, width, count, b, tag, kernel="triton_interpre
 # The default set: borrow_pages and the hand-over (borrow_from_rows' superset) at page
 # size 4, in passes of two columns; every mode at page sizes 1, 3 and 64 is slow.
 @pytest.mark.parametrize("ps,lanes,modes", [(4, 8, ("ids", "hand_over"))] + [
-    pytest.param(ps, None, BORROW_MODES, marks=pytest.mark.slow) for ps in (1, 3, 64)])
+    pytest.param(ps, None, BORROW_MODES, marks=pytest.mark.slow) for ps in (1, 3, 64)],
+                         ids=["ps4-passes", "ps1", "ps3", "ps64"])
 def test_borrow_kernel_equals_jnp_path(monkeypatch, ps, lanes, modes):
   # lanes 8: two columns per pass over 4 rows, so the 6 columns take 3 passes.
   if lanes:
@@ -651,8 +652,9 @@ def test_borrow_lowers_for_h200():
   assert not triton_borrow.supported(max_reqs=4096, width=81, page_size=16,
                                      rows=triton_borrow.MAX_ROWS + 1)
   cfg = kv.AllocatorConfig(size=30000 * 16, page_size=16, kernel="triton", debug=False)
-  for r, w, b in ((1032, 81, 64), (4096, 81, triton_borrow.MAX_ROWS)):
-    for mode in BORROW_MODES:
+  for r, w, b, modes in ((1032, 81, 64, BORROW_MODES),
+                         (4096, 81, triton_borrow.MAX_ROWS, ("ids", "hand_over"))):
+    for mode in modes:
       e = lowering_check.export_for("h200", _borrow_fn(cfg, mode), i32(r, w), i32(r),
                                     i32(r), i32(b), i32(), i32(b), i32(b, w - 1), i32(b))
       text = e.mlir_module()
