@@ -10,8 +10,9 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
   GPU).
 Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted step):
   init_table, extend_rows, decode_rows, release_rows, borrow_pages, admit_rows,
-  attention_inputs (also bound on the Allocator NamedTuple), and step_rows (release +
-  extend + decode of one serving step; each of these is one launch on GPU).
+  attention_inputs (also bound on the Allocator NamedTuple), borrow_from_rows (pages
+  taken from, or handed over by, other rows), and step_rows (release + extend + decode
+  of one serving step; each of these, and each borrow, is one launch on GPU).
 Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) and
   ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool (and request
   table) along a leading axis, optionally sharded over a mesh (shard_map, no
@@ -62,6 +63,7 @@ from jax_kvalloc.request_table import AttentionInputs
 from jax_kvalloc.request_table import RequestTable
 from jax_kvalloc.request_table import admit_rows
 from jax_kvalloc.request_table import attention_inputs
+from jax_kvalloc.request_table import borrow_from_rows
 from jax_kvalloc.request_table import borrow_pages
 from jax_kvalloc.request_table import decode_rows
 from jax_kvalloc.request_table import extend_rows
@@ -102,6 +104,7 @@ __all__ = [
     "alloc_extend",
     "attention_inputs",
     "available_size",
+    "borrow_from_rows",
     "borrow_pages",
     "decode_rows",
     "enable_persistent_cache",

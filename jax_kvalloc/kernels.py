@@ -36,7 +36,8 @@ operation, or the call does not suit it, the operation runs XLA's:
   table           the request table's step (request_table.step_rows and each of its
                   operations): jnp (the composition); triton, mosaic_gpu: one launch that
                   writes the pool and the table (two with extend) for a paged pool
-                  without need_sort or debug
+                  without need_sort or debug; its borrows (borrow_pages,
+                  borrow_from_rows): jnp; triton: one launch for any pool
   free            sort or bitmap (XLA, by size: freeing.free_method); triton: one memset
                   and three launches for a paged pool outside debug mode, for sizes
                   `pallas_kernels.free_preferred` takes

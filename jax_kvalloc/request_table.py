@@ -19,7 +19,8 @@ is `alloc_decode` likewise; `release_rows` is `free_page_ids` of each row's owne
 the row's order (SGLang's `free_segment` of the whole row), no sort.
 
 Borrowed prefixes. A row may start from whole pages that another row (or a prefix cache)
-owns: `borrow_pages` assigns them and sets `owned_from`, the first column the row owns.
+owns: `borrow_pages` assigns them and sets `owned_from`, the first column the row owns
+(`borrow_from_rows` takes them from other rows, or hands a row's first pages over).
 Release never frees the columns before it; keeping their owner alive is the caller's job,
 as a radix cache's lock is in SGLang.
 """
@@ -123,11 +124,16 @@ def _batch(table: RequestTable, rows: Array, num_rows: Optional[Array], **per_ro
     count = jnp.clip(validate.as_i32(num_rows, "num_rows"), 0, num)
     real = jnp.arange(num) < count
   inside = (rows >= 0) & (rows < max_reqs)
-  # Distinct rows: a scatter-add of ones per row, O(B + max_reqs).
-  hits = jnp.zeros((max_reqs,), jnp.int32).at[jnp.where(real & inside, rows, max_reqs)].add(
-      1, mode="drop")
-  valid = jnp.all(inside | ~real) & jnp.all(hits <= 1)
+  valid = jnp.all(inside | ~real) & ~_repeated(rows, real & inside, max_reqs)
   return jnp.clip(rows, 0, max_reqs - 1), real, count, valid, arrays
+
+
+def _repeated(rows: Array, mask: Array, max_reqs: int) -> Array:
+  """bool[]: some row in [0, max_reqs) appears twice among rows[mask] (a scatter-add of
+  ones per row, O(B + max_reqs))."""
+  hits = jnp.zeros((max_reqs,), jnp.int32).at[jnp.where(mask, rows, max_reqs)].add(
+      1, mode="drop")
+  return jnp.any(hits > 1)
 
 
 def _last_loc(table: RequestTable, rows: Array, lens: Array, ps: int) -> Array:
@@ -487,8 +493,8 @@ def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
 
   Row rows[b] gets pages page_ids[b, :num_pages[b]], lens = num_pages[b] * page_size and
   owned_from = num_pages[b]: those columns are never freed by this row. The caller keeps
-  their owner alive (e.g. the row they came from, `table.pages[src, :W]`) while any
-  borrower holds them.
+  their owner alive (e.g. a prefix cache's node) while any borrower holds them. To take
+  another row's first pages, `borrow_from_rows` reads them itself.
 
   Args:
     config: static configuration.
@@ -501,14 +507,100 @@ def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
   Returns:
     (table, bool[] ok). ok is False, table unchanged, when a row is not empty, repeats or
     leaves the table, a count is out of range, or a borrowed id is not a page of the pool.
+    On the Triton family (any pool kind; up to pallas_kernels.borrow_supported's rows)
+    one launch, pallas_kernels.borrow_triton; elsewhere XLA's ops.
+
+  Raises:
+    TypeError / ValueError naming the argument for a non-integer dtype or a bad shape.
   """
-  rows, real, _, go, a = _batch(table, rows, num_rows, num_pages=num_pages)
+  rows, a, num = _static_batch(table, rows, num_pages=num_pages)
   page_ids = validate.as_i32(page_ids, "page_ids")
-  max_reqs, width = table.pages.shape
-  if page_ids.ndim != 2 or page_ids.shape[0] != rows.shape[0] or page_ids.shape[1] > width:
-    raise ValueError(f"page_ids must be i32[B, W] with B={rows.shape[0]} rows and "
+  width = table.pages.shape[1]
+  if page_ids.ndim != 2 or page_ids.shape[0] != num or page_ids.shape[1] > width:
+    raise ValueError(f"page_ids must be i32[B, W] with B={num} rows and "
                      f"W <= max_pages_per_req={width}, got shape {page_ids.shape}")
+  return _borrow(config, table, rows, a["num_pages"], num_rows, page_ids=page_ids)
+
+
+def borrow_from_rows(config: AllocatorConfig, table: RequestTable, rows: Array,
+                     src: Array, num_pages: Array, *, num_rows: Optional[Array] = None,
+                     hand_over: bool = False) -> Tuple[RequestTable, Array]:
+  """Starts empty rows from the first whole pages of other rows: `borrow_pages` with
+  page_ids = table.pages[src, :max_pages_per_req], read by the call itself.
+
+  Row rows[b] gets pages[src[b], :num_pages[b]] and lens = num_pages[b] * page_size.
+  By default it borrows them (owned_from = num_pages[b]): the source keeps owning them,
+  and the caller keeps it alive while any borrower holds them. With hand_over the row
+  owns them instead (owned_from = 0) and the source keeps them as a borrowed prefix
+  (owned_from[src[b]] = num_pages[b]): a finished prompt handing its prefix to a cache
+  row, which then outlives it.
+
+  Args:
+    config: static configuration.
+    table: the request table.
+    rows: i32[B] distinct, empty (lens == 0) table rows.
+    src: i32[B] table rows to take pages from (may repeat, unless hand_over).
+    num_pages: i32[B] pages each row takes: 0 <= num_pages[b] and num_pages[b] *
+      page_size <= lens[src[b]] (whole pages the source holds).
+    num_rows: optional i32[]; entries at index >= num_rows are padding.
+    hand_over: static; hand the pages over (above).
+
+  Returns:
+    (table, bool[] ok). ok is False, table unchanged, when a row is not empty, repeats or
+    leaves the table, a source leaves the table, a count is out of range, a page taken
+    is not a page of the pool (0 included), or, with hand_over, a source repeats or does
+    not own its first columns (owned_from[src] != 0). On the Triton family (any pool
+    kind; up to pallas_kernels.borrow_supported's rows) one launch,
+    pallas_kernels.borrow_triton, with no gather before it; elsewhere XLA's ops.
+
+  Raises:
+    TypeError / ValueError naming the argument for a non-integer dtype or a bad shape.
+  """
+  rows, a, _ = _static_batch(table, rows, src=src, num_pages=num_pages)
+  return _borrow(config, table, rows, a["num_pages"], num_rows, src=a["src"],
+                 hand_over=bool(hand_over))
+
+
+def _borrow(config: AllocatorConfig, table: RequestTable, rows: Array, num_pages: Array,
+            num_rows: Optional[Array], *, page_ids: Optional[Array] = None,
+            src: Optional[Array] = None, hand_over: bool = False):
+  """borrow_pages (page_ids) or borrow_from_rows (src): one Triton launch where the
+  table's device and config.kernel select the Triton family, else `_borrow_jnp`."""
+  max_reqs, width = table.pages.shape
+  num = rows.shape[0]
+
+  def run(name: str):
+    impl, interpret = kernels.family(name)
+    if impl == "triton" and (page_ids is None or page_ids.shape[1] >= 1):
+      import pallas_kernels  # pylint: disable=g-import-not-at-top
+      if pallas_kernels.borrow_supported(max_reqs=max_reqs, width=width,
+                                         page_size=config.page_size, rows=num):
+        pages, lens, owned, ok = pallas_kernels.borrow_triton(
+            table.pages, table.lens, table.owned_from, rows, _count(num_rows, num),
+            num_pages, page_size=config.page_size, pool_pages=config.num_pages,
+            page_ids=page_ids, src=src, hand_over=hand_over, interpret=interpret)
+        return RequestTable(pages, lens, owned), ok
+    return _borrow_jnp(config, table, rows, num_pages, num_rows, page_ids, src, hand_over)
+
+  return kernels.by_device(config.kernel, table.pages, run, "table")
+
+
+def _borrow_jnp(config: AllocatorConfig, table: RequestTable, rows: Array,
+                num_pages: Array, num_rows: Optional[Array], page_ids: Optional[Array],
+                src: Optional[Array], hand_over: bool):
+  """borrow_pages / borrow_from_rows as XLA ops."""
+  rows, real, _, go, a = _batch(table, rows, num_rows, num_pages=num_pages)
+  max_reqs, width = table.pages.shape
   k = jnp.where(real, a["num_pages"], 0)
+  if src is not None:
+    inside = (src >= 0) & (src < max_reqs)
+    src = jnp.clip(src, 0, max_reqs - 1)
+    page_ids = table.pages[src]
+    src_ok = inside & (k <= table.lens[src] // config.page_size)
+    if hand_over:
+      src_ok = src_ok & (table.owned_from[src] == 0)
+      go = go & ~_repeated(src, real & inside, max_reqs)
+    go = go & jnp.all(~real | src_ok)
   wide = page_ids.shape[1]
   used = _columns_mask(jnp.zeros_like(k), k, wide)
   ids_ok = (page_ids >= 1) & (page_ids <= config.num_pages)
@@ -517,9 +609,12 @@ def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
   dest = jnp.where(real & go, rows, max_reqs)
   new_row = jnp.zeros((rows.shape[0], width), jnp.int32).at[:, :wide].set(
       jnp.where(used, page_ids, 0))
+  owned = table.owned_from.at[dest].set(0 if hand_over else k, mode="drop")
+  if hand_over:
+    owned = owned.at[jnp.where(real & go, src, max_reqs)].set(k, mode="drop")
   table = RequestTable(pages=table.pages.at[dest].set(new_row, mode="drop"),
                        lens=table.lens.at[dest].set(k * config.page_size, mode="drop"),
-                       owned_from=table.owned_from.at[dest].set(k, mode="drop"))
+                       owned_from=owned)
   return table, go
 
 

@@ -14,7 +14,8 @@ The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,
 free_page_ids and alloc_decode run as one launch: `release_alloc_decode_triton`. The
 request table's release, extend and decode (each, or all three together) run as one
 launch that also writes the table (two with extend: the slots by a program per row):
-`table_step_triton`.
+`table_step_triton`; its borrows (empty rows start from given pages or other rows' first
+pages) one more: `borrow_triton`.
 
 The same on Pallas' Mosaic GPU backend (Hopper and newer, jax >= 0.11;
 mosaic_gpu_common says what it can express): `alloc_decode_mosaic_gpu` and
@@ -54,6 +55,8 @@ _LAZY = {
     "free_supported": ("triton_free", "supported"),
     "table_step_triton": ("triton_table", "table_step_triton"),
     "table_supported": ("triton_table", "supported"),
+    "borrow_triton": ("triton_borrow", "borrow_triton"),
+    "borrow_supported": ("triton_borrow", "supported"),
     "alloc_decode_mosaic_gpu": ("mosaic_gpu_decode", "alloc_decode_mosaic_gpu"),
     "decode_mosaic_gpu_supported": ("mosaic_gpu_decode", "supported"),
     "table_step_mosaic_gpu": ("mosaic_gpu_table", "table_step_mosaic_gpu"),
@@ -120,6 +123,8 @@ __all__ = [
     "alloc_decode_mosaic_gpu",
     "alloc_decode_triton",
     "alloc_extend_triton",
+    "borrow_supported",
+    "borrow_triton",
     "capacity",
     "decode_fused_supported",
     "decode_indices",

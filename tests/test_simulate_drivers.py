@@ -156,3 +156,13 @@ def test_plan_program_on_gpu_makes_the_same_decisions(swa):
     cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3, need_sort=True)
   assert simulate.plan_kernel(cfg) == "triton"
   _check_same(_run(cfg), _run(dataclasses.replace(cfg, plan_kernel=False)))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_kernels_make_the_same_decisions_as_xla():
+  # On a GPU the plan and the table work (step_rows, the borrows and the hand-overs) are
+  # Triton kernels; their records equal XLA's step for step.
+  cfg = dataclasses.replace(BASE, page_sizes=(16,), max_frees=4)
+  assert simulate.plan_kernel(cfg) == "triton"
+  _check_same(_run(cfg), _run(dataclasses.replace(cfg, kernel="jnp")))

@@ -15,7 +15,11 @@ jnp path and the loop model.
   with the kernel, poisoning the dead entries after every operation.
 - Lowered for an abstract H200: each operation and step_rows hold the stated number of
   Triton custom calls and no XLA scatter or gather.
-tests/test_pallas_gpu.py runs `check_table_ops` on the compiled kernel.
+- The borrows (pallas_kernels.triton_borrow: borrow_pages, borrow_from_rows with and
+  without hand_over) against the jnp path on random tables with every refusal drawn, and
+  lowered for an abstract H200 (one launch, the table aliased in and out).
+tests/test_pallas_gpu.py runs `check_table_ops` on the compiled kernel; the `gpu` tests
+at the end run the compiled table and borrow kernels.
 """
 import dataclasses
 import functools
@@ -32,6 +36,7 @@ import pallas_kernels
 from jax_kvalloc import kernels
 from jax_kvalloc import request_table as rt
 import lowering_check
+from pallas_kernels import triton_borrow
 from pallas_kernels import triton_table
 import test_request_table as trt
 from model import ModelAllocator
@@ -543,6 +548,122 @@ def test_steps_lower_for_tpu():
 
 
 # ---------------------------------------------------------------------------------------
+# Borrows (pallas_kernels.triton_borrow): borrow_pages, borrow_from_rows.
+# ---------------------------------------------------------------------------------------
+
+BORROW_MODES = ("ids", "src", "hand_over")
+BORROW_KERNEL = "jax_kvalloc_borrow_triton"
+
+
+def borrow_case(rng, ps, n, max_reqs, width, b, ids_width, mode):
+  """A table (table_case's, dead entries poisoned) and a borrow of b entries:
+  (pages, lens, owned_from, rows, num_rows, src, page_ids, num_pages). Most destinations
+  are emptied first (their pages stay poison: the borrow writes the whole row); the
+  draw breaks a count (negative, past the source's whole pages or the width), a source
+  (outside the table) or a page id (0, outside the pool) now and then, and hand-overs
+  meet sources that repeat or borrowed their first columns."""
+  _, _, _, _, pages, lens, owned = table_case(rng, ps, n, max_reqs, width)
+  rows, num = _rows(rng, max_reqs, b)
+  for r in rows:
+    if 0 <= r < max_reqs and rng.random() < 0.9:
+      lens[r], owned[r] = 0, 0
+  holders = [q for q in range(max_reqs) if lens[q] >= ps and q not in set(rows.tolist())]
+  holders = holders or [int(rng.integers(0, max_reqs))]
+  if mode == "hand_over" and len(holders) >= b and rng.random() < 0.8:
+    src = rng.permutation(holders)[:b]
+  else:
+    src = rng.choice(holders, b)
+  src = src.astype(np.int32)
+  whole = np.maximum(lens[src], 0) // ps
+  if mode == "ids":
+    whole = np.minimum(whole, ids_width)
+  k = rng.integers(0, whole + 1).astype(np.int32)
+  ids = pages[src, :ids_width].copy()
+  u, i = rng.random(), int(rng.integers(0, b))
+  if u < 0.05:
+    k[i] = -1
+  elif u < 0.1:
+    k[i] = rng.choice([whole[i] + 1, width + 1])
+  elif u < 0.15:
+    src[i] = rng.choice([-1, max_reqs])
+  elif u < 0.25 and k[i] > 0:
+    bad = rng.choice([0, -3, n + 1, POISON])
+    if mode == "ids":
+      ids[i, int(rng.integers(0, k[i]))] = bad
+    elif 0 <= src[i] < max_reqs:
+      pages[src[i], int(rng.integers(0, k[i]))] = bad
+  return pages, lens, owned, rows, num, src, ids, k
+
+
+def _borrow_fn(cfg, mode):
+  def fn(pages, lens, owned, rows, num, src, ids, k):
+    table = rt.RequestTable(pages, lens, owned)
+    if mode == "ids":
+      return rt.borrow_pages(cfg, table, rows, ids, k, num_rows=num)
+    return rt.borrow_from_rows(cfg, table, rows, src, k, num_rows=num,
+                               hand_over=mode == "hand_over")
+  return fn
+
+
+def check_borrows(ps, n, max_reqs, width, count, b, tag, kernel="triton_interpret",
+                  ids_width=None, modes=BORROW_MODES):
+  """borrow_pages ("ids") and borrow_from_rows ("src", "hand_over") through the kernel ==
+  the jnp path, bit for bit, on `count` random cases each (vmapped). Returns the
+  refusals per mode."""
+  jnp_cfg, cfg = _configs(ps, n, kernel)
+  ids_width = ids_width or max(1, width - 2)
+  refused = {}
+  for mode in modes:
+    rng = _rng("borrow", tag, mode, ps, n, max_reqs, width, b)
+    args = _stack([borrow_case(rng, ps, n, max_reqs, width, b, ids_width, mode)
+                   for _ in range(count)])
+    fn = jax.jit(jax.vmap(_borrow_fn(cfg, mode)))
+    assert BORROW_KERNEL in str(jax.make_jaxpr(fn)(*args)), mode
+    want = jax.jit(jax.vmap(_borrow_fn(jnp_cfg, mode)))(*args)
+    _assert_same(fn(*args), want, f"seed {SEED}, {tag}, ps {ps}, {mode}")
+    refused[mode] = int(np.sum(~np.asarray(want[1])))
+  return refused
+
+
+# The default set: borrow_pages and the hand-over (borrow_from_rows' superset) at page
+# size 4, in passes of two columns; every mode at page sizes 1, 3 and 64 is slow.
+@pytest.mark.parametrize("ps,lanes,modes", [(4, 8, ("ids", "hand_over"))] + [
+    pytest.param(ps, None, BORROW_MODES, marks=pytest.mark.slow) for ps in (1, 3, 64)],
+                         ids=["ps4-passes", "ps1", "ps3", "ps64"])
+def test_borrow_kernel_equals_jnp_path(monkeypatch, ps, lanes, modes):
+  # lanes 8: two columns per pass over 4 rows, so the 6 columns take 3 passes.
+  if lanes:
+    monkeypatch.setattr(triton_borrow, "LANES", lanes)
+  refused = check_borrows(ps, 40 if ps > 1 else 56, 8, 6, 32, 4, "small", modes=modes)
+  assert all(0 < k < 32 for k in refused.values()), (SEED, refused)
+
+
+@pytest.mark.slow
+def test_borrow_kernel_equals_jnp_path_larger():
+  # Non-power-of-two rows and widths, more entries than rows free to take them.
+  check_borrows(16, 300, 37, 11, 8, 19, "larger")
+
+
+def test_borrow_lowers_for_h200():
+  # One Triton launch, no XLA gather or scatter, the table's three arrays aliased in and
+  # out; for a simulator-sized table and the largest batch `supported` takes.
+  assert triton_borrow.supported(max_reqs=4096, width=81, page_size=16,
+                                 rows=triton_borrow.MAX_ROWS)
+  assert not triton_borrow.supported(max_reqs=4096, width=81, page_size=16,
+                                     rows=triton_borrow.MAX_ROWS + 1)
+  cfg = kv.AllocatorConfig(size=30000 * 16, page_size=16, kernel="triton", debug=False)
+  for r, w, b, modes in ((1032, 81, 64, BORROW_MODES),
+                         (4096, 81, triton_borrow.MAX_ROWS, ("ids", "hand_over"))):
+    for mode in modes:
+      e = lowering_check.export_for("h200", _borrow_fn(cfg, mode), i32(r, w), i32(r),
+                                    i32(r), i32(b), i32(), i32(b), i32(b, w - 1), i32(b))
+      text = e.mlir_module()
+      assert lowering_check.custom_call_targets(e).count(TRITON) == 1, mode
+      assert (text.count("stablehlo.scatter"), text.count("stablehlo.gather")) == (0, 0)
+      assert text.count("#stablehlo.output_operand_alias<") == 3, mode
+
+
+# ---------------------------------------------------------------------------------------
 # The compiled kernel on a GPU (pytest -m gpu; skipped without one).
 # ---------------------------------------------------------------------------------------
 
@@ -562,3 +683,13 @@ def test_compiled_kernel_equals_jnp_path_on_gpu(ps):
 @needs_gpu
 def test_compiled_scan_of_steps_matches_model_on_gpu():
   check_scan_of_steps("pallas", 60, "scan-gpu")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("ps", (1, 16, 64))
+def test_compiled_borrow_equals_jnp_path_on_gpu(ps):
+  refused = check_borrows(ps, 40 if ps > 1 else 56, 8, 6, 64, 4, "gpu", kernel="triton")
+  assert all(0 < k < 64 for k in refused.values()), (SEED, refused)
+  # A simulator-sized table (several passes of columns) and a batch past one warp.
+  check_borrows(ps, 30000, 1032, 81, 4, 64, "gpu-large", kernel="triton")

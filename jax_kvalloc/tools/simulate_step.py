@@ -575,9 +575,8 @@ def _table_step(lay: Layout, state, table, p: Plan):
     ok = jnp.ones((), bool)
     if not swa:
       with jax.named_scope("borrow"):
-        t, ok = rt.borrow_pages(cfg, t, p.borrow_rows, t.pages[p.borrow_src,
-                                                              :lay.prefix_width],
-                                p.borrow_pages, num_rows=p.num_borrow)
+        t, ok = rt.borrow_from_rows(cfg, t, p.borrow_rows, p.borrow_src, p.borrow_pages,
+                                    num_rows=p.num_borrow)
     if fused:  # the three pool phases in one step_rows
       s, t, o = jax.named_scope("step_rows")(rt.step_rows)(
           cfg, s, t, release=p.free_rows, num_release=p.num_free, extend=p.ext_rows,
@@ -602,7 +601,8 @@ def _table_step(lay: Layout, state, table, p: Plan):
       s, ok, slots = _hide_release(s2, hide, keep=s), ok & ok_e, (slots_e,)
     if not swa:
       with jax.named_scope("hand_over"):
-        t, ok_h = _hand_over(cfg, t, p, lay.prefix_width)
+        t, ok_h = rt.borrow_from_rows(cfg, t, p.ins_dst, p.ins_rows, p.ins_pages,
+                                      num_rows=p.num_ins, hand_over=True)
       ok = ok & ok_h
     return (s, t, ok) + slots
 
@@ -625,18 +625,6 @@ def _table_step(lay: Layout, state, table, p: Plan):
       (cfg.full, cfg.swa) if swa else (cfg,), _pools(state))]
   status.insert(2, checksum(slots_e, count_e) + checksum(slots_d, p.num_dec))
   return state, table, jnp.stack(status)
-
-
-def _hand_over(cfg: AllocatorConfig, table, p: Plan, prefix_width: int):
-  """Cache row ins_dst[i] (empty) takes the first ins_pages[i] pages of row ins_rows[i],
-  which keeps them as a borrowed prefix. Returns (table, ok)."""
-  ids = table.pages[p.ins_rows, :prefix_width]
-  table, ok = rt.borrow_pages(cfg, table, p.ins_dst, ids, p.ins_pages, num_rows=p.num_ins)
-  nrows = table.lens.shape[0]
-  real = jnp.arange(p.ins_rows.shape[0]) < p.num_ins
-  owned = table.owned_from.at[jnp.where(real, p.ins_dst, nrows)].set(0, mode="drop")
-  owned = owned.at[jnp.where(real & ok, p.ins_rows, nrows)].set(p.ins_pages, mode="drop")
-  return table._replace(owned_from=owned), ok
 
 
 def free_list_runs(state) -> Array:
