@@ -22,6 +22,10 @@ mosaic_gpu_common says what it can express): `alloc_decode_mosaic_gpu` and
 `table_step_mosaic_gpu`, each the same contract as its Triton twin.
 jax_kvalloc.kernels chooses among them.
 
+`one_program.run(fn, *args)` runs a chain of small array operations (elementwise ops and
+reductions over vectors of a few hundred entries) as one Triton program: the simulator's
+scheduler plans each step with it.
+
 tests/lowering_check.py lowers any of them for an abstract TPU v6e or H200 on CPU.
 """
 from __future__ import annotations

@@ -372,7 +372,6 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
                batch=bucket(cfg.max_prefill_reqs, 1),
                tokens=bucket(cfg.max_prefill_tokens, 1), frees=cfg.max_frees,
                width=max(1, cdiv(max(longest, wl.max_context), page_size)),
-               prefix_width=max(1, cdiv(prefix_hi, page_size)),
                branch=branches(), plan_kernel=plan_kernel(cfg))
   if cfg.swa_window <= 0:
     return lay

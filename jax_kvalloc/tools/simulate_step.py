@@ -106,7 +106,6 @@ class Layout:
   tokens: int        # T prefill token budget (the extend's slot array)
   frees: int         # F rows per free group
   width: int         # page columns per table row
-  prefix_width: int  # page columns a cached prefix can span
   swa: Optional[SWAConfig] = None  # SWA mode: both pools (acfg is swa.full)
   window: int = 0                  # SWA mode: the window in tokens
   branch: bool = True              # skip unneeded table phases in lax.cond (module doc)
