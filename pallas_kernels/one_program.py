@@ -10,9 +10,9 @@ comparisons, `where`, broadcasts, iota, reductions along an axis, integer divisi
 shifts; no gathers, scatters, slices or sorts (index a small vector by comparing it with
 an iota and reducing). A select between two constants (`jnp.where(p, 3, 0)` on scalars)
 is refused: Pallas' Triton lowering gives both constants the predicate's type (i1), so it
-would return 1 or 0 (write `3 * p.astype(jnp.int32)`). Every input and output is an int32
-array (or scalar) whose size is a power of two, so a (R, R) intermediate of R rows must fit one program: this is
-for vectors of at most a few hundred entries.
+would return 1 or 0 (write `3 * p.astype(jnp.int32)`). Every input and output is an
+int32 array (or scalar) whose size is a power of two, and every intermediate lives in one
+program's registers: this is for vectors of at most a few hundred entries.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from pallas_kernels._util import TritonCall, is_pow2
 class _Fn:
   fn: Callable[..., Any]
   in_tree: Any
-  out_tree: Any
   out_shapes: Tuple[Tuple[int, ...], ...]
   aliases: Tuple[Tuple[int, int], ...]  # (input leaf, output leaf) sharing a buffer
 
@@ -74,18 +73,30 @@ class _OneProgram(TritonCall):
 
 def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str = "fn",
         num_warps: int = 4, update: Tuple[Tuple[int, int], ...] = ()) -> Any:
-  """fn(*args) as one Triton program (pytrees in and out, int32 leaves).
+  """fn(*args) as one Triton program.
 
-  update: (argument index, result index) pairs, a result index being a position in the
-  tuple fn returns, of the same tree structure and shapes:
-  that result is written over that argument's buffers (input_output_aliases; in place
-  when the caller donates them, as a loop's carry does).
+  Args:
+    fn: a function of pytrees of int32 arrays, returning a pytree (a tuple when `update`
+      is given) of int32 or bool arrays; hashable (it is a primitive parameter).
+    *args: its arguments.
+    interpret: run in Pallas' interpreter (any backend).
+    name: the kernel's name (in profiles and HLO).
+    num_warps: the program's warps.
+    update: (argument index, result index) pairs, a result index being a position in
+      the tuple fn returns, of the same tree structure and shapes: that result is
+      written over that argument's buffers (input_output_aliases; in place when the
+      caller donates them, as a loop's carry does).
 
-  Raises ValueError naming the leaf when an input is not int32, an output not int32 or
-  bool (stored as 0/1), or a size not a power of two. interpret: run in Pallas'
-  interpreter (any backend)."""
+  Returns:
+    fn(*args): the same pytree, dtypes and values.
+
+  Raises:
+    ValueError naming the leaf when an argument is not int32, a result not int32 or
+    bool, or a size not a power of two; naming the line of a select between two
+    constants; naming an `update` pair whose sides differ.
+  """
   leaves, in_tree = jax.tree_util.tree_flatten(args)
-  out = jax.eval_shape(fn, *args)
+  jaxpr, out = jax.make_jaxpr(fn, return_shape=True)(*args)
   out_leaves, out_tree = jax.tree_util.tree_flatten(out)
   for kind, tree, ls, ok in (("argument", in_tree, leaves, (jnp.int32,)),
                               ("result", out_tree, out_leaves, (jnp.int32, jnp.bool_))):
@@ -97,14 +108,13 @@ def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str =
         raise ValueError(f"one_program.run({name}): {kind} {path} is {dtype}"
                          f"{tuple(leaf.shape)}; every leaf must be int32 (a result may be "
                          "bool) of a power-of-two size")
-  bad = _constant_selects(jax.make_jaxpr(fn)(*args).jaxpr,
-                          lambda v: isinstance(v, jax_core.Literal))
+  bad = _constant_selects(jaxpr.jaxpr, lambda v: isinstance(v, jax_core.Literal))
   if bad:
     raise ValueError(f"one_program.run({name}): a select between two constants at "
                      f"{bad[0]} (the Triton lowering makes them i1: write the select as "
                      "arithmetic)")
   firsts = lambda tree: np.cumsum([0] + [t.num_leaves for t in tree.children()])
-  ins, outs = firsts(in_tree), firsts(out_tree)
+  in_first, out_first = firsts(in_tree), firsts(out_tree)
   pairs = []
   for a, r in update:
     if (jax.tree_util.tree_structure(args[a]) != jax.tree_util.tree_structure(out[r])
@@ -112,9 +122,9 @@ def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str =
             jax.tree_util.tree_leaves(args[a]), jax.tree_util.tree_leaves(out[r])))):
       raise ValueError(f"one_program.run({name}): update ({a}, {r}): argument {a} and "
                        f"result {r} differ in structure or shapes")
-    pairs += [(int(ins[a] + i), int(outs[r] + i)) for i in range(outs[r + 1] - outs[r])]
-  call = _OneProgram(name=name, p=_Fn(fn, in_tree, out_tree,
-                                      tuple(tuple(o.shape) for o in out_leaves),
+    pairs += [(int(in_first[a] + i), int(out_first[r] + i))
+              for i in range(out_first[r + 1] - out_first[r])]
+  call = _OneProgram(name=name, p=_Fn(fn, in_tree, tuple(tuple(o.shape) for o in out_leaves),
                                       tuple(pairs)),
                      num_warps=num_warps, interpret=interpret)
   outs = call.run(*leaves)
