@@ -6,7 +6,12 @@ device; `--driver host` launches the jitted `host_step`, one iteration per call,
 Python loop, as a host scheduler with a device-resident table would. The drivers make the
 same decisions because they run the same function.
 
-An iteration, on the scheduler's state (`Sched`: per request row and per prefix group):
+An iteration is the scheduler's decisions (`plan`, on the next requests in the queue and
+the scheduler's state `Sched`: per request row and per prefix group), then their table
+work. `plan` is elementwise operations and reductions over small vectors only, so where
+the pool's kernels are Triton (`Layout.plan_kernel`) it runs as one Triton program
+(pallas_kernels.one_program), else as XLA operations; the decisions are the same. Its
+parts:
   1. arrivals join the queue (request ids [head, arrived), in arrival order);
   2. up to `frees` finished rows leave the free-group queue (a ring, in finishing order);
   3. a prefill batch: rows still prefilling (in admission order) take their next chunk,
@@ -24,7 +29,8 @@ An iteration, on the scheduler's state (`Sched`: per request row and per prefix 
 
 The table work of an iteration (`_table_step`): the free group (`release_rows` of the
 finished rows and the evicted cache rows), the borrows, the extend or decode, and the
-hand-overs, through the request table (SPEC 11; `step_rows` for the three pool phases).
+hand-overs, through the request table (SPEC 11; `step_rows` for the three pool phases,
+`borrow_from_rows` for the borrows and hand-overs).
 Admission counts pages with the allocator's arithmetic, so no allocation may fail; every
 record carries the device's status (ok, free + released pages, a checksum of the slots)
 for the driver to compare with the scheduler's count.
