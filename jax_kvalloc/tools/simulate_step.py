@@ -6,7 +6,12 @@ device; `--driver host` launches the jitted `host_step`, one iteration per call,
 Python loop, as a host scheduler with a device-resident table would. The drivers make the
 same decisions because they run the same function.
 
-An iteration, on the scheduler's state (`Sched`: per request row and per prefix group):
+An iteration is the scheduler's decisions (`plan`, on the next requests in the queue and
+the scheduler's state `Sched`: per request row and per prefix group), then their table
+work. `plan` is elementwise operations and reductions over small vectors only, so where
+the pool's kernels are Triton (`Layout.plan_kernel`) it runs as one Triton program
+(pallas_kernels.one_program), else as XLA operations; the decisions are the same. Its
+parts:
   1. arrivals join the queue (request ids [head, arrived), in arrival order);
   2. up to `frees` finished rows leave the free-group queue (a ring, in finishing order);
   3. a prefill batch: rows still prefilling (in admission order) take their next chunk,
@@ -24,7 +29,8 @@ An iteration, on the scheduler's state (`Sched`: per request row and per prefix 
 
 The table work of an iteration (`_table_step`): the free group (`release_rows` of the
 finished rows and the evicted cache rows), the borrows, the extend or decode, and the
-hand-overs, through the request table (SPEC 11; `step_rows` for the three pool phases).
+hand-overs, through the request table (SPEC 11; `step_rows` for the three pool phases,
+`borrow_from_rows` for the borrows and hand-overs).
 Admission counts pages with the allocator's arithmetic, so no allocation may fail; every
 record carries the device's status (ok, free + released pages, a checksum of the slots)
 for the driver to compare with the scheduler's count.
@@ -178,6 +184,7 @@ class Plan(NamedTuple):
   ext_rows: Array      # i32[B] rows to extend, in batch order
   ext_n: Array         # i32[B] tokens each
   num_ext: Array
+  ext_tokens: Array    # i32[] tokens extended (ext_n over the first num_ext)
   dec_rows: Array      # i32[R] rows to decode
   num_dec: Array
   ins_rows: Array      # i32[R] rows whose prefix pages go to the cache after the step
@@ -286,21 +293,23 @@ class Queue(NamedTuple):
 
 
 def queue(lay: Layout, wl: Workload, c: Sched) -> Queue:
-  """The Queue at the scheduler's head and clock (arrivals are non-decreasing)."""
-  n = wl.arrival.shape[0]
+  """The Queue at the scheduler's head and clock (arrivals are non-decreasing); wl's
+  per-request arrays are one_program.Gather (read by index only)."""
+  n = wl.arrival.source.shape[0]
   idx = c.head + jnp.arange(lay.batch, dtype=i32)
-  at = jnp.minimum(idx, n - 1)
-  arrived = (idx < n) & (jnp.take(wl.arrival, at) <= c.clock)
-  return Queue(jnp.sum(arrived).astype(i32), wl.arrival[jnp.minimum(c.head, n - 1)],
-               jnp.take(wl.group, at), jnp.take(wl.prompt, at), jnp.take(wl.output, at))
+  arrived = (idx < n) & (wl.arrival.take(idx) <= c.clock)
+  return Queue(jnp.sum(arrived.astype(i32)), wl.arrival.take(c.head), wl.group.take(idx),
+               wl.prompt.take(idx), wl.output.take(idx))
 
 
-def plan(lay: Layout, n_req: int, q: Queue, prefix_len: Array, max_steps: Array,
-         c: Sched) -> Tuple[Sched, Plan, dict]:
+def plan(lay: Layout, wl: Workload, c: Sched) -> Tuple[Sched, Plan, dict]:
   """The scheduler's decisions of one iteration (the module docstring's parts 1-5):
   (the next Sched, the table work as a Plan, {record column: i32[]} for every column but
-  the device's status: ok, device_pages, checksum, swa_device_pages). Elementwise
-  operations and reductions only (see the helpers above)."""
+  the device's status: ok, device_pages, checksum, swa_device_pages). wl's per-request
+  arrays are one_program.Gather. Elementwise operations, reductions and those gathers
+  only (see the helpers above)."""
+  n_req, q = wl.arrival.source.shape[0], queue(lay, wl, c)
+  prefix_len, max_steps = wl.prefix_len, wl.max_steps
   ps, r_, g_, b_, t_, f_ = (lay.acfg.page_size, lay.rows, lay.groups, lay.batch,
                             lay.tokens, lay.frees)
   swa = lay.swa is not None
@@ -485,7 +494,7 @@ def plan(lay: Layout, n_req: int, q: Queue, prefix_len: Array, max_steps: Array,
       borrow_rows=adm_rows, borrow_src=r_ + gc,
       borrow_pages=jnp.where(hit, _div(pre0, ps), 0), num_borrow=k,
       ext_rows=jnp.where(p < n_batch, brow, 0), ext_n=chunk,
-      num_ext=jnp.where(is_pre, n_batch, 0),
+      num_ext=jnp.where(is_pre, n_batch, 0), ext_tokens=jnp.sum(chunk),
       dec_rows=_compact(rows, dec), num_dec=jnp.where(is_dec, n_dec, 0),
       ins_rows=_at(ins_at, b_, brow), ins_dst=_at(ins_at, b_, r_ + group_b),
       ins_pages=_at(ins_at, b_, _div(aligned, ps)), num_ins=jnp.sum(ins.astype(i32)),
@@ -519,12 +528,14 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   ran (an idle iteration, or the run is over: `stopped`), and then nothing changed but
   the clock (or the error flag).
   """
-  args = (queue(lay, wl, carry.sched), wl.prefix_len, wl.max_steps, carry.sched)
-  decide = functools.partial(plan, lay, wl.arrival.shape[0])
+  gather = one_program.Gather
+  args = (wl._replace(arrival=gather(wl.arrival), group=gather(wl.group),
+                      prompt=gather(wl.prompt), output=gather(wl.output)), carry.sched)
+  decide = functools.partial(plan, lay)
   if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program)
     sched, work, tally = one_program.run(
         decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan",
-        num_warps=PLAN_WARPS, update=((3, 0),))
+        num_warps=PLAN_WARPS, update=((1, 0),))
   else:
     sched, work, tally = decide(*args)
   with jax.named_scope("table"):
@@ -536,11 +547,13 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   return Carry(state, table, sched), rec
 
 
-def checksum(slots: Array, count: Array) -> Array:
-  """i32[]: sum of (i + 1) * slots[i] over the first `count` slots, wrapping."""
-  i = jnp.arange(slots.shape[0], dtype=jnp.uint32)
-  s = jnp.where(i < count.astype(jnp.uint32), slots.astype(jnp.uint32), 0)
-  return jnp.sum((i + 1) * s, dtype=jnp.uint32).astype(i32)
+def checksum(*parts: Tuple[Array, Array]) -> Array:
+  """i32[]: over each (slots, count), the sum of (i + 1) * slots[i] over its first count
+  slots, wrapping (one reduction over all the parts)."""
+  i = jnp.concatenate([jnp.arange(s.shape[0], dtype=jnp.uint32) for s, _ in parts])
+  n = jnp.concatenate([jnp.full(s.shape, c, jnp.uint32) for s, c in parts])
+  s = jnp.concatenate([s.astype(jnp.uint32) for s, _ in parts])
+  return jnp.sum(jnp.where(i < n, (i + 1) * s, 0), dtype=jnp.uint32).astype(i32)
 
 
 def _pools(state):
@@ -619,10 +632,9 @@ def _table_step(lay: Layout, state, table, p: Plan):
       state, table, slots_d, ok_d = tbl.decode_rows(cfg, state, table, p.dec_rows,
                                                     num_rows=p.num_dec)
     ok = ok & ok_d
-  count_e = jnp.sum(jnp.where(jnp.arange(lay.batch) < p.num_ext, p.ext_n, 0))
   status = [ok.astype(i32)] + [st.available_size(c, s) // ps for c, s in zip(
       (cfg.full, cfg.swa) if swa else (cfg,), _pools(state))]
-  status.insert(2, checksum(slots_e, count_e) + checksum(slots_d, p.num_dec))
+  status.insert(2, checksum((slots_e, p.ext_tokens), (slots_d, p.num_dec)))
   return state, table, jnp.stack(status)
 
 
