@@ -212,6 +212,16 @@ def test_one_program_runs_a_function_whole():
   with pytest.raises(ValueError, match=r"two constants at .*test_pallas_lowering"):
     one_program.run(lambda s: jnp.where(s > 0, 3, 0), args[1][1], interpret=True)
   one_program.run(lambda s: jnp.where(s > 0, s, 0), args[1][1], interpret=True)
+  # A Gather argument (any length) is read by index only, clipped into it.
+  table = jnp.asarray(rng.integers(-50, 50, 600), jnp.int32)
+  pick = lambda t, head: t.take(head + jnp.arange(8, dtype=jnp.int32)) * 2
+  for head in (0, 300, 596):
+    got = one_program.run(pick, one_program.Gather(table), jnp.int32(head), interpret=True)
+    np.testing.assert_array_equal(got, table[np.minimum(head + np.arange(8), 599)] * 2)
+  exported = lowering_check.export_for(
+      "h200", lambda t, h: one_program.run(pick, one_program.Gather(t), h), table,
+      jnp.int32(0))
+  assert _targets(exported) == [TRITON]
   # update=((0, 0),): the result is written over the argument's buffers.
   step = lambda pair: ((pair[0] + 1, pair[1] * 2), pair[0])  # (new pair, old first)
   exported = lowering_check.export_for(
