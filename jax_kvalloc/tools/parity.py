@@ -72,8 +72,10 @@ class Stats:
     if rec["op"].startswith("alloc"):
       failed = rec.get("result", []) is None
       self.failed_allocs += failed
-      self.emptied += not failed and bool(prev.get("free_pages")) and rec.get("free_pages") == []
-      self.shortfall_merges += bool(prev.get("release_pages")) and not rec.get("release_pages")
+      self.emptied += (not failed and bool(prev.get("free_pages"))
+                       and rec.get("free_pages") == [])
+      self.shortfall_merges += (bool(prev.get("release_pages"))
+                                and not rec.get("release_pages"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -442,10 +442,9 @@ def plan_kernel(cfg: SimConfig) -> str:
   kernels are Triton (or in its interpreter, with theirs) and its vectors have
   power-of-two sizes (--num-prefixes, --max-frees); else "" (XLA operations)."""
   base, interpret = kernels.family(kernels.resolve(cfg.kernel))
-  if not cfg.plan_kernel:
-    return ""
-  pow2 = all(n & (n - 1) == 0 for n in (max(cfg.num_prefixes, 1), cfg.max_frees))
-  return (base + "_interpret" * interpret) if base == "triton" and pow2 else ""
+  pow2 = all(bucket(n, 1) == n for n in (max(cfg.num_prefixes, 1), cfg.max_frees))
+  use = cfg.plan_kernel and base == "triton" and pow2
+  return base + "_interpret" * interpret if use else ""
 
 
 def prepare(cfg: SimConfig, wl: Workload, page_size: int,
