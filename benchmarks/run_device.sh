@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The device runner (from the repository root): runs the named steps one after the other
-# into one result folder, benchmarks/results/<YYYY-MM-DD>-<machine>-<NAME>/ (machine: h200,
-# h200x2, cpu, ...; NAME: letters, digits, '-'), holding <step>.json (the step's record),
-# <step>.log (its output) and manifest.json (jax_kvalloc.tools.bench.manifest). With $OUT
-# set (the device tool) the folder is also packed into $OUT/<folder>.tgz (unpack: tar xzf
-# <folder>.tgz -C benchmarks/results). Then `jax-kvalloc report --write` regenerates the
-# tables that cite result folders.
+# into benchmarks/results/<YYYY-MM-DD>-<machine>-<NAME>/ (machine: h200, h200x2, cpu, ...;
+# NAME: letters, digits, '-'): <step>.json (the step's record), <step>.log (its output)
+# and manifest.json (jax_kvalloc.tools.bench.manifest). With $OUT set (the device tool)
+# the folder is also packed into $OUT/<folder>.tgz (tar xzf it -C benchmarks/results).
+# Then `jax-kvalloc report --write` regenerates the tables that cite result folders.
 #
 #   bash benchmarks/run_device.sh NAME STEP [STEP ...]
 #   bash benchmarks/run_device.sh --list                    # the steps and their commands
 #   bash benchmarks/run_device.sh --dry-run NAME STEP ...   # print the commands only
+#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh a decode extend &   # two GPUs
+#   CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh b gpu-tests serving; wait
 #
 # Environment:
 #   SGLANG_KERNELS  SGLang's sglang/kernels/ops/memory/allocator.py from the sglang wheel
@@ -20,20 +21,10 @@
 #   SGLJAX          sglang-jax's folder for the class step (default: left out)
 #   COMMIT          the tree's commit, where the device copy has no .git
 #   PYTHON          interpreter (default python3)
-#   ARGS_<STEP>     extra arguments of one step, last ('-' as '_': ARGS_extend="--extend-cases
-#                   1x8192,16x8192")
+#   ARGS_<STEP>     extra arguments of one step, last ('-' as '_': ARGS_free_methods=...)
 #   TIMEOUT_<STEP>  its time limit in seconds (defaults below)
 #   BUDGET          seconds for all steps (default 560); a step gets at most what is left
 #                   and one with under 20 s left is skipped (its manifest entry says so)
-#
-# Two GPUs: two runners at once, one per GPU, each with its own NAME:
-#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh a decode extend &
-#   CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh b gpu-tests serving; wait
-# The ownership record's cost (issue 32; guard on vs guard=False, same run):
-#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_device.sh guard-a guard-decode guard-extend \
-#     guard-free & CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_device.sh guard-b guard-table \
-#     guard-simulate; wait
-#   (and the classes' calls: guard-class guard-swa)
 set -uf   # -f: no globbing of the commands (jnp[free=sort])
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
@@ -94,11 +85,10 @@ STEPLOG=$(mktemp)
 [ "$DRY" = 1 ] || mkdir -p "$DIR"
 
 for name in "$@"; do   # one command per step, under its time limit, output to <step>.log
-  line=$(echo "$STEPS" | grep "^$name|")
-  limit=$(echo "$line" | cut -d'|' -f2)
+  IFS='|' read -r _ limit cmd <<< "$(echo "$STEPS" | grep "^$name|")"
   var=${name//-/_}; extra="ARGS_$var"; tvar="TIMEOUT_$var"
   limit=${!tvar:-$limit}
-  cmd="$(eval echo "\"$(echo "$line" | cut -d'|' -f3-)\"") ${!extra:-}"
+  cmd="$(eval echo "\"$cmd\"") ${!extra:-}"
   left=$((BUDGET - SECONDS))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$DRY" = 1 ]; then echo "timeout $limit $cmd"; continue; fi

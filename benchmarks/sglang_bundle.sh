@@ -4,15 +4,12 @@
 #
 #   bash benchmarks/sglang_bundle.sh [DEST] [PYVER]      # defaults: .sglang_py312 3.12
 #
-# DEST holds (1) the .py files of the sglang 0.5.23 wheel for PYVER listed in
-# benchmarks/sglang_bundle_files.txt (see FILES below), (2) the manylinux x86_64 wheels
-# for PYVER of the packages those imports need, unpacked and trimmed (see the trims
-# below; about 38 MB unpacked, 10 MB as .tgz), and (3) VERSION:
-# the wheels' names and sha256. torch, numpy, triton, typing_extensions, filelock, sympy
-# are left to the target image. Use it by APPENDING DEST to sys.path
-# (jax_kvalloc/tools/sglang_oracle.py's `use_bundle`), so the image's own packages win.
-# Needs a pip that reaches the package index (any Python version: --python-version picks
-# the target's wheels) and python3.
+# DEST holds the .py files of the sglang wheel for PYVER listed in FILES, the manylinux
+# x86_64 wheels for PYVER of the packages those imports need, unpacked and trimmed (about
+# 38 MB), and VERSION: the wheels' names and sha256. torch, numpy, triton and their
+# dependencies are left to the target image. APPEND DEST to sys.path
+# (sglang_oracle.use_bundle), so the image's own packages win. Needs python3 and a pip
+# that reaches the package index (any Python: --python-version picks the wheels).
 set -euo pipefail
 DEST=${1:-.sglang_py312}
 PYVER=${2:-3.12}
@@ -33,14 +30,11 @@ FILES="$(dirname "$0")/sglang_bundle_files.txt"
 
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-PLAT=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
-      --platform manylinux_2_24_x86_64 --platform manylinux_2_26_x86_64
-      --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64)
+GET=("$PIP" download -q --no-deps --only-binary=:all: --python-version "$PYVER")
+for p in 2014 _2_17 _2_24 _2_26 _2_27 _2_28; do GET+=(--platform "manylinux${p}_x86_64"); done
 # sglang's wheel is tagged manylinux_2_34; only its .py files are used.
-"$PIP" download -q --no-deps --only-binary=:all: --python-version "$PYVER" "${PLAT[@]}" \
-  --platform manylinux_2_34_x86_64 -d "$WORK/sglang" "$SGLANG"
-"$PIP" download -q --no-deps --only-binary=:all: --python-version "$PYVER" "${PLAT[@]}" \
-  -d "$WORK/deps" "${DEPS[@]}"
+"${GET[@]}" --platform manylinux_2_34_x86_64 -d "$WORK/sglang" "$SGLANG"
+"${GET[@]}" -d "$WORK/deps" "${DEPS[@]}"
 
 rm -rf "$DEST"
 mkdir -p "$DEST"
@@ -56,7 +50,6 @@ tag = "cp" + pyver.replace(".", "")
 SOURCES = (".c", ".pyx", ".pxd", ".pyi", ".h", ".cpp")
 PIL_LIBS = ("libtiff", "libjpeg", "libopenjp2", "libxcb", "libXau", "libzstd", "liblzma")
 SPEEDUPS = ("aiohttp/", "multidict/", "propcache/", "frozenlist/", "yarl/")
-lines = []
 
 def sha(p):
   return hashlib.sha256(p.read_bytes()).hexdigest()
@@ -78,17 +71,14 @@ def skip(name):
 with zipfile.ZipFile(whl) as z:
   missing = keep - set(z.namelist())
   assert not missing, f"not in {whl.name}: {sorted(missing)}"
-  for n in sorted(keep):
-    z.extract(n, dest)
-lines.append(f"{whl.name} {sha(whl)} ({len(keep)} .py files)")
+  z.extractall(dest, sorted(keep))
+lines = [f"{whl.name} {sha(whl)} ({len(keep)} .py files)"]
 for w in sorted((work / "deps").glob("*.whl")):
   wtags = w.name[:-4].split("-")[-3:]
   if wtags[2] != "any":
     assert (wtags[0] == tag or wtags[1] == "abi3") and "x86_64" in wtags[2], w.name
   with zipfile.ZipFile(w) as z:
-    for n in z.namelist():
-      if not skip(n):
-        z.extract(n, dest)
+    z.extractall(dest, [n for n in z.namelist() if not skip(n)])
   lines.append(f"{w.name} {sha(w)}")
 (dest / "VERSION").write_text("\n".join(lines) + "\n")
 EOF

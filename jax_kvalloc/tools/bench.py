@@ -3,51 +3,33 @@
     jax-kvalloc bench kernels --ops decode --impls pallas,jnp,sglang --json decode.json
     jax-kvalloc report decode.json        # its tables again, from the file
 
-Suites (SUITES): kernels, serving, table, class, swa, ranks, processes, simulate;
-`jax-kvalloc bench SUITE --help` says what each times and against what.
-
-A case
-------
-A suite (`Suite`) is data: its columns (`impls`), its options (`dims`) and
-`cases(opts) -> [Case]`. A `Case` is one cell of the suite's table:
+A suite (`Suite`, one line in SUITES) is data: its columns (`impls`), its options (`dims`,
+each a `Dim("--name", default, "help")`, `opts.name` in `cases`) and `cases(opts) ->
+[Case]`. A `Case` is one cell of the suite's table:
 
     Case(row={"op": "decode", "bs": 64}, impl="sglang", setup=lambda: graph(fn))
 
 `setup()` runs when the case does (imports, allocations, the first call) and returns a
-`Timed`: the timed work, every output consumed, and optionally `output`, a function
-returning what the call produced. Every output of a row must be equal (the first
-column's is the reference: put the plain jnp path or the model first), else the cell
-reads "MISMATCH". What a case is compared against is another column of the same row:
-SGLang's released kernels and classes, sglang-jax's allocator (loaded by path from
-../shared/anchors/sgljax), torch_ref, the jnp path. Ready-made Timed:
+`Timed`: the timed work, every output consumed, and optionally `output()`, what the call
+produced. Every output of a row must equal the first column's (put the plain jnp path or
+the model first), else the cell reads "MISMATCH". What a case is compared against is
+another column of the same row (SGLang's released kernels and classes, sglang-jax's
+allocator loaded by path, torch_ref, the jnp path). Ready-made Timed: `chained(call,
+carry, inputs)` (device time per call, calls chained inside one jit: timing.chain_time),
+`host(fn, sync)` (host time per call, back to back), `per_call(fn, before, sync)` (each
+call alone), `graph(fn)` (replays of a torch CUDA graph), or `Timed(measure)`:
+measure(opts) -> the cell's dict. `setup` raises Skip("why") when an implementation
+cannot run here (no GPU, SGLang not installed): the record keeps the reason.
 
-    chained(call, carry, inputs)   device time per call, calls chained inside one jit
-                                   (timing.chain_time: outputs linked into the next call)
-    host(fn, sync)                 host time per call, calls back to back (timing.host_time)
-    per_call(fn, before, sync)     each call timed alone (timing.per_call)
-    graph(fn)                      replays of a torch CUDA graph (timing.torch_graph_time)
-    Timed(measure)                 anything else: measure(opts) -> the cell's dict
-
-`setup` raises Skip("why") when an implementation cannot run here (no GPU, SGLang not
-installed): the record keeps the reason, the other columns run.
-
-Adding a case, a column or a dimension
---------------------------------------
-- a case: one more `Case` from the suite's `cases` (a new size: its default `Dim` value);
-- a column: a name in the suite's `impls` and a branch (or dict entry) that builds its
-  Timed; a column may carry arguments, `jnp[guard=False]` (`parse_impl`);
-- the ownership record (SPEC 14): a suite naming its `guarded` columns (those that take
-  `[guard=False]`) gets `--guard on,off`, which runs each of them as X and X[guard=False]
-  side by side in every row (`guard_impls`); any run with both prints a table of the
-  record's cost (`guard_cost`), checked against the suite's `guard_target`;
-- a dimension: `Dim("--name", default, "help")` in the suite's `dims` (it becomes an
-  option, `opts.name` in `cases`), e.g. the SWA suite's `--window-free 16,256`;
-- a suite: a module defining a `Suite` and one line in SUITES.
+A column may carry arguments, `jnp[guard=False]` (`parse_impl`). A suite naming its
+`guarded` columns gets `--guard on,off`: each such column X runs as X and X[guard=False]
+side by side (`guard_impls`), and the table of the ownership record's cost (SPEC 14,
+`guard_cost`) is checked against the suite's `guard_target`.
 
 Every run writes, after each case, a record (`--json`): {"suite", "env", "settings",
 "rows": [{row fields..., "cells": {impl: cell}}], "skipped": {impl: why}}; a cell holds
 us figures ("us" the median, "q1_us"/"q3_us" the quartiles, "min_us", "spread") or
-"error". `Suite.compare` pairs name (ours, theirs) columns whose verdict the table shows:
+"error". `Suite.compare` pairs (ours, theirs) columns whose verdict the table shows:
 faster or slower only where the quartile ranges do not overlap (report.verdict).
 """
 from __future__ import annotations
@@ -59,6 +41,7 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import pathlib
 import platform
 import re
 import subprocess
@@ -82,8 +65,10 @@ SUITES = {  # name -> "module:attribute" of its Suite
     "processes": "jax_kvalloc.tools.bench_ranks:PROCESSES",
     "simulate": "jax_kvalloc.tools.bench_simulate:SUITE",
 }
-QUICK = {"reps": 3, "min_time": 0.005, "unroll": 4}
-DEVICE = {"reps": (5, 5), "min_time": (0.05, 0.02), "unroll": (32, 8)}  # (GPU/TPU, CPU)
+# Every suite's timing options: (type, minimum, help, (GPU/TPU, CPU) default, --quick value).
+TIMING = {"reps": (int, 1, "repetitions per figure (its median, quartiles)", (5, 5), 3),
+          "min_time": (float, 0.0, "seconds per timed run", (0.05, 0.02), 0.005),
+          "unroll": (int, 1, "chained calls per loop iteration", (32, 8), 4)}
 
 
 class Skip(Exception):
@@ -306,18 +291,23 @@ def mismatches(record: Dict[str, Any]) -> List[str]:
           for i, c in r["cells"].items() if c.get("check", "ok") != "ok"]
 
 
+def fmt_cell(c: Dict[str, Any], prefix: str = "") -> str:
+  """A cell's `{prefix}us` figure as `median [q1, q3]` (the median alone without
+  quartiles)."""
+  f, q = report.fmt_us, prefix + "q1_us"
+  return f(c.get(prefix + "us")) + (f" [{f(c[q])}, {f(c[prefix + 'q3_us'])}]" if q in c else "")
+
+
 def table(record: Dict[str, Any], suite: Optional[Suite] = None) -> str:
   """The record as a markdown table: a row per row, `median [q1, q3]` us per column, a
   verdict column per `compare` pair; then the skipped columns, errors and mismatches."""
-  impls = list(suite.impls if suite else ())
-  impls = list(dict.fromkeys(impls + [i for r in record["rows"] for i in r["cells"]]))
-  impls = [i for i in impls if any(i in r["cells"] for r in record["rows"])]
+  order = list(suite.impls if suite else ())
+  present = dict.fromkeys(i for r in record["rows"] for i in r["cells"])
+  impls = sorted(present, key=lambda i: order.index(i) if i in order else len(order))
   pairs = [(a, b) for a, b in (suite.compare if suite else ()) if a in impls and b in impls]
-  f = report.fmt_us
-  show = lambda c: ("-" if c is None else "error" if "error" in c else f(c.get("us"))
-                    if "q1_us" not in c else f"{f(c['us'])} [{f(c['q1_us'])}, {f(c['q3_us'])}]")
   ok = lambda c: c is not None and "error" not in c
-  body = [[label(r)] + [show(r["cells"].get(i)) for i in impls] + [
+  cell_text = lambda c: "-" if c is None else "error" if "error" in c else fmt_cell(c)
+  body = [[label(r)] + [cell_text(r["cells"].get(i)) for i in impls] + [
       report.verdict(report.iqr(r["cells"][a]), report.iqr(r["cells"][b]))
       if ok(r["cells"].get(a)) and ok(r["cells"].get(b)) else "-" for a, b in pairs]
           for r in record["rows"]]
@@ -380,11 +370,8 @@ def guard_cost(record: Dict[str, Any], target=None) -> str:
   record costs time beyond the noise) and, where target(row, X) gives (limit, "%" or
   "us"), whether the cost is within it ("over (tie)": above it, but the quartile ranges
   overlap). "" without pairs."""
-  pairs = guard_pairs(dict.fromkeys(i for r in record["rows"] for i in r["cells"]))
-  f, body = report.fmt_us, []
-  show = lambda c, p: f(c[p + "us"]) + (f" [{f(c[p + 'q1_us'])}, {f(c[p + 'q3_us'])}]"
-                                         if p + "q1_us" in c else "")
-  for on, off in pairs:
+  body = []
+  for on, off in guard_pairs(dict.fromkeys(i for r in record["rows"] for i in r["cells"])):
     for r in record["rows"]:
       a, b = r["cells"].get(on) or {}, r["cells"].get(off) or {}
       for p, name in GUARD_FIGURES.items():
@@ -400,7 +387,7 @@ def guard_cost(record: Dict[str, Any], target=None) -> str:
           bound = f"<= +{limit[0]:g}{' ' * (limit[1] == 'us')}{limit[1]}"
           within = ({"slower": "MISSED", "tie": "over (tie)"}.get(word, f"over ({word})")
                     if over else "met") + f" ({bound})"
-        body.append([label(r), on + name, show(a, p), show(b, p), report.fmt_ratio(ratio),
+        body.append([label(r), on + name, fmt_cell(a, p), fmt_cell(b, p), report.fmt_ratio(ratio),
                      f"{d:+.2f}", word, within])
   if not body:
     return ""
@@ -420,6 +407,10 @@ def _out(cmd: List[str]) -> Optional[str]:
                           check=True).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return None
+
+
+def _read(path: Optional[str]) -> Optional[str]:
+  return pathlib.Path(path).read_text() if path and os.path.exists(path) else None
 
 
 def gpus() -> List[Dict[str, str]]:
@@ -474,23 +465,16 @@ def manifest(directory: str, command: str, steps_tsv: Optional[str] = None,
   """A result folder's manifest.json: command, commit, date, machine, GPUs, driver, CPU,
   versions, the SGLang kernels file's sha256 and wheel, the runner's steps (name, exit,
   seconds, command), the folder's files; a field that cannot be read is null."""
-  g, cpus, sglang, steps = gpus(), [], None, []
-  if os.path.exists("/proc/cpuinfo"):
-    with open("/proc/cpuinfo") as f:
-      cpus = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+  g, sglang, steps = gpus(), None, []
+  cpus = [l.split(":", 1)[1].strip() for l in (_read("/proc/cpuinfo") or "").splitlines()
+          if l.startswith("model name")]
   if kernels and os.path.exists(kernels):
-    with open(kernels, "rb") as f:
-      sglang = {"wheel": None, "file": kernels, "sha256": hashlib.sha256(f.read()).hexdigest()}
-    wheel = os.path.join(os.path.dirname(kernels), "VERSION")
-    if os.path.exists(wheel):
-      with open(wheel) as f:
-        sglang["wheel"] = f.read().strip()
-  if steps_tsv and os.path.exists(steps_tsv):
-    with open(steps_tsv) as f:
-      for line in f:
-        name, rc, secs, cmd = line.rstrip("\n").split("\t", 3)
-        steps.append({"name": name, "exit": int(rc), "seconds": int(secs),
-                      "command": cmd.strip()})
+    wheel = _read(os.path.join(os.path.dirname(kernels), "VERSION"))
+    sglang = {"wheel": wheel and wheel.strip(), "file": kernels,
+              "sha256": hashlib.sha256(pathlib.Path(kernels).read_bytes()).hexdigest()}
+  for line in (_read(steps_tsv) or "").splitlines():
+    name, rc, secs, cmd = line.split("\t", 3)
+    steps.append({"name": name, "exit": int(rc), "seconds": int(secs), "command": cmd.strip()})
   return {"command": command, "commit": commit(),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "machine": machine_tag(), "gpus": len(g), "gpu": g[0]["name"] if g else None,
@@ -539,15 +523,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--impls", type=impl_list(suite.impls),
                    default=list(suite.default_impls or suite.impls),
                    help=f"columns to run, of {','.join(suite.impls)}")
-    for name_, kind, what in (("reps", int, "repetitions per figure (its median, quartiles)"),
-                              ("min_time", float, "seconds per timed run"),
-                              ("unroll", int, "chained calls per loop iteration")):
-      minimum = kind(name_ != "min_time")  # reps, unroll >= 1; min_time >= 0
-      accel, cpu = DEVICE[name_]
+    for name_, (kind, minimum, what, (accel, cpu), quick) in TIMING.items():
       default = defaults.get(name_, accel if accel == cpu else
                              f"{accel} on GPU/TPU, {cpu} on CPU")
       s.add_argument("--" + name_.replace("_", "-"), type=cli.positive(kind, minimum),
-                     help=f"{what} (default: {default}; --quick: {QUICK[name_]})")
+                     help=f"{what} (default: {default}; --quick: {quick})")
     if suite.guarded:
       s.add_argument("--guard", type=cli.name_list(("on", "off")), default=["on"],
                      help="the allocator columns' ownership record (SPEC 14): on (the "
@@ -566,16 +546,15 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
   """Fills the options left at None: their --quick value under --quick, else the
   suite's default, else the device's (more time per figure on a GPU/TPU)."""
   import jax  # pylint: disable=g-import-not-at-top
-  accel = jax.default_backend() != "cpu"
-  device = {name: v[0] if accel else v[1] for name, v in DEVICE.items()}
+  cpu = jax.default_backend() == "cpu"
   for d in opts.dims:
     name = d.flag[2:].replace("-", "_")
     if getattr(opts, name) is None:
       value = d.quick if opts.quick and d.quick is not None else d.default
       setattr(opts, name, d.type(value) if d.type and isinstance(value, str) else value)
-  for name, quick in QUICK.items():
+  for name, (_, _, _, device, quick) in TIMING.items():
     if getattr(opts, name) is None:
-      setattr(opts, name, quick if opts.quick else opts.suite_defaults.get(name, device[name]))
+      setattr(opts, name, quick if opts.quick else opts.suite_defaults.get(name, device[cpu]))
   guarded = vars(opts).pop("guarded", ())
   if guarded:
     opts.impls = guard_impls(opts.impls, opts.guard, guarded)

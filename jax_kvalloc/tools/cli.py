@@ -1,13 +1,11 @@
 """The `jax-kvalloc` command: one subcommand per tool, user errors in one line.
 
-A command is one line of COMMANDS: (name, module, help). The module defines
-`add_arguments(parser)` and `run(args) -> int` (the exit status); only the named
-command's module is imported. Its options take the types below (`int_list`,
-`name_list`, `positive`, `existing_file`), so that a bad value fails inside argparse,
-and a check that needs the run's context raises `UsageError(option, what is allowed)`.
-Either way the command prints one line, `jax-kvalloc CMD: error: --option: ...`, and exits
-with status 2; any other exception is an internal error and keeps its traceback.
-`Formatter` prints every option's default as a user would type it (`1,16,64`).
+A command is one line of COMMANDS: (name, module, help); the module defines
+`add_arguments(parser)` and `run(args) -> int` (the exit status) and is imported only
+when named. A bad option value fails inside argparse (the types below), a check that
+needs the run's context raises `UsageError(option, what is allowed)`: either way one
+line, `jax-kvalloc CMD: error: --option: ...`, and exit status 2; any other exception
+keeps its traceback.
 """
 from __future__ import annotations
 
@@ -70,7 +68,7 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _split(text: str) -> List[str]:
-  return [v for v in str(text).replace(" ", "").split(",") if v]
+  return list(filter(None, text.replace(" ", "").split(",")))
 
 
 def int_list(text: str) -> List[int]:

@@ -1,16 +1,10 @@
 """Several JAX processes on one machine, the way a pod runs one per host: for tests and
-benchmarks of ranks over processes (jax_kvalloc.multiprocess) on CPU.
-
-The parent picks a free port and starts `num_processes` commands, each under
-`timeout -s KILL` (JAX's preemption handler catches SIGTERM, so a stuck process would
-outlive a plain `timeout`) and with its own environment (no forced host-device count
-inherited from the caller: each child asks for its devices with `jax_num_cpu_devices`).
-Each child calls `start(...)` first: CPU devices, gloo collectives (used only outside
-the steps, e.g. to exchange hashes at the end), `jax.distributed.initialize` against
-the coordinator on process 0; and `jax.distributed.shutdown()` in a `finally`.
+benchmarks of ranks over processes (jax_kvalloc.multiprocess) on CPU. The parent runs
+the children (`run`, environment from `child_env`, port from `free_port`); each child
+calls `start(...)` before anything touches a JAX backend.
 
     results = run([[sys.executable, "worker.py", str(i), str(port)] for i in range(2)],
-                  deadline_s=120)   # port from free_port()
+                  deadline_s=120, env=child_env())
 """
 from __future__ import annotations
 
@@ -22,9 +16,6 @@ import subprocess
 import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
-# XLA_FLAGS entries a child must not inherit: the parent's forced device count.
-_INHERITED_FLAGS_DROPPED = ("--xla_force_host_platform_device_count",)
-
 
 def free_port() -> int:
   """A TCP port free on localhost now (the OS picks it)."""
@@ -35,11 +26,12 @@ def free_port() -> int:
 
 def child_env(extra_xla_flags: Sequence[str] = (),
               pythonpath: Sequence[str] = ()) -> Dict[str, str]:
-  """The environment of a child: the caller's, on CPU, without a forced device count,
-  with `extra_xla_flags` added and `pythonpath` in front of PYTHONPATH."""
+  """The environment of a child: the caller's, on CPU, without a forced device count
+  (each child asks for its devices in `start`), with `extra_xla_flags` added and
+  `pythonpath` in front of PYTHONPATH."""
   env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith(_INHERITED_FLAGS_DROPPED)]
+           if not f.startswith("--xla_force_host_platform_device_count")]
   env["XLA_FLAGS"] = " ".join(flags + list(extra_xla_flags))
   env["JAX_PLATFORMS"] = "cpu"
   if pythonpath:
@@ -59,9 +51,9 @@ class Result:
 
 def run(commands: Sequence[Sequence[str]], *, deadline_s: float,
         env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> List[Result]:
-  """Starts every command at once, each under `timeout -s KILL deadline_s`, and waits for
-  all. Never hangs: past the deadline (plus a grace second) the parent kills whatever
-  it started that still runs (by its process id)."""
+  """Starts every command at once, each under `timeout -s KILL deadline_s` (JAX's
+  preemption handler catches SIGTERM), and waits for all. Never hangs: past the deadline
+  (plus a grace) the parent kills whatever it started that still runs."""
   t0 = time.monotonic()
   procs = []
   try:
@@ -90,9 +82,9 @@ def run(commands: Sequence[Sequence[str]], *, deadline_s: float,
 def start(process_id: int, num_processes: int, port: int, devices_per_process: int,
           *, timeout_s: int = 60) -> Iterator[None]:
   """In a child, before anything touches a JAX backend: `devices_per_process` CPU
-  devices, gloo, and (num_processes > 1) jax.distributed against localhost:port, shut
-  down on the way out whatever happens. One process (num_processes == 1) skips the
-  distributed service, so the same worker gives a single-process reference run."""
+  devices, gloo collectives, and (num_processes > 1) jax.distributed against
+  localhost:port (process 0 the coordinator), shut down on the way out whatever
+  happens. One process skips the distributed service: a single-process reference run."""
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", devices_per_process)

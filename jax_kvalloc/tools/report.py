@@ -101,18 +101,15 @@ def pyplot():
 
 
 # ---------------------------------------------------------------------------------------
-# Generated blocks of BENCHMARKS.md and README.md (`jax-kvalloc report`)
+# Generated blocks of BENCHMARKS.md and README.md (`jax-kvalloc report`): everything
+# between a line `<!-- report: KIND ARG... -->` and the next `<!-- end report -->`, printed
+# from the result files the ARGs name (under benchmarks/results/) and citing them:
+#   bench FILE (or bench-swa FILE)  the tables `jax-kvalloc bench` printed for that record
+#   headline SPEC...   the bare kernel comparison and the in-step allocator share;
+#                      SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
+#   verdicts FILE...   the bare verdict of every (op, bs) the kernels files share, file by
+#                      file, and whether they agree (a re-run's check)
 # ---------------------------------------------------------------------------------------
-# A block is everything between a marker line `<!-- report: KIND ARG... -->` and the next
-# `<!-- end report -->`; KIND and ARGs say what to print from which result files (paths
-# relative to the repository root, under benchmarks/results/<run folder>/), and each
-# block ends by citing them. Prose outside the blocks is written by hand.
-#   bench FILE               the tables `jax-kvalloc bench` printed for that record
-#                            (bench-class, bench-swa: the same)
-#   headline SPEC...         the bare kernel comparison and the in-step allocator share;
-#                            SPEC: decode=FILE:BS,BS  extend=FILE:BS,BS  serving=FILE
-#   verdicts FILE...         the bare verdict of every (op, bs) the kernels files share,
-#                            file by file, and whether they agree (a re-run's check)
 
 _BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
                     re.S)
@@ -144,8 +141,7 @@ def _cite(paths: Sequence[str]) -> str:
 
 def _tables_block(root: str, paths: Sequence[str]) -> str:
   (path,) = paths
-  text = tables(load(path, root))
-  return "```\n" + text.rstrip("\n") + "\n```\n" + _cite(paths)
+  return "```\n" + tables(load(path, root)).rstrip("\n") + "\n```\n" + _cite(paths)
 
 
 def _run_name(path: str) -> str:
@@ -226,8 +222,7 @@ def _verdicts_block(root: str, paths: Sequence[str]) -> str:
           f"\n\n{agree} of {len(rows)} verdicts agree.\n\n" + _cite(paths))
 
 
-_KINDS = {"bench": _tables_block, "bench-class": _tables_block,
-          "bench-swa": _tables_block, "headline": _headline_block,
+_KINDS = {"bench": _tables_block, "bench-swa": _tables_block, "headline": _headline_block,
           "verdicts": _verdicts_block}
 
 

@@ -4,35 +4,32 @@ Device time per call, JAX: `chain_time(call, carry, inputs)` compiles ONE functi
 runs `unroll` chained calls `call(carry, inputs) -> (carry, outputs)` per iteration of a
 `fori_loop` with a traced trip count, times it at 1 and at n iterations (n grown until a
 run takes `min_time`) and reports the slope per call, median over repetitions. What keeps
-every call's work in the program, whatever XLA does (on CPU and GPU it expands
-optimization barriers before fusion, so a barrier alone does not keep calls apart):
+every call's work in the program (XLA expands optimization barriers before fusion on CPU
+and GPU, so a barrier alone does not keep calls apart):
 
-- The link: after each call every output array is reduced into one scalar `dep =
-  sum(min(max(output), 0))`: 0 at run time (outputs are slots, counts and flags, all
-  >= 0) but unknown to XLA, added to the next call's inputs and to the loop's sink. So
-  every output is consumed, the next call depends on it (nothing can be hoisted), and a
-  reduction separates consecutive calls (no two share a kernel). The link's cost is part
-  of every figure; torch pays its link in eager kernels (`torch_linked`), so linked
-  figures are never compared across sides: each kernel's own GPU time is (`kernel_time`).
+- The link: every output array is reduced into `dep = sum(min(max(output), 0))`, 0 at run
+  time (outputs are slots, counts and flags, all >= 0) but unknown to XLA, and added to
+  the next call's inputs and to the sink: every output is consumed, nothing is hoisted,
+  and a reduction separates consecutive calls. Its cost is part of every figure, so
+  linked figures are never compared with torch's (`torch_linked`); `kernel_time` is.
 - The carry, inputs and outputs pass `jax.lax.optimization_barrier` between calls (what
   keeps them apart on TPU, where barriers survive).
-- The fold (consumers >= 2, the default): every output is also XOR-folded into a
-  per-output sink, so that XLA writes it to memory, as a caller needs.
-- `consumers=3` adds one more consumer (every output summed): a figure that moves by more
-  than that consumer's own cost (timed on `stand_in` / `stand_in_pallas`, interleaved by
-  `chain_time_interleaved`) was not counting all of its work.
+- The fold (consumers >= 2, the default): every output is XOR-folded into a per-output
+  sink, so that XLA writes it to memory. `consumers=3` adds one more consumer (every
+  output summed): a figure that moves by more than that consumer's own cost (timed on
+  `stand_in` / `stand_in_pallas`) was not counting all of its work.
 
 `chain_loop(..., linked=False)` ("bare") is valid only for a call that is one custom
-call, which XLA runs whole; `kernel_time` reads its GPU time from `cuda_activities`.
-Host time: `host_time` (calls back to back), `per_call` (each call alone). torch:
-`torch_graph_time`, replays of a CUDA graph, with `chain_time`'s statistic.
+call; `kernel_time` reads its GPU time from `cuda_activities`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
+import json
+import os
 import re
 import statistics
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -66,11 +63,9 @@ def _as_bits(x: jax.Array) -> jax.Array:
 def link(outputs: Any) -> jax.Array:
   """i32[] sum over output arrays of min(max(output), 0): 0 for outputs >= 0, opaque to
   XLA, and a function of every element of every output."""
-  dep = jnp.zeros((), jnp.int32)
-  for x in jax.tree_util.tree_leaves(outputs):
-    x = _as_bits(x)
-    dep = dep + jnp.minimum(jnp.max(x) if x.ndim else x, 0)
-  return dep
+  leaves = map(_as_bits, jax.tree_util.tree_leaves(outputs))
+  return sum((jnp.minimum(jnp.max(x) if x.ndim else x, 0) for x in leaves),
+             jnp.zeros((), jnp.int32))
 
 
 def sink_init(call: Call, carry: Any, inputs: Any,
@@ -112,12 +107,9 @@ def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
       if consumers < 2:
         return carry, inputs, (total,)
       carry, inputs, outs = barrier((carry, inputs, outs))
-      folds = []
-      for acc, col in zip(sink[1], zip(*[jax.tree_util.tree_leaves(o) for o in outs])):
-        for x in col:
-          acc = acc ^ _as_bits(x)
-        folds.append(acc)
-      new = (total, tuple(folds))
+      columns = zip(*[jax.tree_util.tree_leaves(o) for o in outs])
+      new = (total, tuple(functools.reduce(lambda a, x: a ^ _as_bits(x), col, acc)
+                          for acc, col in zip(sink[1], columns)))
       if consumers >= 3:
         new += (sink[2] + sum(jnp.sum(_as_bits(x)) for o in outs
                               for x in jax.tree_util.tree_leaves(o)),)
@@ -167,15 +159,6 @@ def _result(ta, tb, n: int, unroll: int, compile_s: float) -> Dict[str, float]:
               min_s=(min(tb) - min(ta)) / per, iters=n, compile_s=compile_s)
 
 
-def _checked(res: Dict[str, float]) -> Dict[str, float]:
-  if res["s"] <= 0:
-    raise TimingError(
-        f"the run of {res['iters']} iterations was not slower than the run of 1 (median "
-        f"slope {res['s'] * 1e6:.3g} us): noise dominates this measurement; raise "
-        f"--min-time")
-  return res
-
-
 def _slopes(timers: List[Tuple[Callable[[int], float], float]], *, unroll: int,
             min_time: float, reps: int) -> List[Dict[str, float]]:
   """Seconds per call of each (timed(n) -> seconds of n iterations, compile seconds) in
@@ -192,11 +175,15 @@ def _slopes(timers: List[Tuple[Callable[[int], float], float]], *, unroll: int,
         tb.append(timed(n))
     results = [_result(ta, tb, n, unroll, c)
                for (_, c), n, (ta, tb) in zip(timers, ns, times)]
-    noisy = [i for i, r in enumerate(results) if r["s"] <= 0 and ns[i] < MAX_ITERS]
-    if not noisy:
-      return [_checked(r) for r in results]
-    for i in noisy:
-      ns[i] *= 4
+    for r in results:
+      if r["s"] <= 0 and r["iters"] >= MAX_ITERS:
+        raise TimingError(
+            f"the run of {r['iters']} iterations was not slower than the run of 1 (median "
+            f"slope {r['s'] * 1e6:.3g} us): noise dominates this measurement; raise "
+            f"--min-time")
+    if all(r["s"] > 0 for r in results):
+      return results
+    ns = [n * 4 if r["s"] <= 0 else n for n, r in zip(ns, results)]
 
 
 def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
@@ -244,18 +231,13 @@ def stand_in(out_shapes: Any) -> Call:
 STAND_IN_BLOCK = 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class _StandInParams:
-  sizes: Tuple[int, ...]    # each output's length (scalars as 1)
-  dtypes: Tuple[str, ...]
-
-
 def _stand_in_body(x_ref, *out_refs, p):
+  """p: ((length, dtype name), ...) per output, scalars as length 1."""
   from pallas_kernels import _util  # pylint: disable=g-import-not-at-top
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   v = x_ref[0]
   idx = pl.program_id(0) * STAND_IN_BLOCK + jnp.arange(STAND_IN_BLOCK, dtype=jnp.int32)
-  for ref, n, dtype in zip(out_refs, p.sizes, p.dtypes):
+  for ref, (n, dtype) in zip(out_refs, p):
     _util.store(ref, idx, (idx + v).astype(dtype), idx < n)
 
 
@@ -265,13 +247,12 @@ def stand_in_pallas(out_shapes: Any, interpret: bool = False) -> Call:
   +1 consumer check and of their floor column."""
   from pallas_kernels import _util  # pylint: disable=g-import-not-at-top
   leaves, treedef = jax.tree_util.tree_flatten(out_shapes)
-  p = _StandInParams(tuple(max(int(np.prod(o.shape)), 1) for o in leaves),
-                     tuple(jnp.dtype(o.dtype).name for o in leaves))
+  p = tuple((max(int(np.prod(o.shape)), 1), jnp.dtype(o.dtype).name) for o in leaves)
 
   class _Kernel(_util.TritonCall):
     def spec(self):
-      outs = tuple(jax.ShapeDtypeStruct((n,), d) for n, d in zip(p.sizes, p.dtypes))
-      return outs, _stand_in_body, (-(-max(p.sizes) // STAND_IN_BLOCK),)
+      outs = tuple(jax.ShapeDtypeStruct((n,), d) for n, d in p)
+      return outs, _stand_in_body, (-(-max(n for n, _ in p) // STAND_IN_BLOCK),)
 
   kernel = _Kernel("jax_kvalloc_bench_stand_in", p, 4, interpret)
 
@@ -345,20 +326,14 @@ def cuda_activities(run: Callable[[], Any]) -> list:
   """Every GPU activity (kernel, memcpy, memset) of `run()`, from CUPTI through
   torch.profiler (which records the whole process's launches, JAX's included), as
   (start us, duration us, category, name), by start. Needs torch with CUDA."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
   from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
     run()
-  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-    path = f.name
-  try:
+  with tempfile.TemporaryDirectory() as folder:
+    path = os.path.join(folder, "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
       return activities_of(json.load(f)["traceEvents"])
-  finally:
-    os.unlink(path)
 
 
 def activities_of(trace_events: list) -> list:
