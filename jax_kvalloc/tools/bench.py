@@ -338,11 +338,8 @@ def guard_impls(impls: Sequence[str], modes: Sequence[str],
     if base not in guarded or "guard" in kw:
       out.append(impl)
       continue
-    if "on" in modes:
-      out.append(impl)
-    if "off" in modes:
-      args = ",".join([f"{k}={v}" for k, v in kw.items()] + ["guard=False"])
-      out.append(f"{base}[{args}]")
+    off = f"{base}[{','.join([f'{k}={v}' for k, v in kw.items()] + ['guard=False'])}]"
+    out += [spec for spec, mode in ((impl, "on"), (off, "off")) if mode in modes]
   return list(dict.fromkeys(out))
 
 

@@ -38,11 +38,7 @@ def fmt_us(x: Any) -> str:
   if x is None or (isinstance(x, float) and math.isnan(x)):
     return "-"
   x = float(x)
-  if x < 10:
-    return f"{x:.2f}"
-  if x < 100:
-    return f"{x:.1f}"
-  return f"{x:.0f}"
+  return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
 def fmt_ratio(x: Any) -> str:
