@@ -14,12 +14,10 @@ each a `Dim("--name", default, "help")`, `opts.name` in `cases`) and `cases(opts
 produced. Every output of a row must equal the first column's (put the plain jnp path or
 the model first), else the cell reads "MISMATCH". What a case is compared against is
 another column of the same row (SGLang's released kernels and classes, sglang-jax's
-allocator loaded by path, torch_ref, the jnp path). Ready-made Timed: `chained(call,
-carry, inputs)` (device time per call, calls chained inside one jit: timing.chain_time),
-`host(fn, sync)` (host time per call, back to back), `per_call(fn, before, sync)` (each
-call alone), `graph(fn)` (replays of a torch CUDA graph), or `Timed(measure)`:
-measure(opts) -> the cell's dict. `setup` raises Skip("why") when an implementation
-cannot run here (no GPU, SGLang not installed): the record keeps the reason.
+allocator loaded by path, torch_ref, the jnp path). Ready-made Timed: `chained`, `host`,
+`per_call`, `graph`; else `Timed(measure)`, measure(opts) -> the cell's dict. `setup`
+raises Skip("why") where an implementation cannot run (no GPU, no SGLang): the record
+keeps the reason.
 
 A column may carry arguments, `jnp[guard=False]` (`parse_impl`). A suite naming its
 `guarded` columns gets `--guard on,off`: each such column X runs as X and X[guard=False]
@@ -127,12 +125,11 @@ def cell(t: Dict[str, float], prefix: str = "") -> Dict[str, float]:
   return out
 
 
-def chained(call, carry, inputs, *, output=None, **kw) -> Timed:
+def chained(call, carry, inputs, *, output=None) -> Timed:
   """Device time per call of `call(carry, inputs) -> (carry, outputs)` chained in one jit
-  (timing.chain_time; kw: consumers, linked)."""
+  (timing.chain_time)."""
   return Timed(lambda o: cell(timing.chain_time(call, carry, inputs, unroll=o.unroll,
-                                                min_time=o.min_time, reps=o.reps, **kw)),
-               output)
+                                                min_time=o.min_time, reps=o.reps)), output)
 
 
 def host(fn, sync=lambda: None, *, n=None, output=None) -> Timed:

@@ -118,11 +118,10 @@ def chain_loop(call: Call, unroll: int, consumers: int = DEFAULT_CONSUMERS,
   return run
 
 
-def _loop_timer(call: Call, carry: Any, inputs: Any, unroll: int,
-                consumers: int = DEFAULT_CONSUMERS, linked: bool = True):
+def _loop_timer(call: Call, carry: Any, inputs: Any, unroll: int, consumers: int):
   """(timed(n) -> seconds of one run of n iterations of the chain loop, compile
   seconds: the first run's)."""
-  run = chain_loop(call, unroll, consumers, linked)
+  run = chain_loop(call, unroll, consumers)
   sink = sink_init(call, carry, inputs, consumers)
   timed = lambda k: _wall(lambda: run(carry, inputs, sink, np.int32(k)))
   return timed, timed(1)
@@ -187,13 +186,12 @@ def _slopes(timers: List[Tuple[Callable[[int], float], float]], *, unroll: int,
 
 
 def chain_time(call: Call, carry: Any, inputs: Any, *, unroll: int, min_time: float,
-               reps: int, consumers: int = DEFAULT_CONSUMERS,
-               linked: bool = True) -> Dict[str, float]:
+               reps: int) -> Dict[str, float]:
   """Device seconds per call of `call(carry, inputs) -> (carry, outputs)` chained inside
   one jit (module docstring): {"s": median per-call slope, "min_s": the slope of the
   fastest run of each length, "spread": (max - min) / median, "q1_s", "q3_s", "iters",
   "compile_s"}. TimingError when noise outweighs the work even at MAX_ITERS."""
-  timer = _loop_timer(call, carry, inputs, unroll, consumers, linked)
+  timer = _loop_timer(call, carry, inputs, unroll, DEFAULT_CONSUMERS)
   return _slopes([timer], unroll=unroll, min_time=min_time, reps=reps)[0]
 
 
