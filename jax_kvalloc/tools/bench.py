@@ -289,10 +289,9 @@ def mismatches(record: Dict[str, Any]) -> List[str]:
 
 
 def fmt_cell(c: Dict[str, Any], prefix: str = "") -> str:
-  """A cell's `{prefix}us` figure as `median [q1, q3]` (the median alone without
-  quartiles)."""
-  f, q = report.fmt_us, prefix + "q1_us"
-  return f(c.get(prefix + "us")) + (f" [{f(c[q])}, {f(c[prefix + 'q3_us'])}]" if q in c else "")
+  """A cell's `{prefix}us` as `median [q1, q3]` (the median alone without quartiles)."""
+  f, q1, q3 = report.fmt_us, prefix + "q1_us", prefix + "q3_us"
+  return f(c.get(prefix + "us")) + (f" [{f(c[q1])}, {f(c[q3])}]" if q1 in c else "")
 
 
 def table(record: Dict[str, Any], suite: Optional[Suite] = None) -> str:
@@ -358,12 +357,10 @@ GUARD_FIGURES = {"": "", "bare_": " bare", "kernels_": " kernels"}  # prefix -> 
 
 
 def guard_cost(record: Dict[str, Any], target=None) -> str:
-  """The ownership record's cost per row, pair (X, X[guard=False]) and figure ("us";
-  "bare_us" and "kernels_us" where recorded): each side's median [q1, q3], their ratio,
-  the difference in us, the verdict of their quartiles (report.verdict: "slower" = the
-  record costs time beyond the noise) and, where target(row, X) gives (limit, "%" or
-  "us"), whether the cost is within it ("over (tie)": above it, but the quartile ranges
-  overlap). "" without pairs."""
+  """The ownership record's cost per row, (X, X[guard=False]) pair and figure (us, and
+  bare_us, kernels_us where recorded): both sides, ratio, difference, the verdict of
+  their quartiles and, where target(row, X) gives (limit, "%" or "us"), "met", "MISSED"
+  or "over (tie)" (above the limit within the noise). "" without pairs."""
   body = []
   for on, off in guard_pairs(dict.fromkeys(i for r in record["rows"] for i in r["cells"])):
     for r in record["rows"]:
@@ -381,8 +378,8 @@ def guard_cost(record: Dict[str, Any], target=None) -> str:
           bound = f"<= +{limit[0]:g}{' ' * (limit[1] == 'us')}{limit[1]}"
           within = ({"slower": "MISSED", "tie": "over (tie)"}.get(word, f"over ({word})")
                     if over else "met") + f" ({bound})"
-        body.append([label(r), on + name, fmt_cell(a, p), fmt_cell(b, p), report.fmt_ratio(ratio),
-                     f"{d:+.2f}", word, within])
+        body.append([label(r), on + name, fmt_cell(a, p), fmt_cell(b, p),
+                     report.fmt_ratio(ratio), f"{d:+.2f}", word, within])
   if not body:
     return ""
   return ("the ownership record's cost (SPEC 14): each column with the record and with "
@@ -537,8 +534,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(opts: argparse.Namespace) -> argparse.Namespace:
-  """Fills the options left at None: their --quick value under --quick, else the
-  suite's default, else the device's (more time per figure on a GPU/TPU)."""
+  """Fills the options left at None: their --quick value under --quick, else the suite's
+  default, else the device's (TIMING)."""
   import jax  # pylint: disable=g-import-not-at-top
   cpu = jax.default_backend() == "cpu"
   for d in opts.dims:

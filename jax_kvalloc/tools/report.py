@@ -20,9 +20,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *,
   by default the first column is left-aligned and the others right-aligned."""
   cells = [[str(h) for h in header]] + [["" if c is None else str(c) for c in r]
                                          for r in rows]
-  ncol = len(header)
-  align = align or "l" + "r" * (ncol - 1)
-  width = [max(len(r[i]) for r in cells) for i in range(ncol)]
+  align = align or "l" + "r" * (len(header) - 1)
+  width = [max(map(len, column)) for column in zip(*cells)]
 
   def fmt(r):
     return "| " + " | ".join(c.ljust(w) if a == "l" else c.rjust(w)

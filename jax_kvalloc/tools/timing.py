@@ -3,24 +3,16 @@
 Device time per call, JAX: `chain_time(call, carry, inputs)` compiles ONE function that
 runs `unroll` chained calls `call(carry, inputs) -> (carry, outputs)` per iteration of a
 `fori_loop` with a traced trip count, times it at 1 and at n iterations (n grown until a
-run takes `min_time`) and reports the slope per call, median over repetitions. What keeps
-every call's work in the program (XLA expands optimization barriers before fusion on CPU
-and GPU, so a barrier alone does not keep calls apart):
-
-- The link: every output array is reduced into `dep = sum(min(max(output), 0))`, 0 at run
-  time (outputs are slots, counts and flags, all >= 0) but unknown to XLA, and added to
-  the next call's inputs and to the sink: every output is consumed, nothing is hoisted,
-  and a reduction separates consecutive calls. Its cost is part of every figure, so
-  linked figures are never compared with torch's (`torch_linked`); `kernel_time` is.
-- The carry, inputs and outputs pass `jax.lax.optimization_barrier` between calls (what
-  keeps them apart on TPU, where barriers survive).
-- The fold (consumers >= 2, the default): every output is XOR-folded into a per-output
-  sink, so that XLA writes it to memory. `consumers=3` adds one more consumer (every
-  output summed): a figure that moves by more than that consumer's own cost (timed on
-  `stand_in` / `stand_in_pallas`) was not counting all of its work.
-
-`chain_loop(..., linked=False)` ("bare") is valid only for a call that is one custom
-call; `kernel_time` reads its GPU time from `cuda_activities`.
+run takes `min_time`) and reports the slope per call, median over repetitions. Every
+call's work stays in the program (BENCHMARKS.md, "How the numbers are taken"): each
+call's outputs are linked into the next call's inputs (`link`: 0 for outputs >= 0, as
+slots, counts and flags are, but opaque to XLA), calls are kept apart by
+`optimization_barrier`s, and with consumers >= 2 (the default) every output is
+XOR-folded into a sink; `consumers=3` adds a sum of every output (the +1 consumer
+check, net of its own cost on `stand_in` / `stand_in_pallas`). The link is part of
+every figure, so linked figures are never compared with torch's (`torch_linked`); bare
+ones are (`chain_loop(..., linked=False)`, valid only for a call that is one custom
+call, timed by `kernel_time` from `cuda_activities`).
 """
 from __future__ import annotations
 
