@@ -61,7 +61,7 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
     text = action.help or ""
     d = action.default
     if (d is None or d is False or d is argparse.SUPPRESS or "default" in text
-        or isinstance(action, (argparse._StoreConstAction, argparse._HelpAction))):  # pylint: disable=protected-access
+        or isinstance(action, argparse._StoreConstAction)):  # pylint: disable=protected-access
       return text
     sep = " " if action.nargs in ("*", "+") else ","
     return f"{text} (default: {show(d, sep)})".replace("%", "%%")

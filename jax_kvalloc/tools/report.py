@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -106,8 +107,8 @@ def pyplot():
 #                      file, and whether they agree (a re-run's check)
 # ---------------------------------------------------------------------------------------
 
-_BLOCK = re.compile(r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)",
-                    re.S)
+_BLOCK = re.compile(
+    r"(<!-- report: (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end report -->)", re.S)
 
 
 class ReportError(ValueError):
@@ -254,8 +255,7 @@ def run_report(paths: Sequence[str], *, check: bool = False, write: bool = False
                              "(it names no suite)")
       print(tables(record))
       continue
-    with open(path) as f:
-      old = f.read()
+    old = pathlib.Path(path).read_text()
     new = regenerate(old, os.path.dirname(os.path.abspath(path)))
     n = len(blocks(old))
     if not (check or write):
@@ -269,8 +269,7 @@ def run_report(paths: Sequence[str], *, check: bool = False, write: bool = False
           old.splitlines(True), new.splitlines(True), path, path + " (generated)"))
       print(f"{path}: generated blocks differ from `jax-kvalloc report`")
     else:
-      with open(path, "w") as f:
-        f.write(new)
+      pathlib.Path(path).write_text(new)
       print(f"{path}: rewrote {n} generated block(s)")
   return status
 
