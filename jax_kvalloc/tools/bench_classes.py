@@ -175,13 +175,15 @@ def stalls_timed(mode: str, o) -> bench.Timed:
   return bench.Timed(measure)
 
 
-CLASS_ROWS = (("decode", "decode"), ("extend", "extend"), ("free", "free"),
-              ("decode_after_restore", "restore_decode"), ("free_after_restore", "restore_free"),
-              ("restore_after_decode", "restore_decode"), ("restore_after_free", "restore_free"))
+CLASS_ROWS = (("decode", "decode"), ("extend", "extend"), ("free", "free"),  # (op, sizes)
+              ("decode_after_restore", "restore_decode"),
+              ("free_after_restore", "restore_free"),
+              ("restore_after_decode", "restore_decode"),
+              ("restore_after_free", "restore_free"))
 
 
 def class_cases(o):
-  for op, sizes in CLASS_ROWS:   # (op, the option holding its sizes)
+  for op, sizes in CLASS_ROWS:
     for n, spec in itertools.product(getattr(o, sizes), o.impls):
       yield bench.Case({"op": op, "size": n}, spec,
                        functools.partial(class_timed, spec, op, n, o))

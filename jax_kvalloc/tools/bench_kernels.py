@@ -99,7 +99,8 @@ def make_case(op: str, bs: int, tokens: int, page_size: int, seed: int) -> Case:
   case = Case(op, bs, tokens, ps, num_pages, (rng.permutation(num_pages) + 1).astype(np.int32),
               tuple(np.asarray(a, np.int32) for a in inputs))
   if op == "free":
-    extend = functools.partial(allocation.alloc_extend, _config(case, "jnp"), max_tokens=tokens)
+    extend = functools.partial(allocation.alloc_extend, _config(case, "jnp"),
+                               max_tokens=tokens)
     state, out, ok = jax.jit(extend)(_state(case), *case.inputs)
     assert bool(ok)
     case.inputs, case.used_pages = (np.asarray(out),), int(num_pages - state.free_len)
@@ -358,6 +359,8 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
     return dict(bench.graph(bt.torch_linked(call, inputs)).measure(o),
                 **bare_time(replays, f"alloc_{case.op}_kernel"), sglang_version=version)
   return bench.Timed(measure, lambda: result)
+
+
 # ---------------------------------------------------------------------------------------
 # The suite.
 # ---------------------------------------------------------------------------------------
@@ -453,9 +456,8 @@ def consumer_cell(cell: Dict[str, Any]) -> str:
   if "extra_consumer_change" not in cell:
     return "-"
   raw = f"{100 * cell['extra_consumer_change']:+.0f}%"
-  if "extra_consumer_net_change" in cell:
-    return f"{raw} ({100 * cell['extra_consumer_net_change']:+.0f}%)"
-  return raw
+  net = cell.get("extra_consumer_net_change")
+  return raw if net is None else f"{raw} ({100 * net:+.0f}%)"
 
 
 def bare_cells(row: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -252,7 +252,8 @@ def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
 COLUMNS = {"jit": (jit_timed, {}), "jit_sync": (jit_timed, dict(sync=True)),
            "jit_none": (jit_timed, dict(none=True)),
            **{v: (scan_timed, dict(variant=v)) for v in VARIANTS},
-           "torch": (torch_timed, dict(sync=False)), "torch_sync": (torch_timed, dict(sync=True))}
+           "torch": (torch_timed, dict(sync=False)),
+           "torch_sync": (torch_timed, dict(sync=True))}
 
 
 def cases(o):
