@@ -170,7 +170,7 @@ def chained_timed(case: TableCase, variant: str) -> bench.Timed:
     out = timed.measure(o)
     run = timing.chain_loop(call, o.unroll)
     sink = timing.sink_init(call, carry, zero)
-    out["ok"] = bool(run(carry, zero, sink, np.int32(max(1, 200 // o.unroll)))[0][-1])
+    out["ok"] = bool(run(carry, zero, sink, np.int32(max(1, CHECK_STEPS // o.unroll)))[0][-1])
     if jax.default_backend() != "gpu":
       return out
     try:
