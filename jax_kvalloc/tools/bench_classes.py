@@ -37,6 +37,7 @@ freed untimed), swa_decode/B, swa_window_free/R (free_swa of R requests' oldest 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import pathlib
 import time
@@ -174,15 +175,16 @@ def stalls_timed(mode: str, o) -> bench.Timed:
   return bench.Timed(measure)
 
 
+CLASS_ROWS = (("decode", "decode"), ("extend", "extend"), ("free", "free"),  # (op, sizes)
+              ("decode_after_restore", "restore_decode"),
+              ("free_after_restore", "restore_free"),
+              ("restore_after_decode", "restore_decode"),
+              ("restore_after_free", "restore_free"))
+
+
 def class_cases(o):
-  rows = ([("decode", b) for b in o.decode] + [("extend", r) for r in o.extend]
-          + [("free", t) for t in o.free]
-          + [("decode_after_restore", b) for b in o.restore_decode]
-          + [("free_after_restore", t) for t in o.restore_free]
-          + [("restore_after_decode", b) for b in o.restore_decode]
-          + [("restore_after_free", t) for t in o.restore_free])
-  for op, n in rows:
-    for spec in o.impls:
+  for op, sizes in CLASS_ROWS:
+    for n, spec in itertools.product(getattr(o, sizes), o.impls):
       yield bench.Case({"op": op, "size": n}, spec,
                        functools.partial(class_timed, spec, op, n, o))
   yield bench.Case({"op": "floor", "size": "jit"}, "device", lambda: floor_timed(o))
@@ -281,14 +283,12 @@ class SWAImpl:
     """The op on the class, or on the core with the state threaded through."""
     if self.name != "core":
       return getattr(self.a, op)(*args)
-    if op == "alloc_extend":
-      self.state, out, ok = self.fns[op](self.cfg, self.state, args[0], args[2], args[4],
-                                         max_tokens=args[5])
-    elif op == "alloc_decode":
-      self.state, out, ok = self.fns[op](self.cfg, self.state, args[0], args[2])
-    else:
+    if not op.startswith("alloc_"):
       self.state = self.fns[op](self.cfg, self.state, *args)
       return None
+    kw = {"max_tokens": args[5]} if op == "alloc_extend" else {}
+    # The class's arguments with their host copies (args[1], args[3]) left out.
+    self.state, out, ok = self.fns[op](self.cfg, self.state, *args[0:5:2], **kw)
     return out, ok
 
   def prefill(self, lens: np.ndarray):

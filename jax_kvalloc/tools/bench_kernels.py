@@ -1,18 +1,13 @@
 """`jax-kvalloc bench kernels`: alloc_decode, alloc_extend and free, one call at a time.
 
-Each case (op, batch size, tokens) is drawn once (`make_case`: random lengths,
-page-consistent last_loc, a shuffled pool) and every column times those inputs; every
-column's output must equal the first column's. Columns:
+Each case (op, batch size, tokens) is drawn once (random lengths, page-consistent
+last_loc, a shuffled pool) and every column times those inputs. Columns:
 
   pallas, jnp, triton, mosaic, auto, ...  the whole jitted allocator call (pointer
              arithmetic, prefix sums, capacity check, index kernel, masking) with that
              AllocatorConfig.kernel, chained and linked in timing.chain_time. A name may
              carry config fields and free's method: `jnp[guard=False]`,
              `jnp[free=sort]` (freeing.PAGED_FREE: sort, bitmap, triton).
-             --guard on,off runs each such column (and eager) also as X[guard=False],
-             without the ownership record (SPEC 14), beside X, the two chains timed
-             with their repetitions interleaved: the record's cost (bench.guard_cost;
-             target: +10% at most from bs 64 up).
   fused[...] the one-launch Pallas-Triton kernel alone
              (pallas_kernels.alloc_{decode,extend}_triton) with tuning arguments,
              e.g. `fused[layout=rows]`, `fused[layout=tiles,num_warps=8]`.
@@ -20,10 +15,9 @@ column's output must equal the first column's. Columns:
              result (what torch_ref's eager free, which syncs, is compared with).
   torch_ref  on CUDA a CUDA graph of its Triton kernel, linked like ours (free: its eager
              free, host time); on CPU its eager class calls, host time.
-  sglang     SGLang's released Triton kernels (--sglang-kernels PATH: the wheel's
-             sglang/kernels/ops/memory/allocator.py, loaded from that file alone),
-             launched as its allocator launches them (grid = bs, i64 tensors): linked in
-             a CUDA graph, and bare: each kernel's own GPU time from CUPTI.
+  sglang     SGLang's released Triton kernels (--sglang-kernels), launched as its
+             allocator launches them (grid = bs, i64 tensors): linked in a CUDA graph,
+             and bare: each kernel's own GPU time from CUPTI.
 
 Every JAX column also reports "floor_us": the same harness around a stand-in that only
 writes the case's outputs the way the column does (one XLA fusion for jnp, one Pallas
@@ -32,11 +26,10 @@ kernel's own GPU time from CUPTI ("bare_us", the figure compared with SGLang's b
 --extra-consumer times every JAX figure again with one more consumer of its outputs,
 net of that consumer's own cost on the stand-in (a figure that moves was not counting
 all of its work). The chain: each call takes the free-list head the previous one
-returned, the free length held fixed (the pool never runs out, every call does the same
-work). With the ownership record the allocations carry it from call to call; free's
-chain puts the pages it freed back into the record after each call (one scatter of the
-case's pages, made alike on a spare array without the record), so that every call frees
-held pages, as it would in a serving loop.
+returned, the free length held fixed, so that every call does the same work; free's
+chain puts the pages it freed back into the ownership record after each call (without
+the record, the same scatter on a spare array), so that every call frees held pages.
+X and X[guard=False] of one run are timed with their repetitions interleaved.
 """
 from __future__ import annotations
 
@@ -75,56 +68,42 @@ GUARD_TARGET_PCT = 10.0   # the ownership record's cost per call, from bs 64 up 
 
 @dataclasses.dataclass
 class Case:
-  """Inputs of one case (host numpy, int32 unless said)."""
+  """Inputs of one case (host numpy, int32)."""
   op: str
   bs: int
   tokens: int
   page_size: int
   num_pages: int
   free_ring: np.ndarray            # the pool's free list (a shuffled permutation)
-  seq: np.ndarray
-  pre: Optional[np.ndarray] = None
-  last: Optional[np.ndarray] = None
-  free_index: Optional[np.ndarray] = None   # free: slots to free (an extend's output)
-  used_pages: int = 0                       # free: pages taken before the frees
-
-  @property
-  def inputs(self) -> Tuple[np.ndarray, ...]:
-    """The call's array arguments: (seq, last), (pre, seq, last) or (free_index,)."""
-    return {"decode": (self.seq, self.last), "extend": (self.pre, self.seq, self.last),
-            "free": (self.free_index,)}[self.op]
+  inputs: Tuple[np.ndarray, ...]   # (seq, last), (pre, seq, last) or (free_index,)
+  used_pages: int = 0              # free: pages taken before the frees
 
 
 def make_case(op: str, bs: int, tokens: int, page_size: int, seed: int) -> Case:
-  """A reproducible case: random lengths, page-consistent last_loc, a shuffled pool;
-  free's slots are an extend's whole new pages."""
+  """A reproducible case; free's slots are an extend's whole new pages."""
   rng = np.random.default_rng([seed, bs, tokens, page_size])
   ps = page_size
   if op == "decode":
     seq = rng.integers(2, 4096, bs)
-    pre = None
-    last = rng.integers(1, 1000, bs) * ps + (seq - 2) % ps
-    need = bs
+    inputs = (seq, rng.integers(1, 1000, bs) * ps + (seq - 2) % ps)
+    need = tokens = bs
   else:
     ext = (rng.multinomial(tokens - bs, np.full(bs, 1.0 / bs)) + 1 if tokens >= bs
            else np.ones(bs, np.int64))
     pre = (np.where(rng.random(bs) < 0.25, 0, rng.integers(0, 2048, bs)) if op == "extend"
            else np.zeros(bs, np.int64))
     seq = pre + ext
-    last = np.where(pre > 0, rng.integers(1, 1000, bs) * ps + (pre - 1) % ps, -1)
-    need = int(np.sum(-(-seq // ps) - (-(-pre // ps))))
+    inputs = (pre, seq, np.where(pre > 0, rng.integers(1, 1000, bs) * ps + (pre - 1) % ps, -1))
+    need, tokens = int(np.sum(-(-seq // ps) - (-(-pre // ps)))), int(np.sum(ext))
   num_pages = 2 * need + 1024
-  ring = (rng.permutation(num_pages) + 1).astype(np.int32)
-  i32 = lambda a: None if a is None else np.asarray(a, np.int32)
-  case = Case(op, bs, int(np.sum(seq - pre)) if pre is not None else bs, ps, num_pages,
-              ring, i32(seq), i32(pre), i32(last))
+  case = Case(op, bs, tokens, ps, num_pages, (rng.permutation(num_pages) + 1).astype(np.int32),
+              tuple(np.asarray(a, np.int32) for a in inputs))
   if op == "free":
-    extend = functools.partial(allocation.alloc_extend, _config(case, "jnp"))
-    state, out, ok = jax.jit(extend, static_argnames="max_tokens")(
-        _state(case), case.pre, case.seq, case.last, max_tokens=case.tokens)
+    extend = functools.partial(allocation.alloc_extend, _config(case, "jnp"),
+                               max_tokens=tokens)
+    state, out, ok = jax.jit(extend)(_state(case), *case.inputs)
     assert bool(ok)
-    case.free_index = np.asarray(out)
-    case.used_pages = int(num_pages - state.free_len)
+    case.inputs, case.used_pages = (np.asarray(out),), int(num_pages - state.free_len)
   return case
 
 
@@ -148,12 +127,11 @@ def jax_call(case: Case, impl: str):
   """(once: () -> the call's result, call(carry, inputs) -> (carry, outputs), carry,
   inputs) of a JAX column. The carry is the state; only its head and ownership record
   move from call to call (free: the ring too, and the record with the freed pages put
-  back; without a record, the same scatter on a spare array); every output is returned
-  for the harness to consume."""
+  back; without a record, the same scatter on a spare array)."""
   base, kw = bench.parse_impl(impl)
   method = kw.pop("free", None)   # free's method (freeing.PAGED_FREE); the rest: config
   guarded = kw.get("guard", True)
-  state0 = _state(case, case.used_pages, guarded)
+  carry = state0 = _state(case, case.used_pages, guarded)
   args = tuple(map(jnp.asarray, case.inputs))
   if base == "fused":
     import pallas_kernels  # pylint: disable=g-import-not-at-top
@@ -168,21 +146,18 @@ def jax_call(case: Case, impl: str):
   elif case.op == "free":
     fn = functools.partial(freeing.PAGED_FREE[method] if method else freeing.free,
                            _config(case, base, **kw))
-
     n = case.num_pages
 
     def call(c, x):
       s, spare = (c, None) if guarded else c
       res = fn(s, *x)
-      held = res.guard.held if guarded else spare
-      held = held.at[jnp.where(x[0] > 0, x[0] // case.page_size, n + 1)].set(1, mode="drop")
+      held = (res.guard.held if guarded else spare).at[
+          jnp.where(x[0] > 0, x[0] // case.page_size, n + 1)].set(1, mode="drop")
       s = s._replace(free_ring=res.free_ring, free_head=res.free_head)
       out = (res.free_head, res.free_len)
-      if guarded:
-        return s._replace(guard=res.guard._replace(held=held)), out
-      return (s, held), out
+      return (s._replace(guard=res.guard._replace(held=held)) if guarded else (s, held)), out
     if not guarded:
-      state0 = (state0, jnp.zeros((n + 1,), jnp.int32))
+      carry = (state0, jnp.zeros((n + 1,), jnp.int32))
   else:
     alloc = (allocation.alloc_decode if case.op == "decode" else
              functools.partial(allocation.alloc_extend, max_tokens=case.tokens))
@@ -195,14 +170,14 @@ def jax_call(case: Case, impl: str):
 
   def once():
     if case.op == "free":
-      res = jax.jit(fn)(state0 if guarded else state0[0], *args)
+      res = jax.jit(fn)(state0, *args)
       guard.raise_if_refused(res)   # a refused free would time no work
       return st.live_free_pages(res)
     out, ok = jax.jit(call)(state0, args)[1][:2]
     if not bool(ok):
       raise RuntimeError(f"{case.op} bs={case.bs}: the allocation did not fit")
     return out
-  return once, call, state0, args
+  return once, call, carry, args
 
 
 def one_custom_call(call, carry, inputs) -> bool:
@@ -223,10 +198,8 @@ def bare_time(run: Callable[[], Any], name_prefix: str) -> Dict[str, float]:
 
 
 def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
-  """A JAX column's cell: the chained call, its floor (a stand-in writing its outputs
-  like the column: one Pallas launch unless the column is jnp, or auto on the CPU), and
-  with --bare / --extra-consumer the bare kernel time / the +1 consumer check. X and
-  X[guard=False] of one run: the chained figure interleaved with the other's (`_chained`)."""
+  """A JAX column's cell: the chained call, its floor, and with --bare / --extra-consumer
+  the bare kernel time / the +1 consumer check (the module docstring)."""
   _, call, carry, inputs = jax_call(case, impl)
   shapes = jax.eval_shape(call, carry, inputs)[1]
   base, _ = bench.parse_impl(impl)
@@ -244,8 +217,7 @@ def time_jax(case: Case, impl: str, opts) -> Dict[str, Any]:
     out = bench.cell(t2)
     out.update(us_extra_consumer=t3["s"] * 1e6, extra_consumer_change=t3["s"] / t2["s"] - 1,
                extra_consumer_net_change=(t3["s"] - t2["s"] - (f3["s"] - f2["s"])) / t2["s"],
-               stand_in_us=f2["s"] * 1e6, stand_in_extra_consumer_us=f3["s"] * 1e6,
-               floor_us=f2["s"] * 1e6)
+               floor_us=f2["s"] * 1e6, stand_in_extra_consumer_us=f3["s"] * 1e6)
   else:
     out = bench.cell(_chained(case, impl, opts.impls, kw) or bt.chain_time(
         call, carry, inputs, **kw))
@@ -269,9 +241,9 @@ _PAIR: Dict[str, Any] = {}   # the last row's guard pair: {"case", "pair", "resu
 
 def _chained(case: Case, impl: str, impls, kw) -> Optional[Dict[str, float]]:
   """Where the run has both X and X[guard=False] (bench.guard_pairs) and `impl` is one of
-  them: the chain_time figures of both, their repetitions interleaved
-  (timing.chain_time_interleaved, so that a drift of the machine falls on both alike),
-  timed once per row for the two columns; this column's. Else None."""
+  them: this column's chain_time figures, both timed once per row with their repetitions
+  interleaved (timing.chain_time_interleaved: a drift of the machine falls on both
+  alike). Else None."""
   pair = next((p for p in bench.guard_pairs(impls) if impl in p), None)
   if pair is None:
     return None
@@ -286,7 +258,7 @@ def eager_free(case: Case, guarded: bool = True) -> bench.Timed:
   """free called from Python, one jitted call blocking on its result each time (every
   call from the same state, which holds the pages it frees)."""
   fn = jax.jit(functools.partial(freeing.free, _config(case, "jnp", guard=guarded)))
-  state0, idx = _state(case, case.used_pages, guarded), jnp.asarray(case.free_index)
+  state0, idx = _state(case, case.used_pages, guarded), jnp.asarray(case.inputs[0])
   return bench.host(lambda: jax.block_until_ready(fn(state0, idx)))
 
 
@@ -304,20 +276,17 @@ def torch_timed(case: Case) -> bench.Timed:
   torch, dev = bench.torch_device()
   import torch_ref  # pylint: disable=g-import-not-at-top
   cuda, ps = dev == "cuda", case.page_size
-  t64 = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.int64), device=dev)
-  c64 = lambda a: torch.as_tensor(np.asarray(a, np.int64))
+  t64 = lambda a, d=dev: torch.as_tensor(np.asarray(a, np.int64), device=d)
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
                                                 False, kernel="triton" if cuda else "torch")
   alloc.free_pages = t64(case.free_ring)[case.used_pages:]
-  pre, seq, last, snap = t64(case.pre), t64(case.seq), t64(case.last), alloc.backup_state()
+  inputs, snap = tuple(map(t64, case.inputs)), alloc.backup_state()
   if case.op == "free":
-    idx = t64(case.free_index)
-    eager = lambda: alloc.free(idx) or alloc.free_pages
-  elif case.op == "decode":
-    eager = lambda: alloc.alloc_decode(seq, c64(case.seq), last)
-  else:
-    eager = lambda: alloc.alloc_extend(pre, c64(case.pre), seq, c64(case.seq), last,
-                                       case.tokens)
+    eager = lambda: alloc.free(inputs[0]) or alloc.free_pages
+  else:  # the lengths each beside a host copy, last_loc, extend's token count
+    args = [a for x, d in zip(case.inputs[:-1], inputs) for a in (d, t64(x, "cpu"))]
+    args += [inputs[-1]] + [case.tokens] * (case.op == "extend")
+    eager = lambda: getattr(alloc, "alloc_" + case.op)(*args)
   out = eager()
   alloc.restore_state(snap)
   if out is None:
@@ -336,11 +305,10 @@ def torch_timed(case: Case) -> bench.Timed:
   from torch_ref import triton_kernels  # pylint: disable=g-import-not-at-top
   ring = t64(case.free_ring)
   if case.op == "decode":
-    kernel = lambda: triton_kernels.decode_indices(seq, last, ring, page_size=ps)
+    kernel = lambda: triton_kernels.decode_indices(*inputs, ring, page_size=ps)
   else:
-    kernel = lambda: triton_kernels.extend_indices(pre, seq, last, ring, page_size=ps,
+    kernel = lambda: triton_kernels.extend_indices(*inputs, ring, page_size=ps,
                                                    extend_num_tokens=case.tokens)
-  inputs = tuple(x for x in (pre, seq, last) if x is not None)
   return _with_method(bench.graph(bt.torch_linked(kernel, inputs), output=lambda: out),
                       "CUDA graph replay of its Triton kernel, linked")
 
@@ -367,24 +335,16 @@ def sglang_timed(case: Case, path: Optional[str]) -> bench.Timed:
   if dev != "cuda":
     raise bench.Skip("SGLang's Triton kernels need torch with CUDA")
   import triton  # pylint: disable=g-import-not-at-top
-  module = load_sglang_kernels(path)
+  kernel = getattr(load_sglang_kernels(path), f"alloc_{case.op}_kernel")
   wheel = os.path.join(os.path.dirname(path), "VERSION")
   version = open(wheel).read().strip() if os.path.exists(wheel) else None
   t64 = lambda a: torch.as_tensor(np.asarray(a, np.int64), device="cuda")
-  free, seq, last = t64(case.free_ring), t64(case.seq), t64(case.last)
-  bs, upper = case.bs, triton.next_power_of_2(case.bs)
-  if case.op == "decode":
-    out, inputs = torch.empty(bs, dtype=torch.int64, device="cuda"), (seq, last)
-    launch = lambda: module.alloc_decode_kernel[(bs,)](seq, last, free, out, upper,
-                                                       case.page_size)
-  else:
-    pre = t64(case.pre)
-    out, inputs = torch.empty(case.tokens, dtype=torch.int64, device="cuda"), (pre, seq, last)
-    launch = lambda: module.alloc_extend_kernel[(bs,)](pre, seq, last, free, out, upper,
-                                                       case.page_size)
+  inputs, free = tuple(map(t64, case.inputs)), t64(case.free_ring)
+  out = torch.empty(case.tokens, dtype=torch.int64, device="cuda")  # decode: tokens = bs
+  upper = triton.next_power_of_2(case.bs)
 
   def call():
-    launch()
+    kernel[(case.bs,)](*inputs, free, out, upper, case.page_size)
     return out
   result = call().cpu().numpy()
 
@@ -495,9 +455,8 @@ def consumer_cell(cell: Dict[str, Any]) -> str:
   if "extra_consumer_change" not in cell:
     return "-"
   raw = f"{100 * cell['extra_consumer_change']:+.0f}%"
-  if "extra_consumer_net_change" in cell:
-    return f"{raw} ({100 * cell['extra_consumer_net_change']:+.0f}%)"
-  return raw
+  net = cell.get("extra_consumer_net_change")
+  return raw if net is None else f"{raw} ({100 * net:+.0f}%)"
 
 
 def bare_cells(row: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, Sequence
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -54,19 +55,13 @@ def _config(o, dp: int, need_sort: bool) -> AllocatorConfig:
                          need_sort=need_sort, kind="paged", kernel=o.kernel, debug=False)
 
 
-@contextlib.contextmanager
-def plain_cond_merge():
-  """For comparison only: the need_sort merge as a plain lax.cond (a select under vmap)."""
-  def merge(config, state, shortfall):
-    if not config.need_sort:
-      return state
-    return jax.lax.cond(shortfall & (state.release_len > 0),
-                        lambda s: freeing.merge_and_sort_free(config, s), lambda s: s, state)
-  saved, allocation.maybe_merge = allocation.maybe_merge, merge
-  try:
-    yield
-  finally:
-    allocation.maybe_merge = saved
+def plain_cond_merge(config: AllocatorConfig, state, shortfall):
+  """allocation.maybe_merge as a plain lax.cond (a select under vmap), for the select
+  column only."""
+  if not config.need_sort:
+    return state
+  return jax.lax.cond(shortfall & (state.release_len > 0),
+                      lambda s: freeing.merge_and_sort_free(config, s), lambda s: s, state)
 
 
 def decode_step(config: AllocatorConfig, carry):
@@ -77,18 +72,18 @@ def decode_step(config: AllocatorConfig, carry):
   return (state._replace(free_len=full), seq + 1, out, check + ok.astype(jnp.int32))
 
 
-def _step(config: AllocatorConfig, o, op: str):
-  if op == "decode":
-    return lambda c: decode_step(config, c)
+def extend_step(config: AllocatorConfig, tokens: int, carry):
+  """(state, pre, check) -> the same after one alloc_extend of `tokens` per row."""
+  state, pre, check = carry
+  full, seq = state.free_len, pre + tokens
+  state, out, ok = allocation.alloc_extend(  # page-aligned prefixes: last_loc unread
+      config, state, pre, seq, jnp.full_like(pre, -1), max_tokens=pre.size * tokens)
+  return (state._replace(free_len=full), seq, check + jnp.max(out) + ok.astype(jnp.int32))
 
-  def extend(carry):
-    state, pre, check = carry
-    full, seq = state.free_len, pre + o.extend_tokens
-    state, out, ok = allocation.alloc_extend(  # page-aligned prefixes: last_loc unread
-        config, state, pre, seq, jnp.full_like(pre, -1),
-        max_tokens=o.extend_rows * o.extend_tokens)
-    return (state._replace(free_len=full), seq, check + jnp.max(out) + ok.astype(jnp.int32))
-  return extend
+
+def _step(config: AllocatorConfig, o, op: str):
+  return (functools.partial(decode_step, config) if op == "decode" else
+          functools.partial(extend_step, config, o.extend_tokens))
 
 
 def _carry(o, op: str, state: st.AllocatorState):
@@ -119,7 +114,8 @@ def ranks_timed(o, op: str, n: int, per_device: int, impl: str) -> bench.Timed:
   call = lambda c, inputs: (tuple(sharded(*c)), ())
 
   def measure(opts):
-    with plain_cond_merge() if impl == "select" else contextlib.nullcontext():
+    with (mock.patch.object(allocation, "maybe_merge", plain_cond_merge) if impl == "select"
+          else contextlib.nullcontext()):
       out = bench.chained(call, carry, ()).measure(opts)
       hlo = timing.chain_loop(call, opts.unroll).lower(
           carry, (), timing.sink_init(call, carry, ()), np.int32(1)).compile().as_text()

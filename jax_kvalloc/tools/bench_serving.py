@@ -64,13 +64,11 @@ def make_case(bs: int, page_size: int, steps: int, seed: int, len_lo: int = 64,
   per_row = -(-len_hi // ps)
   num_pages = bs * per_row + 1024
   perm = (rng.permutation(num_pages) + 1).astype(np.int64)
-  ctx = per_row * ps
-  table = np.zeros((bs, ctx), np.int64)
-  at, j = 0, np.arange(ctx)
-  for r in range(bs):
-    k = -(-int(seq0[r]) // ps)
-    table[r, :k * ps] = perm[at:at + k][j[:k * ps] // ps] * ps + j[:k * ps] % ps
-    at += k
+  k = -(-seq0 // ps)   # row r holds the next k[r] pages of perm
+  j = np.arange(per_row * ps)
+  page = perm[np.minimum((np.cumsum(k) - k)[:, None] + j // ps, num_pages - 1)]
+  table = np.where(j < k[:, None] * ps, page * ps + j % ps, 0)
+  at = int(k.sum())
   seq, pending, most = seq0.copy(), np.zeros(bs, bool), 1
   for _ in range(steps + 64):
     seq[pending] = 0
@@ -91,8 +89,7 @@ def initial_carry(case: ServingCase):
   holds the rows' pages (every page not on the free list)."""
   config = _config(case)
   s = jax.jit(st.init, static_argnums=0)(config)
-  ring = np.zeros(case.num_pages, np.int32)
-  ring[:case.free0.size] = case.free0
+  ring = np.pad(case.free0, (0, case.num_pages - case.free0.size))
   s = st.with_record(config, s._replace(free_ring=jnp.asarray(ring),
                                         free_len=jnp.asarray(case.free0.size, jnp.int32)))
   return (s, jnp.asarray(case.table0), jnp.asarray(case.seq0), jnp.asarray(case.target),
@@ -100,6 +97,16 @@ def initial_carry(case: ServingCase):
 
 
 RELEASES = ("sorted", "pages", "fused")
+
+
+def finished_rows(pending: jax.Array, max_frees: int, rows: jax.Array):
+  """(picked i32[max_frees], sel bool[bs], n i32[]): the first max_frees of the rows
+  whose request finished (`pending`), compacted (padding 0), which ones, how many."""
+  rank = jnp.cumsum(pending) - pending
+  sel = pending & (rank < max_frees)
+  picked = jnp.zeros(max_frees, jnp.int32).at[jnp.where(sel, rank, max_frees)].set(
+      rows, mode="drop")
+  return picked, sel, jnp.sum(sel).astype(jnp.int32)
 
 
 def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: bool = True,
@@ -118,12 +125,7 @@ def serve_step(config: AllocatorConfig, max_frees: int, carry, *, allocator: boo
   bs, ctx = table.shape
   ps = config.page_size
   rows = jnp.arange(bs, dtype=jnp.int32)
-  # Free group: up to max_frees rows that finished last step, one slot per page.
-  rank = jnp.cumsum(pending) - pending
-  sel = pending & (rank < max_frees)
-  picked = jnp.zeros(max_frees, jnp.int32).at[jnp.where(sel, rank, max_frees)].set(
-      rows, mode="drop")
-  n_free = jnp.sum(sel)
+  picked, sel, n_free = finished_rows(pending, max_frees, rows)   # the free group
   if allocator:
     k = jnp.arange(-(-ctx // ps), dtype=jnp.int32)[None, :] * ps
     live = (jnp.arange(max_frees)[:, None] < n_free) & (k < seq[picked][:, None])
@@ -195,7 +197,7 @@ def jit_timed(case: ServingCase, o, *, sync: bool = False, none: bool = False) -
                     output=None if none else lambda: final)
 
 
-def scan_timed(case: ServingCase, variant: str, o) -> bench.Timed:
+def scan_timed(case: ServingCase, o, *, variant: str) -> bench.Timed:
   """The step chained; first run warmup + steps times in one loop, which must end with
   no refused release and no failed allocation (the chain times valid work)."""
   step = functools.partial(serve_step, _config(case), case.max_frees, **VARIANTS[variant])
@@ -212,7 +214,6 @@ def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
   """The same loop through torch_ref's eager class, as SGLang's scheduler drives it."""
   torch, dev = bench.torch_device()
   import torch_ref  # pylint: disable=g-import-not-at-top
-  cuda = dev == "cuda"
   ps = case.page_size
   alloc = torch_ref.PagedTokenToKVPoolAllocator(case.num_pages * ps, ps, None, dev, None,
                                                 False)
@@ -221,7 +222,7 @@ def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
   seq_cpu = torch.as_tensor(case.seq0.astype(np.int64))
   box = {"seq": seq_cpu.to(dev, copy=True), "pending": np.zeros(case.bs, bool)}
   rows = torch.arange(case.bs, device=dev)
-  wait = torch.cuda.synchronize if cuda else (lambda: None)
+  wait = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
   def step():
     done = np.flatnonzero(box["pending"])
@@ -248,26 +249,26 @@ def torch_timed(case: ServingCase, o, *, sync: bool) -> bench.Timed:
   return bench.host(step, wait, n=o.steps, output=lambda: final)
 
 
+COLUMNS = {"jit": (jit_timed, {}), "jit_sync": (jit_timed, dict(sync=True)),
+           "jit_none": (jit_timed, dict(none=True)),
+           **{v: (scan_timed, dict(variant=v)) for v in VARIANTS},
+           "torch": (torch_timed, dict(sync=False)),
+           "torch_sync": (torch_timed, dict(sync=True))}
+
+
 def cases(o):
   for bs in o.batch_sizes:
     case = functools.lru_cache(1)(lambda bs=bs: make_case(bs, o.page_size,
                                                           o.steps + o.warmup, o.seed))
     row = {"bs": bs, "page_size": o.page_size, "steps": o.steps}
-    setups = {"jit": lambda c=case: jit_timed(c(), o),
-              "jit_sync": lambda c=case: jit_timed(c(), o, sync=True),
-              "jit_none": lambda c=case: jit_timed(c(), o, none=True),
-              "torch": lambda c=case: torch_timed(c(), o, sync=False),
-              "torch_sync": lambda c=case: torch_timed(c(), o, sync=True)}
-    setups.update({v: functools.partial(lambda c, v: scan_timed(c(), v, o), case, v)
-                   for v in VARIANTS})
-    for impl in SERVING.impls:
-      yield bench.Case(row, impl, setups[impl])
+    for impl, (timed, kw) in COLUMNS.items():
+      yield bench.Case(row, impl, lambda c=case, t=timed, kw=kw: t(c(), o, **kw))
 
 
 SERVING = bench.Suite(
     name="serving", help="a serving loop of decode steps (free group, alloc_decode, token "
     "table): jitted per step, chained in one loop, torch_ref eager",
-    impls=("jit", "jit_sync", "jit_none") + tuple(VARIANTS) + ("torch", "torch_sync"),
+    impls=tuple(COLUMNS),
     cases=cases, defaults=(("unroll", 8),),
     dims=(bench.Dim("--batch-sizes", [64, 256, 1024], "batch sizes", quick=[16]),
           bench.Dim("--page-size", 64, "page size (>= 2)"),

@@ -12,16 +12,14 @@ on its streams; on the CPU XLA's thunks): per step, how many and their busy time
 kind (the operation's name without its number) and by the step's named scope
 (jax_kvalloc.tools.simulate_step names its table phases; the rest is the scheduler's
 "plan"). It also times the loop's first lowering and XLA compile (process CPU seconds)
-and counts the compiled loop body's kernel-like operations by scope. A step is
-an iteration that ran a prefill or a decode; idle and trailing iterations count towards
-the operations and device time, so per-step figures are slightly high. To compare two
-trees, run it in each (PYTHONPATH=THAT_TREE) with the same options.
+and counts the compiled loop body's kernel-like operations by scope. A step is an
+iteration that ran a prefill or a decode; idle and trailing iterations count towards the
+operations and device time, so per-step figures are slightly high. To compare two trees,
+run it in each (PYTHONPATH=THAT_TREE) with the same options.
 
---guard on,off runs each column also without the ownership record (SPEC 14),
-device[guard=False] beside device and so on: the record's cost per step
-(bench.guard_cost; target for the device driver: +1 us per step at most).
-device[plan=xla] (and profile[plan=xla]) run the scheduler's plan as XLA operations where
-it would be one Triton program (SimConfig.plan_kernel=False): that program's worth.
+device[guard=False] (and so on) runs without the ownership record (SPEC 14);
+device[plan=xla] (and profile[plan=xla]) the scheduler's plan as XLA operations where it
+would be one Triton program (SimConfig.plan_kernel=False): that program's worth.
 """
 from __future__ import annotations
 
@@ -55,19 +53,10 @@ TOP_KINDS = 12
 GUARD_TARGET_US = 1.0   # the ownership record's cost per engine step (issue 32)
 
 
-def _config(o, page_size: int, driver: str = "device", guard: bool = True,
-            plan: str = "auto") -> simulate.SimConfig:
-  return simulate.SimConfig(num_requests=o.num_requests, page_sizes=(page_size,),
-                            driver=driver, kernel=o.kernel, seed=o.seed, guard=guard,
-                            plan_kernel=plan != "xla")
-
-
-def simulate_timed(o, page_size: int, driver: str, guard: bool = True,
-                   plan: str = "auto") -> bench.Timed:
+def simulate_timed(cfg: simulate.SimConfig) -> bench.Timed:
   def measure(opts) -> Dict[str, Any]:
     del opts
-    r = simulate.run(_config(o, page_size, driver, guard, plan),
-                     progress=False).results[0]
+    r = simulate.run(cfg, progress=False).results[0]
     q1, q3 = timing.quartiles(r.step_us)
     return {"us": float(np.median(r.step_us)), "q1_us": q1, "q3_us": q3,
             "min_us": min(r.step_us), "steps": r.steps, "compile_s": r.compile_s,
@@ -136,13 +125,11 @@ def device_ops(trace_dir: str) -> List[Tuple[str, float]]:
   return out
 
 
-def profile_timed(o, page_size: int, guard: bool = True, plan: str = "auto"
-                  ) -> bench.Timed:
+def profile_timed(cfg: simulate.SimConfig) -> bench.Timed:
   """The device driver's steps from the device's timeline (the module docstring)."""
   def measure(opts) -> Dict[str, Any]:
     del opts
-    cfg = _config(o, page_size, guard=guard, plan=plan)
-    wl = cfg.workload()
+    wl, page_size = cfg.workload(), cfg.page_sizes[0]
     jax.clear_caches()  # the loop's first lowering and compile, nothing reused
     prep = simulate.prepare(cfg, wl, page_size)
     split = {"lower_cpu_s": prep.cpu_s[0], "xla_compile_cpu_s": prep.cpu_s[1],
@@ -182,11 +169,13 @@ def profile_timed(o, page_size: int, guard: bool = True, plan: str = "auto"
 def cases(o):
   for ps in o.page_sizes:
     for impl in o.impls:
-      base, kw = bench.parse_impl(impl)   # device[guard=False]: without the record
-      guard, plan = kw.get("guard", True), kw.get("plan", "auto")  # [plan=xla]
-      setup = (functools.partial(profile_timed, o, ps, guard, plan) if base == "profile"
-               else functools.partial(simulate_timed, o, ps, base, guard, plan))
-      yield bench.Case({"page_size": ps}, impl, setup)
+      base, kw = bench.parse_impl(impl)
+      cfg = simulate.SimConfig(
+          num_requests=o.num_requests, page_sizes=(ps,), kernel=o.kernel, seed=o.seed,
+          driver="device" if base == "profile" else base, guard=kw.get("guard", True),
+          plan_kernel=kw.get("plan", "auto") != "xla")
+      timed = profile_timed if base == "profile" else simulate_timed
+      yield bench.Case({"page_size": ps}, impl, functools.partial(timed, cfg))
 
 
 def render(record: Dict[str, Any]) -> str:

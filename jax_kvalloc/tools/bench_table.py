@@ -23,10 +23,6 @@ Columns, each step chained in timing.chain_time (device time per step):
             free_group_end, alloc_extend of the restarted ones, alloc_decode of every
             row) on the same pool size, host time per step
 
---guard on,off runs calls and step also without the ownership record (SPEC 14),
-calls[guard=False] and step[guard=False], beside them: the record's cost per step
-(bench.guard_cost; target: +1 us at most).
-
 "share" = column - none: the allocator's part of a step. On a GPU each chained column
 also records the jax_kvalloc kernels' own GPU time per step from CUPTI ("kernels_us").
 At the page sizes after the first, only --other-batch-sizes run, with step and none.
@@ -45,6 +41,7 @@ from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc.config import AllocatorConfig
 from jax_kvalloc.tools import bench
+from jax_kvalloc.tools import bench_serving
 from jax_kvalloc.tools import report
 from jax_kvalloc.tools import timing
 
@@ -104,14 +101,9 @@ def table_step(case: TableCase, carry, inputs, *, variant: str = "calls"):
   (the timing harness's link). variant: calls, step, none or floor."""
   cfg = case.config
   state, table, target, pending, ok_all = carry
-  bs, mf = case.bs, case.max_frees
-  rows = jnp.arange(bs, dtype=jnp.int32) + inputs
-  # The rows that finished last step, compacted (up to max_frees of them).
-  rank = jnp.cumsum(pending) - pending
-  sel = pending & (rank < mf)
-  picked = jnp.zeros(mf, jnp.int32).at[jnp.where(sel, rank, mf)].set(rows, mode="drop")
-  n_free = jnp.sum(sel).astype(jnp.int32)
-  prompt = jnp.full((mf,), case.prompt, jnp.int32)
+  rows = jnp.arange(case.bs, dtype=jnp.int32) + inputs
+  picked, sel, n_free = bench_serving.finished_rows(pending, case.max_frees, rows)
+  prompt = jnp.full((case.max_frees,), case.prompt, jnp.int32)
   ext = jnp.zeros((case.max_tokens,), jnp.int32) if case.extend else None
   oks = []
   if variant == "step":
@@ -139,8 +131,7 @@ def table_step(case: TableCase, carry, inputs, *, variant: str = "calls"):
       one = timing.stand_in_pallas(jax.ShapeDtypeStruct((1,), jnp.int32))
       dec = dec + jnp.minimum(one(jnp.zeros((), jnp.int32), n_free)[1].reshape(-1)[0], 0)
   pending = (pending & ~sel) | (table.lens >= target)
-  for ok in oks:
-    ok_all = ok_all & ok
+  ok_all = functools.reduce(jnp.logical_and, oks, ok_all)
   # Outputs: what an engine would consume (slots for the K/V writes).
   return (state, table, target, pending, ok_all), (dec,) + ((ext,) if ext is not None else ())
 
@@ -179,7 +170,7 @@ def chained_timed(case: TableCase, variant: str) -> bench.Timed:
     out = timed.measure(o)
     run = timing.chain_loop(call, o.unroll)
     sink = timing.sink_init(call, carry, zero)
-    out["ok"] = bool(run(carry, zero, sink, np.int32(max(1, 200 // o.unroll)))[0][-1])
+    out["ok"] = bool(run(carry, zero, sink, np.int32(max(1, CHECK_STEPS // o.unroll)))[0][-1])
     if jax.default_backend() != "gpu":
       return out
     try:
