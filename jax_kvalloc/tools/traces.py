@@ -53,10 +53,6 @@ class TraceMismatch(AssertionError):
   """A replayed step disagreed with its record; the message names trace, step and index."""
 
 
-# ---------------------------------------------------------------------------------------
-# Reading, writing, comparing.
-# ---------------------------------------------------------------------------------------
-
 def read(path: str) -> Dict[Any, List[Record]]:
   """A JSON-lines trace file as {trace id: [records]}, in order of first appearance.
 
@@ -143,10 +139,6 @@ def compare(expected: Record, actual: Record, *, release_unordered: bool = False
       return f"{field}: {diff}"
   return None
 
-
-# ---------------------------------------------------------------------------------------
-# Replay.
-# ---------------------------------------------------------------------------------------
 
 def init_args(args: Dict[str, Any]) -> Dict[str, Any]:
   """size, page_size, need_sort, kind of an init record, with defaults filled in."""
@@ -283,10 +275,6 @@ class PageTracker:
     elif op in ("clear", "init"):
       self.held, self.waste, self.group = {}, 0, None
 
-
-# ---------------------------------------------------------------------------------------
-# The workload generator.
-# ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadConfig:
