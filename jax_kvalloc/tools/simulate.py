@@ -180,11 +180,6 @@ def memory_estimate(cfg: SimConfig) -> Tuple[float, float]:
   return per_request, pools
 
 
-# --------------------------------------------------------------------------------------
-# The results: one table of metrics gives PageSizeResult's fields, how the step records
-# fill them, the rows of the printed table and the JSON's keys.
-# --------------------------------------------------------------------------------------
-
 class Metric(NamedTuple):
   """A field of PageSizeResult. `compute(cols, result)` gives it from the step records
   (cols: record column -> i64[steps]; the metrics above it already set); None where the
@@ -364,10 +359,6 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
-# --------------------------------------------------------------------------------------
-# Compiling: every page size at once, options per backend, persistent-cache hits counted.
-# --------------------------------------------------------------------------------------
-
 # CPU: XLA's older loop emitters instead of its fusion emitters (the loop is hundreds of
 # small fusions: a quarter less compile, the same steps). GPU: the loops and every fusion
 # in command buffers (CUDA graphs). Options this jaxlib does not take fall back to the
@@ -477,11 +468,8 @@ def _bar(total: Optional[int], desc: str, progress: bool, **kw):
                    file=sys.stderr, dynamic_ncols=True, leave=False, **kw)
 
 
-# --------------------------------------------------------------------------------------
 # The drivers: generators of (i64[n, C] records of the steps that ran, host us per step);
 # the final carry goes to `out`.
-# --------------------------------------------------------------------------------------
-
 def _device_driver(cfg: SimConfig, prep: Prepared, res: PageSizeResult, out: list):
   carry, pending, t_prev = prep.carry, None, time.perf_counter()
   while True:
