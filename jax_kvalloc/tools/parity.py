@@ -1,8 +1,5 @@
-"""`jax-kvalloc parity`: allocator traces replayed through jax_kvalloc, torch_ref and (when
+r"""`jax-kvalloc parity`: allocator traces replayed through jax_kvalloc, torch_ref and (when
 installed) SGLang itself in lock step; the first mismatch reported.
-
-    jax-kvalloc parity TRACE.jsonl [TRACE2.jsonl ...] [options]
-    jax-kvalloc parity --generate N --seed S [--steps K] [--write OUT.jsonl]
 
 A trace (the JSON-lines format of jax_kvalloc.tools.traces) is replayed step by step:
 the first implementation (the lead) against the trace's recorded fields, every other one
@@ -38,11 +35,8 @@ from jax_kvalloc.tools import traces
 
 @dataclasses.dataclass
 class Impl:
-  """One implementation under comparison.
-
-  name: how reports call it. replayer: drives it. skip: skip(init_args) gives a reason
-  why it cannot run a trace of that pool, or None.
-  """
+  """One implementation under comparison: `name` in reports, the `replayer` that drives
+  it, and skip(init_args): why it cannot run a trace of that pool, or None."""
   name: str
   replayer: traces.Replayer
   skip: Callable[[Dict[str, Any]], Optional[str]] = lambda init: None
@@ -77,10 +71,6 @@ class Stats:
       self.shortfall_merges += (bool(prev.get("release_pages"))
                                 and not rec.get("release_pages"))
 
-
-# ---------------------------------------------------------------------------------------
-# Implementations.
-# ---------------------------------------------------------------------------------------
 
 def jax_impl(kernel: str = "jnp", device: str = "cpu", backend: str = "device") -> Impl:
   """jax_kvalloc's SGLang-compatible classes, with the given index kernel and backend
@@ -125,31 +115,25 @@ def _torch_replayer(make, device, **kw) -> traces.Replayer:
   return traces.Replayer(make, _torch_array(device), _torch_array("cpu"), **kw)
 
 
-# ---------------------------------------------------------------------------------------
-# Lock-step comparison.
-# ---------------------------------------------------------------------------------------
-
 def _describe(trace_id: Any, step: int, rec: traces.Record) -> str:
   args = ", ".join(f"{k}={v}" for k, v in (rec.get("args") or {}).items())
   return f"trace {trace_id!r} step {step} ({rec['op']} {args[:300]}{'...' * (len(args) > 300)})"
 
 
-def _step(impl: Impl, trace_id: Any, step: int, rec: traces.Record,
+def _step(impl: Impl, trace_id: Any, step: int, want: traces.Record, against: str,
           records: Sequence[traces.Record]) -> traces.Record:
-  """impl.replayer.step, with an exception turned into a report naming the step."""
+  """impl.replayer.step of `want`'s op, compared with `want` (what `against` did);
+  ParityMismatch carrying `records` on an exception or a difference."""
   try:
-    return impl.replayer.step(rec["op"], rec.get("args"))
+    got = impl.replayer.step(want["op"], want.get("args"))
   except Exception as e:  # pylint: disable=broad-except
-    raise ParityMismatch(f"ERROR {_describe(trace_id, step, rec)}: {impl.name} raised "
+    raise ParityMismatch(f"ERROR {_describe(trace_id, step, want)}: {impl.name} raised "
                          f"{type(e).__name__}: {e}", records) from e
-
-
-def _check(trace_id: Any, step: int, want: traces.Record, got: traces.Record, impl: Impl,
-           against: str, records: Sequence[traces.Record]) -> None:
   diff = traces.compare(want, got, release_unordered=impl.replayer.release_unordered)
   if diff:
     raise ParityMismatch(f"MISMATCH {_describe(trace_id, step, want)}: {impl.name} vs "
                          f"{against}: {diff}", records)
+  return got
 
 
 def _lock_step(impls: Sequence[Impl], init: Dict[str, Any], trace_id: Any, stats: Stats,
@@ -164,8 +148,7 @@ def _lock_step(impls: Sequence[Impl], init: Dict[str, Any], trace_id: Any, stats
   def on_step(step: int, rec: traces.Record) -> None:
     records.append(rec)
     for impl in others:
-      _check(trace_id, step, rec, _step(impl, trace_id, step, rec, records), impl,
-             lead.name, records)
+      _step(impl, trace_id, step, rec, lead.name, records)
       stats.compared[impl.name] = stats.compared.get(impl.name, 0) + 1
     stats.count(records[-2] if len(records) > 1 else {}, rec)
   return lead, on_step
@@ -185,9 +168,7 @@ def replay_trace(records: Sequence[traces.Record], impls: Sequence[Impl],
                              stats, done)
   for step, want in enumerate(records):
     stats.recorded += any(f in want for f in traces.STATE_FIELDS)
-    got = dict(want, **_step(lead, trace_id, step, want, done + [want]))
-    _check(trace_id, step, want, got, lead, "the trace", done + [want])
-    on_step(step, got)
+    on_step(step, dict(want, **_step(lead, trace_id, step, want, "the trace", done + [want])))
   stats.traces += 1
   return stats
 
@@ -208,14 +189,10 @@ def run_generated(config: traces.WorkloadConfig, impls: Sequence[Impl],
   return records
 
 
-# ---------------------------------------------------------------------------------------
-# The command.
-# ---------------------------------------------------------------------------------------
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
   first = __doc__.split("\n\n")[0].split(": ", 1)[1]
   p.description = first[0].upper() + first[1:]
-  p.epilog = "\n\n".join(__doc__.split("\n\n")[3:])
+  p.epilog = "\n\n".join(__doc__.split("\n\n")[2:])
   p.add_argument("trace", nargs="*", type=existing_file, metavar="TRACE",
                  help="trace files (JSON lines, see jax_kvalloc.tools.traces)")
   p.add_argument("--generate", type=positive(minimum=0), default=0, metavar="N",

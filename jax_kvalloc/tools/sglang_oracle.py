@@ -121,12 +121,7 @@ class SGLangAllocator:
     else:
       self._a = sgl.PagedTokenToKVPoolAllocator(size, page_size, torch.float16, dev, None,
                                                 need_sort)
-    self.page_size = page_size
     self.release_unordered = hasattr(self._a, "staged_pages")
-
-  @property
-  def free_pages(self) -> torch.Tensor:
-    return self._a.free_pages
 
   @property
   def release_pages(self) -> torch.Tensor:
@@ -136,12 +131,10 @@ class SGLangAllocator:
     return (torch.cat([t.reshape(-1).cpu() for t in staged]) if staged
             else torch.zeros((0,), dtype=torch.int64))
 
-  def available_size(self) -> int:
-    return int(self._a.available_size())
-
   def __getattr__(self, name: str) -> Any:
-    """alloc, alloc_extend, alloc_decode, free, free_page_ids, free_segment(s), the free
-    groups, merge_and_sort_free and clear: SGLang's own methods."""
+    """free_pages, page_size, available_size, alloc, alloc_extend, alloc_decode, free,
+    free_page_ids, free_segment(s), the free groups, merge_and_sort_free and clear:
+    SGLang's own."""
     return getattr(self.__dict__["_a"], name)
 
   def backup_state(self) -> Dict[str, Any]:

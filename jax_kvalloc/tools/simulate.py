@@ -1,32 +1,14 @@
 """`jax-kvalloc simulate`: a serving workload driven through the allocator.
 
-Requests arrive (jax_kvalloc.tools.workload), share prefixes through a small prefix cache,
-prefill in chunked batches, decode one token per step, finish and are freed in free
-groups, through the request table (SPEC 11) on the default JAX device, once per page size
-on the same requests. The policy is one jitted function (jax_kvalloc.tools.simulate_step);
-a driver decides where its loop runs:
-
-- `--driver device` (default): many iterations per jitted call, in a loop on the device
-  (`simulate_step.run_steps`); the host reads each call's records while the next runs;
-- `--driver host`: one jitted call per iteration from Python (`simulate_step.host_step`),
-  each step's record read STATUS_LAG calls later, so the host never waits for the device.
-
-Admission control is exact (a request is admitted only when its whole lifetime fits in
-the pages not promised to running requests, evicting unused cached prefixes LRU first),
-so no allocation may fail; every step's record carries the device's page count, which the
-driver compares with the scheduler's. The run ends with a leak check: the free list, the
-release list and the pages the prefix cache holds partition the pool exactly.
-
-With `--swa-window W` the pool is an SWA allocator (SPEC 13): a full pool of `pool_size`
-slots and an SWA pool of `swa_ratio * pool_size` (whole pages); each step frees the SWA
-pages that left every request's window; admission reserves a request's whole length in
-the full pool and, in the SWA pool, the window plus one prefill chunk (then plus one
-token once it decodes: `simulate_step.swa_need`). Page sizes > 1 only, and no prefix
-sharing (the SWA request table has no borrowed prefixes); the leak check covers both pools
-and the mapping.
-
-The table answers what a larger page costs in slots allocated but unused inside pages,
-against what it saves in management (free-list entries, per-step time).
+Requests (jax_kvalloc.tools.workload) run through the request table (SPEC 11) on the
+default JAX device, once per page size on the same requests, under the policy of
+jax_kvalloc.tools.simulate_step (its docstring: the scheduler, the two drivers, SWA mode).
+Here: the drivers' host loops (`--driver device` reads each call's records while the next
+runs; `--driver host` reads a step's record STATUS_LAG calls later, so the host never
+waits for the device), the checks (every step's device page count against the
+scheduler's; at the end, free + released + what the prefix cache holds partition each
+pool exactly) and the results: what a larger page costs in slots allocated but unused
+inside pages, against what it saves in management (free-list entries, per-step time).
 """
 from __future__ import annotations
 
@@ -37,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +30,7 @@ from jax_kvalloc import kernels
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as swa_core
 from jax_kvalloc.buckets import bucket
-from jax_kvalloc.config import KERNELS, AllocatorConfig
+from jax_kvalloc.config import INT32_MAX, KERNELS, AllocatorConfig
 from jax_kvalloc.index_jnp import cdiv
 from jax_kvalloc.swa import SWAConfig
 from jax_kvalloc.tools import simulate_step as sstep
@@ -69,8 +51,7 @@ class SimConfigError(UsageError, ValueError):
 
 
 def _opt(default: Any, text: str) -> Any:
-  """A SimConfig field that is a `jax-kvalloc simulate` option: `--field-name`, `text` its
-  help."""
+  """A SimConfig field that is the option `--field-name` of `jax-kvalloc simulate`."""
   return dataclasses.field(default=default, metadata={"help": text})
 
 
@@ -117,9 +98,6 @@ class SimConfig:
                          output_len=self.output_len, num_prefixes=self.num_prefixes,
                          prefix_len=self.prefix_len, share_prob=self.share_prob,
                          seed=self.seed)
-
-
-INT32_MAX = 2**31 - 1
 
 
 def _is_dist(spec) -> bool:
@@ -202,11 +180,6 @@ def memory_estimate(cfg: SimConfig) -> Tuple[float, float]:
   return per_request, pools
 
 
-# --------------------------------------------------------------------------------------
-# The results: one table of metrics gives PageSizeResult's fields, how the step records
-# fill them, the rows of the printed table and the JSON's keys.
-# --------------------------------------------------------------------------------------
-
 class Metric(NamedTuple):
   """A field of PageSizeResult. `compute(cols, result)` gives it from the step records
   (cols: record column -> i64[steps]; the metrics above it already set); None where the
@@ -224,10 +197,6 @@ class Metric(NamedTuple):
 
 def _m(key: str, default: Any, compute=None, *rows, json: str = "") -> Metric:
   return Metric(key, default, compute, rows, json)
-
-
-def _max(x: np.ndarray):
-  return x.max() if x.size else 0
 
 
 def _mean(x: np.ndarray):
@@ -263,7 +232,7 @@ METRICS = (
     _m("pages_allocated", 0, _sum("pages"), ("pages allocated", "{}", SYN)),
     _m("alloc_failures", 0, lambda c, r: np.sum(c["ok"] == 0),
        ("allocation failures", "{}")),
-    _m("peak_usage", 0.0, lambda c, r: _max(c["used"]) / r.num_pages,
+    _m("peak_usage", 0.0, lambda c, r: np.max(c["used"], initial=0) / r.num_pages,
        ("pool usage peak", "{:.1%}")),
     _m("mean_usage", 0.0, lambda c, r: _mean(c["used"]) / r.num_pages,
        ("pool usage mean", "{:.1%}")),
@@ -271,10 +240,10 @@ METRICS = (
     _m("swa_window", 0, None, ("SWA window (tokens), SWA pool (pages)",
                                "{}, {r.swa_num_pages}", SWA), json=SWA),
     _m("swa_num_pages", 0, json=SWA),
-    _m("full_peak_pages", 0, lambda c, r: _max(c["used"]),
+    _m("full_peak_pages", 0, lambda c, r: np.max(c["used"], initial=0),
        ("full pool used pages peak / mean", "{} / {r.full_mean_pages:.0f}", SWA), json=SWA),
     _m("full_mean_pages", 0.0, lambda c, r: _mean(c["used"]), json=SWA),
-    _m("swa_peak_pages", 0, lambda c, r: _max(c["swa_used"]), json=SWA),
+    _m("swa_peak_pages", 0, lambda c, r: np.max(c["swa_used"], initial=0), json=SWA),
     _m("swa_mean_pages", 0.0, lambda c, r: _mean(c["swa_used"]), json=SWA),
     _m("swa_peak_usage", 0.0, _swa_share("swa_peak_pages"),
        ("SWA pool usage peak", "{:.1%}", SWA), json=SWA),
@@ -289,14 +258,15 @@ METRICS = (
        ("admission stopped by full / SWA pool (steps)", "{} / {r.refused_swa}", SWA),
        json=SWA),
     _m("refused_swa", 0, _sum("refused", 2), json=SWA),
-    _m("peak_reserved", 0.0, lambda c, r: _max(c["used"] + c["committed"]) / r.num_pages,
+    _m("peak_reserved", 0.0,
+       lambda c, r: np.max(c["used"] + c["committed"], initial=0) / r.num_pages,
        ("pool reserved peak (in use + promised)", "{:.1%}", SYN)),
     _m("mean_running", 0.0, lambda c, r: _mean(c["running"]),
        ("running requests mean", "{:.1f}", SYN)),
     _m("waste_mean", 0.0,  # unused slots in allocated pages / their slots
        lambda c, r: _mean(c["waste"] / np.maximum(c["used"] * r.page_size, 1)),
        ("unused slots in pages (mean)", "{:.2%}")),
-    _m("waste_peak_slots", 0, lambda c, r: _max(c["waste"]),
+    _m("waste_peak_slots", 0, lambda c, r: np.max(c["waste"], initial=0),
        ("unused slots in pages (peak)", "{}")),
     _m("runs_mean", 0.0, lambda c, r: np.mean(np.append(c["runs"][c["runs"] >= 0],
                                                         r.runs_final)),
@@ -389,10 +359,6 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
-# --------------------------------------------------------------------------------------
-# Compiling: every page size at once, options per backend, persistent-cache hits counted.
-# --------------------------------------------------------------------------------------
-
 # CPU: XLA's older loop emitters instead of its fusion emitters (the loop is hundreds of
 # small fusions: a quarter less compile, the same steps). GPU: the loops and every fusion
 # in command buffers (CUDA graphs). Options this jaxlib does not take fall back to the
@@ -477,9 +443,7 @@ def prepare(cfg: SimConfig, wl: Workload, page_size: int,
     options, fn = {}, lowered.compile()
   hit = getattr(_HITS, "n", 0) > hits
   cpu_s = (c1 - c0, time.process_time() - c1)
-  census = None
-  if cfg.driver == "host":
-    census = sstep.census.lower(carry.state).compile()
+  census = sstep.census.lower(carry.state).compile() if cfg.driver == "host" else None
   used = ",".join(f"{k}={v}" for k, v in options.items()) or "default XLA options"
   return Prepared(lay, dwl, carry, fn, census, time.perf_counter() - t0, hit, used, cpu_s)
 
@@ -504,11 +468,8 @@ def _bar(total: Optional[int], desc: str, progress: bool, **kw):
                    file=sys.stderr, dynamic_ncols=True, leave=False, **kw)
 
 
-# --------------------------------------------------------------------------------------
 # The drivers: generators of (i64[n, C] records of the steps that ran, host us per step);
 # the final carry goes to `out`.
-# --------------------------------------------------------------------------------------
-
 def _device_driver(cfg: SimConfig, prep: Prepared, res: PageSizeResult, out: list):
   carry, pending, t_prev = prep.carry, None, time.perf_counter()
   while True:
@@ -647,14 +608,13 @@ def check_record(name: str, ps: int, n: int, pool: st.AllocatorState) -> None:
                          f"{err}")
   if pool.guard is None:
     return
-  held = np.flatnonzero(np.asarray(pool.guard.held)[1:]) + 1
-  free = np.concatenate([st.live_free_pages(pool), st.live_release_pages(pool)])
-  want = np.setdiff1d(np.arange(1, n + 1), free)
-  if not np.array_equal(held, want):
+  held = np.asarray(pool.guard.held)[1:] != 0
+  want = guard.from_free(n, np.concatenate([st.live_free_pages(pool),
+                                            st.live_release_pages(pool)]))[1:] != 0
+  if np.any(held != want):
     raise LeakCheckError(
         f"leak check failed (page_size={ps}{name}): the ownership record holds "
-        f"{np.setdiff1d(held, want).size} free pages and misses "
-        f"{np.setdiff1d(want, held).size} pages in use")
+        f"{np.sum(held & ~want)} free pages and misses {np.sum(want & ~held)} pages in use")
 
 
 def final_leak_check(res: PageSizeResult, lay: Layout, state, table,

@@ -14,15 +14,16 @@ import os
 import sys
 from typing import List, Optional
 
+from jax_kvalloc.tools import simulate
 from jax_kvalloc.tools.cli import existing_file, int_list
+
 
 def _typed(field: str):
   """The argparse type of a setting: its default's type, then simulate.RULES."""
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   kind = type(getattr(simulate.SimConfig(), field))
+  test, allowed = simulate.RULES[field]
 
   def parse(text: str):
-    test, allowed = simulate.RULES[field]
     try:
       value = kind(text)
     except ValueError:
@@ -36,7 +37,6 @@ def _typed(field: str):
 
 def options() -> List[dataclasses.Field]:
   """The SimConfig fields that are options (their metadata holds the help)."""
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   return [f for f in dataclasses.fields(simulate.SimConfig) if "help" in f.metadata]
 
 
@@ -47,7 +47,6 @@ def default_cache_dir() -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   d = simulate.SimConfig()
   p.description = (
       "Drives a serving workload through the allocator on the default JAX device "
@@ -110,7 +109,6 @@ def run(args) -> int:
   simulate.SimConfigError, a cli.UsageError: one line, status 2); 3 when a replayed
   trace disagrees."""
   from jax_kvalloc.tools import report  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.tools import simulate  # pylint: disable=g-import-not-at-top
   cfg = simulate.SimConfig(page_sizes=tuple(args.page_sizes), need_sort=args.need_sort,
                            guard=not args.no_guard,
                            **{f.name: getattr(args, f.name) for f in options()})

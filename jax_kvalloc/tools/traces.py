@@ -25,6 +25,7 @@ and `release_pages` (the full lists after the op; slot ids for the token allocat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -45,15 +46,12 @@ OPS = tuple(ARGS)
 STATE_FIELDS = ("result", "free_pages", "release_pages", "available_size")
 
 Record = Dict[str, Any]
+_INT64 = functools.partial(np.asarray, dtype=np.int64)  # Replayer's default array type
 
 
 class TraceMismatch(AssertionError):
   """A replayed step disagreed with its record; the message names trace, step and index."""
 
-
-# ---------------------------------------------------------------------------------------
-# Reading, writing, comparing.
-# ---------------------------------------------------------------------------------------
 
 def read(path: str) -> Dict[Any, List[Record]]:
   """A JSON-lines trace file as {trace id: [records]}, in order of first appearance.
@@ -142,14 +140,6 @@ def compare(expected: Record, actual: Record, *, release_unordered: bool = False
   return None
 
 
-# ---------------------------------------------------------------------------------------
-# Replay.
-# ---------------------------------------------------------------------------------------
-
-def _default_array(values: List[int]) -> np.ndarray:
-  return np.asarray(values, dtype=np.int64)
-
-
 def init_args(args: Dict[str, Any]) -> Dict[str, Any]:
   """size, page_size, need_sort, kind of an init record, with defaults filled in."""
   ps = int(args["page_size"])
@@ -170,8 +160,8 @@ class Replayer:
   """
 
   def __init__(self, make_allocator: Callable[..., Any],
-               to_array: Callable[[List[int]], Any] = _default_array,
-               to_cpu_array: Callable[[List[int]], Any] = _default_array,
+               to_array: Callable[[List[int]], Any] = _INT64,
+               to_cpu_array: Callable[[List[int]], Any] = _INT64,
                release_unordered: bool = False):
     self.make_allocator, self.to_array = make_allocator, to_array
     self.to_cpu_array, self.release_unordered = to_cpu_array, release_unordered
@@ -197,10 +187,8 @@ class Replayer:
     elif op == "alloc_decode":
       seq = list(args["seq_lens"])
       return as_int_list(a.alloc_decode(arr(seq), cpu(seq), arr(list(args["last_loc"]))))
-    elif op == "free":
-      a.free(arr(list(args["free_index"])))
-    elif op == "free_page_ids":
-      a.free_page_ids(arr(list(args["page_ids"])))
+    elif op in ("free", "free_page_ids"):
+      getattr(a, op)(arr(list(args[ARGS[op][0]])))
     elif op == "free_segment":
       a.free_segment(arr(list(args["free_index"])), start_pos=int(args["start_pos"]))
     elif op == "backup_state":
@@ -288,45 +276,25 @@ class PageTracker:
       self.held, self.waste, self.group = {}, 0, None
 
 
-# ---------------------------------------------------------------------------------------
-# The workload generator.
-# ---------------------------------------------------------------------------------------
-
 @dataclasses.dataclass(frozen=True)
 class WorkloadConfig:
-  """One generated trace: the pool and the shape of its traffic.
-
-  Attributes:
-    seed: seeds everything random (requests: jax_kvalloc.tools.workload's draws; the
-      scheduler's choices: Python's `random.Random`).
-    size, page_size, need_sort, kind: the pool (kind "token" or "paged").
-    steps: allocator operations before the final drain (which frees everything).
-    max_prefill_batch, max_decode_batch: requests per alloc_extend / alloc_decode.
-    arrival_rate: mean new requests per scheduler iteration (Poisson).
-    share_prob: chance that a request belongs to one of `PREFIX_GROUPS` shared-prefix
-      groups (it borrows the group's prefix when the prefix cache holds it).
-    cache_prob: chance that a finished request leaves its group's prefix in the cache.
-    spec_prob: chance that a decode iteration is speculative.
-    oom_prob: chance that the scheduler issues an allocation it knows will not fit
-      (otherwise it admits fewer requests, or retracts one before a decode).
-    segment_prob: chance that a finished request's own slots go back through SPEC 10's
-      free_segment or free_page_ids (no sort) instead of free.
-  """
-
-  seed: int
+  """One generated trace: the pool (kind "token" or "paged") and its traffic's shape."""
+  seed: int                     # the requests' draws (workload) and the scheduler's choices
   size: int
   page_size: int = 1
   need_sort: bool = False
   kind: str = "token"
-  steps: int = 200
-  max_prefill_batch: int = 4
-  max_decode_batch: int = 8
-  arrival_rate: float = 0.7
-  share_prob: float = 0.5
-  cache_prob: float = 0.4
-  spec_prob: float = 0.25
-  oom_prob: float = 0.15
-  segment_prob: float = 0.0
+  steps: int = 200              # allocator operations before the drain that frees all
+  max_prefill_batch: int = 4    # requests per alloc_extend
+  max_decode_batch: int = 8     # requests per alloc_decode
+  arrival_rate: float = 0.7     # mean new requests per scheduler iteration (Poisson)
+  share_prob: float = 0.5       # chance of one of PREFIX_GROUPS shared prefixes
+  cache_prob: float = 0.4       # chance that a finished request caches its group's prefix
+  spec_prob: float = 0.25       # chance that a decode iteration is speculative
+  oom_prob: float = 0.15        # chance of an allocation known not to fit (else fewer
+                                # requests are admitted, or one retracted before a decode)
+  segment_prob: float = 0.0     # chance that a finished request frees through SPEC 10's
+                                # free_segment or free_page_ids instead of free
 
   def init_args(self) -> Dict[str, Any]:
     return {"size": self.size, "page_size": self.page_size, "need_sort": self.need_sort,

@@ -24,7 +24,6 @@ FORMS = "const:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA[:MAX] or exp:MEAN[:MAX]"
 @dataclasses.dataclass(frozen=True)
 class Dist:
   """A parsed length distribution; `sample(rng, n)` gives i64[n] values in [lo, hi]."""
-  spec: str
   lo: int
   hi: int
   draw: Callable[[np.random.Generator, int], np.ndarray]
@@ -34,39 +33,33 @@ class Dist:
     return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
 
 
-def parse_dist(spec: str, *, minimum: int = 1) -> Dist:
+def parse_dist(spec: str) -> Dist:
   """Parses a `NAME:PARAMS` length distribution (see the module docstring).
 
   Raises ValueError with the accepted forms on anything else.
   """
   name, _, rest = str(spec).partition(":")
   try:
-    p = [float(v) for v in rest.split(":")] if rest else []
+    p = [float(v) for v in rest.split(":")]
   except ValueError:
-    p = None
-  bad = ValueError(f"length distribution {spec!r} is not one of {FORMS} "
-                   f"(with positive numbers, LO <= HI)")
-  if p is None:
-    raise bad
-  if name == "const" and len(p) == 1 and p[0] >= minimum:
-    n = int(p[0])
-    return Dist(spec, n, n, lambda rng, k: np.full(k, n))
-  if name == "uniform" and len(p) == 2 and minimum <= p[0] <= p[1]:
+    p = []
+  n = len(p)
+  if name == "const" and n == 1 and p[0] >= 1:
+    return Dist(int(p[0]), int(p[0]), lambda rng, k: np.full(k, int(p[0])))
+  if name == "uniform" and n == 2 and 1 <= p[0] <= p[1]:
     lo, hi = int(p[0]), int(p[1])
-    return Dist(spec, lo, hi, lambda rng, k: rng.integers(lo, hi + 1, k))
-  if name == "lognormal" and len(p) in (2, 3) and p[0] > 0 and p[1] >= 0:
-    med, sig = p[0], p[1]
-    hi = int(p[2]) if len(p) == 3 else int(math.ceil(med * math.exp(3 * sig)))
-    if hi < minimum:
-      raise bad
-    return Dist(spec, minimum, hi, lambda rng, k: rng.lognormal(math.log(med), sig, k))
-  if name == "exp" and len(p) in (1, 2) and p[0] > 0:
-    mean = p[0]
-    hi = int(p[1]) if len(p) == 2 else int(math.ceil(8 * mean))
-    if hi < minimum:
-      raise bad
-    return Dist(spec, minimum, hi, lambda rng, k: rng.exponential(mean, k))
-  raise bad
+    return Dist(lo, hi, lambda rng, k: rng.integers(lo, hi + 1, k))
+  hi = 0  # lognormal and exp draw in [1, MAX]
+  if name == "lognormal" and n in (2, 3) and p[0] > 0 and p[1] >= 0:
+    hi = int(p[2]) if n == 3 else int(math.ceil(p[0] * math.exp(3 * p[1])))
+    draw = lambda rng, k: rng.lognormal(math.log(p[0]), p[1], k)  # noqa: E731
+  elif name == "exp" and n in (1, 2) and p[0] > 0:
+    hi = int(p[1]) if n == 2 else int(math.ceil(8 * p[0]))
+    draw = lambda rng, k: rng.exponential(p[0], k)  # noqa: E731
+  if hi < 1:
+    raise ValueError(f"length distribution {spec!r} is not one of {FORMS} "
+                     f"(with positive numbers, LO <= HI)")
+  return Dist(1, hi, draw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,5 +117,4 @@ def make_workload(*, num_requests: int, arrival: str, rate: float, prompt_len: s
     shared_tokens = np.where(shared, plen[np.maximum(group, 0)], 0)
   prompt = parse_dist(prompt_len).sample(rng, n) + shared_tokens
   output = parse_dist(output_len).sample(rng, n)
-  return Workload(arrive, group.astype(np.int64), prompt.astype(np.int64), output,
-                  plen.astype(np.int64))
+  return Workload(arrive, group, prompt, output, plen)
