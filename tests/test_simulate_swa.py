@@ -210,7 +210,7 @@ def test_leak_check_fires_on_a_dropped_swa_free(drop_first_free):
 
 def test_final_leak_check_covers_both_pools_and_the_mapping():
   lay = simulate.make_layout(BASE, BASE.workload(), 16)
-  state, table, _ = jax.jit(steps.init_carry, static_argnums=0)(lay)
+  state, table = jax.jit(steps.init_carry, static_argnums=0)(lay)[:2]
   res = simulate.PageSizeResult(16, lay.num_pages, "auto")
   simulate.final_leak_check(res, lay, state, table)
   assert res.leak_check.startswith("ok") and f"SWA free {lay.swa_pages}" in res.leak_check

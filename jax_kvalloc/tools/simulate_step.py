@@ -95,6 +95,7 @@ SWA_RECORD = ("swa_used",          # SWA pages in use after the step (the schedu
               "swa_device_pages",  # free + released SWA pages on the device after the step
               "refused")           # the next admission did not fit: 1 full pool, 2 SWA, 3 both
 COL = {name: i for i, name in enumerate(RECORD + SWA_RECORD)}
+STATUS = ("ok", "device_pages", "checksum", "swa_device_pages")  # from the table work
 
 
 def record_columns(swa: bool) -> Tuple[str, ...]:
@@ -167,10 +168,6 @@ class Sched(NamedTuple):
   error: Array        # i32[] 0, or ERR_STUCK
 
 
-class Carry(NamedTuple):
-  state: object   # AllocatorState, or SWAState in SWA mode
-  table: object   # RequestTable (request rows, then one row per prefix group) or SWATable
-  sched: Sched
 
 
 class Plan(NamedTuple):
@@ -187,11 +184,24 @@ class Plan(NamedTuple):
   ext_tokens: Array    # i32[] tokens extended (ext_n over the first num_ext)
   dec_rows: Array      # i32[R] rows to decode
   num_dec: Array
-  ins_rows: Array      # i32[R] rows whose prefix pages go to the cache after the step
-  ins_dst: Array       # i32[R] the cache rows
-  ins_pages: Array     # i32[R] pages handed over
+  ins_rows: Array      # i32[B] rows whose prefix pages go to the cache after the step
+  ins_dst: Array       # i32[B] the cache rows
+  ins_pages: Array     # i32[B] pages handed over
   num_ins: Array
   window: Array        # i32[] SWA mode: rows whose window frees run (0 or R)
+
+
+class Pending(NamedTuple):
+  """A planned step whose table work runs in the next iteration."""
+  work: Plan
+  tally: Tuple[Array, ...]  # i32[] per record column but STATUS, in order
+
+
+class Carry(NamedTuple):
+  state: object   # AllocatorState, or SWAState in SWA mode
+  table: object   # RequestTable (request rows, then one row per prefix group) or SWATable
+  sched: Sched    # the scheduler after every plan so far
+  pending: Tuple[Pending, Pending]  # [0]: the table work of this iteration; [1]: spare
 
 
 def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=False):
@@ -224,7 +234,10 @@ def init_carry(lay: Layout) -> Carry:
       prefilling=z(lay.batch), n_prefilling=s(0), cache_tokens=z(g), refcount=z(g),
       last_used=z(g, -1), free_pages=s(lay.num_pages), swa_free=s(lay.swa_pages),
       clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0))
-  return Carry(state, table, sched)
+  any_wl = Workload(*[one_program.Gather(z(1))] * 4, z(max(g, 1)), s(0))
+  shapes = jax.eval_shape(functools.partial(_decide, lay), any_wl, sched, None)[1]
+  idle = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, i32), shapes)
+  return Carry(state, table, sched, (idle, idle))
 
 
 # Small-vector helpers: O(n * m) compares and reductions instead of gathers, sorts,
@@ -521,30 +534,47 @@ def plan(lay: Layout, wl: Workload, c: Sched) -> Tuple[Sched, Plan, dict]:
   return sched, work, tally
 
 
-def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
-  """One scheduler iteration (`plan`) and its table work.
+def _decide(lay: Layout, wl: Workload, c: Sched, spare) -> Tuple[Sched, Pending]:
+  """`plan` as (the next Sched, its Pending); `spare` (unread) is the buffer the plan
+  program writes the Pending over."""
+  del spare
+  sched, work, tally = plan(lay, wl, c)
+  return sched, Pending(work, tuple(tally[name] for name in record_columns(
+      lay.swa is not None) if name not in STATUS))
 
-  Returns (carry, i32[len(record_columns)] record); the record's kind is 0 when no step
-  ran (an idle iteration, or the run is over: `stopped`), and then nothing changed but
-  the clock (or the error flag).
+
+def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
+  """One iteration: the table work planned in the previous iteration (`_table_step`),
+  and beside it, independent of it, the next plan (`plan`), as an overlapped scheduler
+  runs them (on a GPU both run at once).
+
+  Returns (carry, i32[len(record_columns)] record of the step whose table work ran); its
+  kind is 0 when none did (an idle iteration, the first, or the run is over: `finished`),
+  and then nothing changed but the clock (or the error flag).
   """
+  now, spare = carry.pending
+  with jax.named_scope("table"):
+    state, table, status = _table_step(lay, carry.state, carry.table, now.work)
   gather = one_program.Gather
   args = (wl._replace(arrival=gather(wl.arrival), group=gather(wl.group),
-                      prompt=gather(wl.prompt), output=gather(wl.output)), carry.sched)
-  decide = functools.partial(plan, lay)
-  if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program)
-    sched, work, tally = one_program.run(
+                      prompt=gather(wl.prompt), output=gather(wl.output)), carry.sched, spare)
+  decide = functools.partial(_decide, lay)
+  if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program), in place
+    sched, nxt = one_program.run(
         decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan",
-        num_warps=PLAN_WARPS, update=((1, 0),))
+        num_warps=PLAN_WARPS, update=((1, 0), (2, 1)))
   else:
-    sched, work, tally = decide(*args)
-  with jax.named_scope("table"):
-    state, table, status = _table_step(lay, carry.state, carry.table, work)
-  tally.update(ok=status[0], device_pages=status[1], checksum=status[2])
-  if lay.swa is not None:
-    tally["swa_device_pages"] = status[3]
-  rec = jnp.stack([tally[name] for name in record_columns(lay.swa is not None)])
-  return Carry(state, table, sched), rec
+    sched, nxt = decide(*args)
+  cols = record_columns(lay.swa is not None)
+  tally = dict(zip([c for c in cols if c not in STATUS], now.tally))
+  tally.update(zip(STATUS, status))
+  rec = jnp.stack([tally[name] for name in cols])
+  return Carry(state, table, sched, (nxt, now)), rec
+
+
+def finished(wl: Workload, carry: Carry) -> Array:
+  """bool[]: the scheduler has `stopped` and no table work is pending."""
+  return stopped(wl, carry.sched) & (carry.pending[0].tally[0] == 0)  # its kind
 
 
 def checksum(*parts: Tuple[Array, Array]) -> Array:
@@ -662,22 +692,35 @@ def run_steps(lay: Layout, wl: Workload, carry: Carry, *, blocks: int, runs_ever
               ) -> Tuple[Carry, Array, Array]:
   """The device driver's call: blocks * runs_every iterations (`step`), the free-list
   census after every runs_every-th. Returns (carry, i32[blocks * runs_every, C] records
-  (kind 0: no step ran), bool[] `stopped`)."""
+  (kind 0: no step ran), bool[] `finished`). With the plan as a Triton program the loop
+  body is two iterations (runs_every must be even): the plan writes its Pending over the
+  spare buffer in place, and after two iterations the buffers are back in their places."""
+  per_body = 2 if lay.plan_kernel else 1
+  if runs_every % per_body:
+    raise ValueError(f"runs_every must be even with a plan program, got {runs_every}")
+
+  def body(carry, _):
+    recs = []
+    for _ in range(per_body):
+      carry, rec = step(lay, wl, carry)
+      recs.append(rec)
+    return carry, jnp.stack(recs)
+
   def block(carry, _):
-    carry, recs = jax.lax.scan(lambda x, _: step(lay, wl, x), carry, None,
-                               length=runs_every)
+    carry, recs = jax.lax.scan(body, carry, None, length=runs_every // per_body)
+    recs = recs.reshape(runs_every, -1)
     return carry, recs.at[-1].set(_with_runs(recs[-1], carry.state))
 
   carry, recs = jax.lax.scan(block, carry, None, length=blocks)
-  return carry, recs.reshape(blocks * runs_every, -1), stopped(wl, carry.sched)
+  return carry, recs.reshape(blocks * runs_every, -1), finished(wl, carry)
 
 
 @functools.partial(jax.jit, static_argnames=("lay",), donate_argnames=("carry",))
 def host_step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array, Array]:
   """The host driver's call: one iteration (`step`). Returns (carry, i32[C] record,
-  bool[] `stopped`); the runs column is -1 (`census` gives it)."""
+  bool[] `finished`); the runs column is -1 (`census` gives it)."""
   carry, rec = step(lay, wl, carry)
-  return carry, rec, stopped(wl, carry.sched)
+  return carry, rec, finished(wl, carry)
 
 
 census = jax.jit(free_list_runs)
