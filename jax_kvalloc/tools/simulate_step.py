@@ -6,9 +6,10 @@ device; `--driver host` launches the jitted `host_step`, one iteration per call,
 Python loop, as a host scheduler with a device-resident table would. The drivers make the
 same decisions because they run the same function.
 
-An iteration is the scheduler's decisions (`plan`, on the next requests in the queue and
-the scheduler's state `Sched`: per request row and per prefix group), then their table
-work. `plan` is elementwise operations and reductions over small vectors only, so where
+An iteration runs the table work of the step planned in the previous iteration and,
+beside it (they share no data), the scheduler's next decisions (`plan`, on the next
+requests in the queue and the scheduler's state `Sched`: per request row and per prefix
+group), as an overlapped scheduler does; on a GPU the two run at once. `plan` is elementwise operations and reductions over small vectors only, so where
 the pool's kernels are Triton (`Layout.plan_kernel`) it runs as one Triton program
 (pallas_kernels.one_program), else as XLA operations; the decisions are the same. Its
 parts:
@@ -692,23 +693,20 @@ def run_steps(lay: Layout, wl: Workload, carry: Carry, *, blocks: int, runs_ever
               ) -> Tuple[Carry, Array, Array]:
   """The device driver's call: blocks * runs_every iterations (`step`), the free-list
   census after every runs_every-th. Returns (carry, i32[blocks * runs_every, C] records
-  (kind 0: no step ran), bool[] `finished`). With the plan as a Triton program the loop
-  body is two iterations (runs_every must be even): the plan writes its Pending over the
-  spare buffer in place, and after two iterations the buffers are back in their places."""
-  per_body = 2 if lay.plan_kernel else 1
-  if runs_every % per_body:
+  (kind 0: no step ran), bool[] `finished`).
+
+  With the plan program, the runs_every iterations of a block are one straight-line loop
+  body (runs_every must be even): the plan writes its Pending over the spare buffer in
+  place (after an even number of iterations the two buffers are back in their places),
+  and a GPU overlaps each plan with the table work of the step before it across the
+  whole block, not only within an iteration."""
+  unroll = runs_every if lay.plan_kernel else 1
+  if runs_every % 2 and lay.plan_kernel:
     raise ValueError(f"runs_every must be even with a plan program, got {runs_every}")
 
-  def body(carry, _):
-    recs = []
-    for _ in range(per_body):
-      carry, rec = step(lay, wl, carry)
-      recs.append(rec)
-    return carry, jnp.stack(recs)
-
   def block(carry, _):
-    carry, recs = jax.lax.scan(body, carry, None, length=runs_every // per_body)
-    recs = recs.reshape(runs_every, -1)
+    carry, recs = jax.lax.scan(lambda x, _: step(lay, wl, x), carry, None,
+                               length=runs_every, unroll=unroll)
     return carry, recs.at[-1].set(_with_runs(recs[-1], carry.state))
 
   carry, recs = jax.lax.scan(block, carry, None, length=blocks)
