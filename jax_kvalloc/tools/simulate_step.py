@@ -202,7 +202,7 @@ class Carry(NamedTuple):
   state: object   # AllocatorState, or SWAState in SWA mode
   table: object   # RequestTable (request rows, then one row per prefix group) or SWATable
   sched: Sched    # the scheduler after every plan so far
-  pending: Tuple[Pending, Pending]  # [0]: the table work of this iteration; [1]: spare
+  pending: Pending  # the step whose table work runs in the next iteration
 
 
 def swa_need(prompt, output, window: int, tokens: int, ps: int, *, decoding=False):
@@ -236,9 +236,9 @@ def init_carry(lay: Layout) -> Carry:
       last_used=z(g, -1), free_pages=s(lay.num_pages), swa_free=s(lay.swa_pages),
       clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0))
   any_wl = Workload(*[one_program.Gather(z(1))] * 4, z(max(g, 1)), s(0))
-  shapes = jax.eval_shape(functools.partial(_decide, lay), any_wl, sched, None)[1]
-  idle = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, i32), shapes)
-  return Carry(state, table, sched, (idle, idle))
+  shapes = jax.eval_shape(functools.partial(_decide, lay), any_wl, sched)[1]
+  return Carry(state, table, sched,
+               jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, i32), shapes))
 
 
 # Small-vector helpers: O(n * m) compares and reductions instead of gathers, sorts,
@@ -535,10 +535,8 @@ def plan(lay: Layout, wl: Workload, c: Sched) -> Tuple[Sched, Plan, dict]:
   return sched, work, tally
 
 
-def _decide(lay: Layout, wl: Workload, c: Sched, spare) -> Tuple[Sched, Pending]:
-  """`plan` as (the next Sched, its Pending); `spare` (unread) is the buffer the plan
-  program writes the Pending over."""
-  del spare
+def _decide(lay: Layout, wl: Workload, c: Sched) -> Tuple[Sched, Pending]:
+  """`plan` as (the next Sched, its Pending)."""
   sched, work, tally = plan(lay, wl, c)
   return sched, Pending(work, tuple(tally[name] for name in record_columns(
       lay.swa is not None) if name not in STATUS))
@@ -553,29 +551,29 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
   kind is 0 when none did (an idle iteration, the first, or the run is over: `finished`),
   and then nothing changed but the clock (or the error flag).
   """
-  now, spare = carry.pending
+  now = carry.pending
   with jax.named_scope("table"):
     state, table, status = _table_step(lay, carry.state, carry.table, now.work)
   gather = one_program.Gather
   args = (wl._replace(arrival=gather(wl.arrival), group=gather(wl.group),
-                      prompt=gather(wl.prompt), output=gather(wl.output)), carry.sched, spare)
+                      prompt=gather(wl.prompt), output=gather(wl.output)), carry.sched)
   decide = functools.partial(_decide, lay)
-  if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program), in place
+  if lay.plan_kernel:  # one Triton program (pallas_kernels.one_program), Sched in place
     sched, nxt = one_program.run(
         decide, *args, interpret=lay.plan_kernel == "triton_interpret", name="plan",
-        num_warps=PLAN_WARPS, update=((1, 0), (2, 1)))
+        num_warps=PLAN_WARPS, update=((1, 0),))
   else:
     sched, nxt = decide(*args)
   cols = record_columns(lay.swa is not None)
   tally = dict(zip([c for c in cols if c not in STATUS], now.tally))
   tally.update(zip(STATUS, status))
   rec = jnp.stack([tally[name] for name in cols])
-  return Carry(state, table, sched, (nxt, now)), rec
+  return Carry(state, table, sched, nxt), rec
 
 
 def finished(wl: Workload, carry: Carry) -> Array:
   """bool[]: the scheduler has `stopped` and no table work is pending."""
-  return stopped(wl, carry.sched) & (carry.pending[0].tally[0] == 0)  # its kind
+  return stopped(wl, carry.sched) & (carry.pending.tally[0] == 0)  # its kind
 
 
 def checksum(*parts: Tuple[Array, Array]) -> Array:
@@ -695,14 +693,11 @@ def run_steps(lay: Layout, wl: Workload, carry: Carry, *, blocks: int, runs_ever
   census after every runs_every-th. Returns (carry, i32[blocks * runs_every, C] records
   (kind 0: no step ran), bool[] `finished`).
 
-  With the plan program, the runs_every iterations of a block are one straight-line loop
-  body (runs_every must be even): the plan writes its Pending over the spare buffer in
-  place (after an even number of iterations the two buffers are back in their places),
-  and a GPU overlaps each plan with the table work of the step before it across the
-  whole block, not only within an iteration."""
+  With the plan program the runs_every iterations of a block are one straight-line loop
+  body, so a GPU overlaps each plan with the table work of the step before it across the
+  whole block, not only within an iteration (and the Pending it writes into a new
+  buffer is copied into the loop's carry once per block, not once per step)."""
   unroll = runs_every if lay.plan_kernel else 1
-  if runs_every % 2 and lay.plan_kernel:
-    raise ValueError(f"runs_every must be even with a plan program, got {runs_every}")
 
   def block(carry, _):
     carry, recs = jax.lax.scan(lambda x, _: step(lay, wl, x), carry, None,
