@@ -9,8 +9,9 @@ same decisions because they run the same function.
 An iteration runs the table work of the step planned in the previous iteration and,
 beside it (they share no data), the scheduler's next decisions (`plan`, on the next
 requests in the queue and the scheduler's state `Sched`: per request row and per prefix
-group), as an overlapped scheduler does; on a GPU the two run at once. `plan` is elementwise operations and reductions over small vectors only, so where
-the pool's kernels are Triton (`Layout.plan_kernel`) it runs as one Triton program
+group), as an overlapped scheduler does; on a GPU the two run at once. `plan` is
+elementwise operations and reductions over small vectors only, so where the pool's
+kernels are Triton (`Layout.plan_kernel`) it runs as one Triton program
 (pallas_kernels.one_program), else as XLA operations; the decisions are the same. Its
 parts:
   1. arrivals join the queue (request ids [head, arrived), in arrival order);
@@ -167,8 +168,6 @@ class Sched(NamedTuple):
   steps: Array        # i32[] steps so far
   done: Array         # i32[] requests finished
   error: Array        # i32[] 0, or ERR_STUCK
-
-
 
 
 class Plan(NamedTuple):
@@ -573,7 +572,7 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
 
 def finished(wl: Workload, carry: Carry) -> Array:
   """bool[]: the scheduler has `stopped` and no table work is pending."""
-  return stopped(wl, carry.sched) & (carry.pending.tally[0] == 0)  # its kind
+  return stopped(wl, carry.sched) & (carry.pending.tally[RECORD.index("kind")] == 0)
 
 
 def checksum(*parts: Tuple[Array, Array]) -> Array:
