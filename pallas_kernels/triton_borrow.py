@@ -246,7 +246,7 @@ def borrow_triton(pages: Array, lens: Array, owned_from: Array, rows: Array,
               rows=num, rows_pad=rows_pad, ids_width=ids_width, tile=tile,
               hand_over=hand_over, barrier=not interpret)
   if num_warps is None:
-    num_warps = tuning.decode_warps(rows_pad * tile // 4)
+    num_warps = tuning.table_warps(rows_pad * tile // 4)
   call = _Call("jax_kvalloc_borrow_triton", p, num_warps, interpret)
   out = call.run(pages.reshape(-1), lens, owned_from, rows, num_rows.reshape(1),
                  num_pages, last)

@@ -48,6 +48,15 @@ def decode_warps(rows_pad: int) -> int:
   return 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
 
 
+def table_warps(lanes: int) -> int:
+  """Warps of a one-program table kernel (the request table's step and its borrows),
+  from its widest phase's lanes / 4: decode_warps', but 8 from 513 on, where the H200
+  ran the simulator's step at page size 16 (release and borrow phases of 16 rows x 256
+  columns) in 18.9 us against 20.4 with 4 warps (BENCHMARKS.md, "The overlapped
+  step")."""
+  return 8 if 512 < lanes <= 4096 else decode_warps(lanes)
+
+
 def extend_layout(rows_pad: int, out_len: int) -> str:
   """The fused extend kernel's default layout: "rows" or "tiles" (above)."""
   del out_len  # the rule depends on the rows alone
