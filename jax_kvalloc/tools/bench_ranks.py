@@ -234,7 +234,8 @@ def _layout(o_items: tuple, processes: int, devices: int) -> Dict[str, Any]:
 def _summary(times: Sequence[float]) -> Dict[str, float]:
   t = np.asarray(times) * 1e6
   med = float(np.median(t))
-  return {"us": med, "spread": float((np.percentile(t, 90) - np.percentile(t, 10)) / med),
+  spread = np.percentile(t, 90) - np.percentile(t, 10)
+  return {"us": med, "spread": float(spread / med) if med > 0 else float("inf"),
           "n": int(t.size)}
 
 
