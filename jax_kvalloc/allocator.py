@@ -60,6 +60,7 @@ class Allocator(NamedTuple):
   release_and_alloc_decode: Callable[..., Any]  # (state, page_ids, seq_lens, last_loc, *, num=None, num_reqs=None)
   # A serving step's table work, release + extend + decode (one kernel launch on GPU).
   step_rows: Callable[..., Any]           # (state, table, *, release=, extend=, n=, decode=, max_tokens=, num_*=) -> (state, table, StepOutputs)
+  borrow_from_rows: Callable[..., Any]    # (table, rows, src, num_pages, *, num_rows=None, hand_over=False) -> (table, ok)
 
 
 def _bind(config: AllocatorConfig) -> Allocator:
@@ -87,6 +88,7 @@ def _bind(config: AllocatorConfig) -> Allocator:
       attention_inputs=bind(request_table.attention_inputs),
       release_and_alloc_decode=bind(allocation.release_and_alloc_decode),
       step_rows=bind(request_table.step_rows),
+      borrow_from_rows=bind(request_table.borrow_from_rows),
   )
 
 

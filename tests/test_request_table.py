@@ -181,16 +181,16 @@ def test_borrow_from_rows_hand_worked(kernel):
   cfg = kv.AllocatorConfig(size=64, page_size=4, kernel=kernel, debug=False)
   table = rt.RequestTable(jnp.array([[1, 2, 3, 0], [0] * 4, [5, 6, 0, 0], [0] * 4]),
                           jnp.array([10, 0, 8, 0]), jnp.array([0, 0, 1, 0]))
-  take = jax.jit(rt.borrow_from_rows, static_argnums=0, static_argnames="hand_over")
+  take = jax.jit(kv.paged_allocator(cfg).borrow_from_rows, static_argnames="hand_over")
   pad = lambda x: jnp.array(list(x) + [0] * (2 - len(x)))  # one shape: two compiles
   # Rows 1 and 3 borrow row 0's first two pages and one of row 2's.
-  t, ok = take(cfg, table, pad([1, 3]), pad([0, 2]), pad([2, 1]), num_rows=2)
+  t, ok = take(table, pad([1, 3]), pad([0, 2]), pad([2, 1]), num_rows=2)
   assert bool(ok)
   np.testing.assert_array_equal(t.pages[jnp.array([1, 3])], [[1, 2, 0, 0], [5, 0, 0, 0]])
   np.testing.assert_array_equal(t.lens, [10, 8, 8, 4])
   np.testing.assert_array_equal(t.owned_from, [0, 2, 1, 1])
   # Row 0 hands its first two pages to row 1, and keeps them as a borrowed prefix.
-  t, ok = take(cfg, table, pad([1]), pad([0]), pad([2]), num_rows=1, hand_over=True)
+  t, ok = take(table, pad([1]), pad([0]), pad([2]), num_rows=1, hand_over=True)
   assert bool(ok)
   np.testing.assert_array_equal(t.pages[1], [1, 2, 0, 0])
   np.testing.assert_array_equal(t.owned_from, [2, 0, 1, 0])
@@ -202,7 +202,7 @@ def test_borrow_from_rows_hand_worked(kernel):
       ([1], [0], [-1], False),         # negative count
       ([1], [2], [1], True),           # row 2 borrowed its first column: not its to hand
       ([1, 3], [0, 0], [1, 1], True)):  # row 0 handed over twice
-    t, ok = take(cfg, table, pad(rows), pad(src), pad(k), num_rows=len(rows),
+    t, ok = take(table, pad(rows), pad(src), pad(k), num_rows=len(rows),
                  hand_over=hand_over)
     assert not bool(ok), (rows, src, k, hand_over)
     chex.assert_trees_all_equal(t, table)
