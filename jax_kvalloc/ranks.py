@@ -34,8 +34,9 @@ array input must be a global array that each process builds from its own ranks' 
 which ranks a process holds.
 
 The request table (SPEC 11) gets the same rank axis: `init_tables` stacks one table per
-rank, and `extend_rows`, `decode_rows`, `release_rows`, `borrow_pages`, `admit_rows` and
-`attention_inputs` act on every rank's table and pool at once.
+rank, and `extend_rows`, `decode_rows`, `release_rows`, `borrow_pages`,
+`borrow_from_rows`, `admit_rows` and `attention_inputs` act on every rank's table and
+pool at once.
 
     ranks = jax_kvalloc.ranks_allocator(AllocatorConfig(size=8192, page_size=16), 4)
     state = ranks.init()                              # 4 pools of 2048 slots
@@ -408,6 +409,20 @@ def borrow_pages(config: AllocatorConfig, table: request_table.RequestTable, row
       table, rows, page_ids, num_pages, num_rows)
 
 
+def borrow_from_rows(config: AllocatorConfig, table: request_table.RequestTable,
+                     rows: Array, src: Array, num_pages: Array, *,
+                     num_rows: Optional[Array] = None, hand_over: bool = False
+                     ) -> Tuple[request_table.RequestTable, Array]:
+  """`request_table.borrow_from_rows` on every rank. rows, src, num_pages: i32[dp_size,
+  B], src a rank's own rows; hand_over static. Returns (table, bool[dp_size] ok)."""
+  rc = _table_config(config, table)
+  _leading(table.pages.shape[0], rows=rows, src=src, num_pages=num_pages,
+           num_rows=num_rows)
+  fn = functools.partial(request_table.borrow_from_rows, rc, hand_over=hand_over)
+  return jax.vmap(lambda t, r, c, k, m: fn(t, r, c, k, num_rows=m))(
+      table, rows, src, num_pages, num_rows)
+
+
 def admit_rows(config: AllocatorConfig, state: AllocatorState,
                table: request_table.RequestTable, rows: Array, n: Array, *,
                num_rows: Optional[Array] = None, max_tokens: Optional[int] = None) -> Array:
@@ -515,6 +530,7 @@ class RankedAllocator(NamedTuple):
   decode_rows: Callable[..., Any]         # (state, table, rows, *, num_rows=None)
   release_rows: Callable[..., Any]        # (state, table, rows, *, num_rows=None)
   borrow_pages: Callable[..., Any]        # (table, rows, page_ids, num_pages, *, num_rows=None)
+  borrow_from_rows: Callable[..., Any]    # (table, rows, src, num_pages, *, num_rows=None, hand_over=False)
   admit_rows: Callable[..., Any]          # (state, table, rows, n, *, num_rows=None, max_tokens=None)
   attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None)
 
@@ -635,6 +651,7 @@ def ranks_allocator(config: AllocatorConfig, dp_size: int, *,
       decode_rows=bind(decode_rows),
       release_rows=bind(release_rows),
       borrow_pages=bind(borrow_pages),
+      borrow_from_rows=bind(borrow_from_rows, ("hand_over",)),
       admit_rows=bind(admit_rows, ("max_tokens",)),
       attention_inputs=bind(attention_inputs),
   )

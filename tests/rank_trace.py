@@ -458,29 +458,33 @@ class RankTrace:
 
   def _t_borrow(self, step, op):
     s, ps, width = self.s, self.s.page_size, self.s.max_pages_per_req
-    rows, ids, num = {}, {}, {}
+    rows, ids, num, srcs = {}, {}, {}, {}
     for rank in self.mine:
       m = self.m[rank]
       borrowing = {b for bs in m.borrowers.values() for b in bs}
       sources = [r for r in m.rows if m.lens[r] >= ps and r not in borrowing]
       empty = [r for r in range(s.max_reqs) if r not in m.rows]
-      rows[rank], ids[rank], num[rank] = [], [], []
+      rows[rank], ids[rank], num[rank], srcs[rank] = [], [], [], []
       if sources and empty:
         src = sources[int(m.rng.integers(len(sources)))]
         row = empty[int(m.rng.integers(len(empty)))]
         k = int(m.rng.integers(1, m.lens[src] // ps + 1))
-        rows[rank], ids[rank], num[rank] = [row], [m.rows[src][:k]], [k]
+        rows[rank], ids[rank], num[rank], srcs[rank] = [row], [m.rows[src][:k]], [k], [src]
         m.rows[row], m.lens[row], m.owned_from[row] = list(m.rows[src][:k]), k * ps, k
         m.borrowers.setdefault(src, []).append(row)
     mine = self.mine
-    page_ids = np.zeros((len(mine), 1, width), np.int32)
-    for i, rank in enumerate(mine):
-      if ids[rank]:
-        page_ids[i, 0, :len(ids[rank][0])] = ids[rank][0]
-    self.table, ok = self.r.borrow_pages(
-        self.table, self.put(_pad([rows[r] for r in mine], 1)), self.put(page_ids),
-        self.put(_pad([num[r] for r in mine], 1)),
-        num_rows=self.put([len(rows[r]) for r in mine]))
+    put_rows = lambda d: self.put(_pad([d[r] for r in mine], 1))
+    counts = self.put([len(rows[r]) for r in mine])
+    if self.schedule.count(op) % 2:  # every other borrow: the call reads the source rows
+      self.table, ok = self.r.borrow_from_rows(self.table, put_rows(rows), put_rows(srcs),
+                                               put_rows(num), num_rows=counts)
+    else:
+      page_ids = np.zeros((len(mine), 1, width), np.int32)
+      for i, rank in enumerate(mine):
+        if ids[rank]:
+          page_ids[i, 0, :len(ids[rank][0])] = ids[rank][0]
+      self.table, ok = self.r.borrow_pages(self.table, put_rows(rows), self.put(page_ids),
+                                           put_rows(num), num_rows=counts)
     self._keep(step, op, ok)
     assert self.get(ok).all(), (step, op)
 
