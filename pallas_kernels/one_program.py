@@ -132,8 +132,8 @@ def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str =
 
   Raises:
     ValueError naming the leaf when an argument is not int32, a result not int32 or
-    bool, or a size not a power of two (a Gather's: not 1-D); naming the line of a select between two
-    constants; naming an `update` pair whose sides differ.
+    bool, or a size not a power of two (a Gather's source: not 1-D); naming the line of
+    a select between two constants; naming an `update` pair whose sides differ.
   """
   leaves, in_tree = jax.tree_util.tree_flatten(args)
   gathered = tuple(isinstance(x, Gather) for x in jax.tree_util.tree_leaves(
@@ -150,7 +150,7 @@ def run(fn: Callable[..., Any], *args: Any, interpret: bool = False, name: str =
       if dtype not in ok or not (len(leaf.shape) == 1 if g else is_pow2(size)):
         raise ValueError(f"one_program.run({name}): {kind} {path} is {dtype}"
                          f"{tuple(leaf.shape)}; every leaf must be int32 (a result may be "
-                         "bool) of a power-of-two size")
+                         "bool) of a power-of-two size, a Gather's source 1-D")
   bad = _constant_selects(jaxpr.jaxpr, lambda v: isinstance(v, jax_core.Literal))
   if bad:
     raise ValueError(f"one_program.run({name}): a select between two constants at "

@@ -50,10 +50,8 @@ def decode_warps(rows_pad: int) -> int:
 
 def table_warps(lanes: int) -> int:
   """Warps of a one-program table kernel (the request table's step and its borrows),
-  from its widest phase's lanes / 4: decode_warps', but 8 from 513 on, where the H200
-  ran the simulator's step at page size 16 (release and borrow phases of 16 rows x 256
-  columns) in 18.9 us against 20.4 with 4 warps (BENCHMARKS.md, "The overlapped
-  step")."""
+  from its widest phase's lanes / 4: decode_warps', but 8 from 513 on (16 rows x 256
+  columns run faster on 8 than on 4: BENCHMARKS.md, "The overlapped step")."""
   return 8 if 512 < lanes <= 4096 else decode_warps(lanes)
 
 

@@ -105,6 +105,11 @@ def record_columns(swa: bool) -> Tuple[str, ...]:
   return RECORD + SWA_RECORD if swa else RECORD
 
 
+def _tally_columns(swa: bool) -> Tuple[str, ...]:
+  """The record's columns that the plan gives (all but STATUS), in order."""
+  return tuple(c for c in record_columns(swa) if c not in STATUS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Static sizes of one page size's run (jax_kvalloc.tools.simulate.make_layout)."""
@@ -234,7 +239,7 @@ def init_carry(lay: Layout) -> Carry:
       prefilling=z(lay.batch), n_prefilling=s(0), cache_tokens=z(g), refcount=z(g),
       last_used=z(g, -1), free_pages=s(lay.num_pages), swa_free=s(lay.swa_pages),
       clock=s(0), head=s(0), steps=s(0), done=s(0), error=s(0))
-  any_wl = Workload(*[one_program.Gather(z(1))] * 4, z(max(g, 1)), s(0))
+  any_wl = Workload(*[one_program.Gather(z(1))] * 4, z(g), s(0))
   shapes = jax.eval_shape(functools.partial(_decide, lay), any_wl, sched)[1]
   return Carry(state, table, sched,
                jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, i32), shapes))
@@ -537,8 +542,7 @@ def plan(lay: Layout, wl: Workload, c: Sched) -> Tuple[Sched, Plan, dict]:
 def _decide(lay: Layout, wl: Workload, c: Sched) -> Tuple[Sched, Pending]:
   """`plan` as (the next Sched, its Pending)."""
   sched, work, tally = plan(lay, wl, c)
-  return sched, Pending(work, tuple(tally[name] for name in record_columns(
-      lay.swa is not None) if name not in STATUS))
+  return sched, Pending(work, tuple(tally[c] for c in _tally_columns(lay.swa is not None)))
 
 
 def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
@@ -563,10 +567,10 @@ def step(lay: Layout, wl: Workload, carry: Carry) -> Tuple[Carry, Array]:
         num_warps=PLAN_WARPS, update=((1, 0),))
   else:
     sched, nxt = decide(*args)
-  cols = record_columns(lay.swa is not None)
-  tally = dict(zip([c for c in cols if c not in STATUS], now.tally))
+  swa = lay.swa is not None
+  tally = dict(zip(_tally_columns(swa), now.tally))
   tally.update(zip(STATUS, status))
-  rec = jnp.stack([tally[name] for name in cols])
+  rec = jnp.stack([tally[name] for name in record_columns(swa)])
   return Carry(state, table, sched, nxt), rec
 
 
