@@ -35,7 +35,7 @@ BARE="--bare --min-time 0.02 --sglang-kernels $SGK"
 GUARD_EXTEND=16x8192,64x32768,256x65536,1024x65536,4096x262144   # issue 32: extend bs 16-4096
 
 # name | seconds | command (the step's record: $DIR/<name>.json)
-STEPS="gpu-tests|360|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -m gpu -p no:cacheprovider -rA -n 4 --dist load --timeout 300 tests
+STEPS="gpu-tests|420|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -m gpu -p no:cacheprovider -rA -n 4 --dist load --timeout 300 tests
 decode|240|$B kernels --ops decode --impls pallas,torch_ref,sglang $BARE --json \$DIR/decode.json
 extend|150|$B kernels --ops extend --impls pallas,torch_ref,sglang $BARE --json \$DIR/extend.json
 free|150|$B kernels --ops free --impls jnp,pallas,eager,torch_ref --min-time 0.02 --json \$DIR/free.json

@@ -691,11 +691,11 @@ def test_compiled_scan_of_steps_matches_model_on_gpu():
 def test_compiled_borrow_equals_jnp_path_on_gpu(monkeypatch, ps):
   refused = check_borrows(ps, 40 if ps > 1 else 56, 8, 6, 64, 4, "gpu", kernel="triton")
   assert all(0 < k < 64 for k in refused.values()), (SEED, refused)
-  # A simulator-sized table and a batch past one warp; page size 1's simulator table (16
-  # rows of 3392 columns: one pass of 65536 lanes on 16 warps).
+  # A simulator-sized table and a batch past one warp, in one pass of columns and in two
+  # (LANES 4096); at page size 1 the simulator's table, 16 rows of 3392 columns in one
+  # pass of 65536 lanes on 16 warps.
   check_borrows(ps, 30000, 1032, 81, 4, 64, "gpu-large", kernel="triton")
-  check_borrows(ps, 32768, 136, 3392, 4, 16, "gpu-wide", kernel="triton")
-  # The same in several passes of columns (2 and 14).
+  if ps == 1:
+    check_borrows(ps, 32768, 136, 3392, 4, 16, "gpu-wide", kernel="triton")
   monkeypatch.setattr(triton_borrow, "LANES", 4096)
   check_borrows(ps, 30000, 1032, 81, 4, 64, "gpu-large-passes", kernel="triton")
-  check_borrows(ps, 32768, 136, 3392, 4, 16, "gpu-wide-passes", kernel="triton")
