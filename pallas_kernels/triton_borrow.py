@@ -34,9 +34,9 @@ from pallas_kernels._util import floordiv
 Array = jax.Array
 
 MAX_ROWS = 2048    # rows per call (padded): one program holds them
-# rows_pad * tile: the lanes of one pass over the columns. Fewer passes win on the H200:
-# 16 rows x 4096 columns take 11.2 us in one pass on 16 warps, 20.9 us in 16 passes of
-# 4096 lanes on 8 (BENCHMARKS.md, "The main job and page size 1 on the H200").
+# rows_pad * tile: the most lanes of one pass over the columns. Fewer, wider passes are
+# faster on the H200 up to this many, on table_warps' 16 warps (BENCHMARKS.md, "The main
+# job and page size 1 on the H200").
 LANES = 2**16
 
 
