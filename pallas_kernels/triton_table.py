@@ -493,7 +493,7 @@ def table_step_triton(free_ring: Array, free_head: Array, free_len: Array,
               guard=record is not None, op=op)
   if num_warps is None:
     num_warps = tuning.table_warps(max(p.dec_pad, p.rel_pad * p.width_pad // 4,
-                                        p.ext_pad * 4))
+                                       p.ext_pad * 4))
   one = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))
   args = [free_ring, one(free_head), one(free_len), one(release_len), pages.reshape(-1),
           lens, owned_from]

@@ -92,8 +92,8 @@ def test_branch_free_step_makes_the_same_decisions(monkeypatch, form):
   if form == "swa":
     cfg = dataclasses.replace(cfg, swa_window=40, swa_ratio=0.3)
   if form == "triton":
-    # A census, and with the plan program an unrolled loop body, every 4 iterations: the
-    # default 16 takes five times as long to compile with the interpreter's kernels.
+    # A census, and with the plan program an unrolled loop body, every 4 iterations: an
+    # unrolled body of the default 16 iterations of interpreter kernels compiles slowly.
     cfg = dataclasses.replace(cfg, num_requests=12, output_len="uniform:1:20", max_frees=4,
                               runs_every=4)
   branched = _run(cfg)

@@ -359,13 +359,13 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
   return dataclasses.replace(lay, acfg=scfg.full, swa=scfg, window=int(cfg.swa_window))
 
 
-# CPU: XLA's older loop emitters instead of its fusion emitters (the loop is hundreds of
-# small fusions: a quarter less compile, the same steps), and LLVM at -O1 (most of the
-# compile is LLVM generating those kernels: a fifth less, steps as fast). GPU: the loops
-# and every fusion in command buffers (CUDA graphs) whose kernels run as their data
-# dependences allow (the next plan beside the table work: simulate_step.step). Options
-# this jaxlib does not take fall back to the default (PageSizeResult.compile_options says
-# which ran).
+# CPU: XLA's older loop emitters instead of its fusion emitters, and LLVM at -O1: the loop
+# is hundreds of small fusions and most of its compile is LLVM generating them; both
+# compile faster with steps as fast (BENCHMARKS.md, "simulate's main job on this CPU"). GPU:
+# the loops and every fusion in command buffers (CUDA graphs) whose kernels run as their
+# data dependences allow (the next plan beside the table work: simulate_step.step).
+# Options this jaxlib does not take fall back to the default
+# (PageSizeResult.compile_options says which ran).
 COMPILE_OPTIONS = {
     "cpu": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
     "gpu": {"xla_gpu_enable_command_buffer":
