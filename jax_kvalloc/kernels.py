@@ -145,6 +145,33 @@ def resolve(kernel: str, op: Optional[str] = None) -> str:
   return for_platform(kernel, jax.default_backend(), op)
 
 
+def unavailable(kernel: str, platform: Optional[str] = None) -> Optional[str]:
+  """None when `kernel` (a name of config.KERNELS) can run on `platform` (None: the
+  default backend's), else why not, in a few words: Triton needs a GPU and a working
+  Pallas Triton backend, Mosaic GPU a Hopper GPU and jax >= 0.11, Mosaic a TPU; jnp and
+  the interpreters ("*_interpret") run anywhere (Mosaic GPU's interpreter needs a jax
+  that builds its kernels). Looks at the backend only: nothing is compiled."""
+  platform = platform or jax.default_backend()
+  base, interpret = family(for_platform(kernel, platform))
+  gpu = platform in ("gpu", "cuda", "rocm")
+  if base == "mosaic_gpu":
+    from pallas_kernels import mosaic_gpu_common  # pylint: disable=g-import-not-at-top
+    if not mosaic_gpu_common.available():
+      return f"jax {jax.__version__} does not build the Mosaic GPU kernels (jax >= 0.11 does)"
+  if base == "jnp" or interpret:
+    return None
+  if base == "triton":
+    return None if gpu and usable("triton") else (
+        f"Pallas' Triton kernels need a GPU{'' if gpu else f', and this backend is {platform}'}"
+        + ("" if not gpu else f": {_triton_problem()}"))
+  if base == "mosaic_gpu":
+    return None if gpu and usable("mosaic_gpu") else (
+        f"the Mosaic GPU kernels need an NVIDIA Hopper GPU"
+        + (f": {_mosaic_gpu_problem()}" if gpu else f", and this backend is {platform}"))
+  return None if platform == "tpu" else (
+      f"the Mosaic kernels need a TPU, and this backend is {platform}")
+
+
 def family(name: str) -> Tuple[str, bool]:
   """("jnp" | "triton" | "mosaic_gpu" | "mosaic", interpret) of a concrete name."""
   base, sep, _ = name.partition("_interpret")

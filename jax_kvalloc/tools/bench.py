@@ -557,6 +557,8 @@ def run(args: argparse.Namespace) -> int:
   # JAX must not take most of the GPU before torch gets any.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   opts = resolve(args)
+  if getattr(opts, "kernel", None) is not None:  # the suites whose pools take --kernel
+    cli.check_kernel(opts.kernel)
   save = (lambda rec: report.write_json(opts.json, rec)) if opts.json else (lambda r: None)
   record = run_suite(load_suite(args.suite), opts, save)
   save(record)

@@ -129,6 +129,20 @@ def existing_file(text: str) -> str:
   return text
 
 
+def check_kernel(kernel: str, platform: Optional[str] = None,
+                 option: str = "--kernel") -> None:
+  """UsageError naming `option` when `kernel` cannot run on `platform` (None: the default
+  JAX backend), found before anything is compiled (jax_kvalloc.kernels.unavailable)."""
+  from jax_kvalloc import kernels  # pylint: disable=g-import-not-at-top  (imports jax)
+  from jax_kvalloc.config import KERNELS  # pylint: disable=g-import-not-at-top
+  if kernel not in KERNELS:
+    raise UsageError(option, f"must be one of {', '.join(KERNELS)}, got {kernel!r}")
+  why = kernels.unavailable(kernel, platform)
+  if why:
+    raise UsageError(option, f"{kernel} cannot run here: {why} (auto and jnp run on "
+                     "every backend)")
+
+
 def build(argv: Sequence[str]) -> argparse.ArgumentParser:
   """The parser; the arguments of the command named first in `argv` only (lazy imports)."""
   parser = Parser(prog="jax-kvalloc", formatter_class=Formatter,

@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from jax_kvalloc.config import KERNELS
-from jax_kvalloc.tools.cli import UsageError, existing_file, int_list, name_list, positive
+from jax_kvalloc.tools.cli import UsageError, check_kernel, existing_file, int_list, name_list, positive
 from jax_kvalloc.tools import traces
 
 
@@ -256,6 +256,8 @@ def _build(args: argparse.Namespace) -> List[Impl]:
 def run(args: argparse.Namespace) -> int:
   if not args.trace and not args.generate:
     raise UsageError("TRACE", "give a trace file or --generate N")
+  if "jax" in args.impls:  # jax_kvalloc's pools on --device run --kernel
+    check_kernel(args.kernel, "cpu" if args.device == "cpu" else None)
   try:
     inputs = [(path, traces.read(path)) for path in args.trace]
   except ValueError as e:

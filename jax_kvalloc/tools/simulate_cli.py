@@ -15,7 +15,7 @@ import sys
 from typing import List, Optional
 
 from jax_kvalloc.tools import simulate
-from jax_kvalloc.tools.cli import existing_file, int_list
+from jax_kvalloc.tools.cli import check_kernel, existing_file, int_list
 
 
 def _typed(field: str):
@@ -121,6 +121,7 @@ def run(args) -> int:
       report.pyplot()  # fail before the run, not after it
     except RuntimeError as e:
       raise simulate.SimConfigError("--plot", str(e)) from None
+  check_kernel(cfg.kernel)  # before anything compiles
   progress = not args.no_progress
   cache = None if args.no_compile_cache else (args.compile_cache or default_cache_dir())
   try:
