@@ -8,21 +8,26 @@ Functional core (no host sync; composes with jit, vmap, scan and donation):
   free_page_ids, free_segment, free_full, free_full_segment, get_all_free_pages; and
   release_and_alloc_decode (a decode step's free_page_ids + alloc_decode, one launch on
   GPU).
+
 Request table (SPEC 11; a `RequestTable` pytree beside the state, for one jitted step):
   init_table, extend_rows, decode_rows, release_rows, borrow_pages, admit_rows,
   attention_inputs (also bound on the Allocator NamedTuple), borrow_from_rows (pages
   taken from, or handed over by, other rows), and step_rows (release + extend + decode
   of one serving step; each of these, and each borrow, is one launch on GPU).
+
 Data-parallel ranks (SPEC 12; jax_kvalloc.ranks): init_ranks(config, dp_size) and
   ranks_allocator(config, dp_size, mesh=, axis_name=), every rank's pool (and request
   table) along a leading axis, optionally sharded over a mesh (shard_map, no
   collectives) that may span processes (jax_kvalloc.multiprocess: each process's ranks
   in and out).
+
 Compiling ahead: warmup_calls (functional API) and enable_persistent_cache.
+
 SGLang-compatible classes on top, in their own package: jax_kvalloc.sglang
   (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator; this package never imports it).
 
-Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools):
+Where each thing lives (the allocator core; the tooling is jax_kvalloc.tools)::
+
   config.py       AllocatorConfig              state.py      AllocatorState, ring buffers
   allocator.py    paged_/token_allocator       allocation.py alloc, alloc_extend, alloc_decode,
                                                              release_and_alloc_decode

@@ -1,4 +1,4 @@
-"""The optax-style entry point: a NamedTuple of pure functions with the config bound.
+"""The optax-style entry point: a NamedTuple of pure functions with the config bound::
 
     alloc = jax_kvalloc.paged_allocator(jax_kvalloc.AllocatorConfig(size=4096, page_size=16))
     state = alloc.init()

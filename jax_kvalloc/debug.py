@@ -9,33 +9,33 @@ jit, the argument errors the classes otherwise catch eagerly (misaligned last_lo
 of reserved or out-of-range slots, impossible lengths and sizes).
 
 Design. The checks keep their bookkeeping in the state, `AllocatorState.debug`, a
-`DebugState`:
+`DebugState`::
 
   is_free  bool[num_pages + 1]  page p is in free_pages or release_pages (page 0: never)
   code, op, index, value  i32[]  the first error: what, which operation, the position of
                                  the first offending entry in its argument, its value
 
-  * No host sync: a check only computes an error code, so the hot path never waits on the
-    device; the record is sticky (the first error wins) and the caller reads it when it
-    likes: the classes after every call (they raise `AllocatorDebugError` at once), a
-    jitted serving loop once per step or once at the end (`raise_if_error`), or through
-    `jax.experimental.checkify` (`checkify_check` turns the record into a checkify error).
-  * It is a pytree of arrays, so it works unchanged under jit, vmap, scan and donation,
-    and a snapshot (the old state) carries its own map: restore_state stays exact.
-  * O(work): alloc clears is_free at the pages it takes, free sets it at the pages it
-    frees (scatters of the call's own size, in place when the state is donated); a merge
-    leaves it alone (free + release is the same set). The per-call checks gather is_free
-    at the call's own pages. Duplicate outputs cost a one-key sort of the call's outputs
-    (O(T log T)); which entries repeat is worked out only when one does (lax.cond).
-  * An erroneous call is refused: an alloc returns ok=False and takes nothing, a free
-    frees nothing; only the error record changes. Errors found in the arguments are known
-    before the need_sort merge, so a refused call does not merge either; the output checks
-    (duplicates, outputs outside the pool, a corrupted free list: defence in depth, they
-    cannot fire on a state this module kept) run after it, so there, as for any failed
-    alloc (SPEC 4.2), a merge that the shortfall triggered stays.
-  * Off means absent: with debug=False `state.debug` is None, no function here is traced
-    and the jitted code is exactly the code without this module (tests/test_debug.py
-    proves it), so the cost when off is zero.
+* No host sync: a check only computes an error code, so the hot path never waits on the
+  device; the record is sticky (the first error wins) and the caller reads it when it
+  likes: the classes after every call (they raise `AllocatorDebugError` at once), a
+  jitted serving loop once per step or once at the end (`raise_if_error`), or through
+  `jax.experimental.checkify` (`checkify_check` turns the record into a checkify error).
+* It is a pytree of arrays, so it works unchanged under jit, vmap, scan and donation,
+  and a snapshot (the old state) carries its own map: restore_state stays exact.
+* O(work): alloc clears is_free at the pages it takes, free sets it at the pages it
+  frees (scatters of the call's own size, in place when the state is donated); a merge
+  leaves it alone (free + release is the same set). The per-call checks gather is_free
+  at the call's own pages. Duplicate outputs cost a one-key sort of the call's outputs
+  (O(T log T)); which entries repeat is worked out only when one does (lax.cond).
+* An erroneous call is refused: an alloc returns ok=False and takes nothing, a free
+  frees nothing; only the error record changes. Errors found in the arguments are known
+  before the need_sort merge, so a refused call does not merge either; the output checks
+  (duplicates, outputs outside the pool, a corrupted free list: defence in depth, they
+  cannot fire on a state this module kept) run after it, so there, as for any failed
+  alloc (SPEC 4.2), a merge that the shortfall triggered stays.
+* Off means absent: with debug=False `state.debug` is None, no function here is traced
+  and the jitted code is exactly the code without this module (tests/test_debug.py
+  proves it), so the cost when off is zero.
 
 Beside the ownership record (jax_kvalloc.guard, on by default, also with debug off): the
 record refuses the same bad frees with debug off; debug mode adds everything else here

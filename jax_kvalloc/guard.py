@@ -3,7 +3,7 @@
 SGLang trusts its callers: a free of a page that is not held (page 0, a page freed
 already, one never handed out) goes on the free list, and the page is later handed to two
 requests. With `AllocatorConfig(guard=True)` (the default) the state carries a record,
-`AllocatorState.guard`, a `GuardState`:
+`AllocatorState.guard`, a `GuardState`::
 
   held    i32[num_pages + 1]  1 where page p is handed out, else 0 (page 0: always 0)
   status  i32[3]              the first refused free: (op, why, page); op 0 = none
@@ -13,7 +13,7 @@ pallas_kernels, the XLA around the TPU's Mosaic kernels) keeps it by the rules b
 those rules in jnp: the jnp path runs them, and every kernel is checked against them bit
 for bit (held and status included).
 
-What each operation does to the record:
+What each operation does to the record::
 
   alloc, alloc_extend,     `take`: held[p] = 1 for every page p the call takes from the
   alloc_decode             free list (its first k pages, k = the pages it needs; none when

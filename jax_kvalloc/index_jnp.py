@@ -29,7 +29,7 @@ Array = jax.Array
 
 
 def searchsorted_right(sorted_: Array, values: Array, xp: Any = jnp) -> Array:
-  """xp.searchsorted(sorted_, values, side="right"). For jax.numpy the binary search is
+  """`xp.searchsorted(sorted_, values, side="right")`. For jax.numpy the binary search is
   unrolled (method="scan_unrolled"): the same result as the default while loop, but
   XLA fuses its log2(len) steps instead of running one loop iteration (several kernel
   launches on a GPU) per step."""

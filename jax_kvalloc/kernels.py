@@ -2,7 +2,7 @@
 
 `AllocatorConfig.kernel` (default: the environment variable JAX_KVALLOC_KERNEL, else
 "auto") names an implementation family, and each operation runs that family's
-implementation where it has one that suits the call, else XLA's:
+implementation where it has one that suits the call, else XLA's::
 
   "jnp"      XLA only: jax_kvalloc.index_jnp, freeing's sort or bitmap. The truth that
              every kernel is checked against.
@@ -21,7 +21,7 @@ implementation where it has one that suits the call, else XLA's:
              TPU, "triton" elsewhere), in the interpreter for the second.
 
 REGISTRY lists each operation's implementations. Where a family has none for an
-operation, or the call does not suit it, the operation runs XLA's:
+operation, or the call does not suit it, the operation runs XLA's::
 
   alloc           jnp
   alloc_extend    jnp; triton: the whole allocation in one launch (`alloc_extend_fused`),
@@ -149,7 +149,7 @@ def unavailable(kernel: str, platform: Optional[str] = None) -> Optional[str]:
   """None when `kernel` (a name of config.KERNELS) can run on `platform` (None: the
   default backend's), else why not, in a few words: Triton needs a GPU and a working
   Pallas Triton backend, Mosaic GPU a Hopper GPU and jax >= 0.11, Mosaic a TPU; jnp and
-  the interpreters ("*_interpret") run anywhere (Mosaic GPU's interpreter needs a jax
+  the interpreters (`*_interpret`) run anywhere (Mosaic GPU's interpreter needs a jax
   that builds its kernels). Looks at the backend only: nothing is compiled."""
   platform = platform or jax.default_backend()
   base, interpret = family(for_platform(kernel, platform))

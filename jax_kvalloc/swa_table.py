@@ -7,7 +7,8 @@ column of their own: both pools page in step, so column j's SWA page is
 
 Operations (pure, traceable; rows i32[B] with optional num_rows, as jax_kvalloc.
 request_table; real rows must be distinct and inside the table, else ok=False and
-nothing changes):
+nothing changes)::
+
   extend_rows / decode_rows   SPEC 13's alloc_extend / alloc_decode of lens -> lens + n,
                               last_loc read from the table; new pages appended.
   window_rows                 for each row, the SWA pages of its columns that lie wholly
@@ -24,6 +25,7 @@ nothing changes):
                               side stays freed and unmapped).
   attention_inputs            full-layer page indices, and for SWA layers the rows' SWA
                               page indices (translated) of the pages inside the window.
+
 Borrowed prefixes (SPEC 11's owned_from) are out of scope here, as SGLang's SWA prefix
 cache hooks are (SPEC 13).
 """

@@ -10,7 +10,7 @@ index that does not fit int32 is reported, never wrapped.
 Exceptions: TypeError for a wrong type or dtype (floats, bools, objects); ValueError for a
 wrong shape or value; RuntimeError for a call out of sequence (free groups).
 
-The eager checks read only host arrays: the classes pass the *_cpu copies of the lengths
+The eager checks read only host arrays: the classes pass the `*_cpu` copies of the lengths
 when the caller has them, so these checks add no device sync of their own. Values that
 live only inside jitted code (traced) cannot be checked here; debug mode
 (jax_kvalloc.debug) checks those, and the double frees no eager check can see.

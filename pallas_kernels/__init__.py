@@ -1,11 +1,13 @@
 """Pallas kernels for jax_kvalloc's extend/decode slot indices (SPEC 4.2, 4.3).
 
-Contract (jax_kvalloc.index_jnp, bit for bit):
+Contract (jax_kvalloc.index_jnp, bit for bit)::
+
   extend_indices(free_window, prefix_lens, seq_lens, last_loc, tok_start, page_start, *,
                  page_size, out_len, interpret=False, backend=None) -> i32[out_len]
   decode_indices(free_window, seq_lens, last_loc, page_start, *, page_size,
                  interpret=False, backend=None) -> i32[B]
-backend picks the kernel: "triton" (GPU, Pallas' Triton lowering: triton_extend,
+
+`backend` picks the kernel: "triton" (GPU, Pallas' Triton lowering: triton_extend,
 triton_decode) or "mosaic" (TPU, Mosaic: mosaic_extend); None means `default_backend()`.
 
 The GPU allocator runs a whole allocation in one launch: `alloc_extend_triton`,

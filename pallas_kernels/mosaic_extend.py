@@ -1,7 +1,7 @@
 """alloc_extend / alloc_decode slot indices on TPU: a Pallas kernel through Mosaic.
 
 Reference: jax_kvalloc.index_jnp.extend_indices / decode_indices (the contract, SPEC 4.2
-and 4.3). Mosaic's rules shape the kernel (research/pallas.md section 2): int32 only, no
+and 4.3). Mosaic's rules shape the kernel: int32 only, no
 vector gather or scatter, no in-kernel cumsum, scalars only in SMEM, vectors only in VMEM,
 blocks of (8, 128). So:
 
@@ -10,10 +10,12 @@ blocks of (8, 128). So:
   arrays travel as scalar prefetch (SMEM).
 - Output-stationary tiling: grid step i owns the (8, 128) int32 output tile of tokens
   [1024 i, 1024 i + 1024), one vector register. It walks the rows that overlap the tile
-  and writes each piece with a whole-tile `jnp.where` select:
+  and writes each piece with a whole-tile `jnp.where` select::
+
     Part 1 (the prefix's page): one select, slot = t + (last_loc + 1 - tok_start);
     each new page g of the row that the tile touches: one select,
       slot = t + (free[k] * ps + A - (fnp + g) * ps), k = page_start + g, A = pre - tok_start.
+
   No masks, no scatter, one full vector store per tile.
 - The free-list window stays in HBM. A tile's tokens use at most 1024 consecutive window
   entries (every page it touches holds one of its tokens), starting at the page of its

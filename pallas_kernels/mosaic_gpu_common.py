@@ -2,7 +2,7 @@
 interpreter, and the scalar "streams" their bodies are written in.
 
 Mosaic GPU (`plgpu.kernel`, Hopper and newer) has no masked or gathered vector access, no
-in-kernel cumsum and no fetch-and-add (research/pallas.md, "Mosaic GPU, second look").
+in-kernel cumsum and no fetch-and-add.
 What it does have, and what these kernels use:
 
 - Scalar loads and stores at any index, in global and shared memory. Inside

@@ -6,6 +6,7 @@ page iff ceil(seq/ps) > ceil((seq-1)/ps); the pages go out in batch order, so ro
 is ring[head + k_i], k_i the pages of the rows before it.
 
 Layout (mosaic_gpu_common says what Mosaic GPU can and cannot do):
+
 - G programs of one warpgroup; program g owns rows [g R, g R + R), R = 4 Q, and warp w of
   it the Q rows [g R + w Q, g R + w Q + Q) (a stream, scalar code, rows unrolled).
 - Counting, vectors: with several programs, each counts over ALL rows, in 128k-wide

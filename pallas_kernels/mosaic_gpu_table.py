@@ -13,7 +13,7 @@ One program of T warpgroups (mosaic_gpu_common: 4 T warps, each a stream of scal
 Each phase's rows are cut into 4 T contiguous blocks, one per warp, so a prefix over rows
 is a prefix over warps (counts in shared memory, a barrier, then each warp adds the counts
 of the warps before it). A phase reads the pool and the table as the previous one left
-them; barriers order the steps:
+them; barriers order the steps::
 
   marks      every real row inside the table stores its batch index at scratch[row]
              (one region per phase); the release rows' pages are counted.
@@ -37,7 +37,8 @@ plan line), then its share of the zero tail.
 Ownership (SPEC 14; `record=`, jax_kvalloc.guard the reference, bit for bit): held
 i32[n + 1] and status i32[3] are in-place operands, and the record fits the same steps.
 The release is guard.free(distinct=True) of the owned pages (0: padding), entry k = b W +
-j for released row b's column j:
+j for released row b's column j::
+
   marks      each entry naming a page 1..n also stores k at pmark[page] (scratch, n + 1
              after the row marks): for a page named twice, one of them is left there.
   checks     each entry reads held[page] and pmark[page] back: OUT_OF_RANGE (outside
@@ -49,6 +50,7 @@ j for released row b's column j:
              with one (and valid rows), the release is refused whole (nothing freed, rows
              kept, release_ok False) and warp 0 records (op, why, page) if the status was
              empty; else held[page] = 0 for every entry as its page goes back.
+
 The extend and decode steps store held[page] = 1 for the pages they take (guard.take).
 No sort, no atomics: scalar loads and stores, no launch more.
 """

@@ -5,7 +5,7 @@ Reference: jax_kvalloc.freeing's XLA free (SPEC 4.4): the distinct pages
 prepended as one block to a ring.
 
 No sort and no atomics: a mark per page, then a prefix sum over the marks, in three
-launches after one memset:
+launches after one memset::
 
   K1 "mark"   grid over blocks of SB slots: marks[page] = 1 for each valid slot's page, in
               a zeroed i32[nb * B] buffer (input_output_aliases: the memset is the only

@@ -1,7 +1,7 @@
 """Serving a real model through the request table (`jax-kvalloc serve`).
 
 Tooling beside the allocator: it uses the functional core (jax_kvalloc's public API) and
-nothing imports it.
+nothing imports it. Its modules::
 
   loader        a Llama-architecture GGUF: config from `llama.*` metadata, dequantized
                 weights (Hugging Face's layout, q/k rows un-permuted), random weights

@@ -2,12 +2,14 @@
 through the request table's slots and page lists, or a contiguous cache per row (the
 baseline that paging must match, bit for bit on CPU).
 
-Layouts (per layer, a (k, v) pair):
+Layouts (per layer, a (k, v) pair)::
+
   paged       f[Hkv, num_pages + 1, ps, Dh] each (page 0 reserved, never written): the
               layout of jax.experimental.pallas.ops.gpu.paged_attention.
   contiguous  f[Hkv, rows, max_len, Dh] each: row r's token j at [:, r, j].
 
-Attention implementations (`impl`):
+Attention implementations (`impl`)::
+
   gather  every row's keys gathered into [B, L, Hkv, Dh] (through its page list, or its
           row of the contiguous cache) and jax_kvalloc.serve.llama.attend: the same math
           for both layouts, so the two runs' logits are identical.

@@ -1,5 +1,5 @@
 """SGLang's allocator classes over jax_kvalloc's functional core (SGLang's interface and
-names; sglang-jax's dp_size / dp_rank).
+names; sglang-jax's dp_size / dp_rank). Its modules::
 
   token.py    TokenToKVPoolAllocator (page_size 1, FIFO free)
   paged.py    PagedTokenToKVPoolAllocator (whole pages, LIFO free, alloc_extend/decode)

@@ -53,7 +53,7 @@ class PagedTokenToKVPoolAllocator(BaseAllocator):
     """Slots for a prefill batch (SPEC 4.2), or None if its new pages do not fit.
 
     Args:
-      prefix_lens, seq_lens: [bs] integers (any array type or list); the *_cpu copies
+      prefix_lens, seq_lens: [bs] integers (any array type or list); the `*_cpu` copies
         are used instead when given (SGLang passes both; either may be None).
       last_loc: [bs] slot of each request's last prefix token, -1 for an empty prefix.
         On the device backend a jax.Array is taken as it is, without reading it back
