@@ -35,8 +35,8 @@ Array = jax.Array
 
 MAX_ROWS = 2048    # rows per call (padded): one program holds them
 # rows_pad * tile: the most lanes of one pass over the columns. Fewer, wider passes are
-# faster on the H200 up to this many, on table_warps' 16 warps (BENCHMARKS.md, "The main
-# job and page size 1 on the H200").
+# faster on the H200 up to this many, on table_warps' 16 warps
+# (benchmarks/results/2026-12-02-h200-borrow-lanes, borrow-sweep.log).
 LANES = 2**16
 
 

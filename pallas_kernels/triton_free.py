@@ -49,7 +49,7 @@ from pallas_kernels._util import cdiv
 Array = jax.Array
 
 # Slots per K1 program and pages per K2/K3 program (powers of two), and warps: the best
-# of an H200 block sweep (BENCHMARKS.md, run 11).
+# of an H200 block sweep (benchmarks/results/2026-11-30-h200x2-run11, free-blocks.json).
 SLOT_BLOCK = 2048
 PAGE_BLOCK = 2048
 NUM_WARPS = 4

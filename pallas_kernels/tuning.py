@@ -2,7 +2,7 @@
 
 The kernels are correct for any power-of-two choice (tests/test_pallas_gpu.py checks
 every configuration bit for bit against the jnp path); these defaults are the best or
-within the noise of the best of the H200 measurements that BENCHMARKS.md records
+within the noise of the best of the H200 measurements in benchmarks/results/
 (`jax-kvalloc bench kernels --impls fused[...]` times any tuning against the defaults).
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ def extend_tile_warps(rows_pad: int, out_len: int, fused: bool) -> Tuple[int, in
 def decode_warps(rows_pad: int) -> int:
   """Warps of a decode program (it holds min(rows_pad, row block) rows, and in the
   fused kernel all rows once more when there are several programs)."""
-  # Two warps, not one, for the smallest blocks: BENCHMARKS.md, "decode warps".
+  # Two warps, not one, for the smallest blocks: benchmarks/results/2026-12-01-h200-checks
+  # (decode-variants.json).
   if rows_pad <= 8:
     return 2
   return 4 if rows_pad <= 1024 else 8 if rows_pad <= 4096 else 16
@@ -51,7 +52,7 @@ def decode_warps(rows_pad: int) -> int:
 def table_warps(lanes: int) -> int:
   """Warps of a one-program table kernel (the request table's step and its borrows),
   from its widest phase's lanes / 4: decode_warps', but 8 from 513 on (16 rows x 256
-  columns run faster on 8 than on 4: BENCHMARKS.md, "The overlapped step")."""
+  columns run faster on 8 than on 4: benchmarks/results/2026-12-02-h200-sim-warps)."""
   return 8 if 512 < lanes <= 4096 else decode_warps(lanes)
 
 

@@ -1,6 +1,6 @@
 """Every "SPEC n" / "SPEC n.m" that a user can read (README.md, the command-line help
 texts, the package's source, docstrings and messages) names a section of docs/spec.md,
-and the docs pages link only to files inside the repository."""
+and the docs pages (README and BENCHMARKS.md too) link only to files that exist."""
 import argparse
 import pathlib
 import re
@@ -91,8 +91,8 @@ def test_cli_help_citations_resolve():
 
 
 def test_docs_link_inside_the_repo():
-  """Relative links in docs/*.md and README.md point at files that exist."""
-  pages = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
+  """Relative links in docs/*.md, README.md and BENCHMARKS.md point at files that exist."""
+  pages = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md", ROOT / "BENCHMARKS.md"]
   bad = []
   for page in pages:
     for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text()):

@@ -361,7 +361,7 @@ def make_layout(cfg: SimConfig, wl: Workload, page_size: int) -> Layout:
 
 # CPU: XLA's older loop emitters instead of its fusion emitters, and LLVM at -O1: the loop
 # is hundreds of small fusions and most of its compile is LLVM generating them; both
-# compile faster with steps as fast (BENCHMARKS.md, "simulate's main job on this CPU"). GPU:
+# compile faster with steps as fast (benchmarks/results/2026-12-02-cpu-o1). GPU:
 # the loops and every fusion in command buffers (CUDA graphs) whose kernels run as their
 # data dependences allow (the next plan beside the table work: simulate_step.step).
 # Options this jaxlib does not take fall back to the default

@@ -72,7 +72,8 @@ i32 = jnp.int32
 EMPTY, PREFILL, DECODE, FREEING = 0, 1, 2, 3
 KIND_PREFILL, KIND_DECODE = 1, 2
 ERR_STUCK = 1
-PLAN_WARPS = 8  # the plan program's warps: the fastest of 1-16 on the H200 (BENCHMARKS.md)
+PLAN_WARPS = 8  # the plan program's warps: the fastest of 1-16 on the H200
+# (benchmarks/results/2026-12-02-h200-sim-plan2, warps.log)
 
 # One row per step (an iteration that ran a prefill or a decode), from either driver.
 RECORD = ("kind",          # 1 prefill, 2 decode

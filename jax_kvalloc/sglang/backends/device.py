@@ -75,7 +75,7 @@ def compiler_options() -> Dict[str, Any]:
   """XLA options for the device programs: on a GPU host, a CUDA graph for every
   program, however few its kernels (`xla_gpu_graph_min_graph_size=1`; XLA's default
   needs 5): these programs are 1-10 small kernels, and launching each one separately
-  costs host time (BENCHMARKS.md has the measurement). JAX_KVALLOC_GPU_GRAPHS=0 turns it
+  costs host time (measured: benchmarks/results/2026-11-30-h200-run6-probe). JAX_KVALLOC_GPU_GRAPHS=0 turns it
   off (to compare). Not passed where there is no GPU."""
   if os.environ.get("JAX_KVALLOC_GPU_GRAPHS", "1") == "0":
     return {}
