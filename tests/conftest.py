@@ -1,4 +1,5 @@
 """Shared pytest setup: locations of the shared test data."""
+import gc
 import os
 import pathlib
 
@@ -346,6 +347,20 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
   config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
   config.addinivalue_line("markers", "exhaustive: more cases than CI runs (-m exhaustive)")
+
+
+def pytest_sessionfinish(session):
+  """The session's garbage collected, then every object left frozen (`gc.freeze`), before
+  this process reports its session finished: pytest collects once more at unconfigure
+  (for unraisable exceptions), a full pass over the ~10^6 objects a session of jax
+  programs holds (about 1 s here, more on a loaded machine). A pytest-xdist worker still
+  busy 5 s after the controller ends the session is sent SIGINT by execnet; landing in
+  that pass, it was the KeyboardInterrupt "in hypothesis' gc callback" reported as a
+  PytestUnraisableExceptionWarning. Collected here, while the controller still waits for
+  the worker, unraisable exceptions are still reported, and the last pass is instant."""
+  del session
+  gc.collect()
+  gc.freeze()
 
 
 @pytest.fixture(scope="session")
