@@ -28,8 +28,6 @@ autodoc_default_options = {"members": True, "show-inheritance": True,
                            "member-order": "bysource"}
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
-# Optional backends whose packages a CPU docs build may lack: documented, not imported.
-autodoc_mock_imports = ["torch", "triton", "gguf", "tokenizers"]
 
 html_theme = "alabaster"
 html_title = "jax_kvalloc"
