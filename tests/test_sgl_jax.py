@@ -369,3 +369,30 @@ def test_environment_switch(tmp_path):
   assert run(env) == ["False", "False", "None"]
   got = run(dict(env, JAX_KVALLOC_SGL_JAX="device", JAX_KVALLOC_SGL_JAX_GUARD="0"))
   assert got == ["True", "True", "('device',", "False)"]
+
+
+@needs_anchor
+def test_pytest_plugin_fails_a_test_that_ends_with_a_pending_refusal(tmp_path):
+  """On the device backend a double free is refused on the device and raised later; a
+  test that ends before that fails through jax_kvalloc.sgl_jax.pytest_check."""
+  standin = _standin(tmp_path / "standin")
+  (tmp_path / "test_user.py").write_text(
+      "from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator\n"
+      "def _run(frees):\n"
+      "  a = PagedTokenToKVPoolAllocator(64, 4, None)\n"
+      "  x = a.alloc(4)\n"
+      "  for _ in range(frees):\n"
+      "    a.free(x)\n"
+      "def test_double_free():\n"
+      "  _run(2)\n"
+      "def test_single_free():\n"
+      "  _run(1)\n")
+  code = ("import sys, jax_kvalloc.sgl_jax as s; s.patch(backend='device'); import pytest; "
+          "sys.exit(pytest.main(sys.argv[1:]))")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_KVALLOC_SGL_JAX")}
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(standin)])
+  out = subprocess.run([sys.executable, "-c", code, "test_user.py", "-q", "-p",
+                        "no:cacheprovider", "-p", "jax_kvalloc.sgl_jax.pytest_check"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True).stdout
+  assert "1 failed, 1 passed" in out, out
+  assert "test_double_free" in out and "page 1 is not held" in out, out
