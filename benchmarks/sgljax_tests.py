@@ -4,6 +4,7 @@ jax_kvalloc's flavour (jax_kvalloc.sgl_jax.patch), one pytest process per test f
   python benchmarks/sgljax_tests.py --sglang-jax ../shared/anchors/sglang-jax \
       [--configs own,host-noguard,host-guard,device-noguard,device-guard] [--out DIR]
       [--jobs N] [--baseline DIR]   # N files at once; DIR/own.json as the own counts
+  python benchmarks/sgljax_tests.py --table DIR   # the README's table of a result folder
 
 Needs Python >= 3.12 with sglang-jax's test requirements (README, "Use with
 sglang-jax") and this tree importable. Each file runs with USE_DEVICE_TYPE=cpu
@@ -148,7 +149,8 @@ def _cause(element) -> str:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--sglang-jax", required=True, help="sglang-jax's checkout")
+  parser.add_argument("--sglang-jax", help="sglang-jax's checkout")
+  parser.add_argument("--table", default="", help="print a result folder's table")
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--files", default="", help="comma-separated subset of FILES")
   parser.add_argument("--out", default="")
@@ -157,6 +159,11 @@ def main() -> int:
   parser.add_argument("--baseline", default="",
                       help="a result folder whose own.json stands for --configs own")
   args = parser.parse_args()
+  if args.table:
+    print(table(args.table))
+    return 0
+  if not args.sglang_jax:
+    parser.error("--sglang-jax is required")
   root = os.path.abspath(args.sglang_jax)
   tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   files = [f for f in FILES if not args.files
@@ -227,6 +234,28 @@ def _verdict(results, baseline=None) -> int:
   for b in bad:
     print("NOT AS EXPECTED:", b)
   return 1 if bad else 0
+
+
+def table(folder: str) -> str:
+  """Markdown: per configuration, the totals and the files where any test failed."""
+  names = {"own": "sglang-jax's own allocator", "host-noguard": "host, guard=False",
+           "host-guard": "host, guard on", "device-noguard": "device, guard=False",
+           "device-guard": "device, guard on"}
+  rows = ["| allocator | passed | failed | errors | files with a failure (failed/total) |",
+          "|---|---|---|---|---|"]
+  for name in CONFIGS:
+    path = os.path.join(folder, f"{name}.json")
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      per = json.load(f)
+    tot = {k: sum(r[k] for r in per.values()) for k in ("passed", "failed", "errors")}
+    where = ", ".join(f"{os.path.basename(p)[:-3]} {r['failed'] + r['errors']}/"
+                      f"{r['passed'] + r['failed'] + r['errors']}"
+                      for p, r in per.items() if r["failed"] + r["errors"])
+    rows.append(f"| {names[name]} | {tot['passed']} | {tot['failed']} | {tot['errors']} "
+                f"| {where} |")
+  return "\n".join(rows)
 
 
 def _commit(root: str) -> str:
