@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import jax_kvalloc.sgl_jax as sj
-from conftest import REPO
 from jax_kvalloc.tools import bench
 from jax_kvalloc.tools.bench_classes import DEFAULT_SGLJAX
 
 ANCHOR = DEFAULT_SGLJAX / "sgljax_allocator.py"
+REPO = pathlib.Path(__file__).resolve().parent.parent
 needs_anchor = pytest.mark.skipif(not ANCHOR.exists(), reason=f"no {ANCHOR}")
 
 
