@@ -99,8 +99,9 @@ class Recorder:
   """Records every call the engine makes to one allocator instance: {"kind", "args",
   "kwargs", "result", "site"} in order (site: "evict" inside the radix cache's evict)."""
 
-  def __init__(self, allocator: Any, tree_cache: Any = None):
+  def __init__(self, allocator: Any, tree_cache: Any = None, sink=None):
     self.calls: List[Dict[str, Any]] = []
+    self._sink = sink or self.calls.append
     self._depth = 0
     self._site: Optional[str] = None
     for kind in RECORDED:
@@ -130,7 +131,7 @@ class Recorder:
       finally:
         self._depth -= 1
       record["result"] = _plain(result)
-      self.calls.append(record)
+      self._sink(record)
       return result
 
     return call
@@ -217,6 +218,8 @@ def run(model_dir: str, page_size: int = 1, pool_tokens: int = 192, max_running:
           raise RuntimeError(f"round {r} did not finish in 2000 steps")
     leaked = s.max_total_num_tokens - (alloc.available_size() + s.tree_cache.evictable_size())
   return {"allocator": f"{type(alloc).__module__}.{type(alloc).__name__}",
+          "constructor": {"class": type(alloc).__name__, "size": int(alloc.size),
+                          "page_size": int(alloc.page_size), "dp_size": int(alloc.dp_size)},
           "page_size": page_size, "pool_tokens": pool_tokens, "max_running": max_running,
           "tokens": {rid: [int(t) for t in q.output_ids] for rid, q in sorted(reqs.items())},
           "texts": {rid: s.tokenizer.decode(q.output_ids) for rid, q in sorted(reqs.items())},
@@ -224,24 +227,67 @@ def run(model_dir: str, page_size: int = 1, pool_tokens: int = 192, max_running:
           "seconds": time.perf_counter() - t0}
 
 
+TRACE_ENV = "SGLJAX_ENGINE_TRACE"  # the spawned scheduler appends its calls here
+
+
+def record_to_file(path: str) -> None:
+  """In a process about to build sglang-jax's Scheduler: record its allocator's calls as
+  JSON lines appended to `path` (the first line names the allocator's class)."""
+  from sgl_jax.srt.managers.scheduler import Scheduler  # pylint: disable=g-import-not-at-top
+  build = Scheduler.init_memory_pool_and_cache
+  if getattr(build, "recording", False):
+    return
+
+  def recording(self):
+    build(self)
+    alloc = self.token_to_kv_pool_allocator
+    f = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    write = lambda doc: (f.write(json.dumps(doc) + "\n"), f.flush())
+    write({"allocator": f"{type(alloc).__module__}.{type(alloc).__name__}"})
+    Recorder(alloc, self.tree_cache, sink=write)
+
+  recording.recording = True
+  Scheduler.init_memory_pool_and_cache = recording
+
+
 def run_engine(model_dir: str, page_size: int = 1, pool_tokens: int = 192,
-               max_running: int = 4, rounds=ROUNDS) -> Dict[str, Any]:
+               max_running: int = 4, rounds=ROUNDS, trace: str = "",
+               batched: bool = False) -> Dict[str, Any]:
   """The same rounds through the full `sgl_jax.Engine` (tokenizer in this process, the
-  scheduler and detokenizer in spawned ones); returns {"tokens": {rid: ids}}."""
-  import sgl_jax  # pylint: disable=g-import-not-at-top
+  scheduler and detokenizer in spawned ones): one request at a time, or with `batched`
+  each round's prompts in one generate call (whose requests reach the scheduler over
+  one or more of its loop iterations, as timing has it: the schedule, and so the slots,
+  may differ from run to run, on any allocator).
+  The scheduler process records its allocator calls to `trace` (a JSON-lines file)
+  where this file is the main module (`python tests/sgljax_engine.py --engine`): it
+  runs this file again as `__mp_main__`. Returns {"tokens": {rid: ids}, "allocator",
+  "calls"} (the last two from `trace`, if given). The allocator is whatever the
+  scheduler process gets: JAX_KVALLOC_SGL_JAX patches it at interpreter start."""
+  from sgl_jax.srt.entrypoints.engine import Engine  # pylint: disable=g-import-not-at-top
   install_workarounds()
+  if trace:
+    open(trace, "w", encoding="utf-8").close()
+    os.environ[TRACE_ENV] = trace
   args = server_args(model_dir, page_size, pool_tokens, max_running)
-  engine = sgl_jax.Engine(server_args=args)
+  engine = Engine(server_args=args)
   tokens = {}
   try:
+    sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     for r, prompts in enumerate(rounds):
-      out = engine.generate(prompt=list(prompts), sampling_params={
-          "temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+      if batched:
+        out = engine.generate(prompt=list(prompts), sampling_params=sampling)
+      else:
+        out = [engine.generate(prompt=text, sampling_params=sampling) for text in prompts]
       for i, o in enumerate(out):
         tokens[f"{r}.{i}"] = [int(t) for t in o["output_ids"]]
   finally:
     engine.shutdown()
-  return {"tokens": tokens}
+  res = {"tokens": tokens}
+  if trace:
+    with open(trace, encoding="utf-8") as f:
+      lines = [json.loads(line) for line in f]
+    res.update(allocator=lines[0]["allocator"] if lines else None, calls=lines[1:])
+  return res
 
 
 def main(argv=None) -> int:
@@ -253,10 +299,16 @@ def main(argv=None) -> int:
   p.add_argument("--allocator", choices=("sgljax", "host", "device"), default="sgljax")
   p.add_argument("--no-guard", action="store_true")
   p.add_argument("--engine", action="store_true", help="the full sgl_jax.Engine")
+  p.add_argument("--batched", action="store_true", help="with --engine: each round's "
+                 "prompts in one generate call (default: one request at a time)")
   p.add_argument("--out", help="write the run (tokens, recorded calls) as JSON")
   a = p.parse_args(argv)
   if a.engine:
-    res = run_engine(a.model_dir, a.page_size, a.pool_tokens, a.max_running)
+    trace = (a.out + ".calls.jsonl") if a.out else ""
+    res = run_engine(a.model_dir, a.page_size, a.pool_tokens, a.max_running, trace=trace,
+                     batched=a.batched)
+    print(f"engine: scheduler's allocator {res.get('allocator')}, "
+          f"{len(res.get('calls', []))} calls", file=sys.stderr)
   else:
     res = run(a.model_dir, a.page_size, a.pool_tokens, a.max_running, a.allocator,
               not a.no_guard)
@@ -278,5 +330,7 @@ if __name__ in ("__main__", "__mp_main__"):
   # __mp_main__: the workaround has to be in place there too.
   if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     install_workarounds()
+  if __name__ == "__mp_main__" and os.environ.get(TRACE_ENV):
+    record_to_file(os.environ[TRACE_ENV])
   if __name__ == "__main__":
     raise SystemExit(main())
