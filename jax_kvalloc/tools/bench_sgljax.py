@@ -8,9 +8,11 @@ allocator of each column, one column after the other (the order flips every repe
 timing every call alone with perf_counter; every result must equal the recorded one
 (else the cell reads MISMATCH). A row is one call kind and size: n is the slots asked
 (alloc) or freed (free), the requests (alloc_extend, alloc_decode), "-" for the rest,
-grouped in powers of two. A cell: per repetition, the row's mean time per call; their
-median and quartiles over the repetitions ("us", "q1_us", "q3_us"), and the calls per
-repetition ("calls").
+grouped in powers of two; a free inside a free group (between free_group_begin and
+free_group_end, where sglang-jax only queues it) is its own kind, "free in group". A
+cell: per repetition, the row's mean time per call; their median and quartiles over the
+repetitions ("us", "q1_us", "q3_us"), and the calls per repetition ("calls"). The last
+row of a trace, "whole trace/N", is the total of its N calls per repetition.
 
 Columns:
   host    jax_kvalloc.sgl_jax's class, backend="host" (guard on, the default;
@@ -147,11 +149,22 @@ def replays(path: str, columns: Tuple[str, ...], reps: int, sgljax: str) -> Dict
   return out
 
 
+WHOLE = "whole trace"
+
+
 def rows_of(trace: Dict[str, Any]) -> Dict[Tuple[str, str], List[int]]:
-  """(kind, n) -> the indices of its calls, in order of first appearance."""
+  """(kind, n) -> the indices of its calls, in order of first appearance; a free between
+  free_group_begin and free_group_end is kind "free in group" (sglang-jax only queues
+  it there). Last, (WHOLE, calls) -> every call."""
   rows: Dict[Tuple[str, str], List[int]] = {}
+  grouped = False
   for i, c in enumerate(trace["calls"]):
-    rows.setdefault((c["kind"], size_of(c)), []).append(i)
+    kind = c["kind"]
+    grouped = {"free_group_begin": True, "free_group_end": False}.get(kind, grouped)
+    if kind == "free" and grouped:
+      kind = "free in group"
+    rows.setdefault((kind, size_of(c)), []).append(i)
+  rows[WHOLE, str(len(trace["calls"]))] = list(range(len(trace["calls"])))
   return rows
 
 
@@ -163,9 +176,11 @@ def cell_timed(path: str, key: Tuple[str, str], column: str, o) -> bench.Timed:
     raise RuntimeError(f"MISMATCH: {res}")
   idx = rows_of(load_trace(path))[key]
 
+  per = 1 if key[0] == WHOLE else len(idx)   # the whole trace: its total
+
   def measure(opts):
     del opts
-    per_rep = [sum(times[i] for i in idx) / len(idx) for times in res]
+    per_rep = [sum(times[i] for i in idx) / per for times in res]
     return dict(bench.cell(timing._stats(per_rep)), calls=len(idx), reps=len(per_rep))  # pylint: disable=protected-access
   return bench.Timed(measure)
 
