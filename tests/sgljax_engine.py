@@ -147,7 +147,7 @@ def server_args(model_dir: str, page_size: int, pool_tokens: int, max_running: i
                     max_prefill_tokens=2 * chunk, max_running_requests=max_running,
                     disable_overlap_schedule=True, disable_precompile=True,
                     attention_backend="native", random_seed=0, skip_server_warmup=True,
-                    mem_fraction_static=0.5, log_level="error", **extra)
+                    mem_fraction_static=0.5, log_level="error", device_indexes=[0], **extra)
 
 
 @contextlib.contextmanager
