@@ -20,7 +20,8 @@ Ownership (SPEC 14, 15). guard=True (default): a free naming a page that is not 
 and frees nothing (on the device backend at the latest within 8 calls, or at `check()`),
 where sglang-jax drops it silently. guard=False: sglang-jax's tolerance exactly: the paged
 free drops pages already free or released (as its setdiff1d; one read of both lists, a
-wait on the device backend), the token free appends what it is given.
+wait on the device backend), the token free appends what it is given (SGLang's trust;
+its free list holds at most size_per_rank slots, where sglang-jax's grows).
 
 SWATokenToKVPoolAllocator is sglang-jax's composition, not SPEC 13's class: a full and a
 sliding-window allocator of the classes above (`full_attn_allocator`,

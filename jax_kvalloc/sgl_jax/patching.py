@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import types
-import weakref
 from typing import Any, Dict, List, NamedTuple, Tuple
 
 from jax_kvalloc.sgl_jax import allocators as ours
@@ -31,16 +30,18 @@ class _Patch(NamedTuple):
 
 
 _ACTIVE: List[_Patch] = []        # the patch in force (at most one)
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # allocators the patched classes built
+_BUILT: List[Any] = []            # allocators built while tracking (strong references)
+_TRACKING = [False]
 
 
-def live_allocators() -> List[Any]:
-  """The allocators built through the patched classes that are still alive."""
-  return list(_LIVE)
-
-
-def forget_allocators() -> None:
-  _LIVE.clear()
+def track_allocators(on: bool) -> List[Any]:
+  """Starts (on) or stops keeping every allocator the patched classes build (held
+  alive, so a test's allocators can be checked after its locals are gone); returns
+  and forgets those kept so far."""
+  kept = list(_BUILT)
+  _BUILT.clear()
+  _TRACKING[0] = on
+  return kept
 
 
 def _patched_class(name: str, theirs: type, backend: str, guard: bool,
@@ -52,7 +53,8 @@ def _patched_class(name: str, theirs: type, backend: str, guard: bool,
     kwargs.setdefault("backend", backend)
     kwargs.setdefault("guard", guard)
     mine.__init__(self, *args, **kwargs)
-    _LIVE.add(self)
+    if _TRACKING[0]:
+      _BUILT.append(self)
 
   def body(ns: Dict[str, Any]) -> None:
     ns.update(extra, __init__=__init__, __module__=__name__, __qualname__=name,
