@@ -19,6 +19,11 @@
 #   SGLANG_BUNDLE   SGLang 0.5.23's classes for the class, table and swa steps and the
 #                   GPU tests (benchmarks/sglang_bundle.sh; default .sglang_py312)
 #   SGLJAX          sglang-jax's folder for the class step (default: left out)
+#   SGLJAX_PY       for the sgljax-trace-* steps: a Python 3.12 with sglang-jax's packages
+#                   (../shared/anchors/sglang-jax/PROVENANCE.txt) and jax_kvalloc's model
+#                   extras (default python3.12); SGLJAX_SRC sglang-jax's python/ folder
+#                   (default ../shared/anchors/sglang-jax/python); SGLJAX_MODEL the
+#                   SmolLM2-135M folder `jax-kvalloc export-hf` wrote
 #   COMMIT          the tree's commit, where the device copy has no .git
 #   PYTHON          interpreter (default python3)
 #   ARGS_<STEP>     extra arguments of one step, last ('-' as '_': ARGS_free_methods=...)
@@ -32,6 +37,9 @@ B="$KV bench"
 SGK=${SGLANG_KERNELS:-.sglang_kernels/allocator.py}
 SGB=${SGLANG_BUNDLE:-.sglang_py312}
 BARE="--bare --min-time 0.02 --sglang-kernels $SGK"
+SGJ_PY=${SGLJAX_PY:-python3.12}
+SGJ_SRC=${SGLJAX_SRC:-../shared/anchors/sglang-jax/python}
+SGJ_MODEL=${SGLJAX_MODEL:-/tmp/smollm2-hf}
 GUARD_EXTEND=16x8192,64x32768,256x65536,1024x65536,4096x262144   # issue 32: extend bs 16-4096
 
 # name | seconds | command (the step's record: $DIR/<name>.json)
@@ -59,7 +67,10 @@ guard-free|150|$B kernels --ops free --impls auto,eager --guard on,off --extend-
 guard-table|300|$B table --impls none,calls,step --guard on,off --page-sizes 64 --budget-s 240 --min-time 0.02 --json \$DIR/guard-table.json
 guard-simulate|240|$B simulate --impls device,host --guard on,off --page-sizes 16,64 --json \$DIR/guard-simulate.json
 guard-class|240|$B class --impls device,host --guard on,off --pool 16777216 --page-size 64 --decode 1,8,64 --extend 4,64 --free 64,1024 --reps 200 --json \$DIR/guard-class.json
-guard-swa|200|$B swa --impls class,core --guard on,off --reps 100 --json \$DIR/guard-swa.json"
+guard-swa|200|$B swa --impls class,core --guard on,off --reps 100 --json \$DIR/guard-swa.json
+sgljax-trace-ps1|300|env PYTHONPATH=$PWD:$SGJ_SRC JAX_PLATFORMS=cpu $SGJ_PY tests/sgljax_engine.py $SGJ_MODEL --page-size 1 --max-running 4 --out \$DIR/trace-ps1.json
+sgljax-trace-ps4|300|env PYTHONPATH=$PWD:$SGJ_SRC JAX_PLATFORMS=cpu $SGJ_PY tests/sgljax_engine.py $SGJ_MODEL --page-size 4 --max-running 1 --out \$DIR/trace-ps4.json
+sgljax-replay|200|$B sgljax-replay --traces \$DIR --guard on,off --reps 51 --json \$DIR/sgljax-replay.json"
 
 DRY=0
 BUDGET=${BUDGET:-560}

@@ -148,6 +148,11 @@ HEAVY_TESTS = [
      "the TPU interpreter (the lowering tests run by default)"),
     ("test_bench_harness.py", "test_serving_scan_keeps_every_step", "the serving scans"),
     ("test_serve_model.py", "*", "SmolLM2-135M and transformers' reference (model extras)"),
+    ("test_export_hf.py", "test_folder_loads_in_transformers_with_our_logits",
+     "exports SmolLM2-135M, loads it in transformers (model extras)"),
+    ("test_export_hf.py", "test_the_files_say_what_the_gguf_says", "exports SmolLM2-135M"),
+    ("test_sgljax_engine.py", "*", "sglang-jax's engine serving SmolLM2-135M, six runs "
+     "(Python 3.12 with sglang-jax)"),
     ("test_serve_engine.py", "test_unrolled_layers_equal_scanned_ones", "a third compile"),
     ("test_serve_engine.py", "test_bench_writes_a_result_folder", "four engines compile"),
     ("test_serve_engine.py", "test_pallas_decode_in_the_interpreter_equals_gather",

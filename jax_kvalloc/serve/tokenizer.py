@@ -56,6 +56,10 @@ class GGUFTokenizer:
     ids = self._tok.encode(text, add_special_tokens=False).ids
     return ([self.bos_id] if self.add_bos else []) + list(ids)
 
+  def save(self, path: str) -> None:
+    """Writes the tokenizer as a Hugging Face tokenizer.json (the `tokenizers` format)."""
+    self._tok.save(path)
+
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     """Text of ids (control tokens left out unless skip_special is False)."""
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

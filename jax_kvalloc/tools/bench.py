@@ -62,6 +62,7 @@ SUITES = {  # name -> "module:attribute" of its Suite
     "ranks": "jax_kvalloc.tools.bench_ranks:RANKS",
     "processes": "jax_kvalloc.tools.bench_ranks:PROCESSES",
     "simulate": "jax_kvalloc.tools.bench_simulate:SUITE",
+    "sgljax-replay": "jax_kvalloc.tools.bench_sgljax:SUITE",
 }
 # Every suite's timing options: (type, minimum, help, (GPU/TPU, CPU) default, --quick value).
 TIMING = {"reps": (int, 1, "repetitions per figure (its median, quartiles)", (5, 5), 3),

@@ -27,6 +27,9 @@ COMMANDS = (
      "BENCHMARKS.md's and the README's generated tables from the result folders"),
     ("serve", "jax_kvalloc.serve.cli",
      "generate with a real model (SmolLM2-135M GGUF) through the request table"),
+    ("export-hf", "jax_kvalloc.serve.export_hf",
+     "write a GGUF model (SmolLM2-135M) as a Hugging Face folder (config, safetensors, "
+     "tokenizer)"),
 )
 
 
