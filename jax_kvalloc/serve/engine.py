@@ -103,6 +103,9 @@ class EngineConfig:
       raise ValueError(f"impl must be one of {kv_store.IMPLS}, got {self.impl!r}")
     if self.layers not in llama.LAYERS:
       raise ValueError(f"layers must be one of {llama.LAYERS}, got {self.layers!r}")
+    if self.impl == "pallas" and self.paged and self.page_size & (self.page_size - 1):
+      raise ValueError(f"page_size={self.page_size}: Pallas' GPU paged_attention needs a "
+                       "power of two (1, 2, 4, ..., 64, ...); use impl='gather'")
     if self.prefill_rows > self.max_reqs:
       raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_reqs={self.max_reqs}")
 
