@@ -139,9 +139,10 @@ class Loaded:
   file: Any     # loader.ModelFile (None without a GGUF)
 
 
-def load_model(args) -> Loaded:
-  """The config and tokenizer the arguments ask for (UsageError otherwise); weights come
-  later (`load_weights`), after the requests are checked."""
+def load_model(args, cache: Optional[str] = None) -> Loaded:
+  """The config and tokenizer the arguments ask for (UsageError otherwise), kept in
+  cache/weights (None: not kept); weights come later (`load_weights`), after the requests
+  are checked."""
   from jax_kvalloc.serve import loader  # pylint: disable=g-import-not-at-top
   path = args.gguf or loader.default_gguf()
   if path is None and not args.random_weights:
@@ -151,7 +152,7 @@ def load_model(args) -> Loaded:
     return Loaded(loader.SMOLLM2_135M, None, loader.SMOLLM2_135M.name, None)
   from jax_kvalloc.serve import tokenizer  # pylint: disable=g-import-not-at-top
   try:
-    mf = loader.load(path, weights=False)
+    mf = loader.load_meta(path, os.path.join(cache, "weights") if cache else None)
     tok = tokenizer.GGUFTokenizer(mf.meta)
   except loader.ModelFileError as e:
     raise UsageError("--gguf", str(e)) from e
@@ -291,7 +292,7 @@ def _serve(args, cache: Optional[str]) -> Dict[str, Any]:
   t0, c0 = time.perf_counter(), time.process_time()
   dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
-  loaded = load_model(args)
+  loaded = load_model(args, cache)
   labels, reqs = _requests(args, loaded, engine)
   ecfg = engine_config(args, loaded.cfg, reqs, engine)
   try:

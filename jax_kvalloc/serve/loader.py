@@ -267,17 +267,61 @@ def random_params(cfg: LlamaConfig, key: jax.Array, dtype) -> Dict[str, Any]:
 def params_cache_file(folder: str, gguf_path: str, dtype_name: str) -> str:
   """Where the dequantized parameters of gguf_path in dtype_name are kept in folder: the
   file's name, size and modification time (ns) and the dtype make the name, so a changed
-  file misses."""
+  file misses. (dtype_name "meta": its config and metadata, a JSON file.)"""
   st = os.stat(gguf_path)
   name = os.path.splitext(os.path.basename(gguf_path))[0]
-  return os.path.join(folder, f"{name}-{st.st_size}-{st.st_mtime_ns}-{dtype_name}.npz")
+  ext = "json" if dtype_name == "meta" else "npz"
+  return os.path.join(folder, f"{name}-{st.st_size}-{st.st_mtime_ns}-{dtype_name}.{ext}")
+
+
+def load_meta(path: str, folder: Optional[str]) -> ModelFile:
+  """`load(path, weights=False)`, kept in folder as JSON (its JSON-able metadata: the
+  tokenizer's included) and read from there when the file is unchanged; folder None:
+  nothing is kept."""
+  import json  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(path):
+    raise ModelFileError(f"no such file: {path}")
+  kept = params_cache_file(folder, path, "meta") if folder else None
+  if kept and os.path.isfile(kept):
+    try:
+      with open(kept, encoding="utf-8") as f:
+        doc = json.load(f)
+      return ModelFile(path, LlamaConfig(**doc["config"]), doc["meta"], None)
+    except (OSError, ValueError, KeyError, TypeError):
+      pass   # unreadable: read the GGUF again
+  mf = load(path, weights=False)
+  if kept:
+    meta = {}
+    for key, value in mf.meta.items():
+      try:
+        json.dumps(value)
+      except (TypeError, ValueError):
+        continue
+      meta[key] = value
+    _write_atomic(kept, lambda f: f.write(json.dumps(
+        {"config": dataclasses.asdict(mf.config), "meta": meta}).encode()))
+  return mf
+
+
+def _write_atomic(path: str, write) -> None:
+  """write(binary file) into a temporary file renamed to path: whole or not at all."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
 
 
 def save_params(path: str, cfg: LlamaConfig, params: Dict[str, Any]) -> None:
   """Writes cfg and the parameter pytree (stacked layers) to path, whole or not at all
   (bfloat16 arrays as their uint16 bits)."""
   import json  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
   flat = {"config": np.array(json.dumps(dataclasses.asdict(cfg)))}
   for key, leaf in [("embed", params["embed"]), ("norm", params["norm"]),
                     ("lm_head", params.get("lm_head"))] + [
@@ -285,15 +329,7 @@ def save_params(path: str, cfg: LlamaConfig, params: Dict[str, Any]) -> None:
     if leaf is not None:
       a = np.asarray(leaf)
       flat[key] = a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, **flat)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  _write_atomic(path, lambda f: np.savez(f, **flat))
 
 
 def load_params(path: str, dtype) -> Optional[Tuple[LlamaConfig, Dict[str, Any]]]:
