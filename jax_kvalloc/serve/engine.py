@@ -667,7 +667,7 @@ class Engine:
         slots = cache.evict(need - free_pages)
         hk["evict"] += slots
         free_pages += len(slots)
-      if need > free_pages:
+      if e.paged and need > free_pages:
         raise RuntimeError(f"the pool is short ({free_pages} free pages, {need} needed): "
                            "admission and retraction should have prevented this")
       x = self._base(hk)
