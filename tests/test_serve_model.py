@@ -7,8 +7,10 @@ length (5 to 80 tokens); 8 of them go through 6 table rows and a pool of 96 page
 of 32) and the prefix cache. Every request's 32 new
 tokens must equal the reference's; where the reference's top-2 logit gap is below 1e-3 a
 flipped token is accepted, counted and printed (none so far). Also: our GGUF loader's
-tensors equal transformers' dequantized ones, our tokenizer its tokenizer, and the paged
-run a contiguous-cache run of the same JAX model, bit for bit.
+tensors equal transformers' dequantized ones, our tokenizer its tokenizer, the paged
+run a contiguous-cache run of the same JAX model, bit for bit, and a run in a pool too
+small for them all (requests retracted, readmitted, their tokens prefilled again)
+transformers' tokens too.
 
 Needs Python 3.11's extras (`.[model,reference]` + the wheel); skips cleanly without them.
 The model, the engine run and the reference are built once per module (CI: `slow`).
@@ -122,10 +124,10 @@ def test_tokens_equal_transformers(served, reference):
 
 def test_retracted_and_readmitted_requests_still_equal_transformers(model, requests,
                                                                     reference):
-  # A pool of 24 pages of 8 (the longest request needs 14): admitted on their next round
+  # A pool of 14 pages of 8 (the longest request needs 14): admitted on their next round
   # trips, requests outgrow it, are retracted and prefill prompt + new tokens again.
   mf, params, _ = model
-  small = eng.Engine(mf.config, params, dataclasses.replace(ECFG, num_pages=24))
+  small = eng.Engine(mf.config, params, dataclasses.replace(ECFG, num_pages=14))
   res = small.run(requests)
   s = res.stats
   print(f"\nretractions {s['retractions']}, tokens computed again "
