@@ -11,12 +11,9 @@ share prefixes, end-of-sequence on and off, prefix cache on and off, paged or co
 Every run also checks that the pool is whole at the end (Engine.run raises otherwise) and
 that no step compiled twice.
 """
-import dataclasses
-import functools
 
 import hypothesis
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -189,8 +186,8 @@ def test_a_step_input_beyond_its_capacity_fails_loudly():
 def test_a_refused_eviction_is_not_ok():
   # Evicting a cache slot that holds no page (or a page that is free) is refused by the
   # pool: the step's ok is False, and Engine._run_step raises.
-  reqs = _reqs(4, 1, 2)
-  ecfg = _ecfg(reqs, max_reqs=1, prefill_rows=1, num_pages=12)
+  # (The engine of test_rows_that_all_finish_together_while_others_wait[paged-1].)
+  ecfg = _ecfg(_reqs(2, 5, 3, prompt_len=(6, 7)), max_reqs=1, prefill_rows=1, num_pages=20)
   e = eng.Engine(CFG, None, ecfg, model=standin)
   e.carry = e._fresh_carry()   # pylint: disable=protected-access
   hk = dict(adopt=[], evict=[0], release=[], borrow=[])
