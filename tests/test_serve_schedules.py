@@ -91,7 +91,7 @@ def schedules(draw):
   max_reqs = draw(st.integers(1, 16))
   n = draw(st.integers(1, 2 * max_reqs + 2))
   rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-  prefixes = [rng.integers(4, VOCAB, int(rng.integers(1, 40))).tolist() for _ in range(2)]
+  prefixes = [rng.integers(4, VOCAB, int(rng.integers(1, 48))).tolist() for _ in range(2)]
   eos = draw(st.booleans())
   reqs = []
   for _ in range(n):
@@ -102,15 +102,17 @@ def schedules(draw):
                             ignore_eos=not eos or draw(st.booleans())))
   width = -(-max(map(_worst, reqs)) // ps)
   total = sum(-(-_worst(r) // ps) for r in reqs)
-  # Half the pools hold at most two requests' worst cases (retractions are likely).
-  pages = draw(st.one_of(st.integers(width, 2 * width), st.integers(width, max(width, total))))
+  # Half the pools hold at most 1.5 requests' worst cases (retractions are likely).
+  pages = draw(st.one_of(st.integers(width, width + width // 2),
+                         st.integers(width, max(width, total))))
   prefill_rows = draw(st.integers(1, max_reqs))
   ecfg = eng.EngineConfig(
       page_size=ps, num_pages=pages, max_reqs=max_reqs,
       max_pages_per_req=width + draw(st.integers(0, 2)), prefill_rows=prefill_rows,
       chunk=draw(st.integers(1, 40)), decode_steps=draw(st.integers(1, 8)),
-      layout=draw(st.sampled_from(["paged", "paged", "paged", "contiguous"])),
-      prefix_cache=draw(st.booleans()))
+      layout=draw(st.sampled_from(["paged"] * 4 + ["contiguous"])),
+      prefix_cache=draw(st.sampled_from([True, True, True, False])),
+      new_token_ratio=draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])))
   return ecfg, reqs
 
 

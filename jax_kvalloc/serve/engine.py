@@ -90,6 +90,7 @@ class EngineConfig:
   impl: str = "gather"          # or "pallas" (decode through Pallas' GPU kernel)
   layers: str = "scan"          # or "unroll"
   prefix_cache: bool = True
+  new_token_ratio: float = 0.5  # share of max_new_tokens expected until requests finish
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_reqs", "max_pages_per_req", "prefill_rows",
@@ -97,6 +98,8 @@ class EngineConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not 0.0 <= self.new_token_ratio <= 1.0:
+      raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio!r}")
     if self.layout not in kv_store.LAYOUTS:
       raise ValueError(f"layout must be one of {kv_store.LAYOUTS}, got {self.layout!r}")
     if self.impl not in kv_store.IMPLS:
@@ -545,7 +548,7 @@ class Engine:
     requests and it are planned to allocate (`_Seq.planned_pages`: the rest of each
     prefill, then a decode round trip or the estimated share of the remaining new
     tokens) fit the free and evictable pages. The estimate is the mean share of their
-    budget that finished requests produced (before any finished: 1/2). Before each step,
+    budget that finished requests produced (before any finished: new_token_ratio). Before each step,
     while the pool cannot cover the step, the running request with the least progress
     (fewest new tokens, then most KV) is retracted: its whole pages go to the prefix
     cache, its row and other pages are released, and it waits first in line; readmitted,
@@ -601,7 +604,7 @@ class Engine:
                  for r in running)
 
     while waiting or running:
-      ratio = float(np.mean(shares)) if shares else 0.5
+      ratio = float(np.mean(shares)) if shares else e.new_token_ratio
       # Admission, in queue order; a request whose prefix a running row is computing is
       # passed over (the next ones may go); one that does not fit stops admission.
       passed: List[_Seq] = []
