@@ -86,9 +86,11 @@ def _ecfg(reqs, **kw):
 
 
 @st.composite
-def schedules(draw):
+def schedules(draw, pressure=False):
+  """(EngineConfig, requests); pressure: several rows, long budgets, a small paged pool
+  and no reserve (retractions are likely)."""
   ps = draw(st.sampled_from([1, 4, 16]))
-  max_reqs = draw(st.integers(1, 16))
+  max_reqs = draw(st.integers(2 if pressure else 1, 16))
   n = draw(st.integers(1, 2 * max_reqs + 2))
   rng = np.random.default_rng(draw(st.integers(0, 2**31)))
   prefixes = [rng.integers(4, VOCAB, int(rng.integers(1, 48))).tolist() for _ in range(2)]
@@ -98,21 +100,21 @@ def schedules(draw):
     which = int(rng.integers(0, 3))
     own = rng.integers(4, VOCAB, int(rng.integers(0 if which < 2 else 1, 24))).tolist()
     prompt = (prefixes[which] if which < 2 else []) + own
-    reqs.append(eng.Request(tuple(prompt), draw(st.integers(1, 64)),
+    reqs.append(eng.Request(tuple(prompt), draw(st.integers(16 if pressure else 1, 64)),
                             ignore_eos=not eos or draw(st.booleans())))
   width = -(-max(map(_worst, reqs)) // ps)
   total = sum(-(-_worst(r) // ps) for r in reqs)
   # Half the pools hold at most 1.5 requests' worst cases (retractions are likely).
   pages = draw(st.one_of(st.integers(width, width + width // 2),
-                         st.integers(width, max(width, total))))
+                         st.integers(width, width if pressure else max(width, total))))
   prefill_rows = draw(st.integers(1, max_reqs))
   ecfg = eng.EngineConfig(
       page_size=ps, num_pages=pages, max_reqs=max_reqs,
       max_pages_per_req=width + draw(st.integers(0, 2)), prefill_rows=prefill_rows,
       chunk=draw(st.integers(1, 40)), decode_steps=draw(st.integers(1, 8)),
-      layout=draw(st.sampled_from(["paged"] * 4 + ["contiguous"])),
+      layout=draw(st.sampled_from(["paged"] * 4 + ["contiguous"] * (not pressure))),
       prefix_cache=draw(st.sampled_from([True, True, True, False])),
-      new_token_ratio=draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])))
+      new_token_ratio=draw(st.sampled_from([0.0] if pressure else [0.0, 0.1, 0.5, 1.0])))
   return ecfg, reqs
 
 
@@ -128,6 +130,14 @@ def test_drawn_schedules_give_the_oracles_tokens(case):
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(schedules())
 def test_drawn_schedules_give_the_oracles_tokens_slow(case):
+  _drawn(*case)
+
+
+@pytest.mark.slow   # 20 engine configurations, two compiles each
+@hypothesis.settings(max_examples=20, deadline=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(schedules(pressure=True))
+def test_drawn_small_pools_give_the_oracles_tokens_slow(case):
   _drawn(*case)
 
 
