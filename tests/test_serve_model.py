@@ -7,8 +7,10 @@ length (5 to 80 tokens); 8 of them go through 6 table rows and a pool of 96 page
 of 32) and the prefix cache. Every request's 32 new
 tokens must equal the reference's; where the reference's top-2 logit gap is below 1e-3 a
 flipped token is accepted, counted and printed (none so far). Also: our GGUF loader's
-tensors equal transformers' dequantized ones, our tokenizer its tokenizer, and the paged
-run a contiguous-cache run of the same JAX model, bit for bit.
+tensors equal transformers' dequantized ones, our tokenizer its tokenizer, the paged
+run a contiguous-cache run of the same JAX model, bit for bit, and a run in a pool too
+small for them all (requests retracted, readmitted, their tokens prefilled again)
+transformers' tokens too.
 
 Needs Python 3.11's extras (`.[model,reference]` + the wheel); skips cleanly without them.
 The model, the engine run and the reference are built once per module (CI: `slow`).
@@ -101,9 +103,9 @@ def test_the_run_batches_chunks_and_shares(served, requests):
   assert s["late_compiles"] == 0
 
 
-def test_tokens_equal_transformers(served, requests, reference):
+def _equal_to_reference(new_ids, reference, what):
   flips = []
-  for i, (got, (want, gaps)) in enumerate(zip(served.new_ids, reference)):
+  for i, (got, (want, gaps)) in enumerate(zip(new_ids, reference)):
     diff = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if diff is None:
       assert len(got) == len(want) == NEW_TOKENS
@@ -111,9 +113,29 @@ def test_tokens_equal_transformers(served, requests, reference):
     # A near tie may flip (and everything after it may differ); nothing else may.
     assert gaps[diff] < NEAR_TIE, (i, diff, got, want, gaps[diff])
     flips.append((i, diff, gaps[diff]))
-  print(f"\n{len(requests)} prompts x {NEW_TOKENS} tokens equal to transformers'; near-tie "
-        f"flips: {len(flips)} {flips}; smallest reference top-2 gap "
+  print(f"\n{what}: {len(new_ids)} prompts x {NEW_TOKENS} tokens equal to transformers'; "
+        f"near-tie flips: {len(flips)} {flips}; smallest reference top-2 gap "
         f"{min(min(g) for _, g in reference):.4f}")
+
+
+def test_tokens_equal_transformers(served, reference):
+  _equal_to_reference(served.new_ids, reference, "batched")
+
+
+def test_retracted_and_readmitted_requests_still_equal_transformers(model, requests,
+                                                                    reference):
+  # A pool of 14 pages of 8 (the longest request needs 14): admitted on their next round
+  # trips, requests outgrow it, are retracted and prefill prompt + new tokens again.
+  mf, params, _ = model
+  small = eng.Engine(mf.config, params, dataclasses.replace(ECFG, num_pages=14))
+  res = small.run(requests)
+  s = res.stats
+  print(f"\nretractions {s['retractions']}, tokens computed again "
+        f"{s['recomputed_tokens']}, prefix-cache pages reused "
+        f"{s['prefix_cache']['hit_pages']}, late compiles {s['late_compiles']}")
+  assert s["retractions"] > 0 and s["recomputed_tokens"] > 0
+  assert s["late_compiles"] == 0
+  _equal_to_reference(res.new_ids, reference, "retracted")
 
 
 def test_loader_weights_equal_transformers(model, hf):
@@ -153,12 +175,23 @@ def test_cli_serves_the_default_prompts(model, tmp_path, capsys):
   out = tmp_path / "out.json"
   args = ["serve", "--page-size", "8", "--pool-pages", "96", "--max-reqs", "6",
           "--max-len", "160", "--prefill-rows", "2", "--chunk", "32", "--decode-steps", "8",
-          "--max-new-tokens", "4", "--json", str(out)]
+          "--max-new-tokens", "4", "--json", str(out), "--compile-cache",
+          str(tmp_path / "cache")]
   assert cli.main(args) == 0
   printed = capsys.readouterr().out
   assert "tokens/s" in printed and "Paris" in printed
-  doc = json.loads(out.read_text())
+  doc = json.loads(out.read_text(), parse_constant=_no_constant)   # strict JSON
+  assert not doc["stats"]["weights_from_cache"]
+  assert cli.main(args) == 0                                     # warm: kept weights
+  assert "(weights from the cache)" in capsys.readouterr().out
+  again = json.loads(out.read_text())
+  assert again["stats"]["weights_from_cache"]
+  assert [r["new_ids"] for r in again["requests"]] == [r["new_ids"] for r in doc["requests"]]
   assert [r["text"] for r in doc["requests"]][0].startswith(" Paris")
   assert doc["requests"][0]["ids"] == list(model[2].encode(PROMPTS[0]))
   assert len(doc["requests"]) == len(serve_cli.DEFAULT_PROMPTS)
   assert doc["stats"]["late_compiles"] == 0
+
+
+def _no_constant(name):
+  raise ValueError(f"{name} is not JSON")

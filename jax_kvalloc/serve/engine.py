@@ -16,9 +16,10 @@ Two jitted step kinds, each compiled once (static shapes, the carry donated):
            early when no row is live.
 
 The host (this module's Engine) decides what it already knows (habit 14): which
-requests are admitted (never over-committing the pool: every running request's worst
-case, prompt plus max_new_tokens, is reserved, counting evictable cached pages as free),
-which rows prefill, which cached pages are lent or evicted. It sends one int32 array per
+requests are admitted (on the pages the running and new requests are planned to need,
+see Engine.run), which running request is retracted when the pool cannot cover the next
+step, which rows prefill, which cached pages are lent or evicted. The device never
+over-commits: a table operation it refuses is an error. It sends one int32 array per
 step and reads one back (tokens, each token's logit, and the table's ok flags, which
 must all be True).
 
@@ -31,7 +32,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 # Importing Pallas defines jax config options that are part of the jit cache key (jax
@@ -65,8 +66,13 @@ def _shared_pages(a: Sequence[int], b: Sequence[int], limit: int) -> int:
   return n
 
 
-def _pad(values: Sequence[int], size: int) -> np.ndarray:
-  """int32[size]: values, then zeros."""
+def _pad(values: Sequence[int], size: int, name: str = "values") -> np.ndarray:
+  """int32[size]: values, then zeros. RuntimeError naming the field when there are more
+  than size values: a step's static capacity is never outgrown (that would change the
+  batch's shape and compile the step again)."""
+  if len(values) > size:
+    raise RuntimeError(f"{name}: {len(values)} entries exceed the step's static capacity "
+                       f"{size}")
   return np.array(list(values) + [0] * (size - len(values)), np.int32)
 
 
@@ -84,6 +90,7 @@ class EngineConfig:
   impl: str = "gather"          # or "pallas" (decode through Pallas' GPU kernel)
   layers: str = "scan"          # or "unroll"
   prefix_cache: bool = True
+  new_token_ratio: float = 0.5  # share of max_new_tokens expected until requests finish
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_reqs", "max_pages_per_req", "prefill_rows",
@@ -91,12 +98,17 @@ class EngineConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not 0.0 <= self.new_token_ratio <= 1.0:
+      raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio!r}")
     if self.layout not in kv_store.LAYOUTS:
       raise ValueError(f"layout must be one of {kv_store.LAYOUTS}, got {self.layout!r}")
     if self.impl not in kv_store.IMPLS:
       raise ValueError(f"impl must be one of {kv_store.IMPLS}, got {self.impl!r}")
     if self.layers not in llama.LAYERS:
       raise ValueError(f"layers must be one of {llama.LAYERS}, got {self.layers!r}")
+    if self.impl == "pallas" and self.paged and self.page_size & (self.page_size - 1):
+      raise ValueError(f"page_size={self.page_size}: Pallas' GPU paged_attention needs a "
+                       "power of two (1, 2, 4, ..., 64, ...); use impl='gather'")
     if self.prefill_rows > self.max_reqs:
       raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_reqs={self.max_reqs}")
 
@@ -199,17 +211,29 @@ def _housekeeping(ecfg: EngineConfig, carry: Carry, x: Dict[str, Array]):
   live = jnp.arange(x["evict_slot"].shape[0]) < x["n_evict"]
   slot = jnp.where(live, x["evict_slot"], cache_pages.shape[0])
   ids = jnp.where(live, cache_pages[jnp.clip(slot, 0, cache_pages.shape[0] - 1)], 0)
+  before = kv.available_size(acfg, state)
   state = kv.free_page_ids(acfg, state, ids)
+  # A refused free (a page that is not held, given twice, or id 0) frees nothing.
+  evict_ok = (kv.available_size(acfg, state) - before
+              == jnp.sum(live).astype(jnp.int32) * ecfg.page_size) & jnp.all(
+                  jnp.where(live, ids != 0, True))
   cache_pages = cache_pages.at[slot].set(0, mode="drop")
   # Lend: new rows start from cached pages.
   ids = cache_pages[x["borrow_slot"]]
   table, ok = kv.borrow_pages(acfg, table, x["borrow_row"], ids, x["borrow_n"],
                               num_rows=x["n_borrow"])
-  return Carry(state, table, caches, cache_pages), ok
+  return Carry(state, table, caches, cache_pages), ok & evict_ok
+
+
+# A stand-in for the model (tests): model(ecfg, caches, tokens i32[B, C], last i32[B],
+# addr) -> (caches, i32[B] next token, f32[B] its logit). Hashable: a jit cache key.
+StandIn = Callable[..., Tuple[Any, Array, Array]]
 
 
 def _model(cfg: LlamaConfig, ecfg: EngineConfig, params, caches, tokens, last,
-           addr: kv_store.StepAddress):
+           addr: kv_store.StepAddress, model: Any = True):
+  if callable(model):
+    return model(ecfg, caches, tokens, last, addr)
   attention = kv_store.attention_fn(ecfg.layout, ecfg.impl, addr)
   caches, logits = llama.forward(cfg, params, caches, tokens, addr.q_pos, last, attention,
                                  layers=ecfg.layers)
@@ -223,7 +247,7 @@ def _bits(x: Array) -> Array:
 
 
 def prefill_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, carry: Carry,
-                 flat: Array, *, model: bool = True):
+                 flat: Array, *, model: Any = True):
   """One prefill step. Returns (carry, i32[2 * prefill_rows + 1]: next token and its
   logit's bits per row, then ok)."""
   x = unpack(flat, layout)
@@ -257,7 +281,7 @@ def prefill_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, ca
                                 page_indices=jnp.zeros((bp, 1), jnp.int32), rows=rows)
   if model:
     caches, nxt, top = _model(cfg, ecfg, params, caches, x["tokens"], jnp.maximum(n - 1, 0),
-                              addr)
+                              addr, model)
   else:
     nxt, top = jnp.zeros((bp,), jnp.int32), jnp.zeros((bp,), jnp.float32)
   out = jnp.concatenate([nxt, _bits(top), ok.astype(jnp.int32).reshape(1)])
@@ -265,7 +289,7 @@ def prefill_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, ca
 
 
 def decode_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, carry: Carry,
-                flat: Array, *, model: bool = True):
+                flat: Array, *, model: Any = True):
   """Up to decode_steps greedy steps of every live row. Returns (carry,
   i32[2 * decode_steps * max_reqs + 1]: the tokens [K, R] (-1 where a row was not
   live), their logits' bits [K, R], then ok)."""
@@ -304,7 +328,7 @@ def decode_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, car
                                   page_indices=jnp.zeros((r, 1), jnp.int32), rows=srows)
     if model:
       caches, nxt_s, top_s = _model(cfg, ecfg, params, caches, tok[order][:, None],
-                                    jnp.zeros((r,), jnp.int32), addr)
+                                    jnp.zeros((r,), jnp.int32), addr, model)
     else:
       nxt_s, top_s = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.float32)
     nxt = jnp.zeros((r,), jnp.int32).at[order].set(nxt_s)
@@ -334,7 +358,7 @@ def decode_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, car
 
 @functools.lru_cache(maxsize=None)
 def jitted_step(cfg: LlamaConfig, ecfg: EngineConfig, kind: str, layout: tuple,
-                model: bool = True):
+                model: Any = True):
   """step(params, carry, flat) -> (carry, out), compiled once per config, kind and batch
   layout (the carry is donated)."""
   fn = prefill_step if kind == "prefill" else decode_step
@@ -362,36 +386,56 @@ def compile_count() -> int:
 
 
 @dataclasses.dataclass
-class _Running:
-  """A request on a table row (host mirror)."""
+class _Seq:
+  """A request's host-side state, waiting or on a table row."""
   index: int                  # position in the input
   req: Request
-  row: int
-  done: int = 0               # tokens in its KV cache (table.lens)
-  owned_from: int = 0         # page columns the cache holds (borrowed or adopted)
-  chain: List[Node] = dataclasses.field(default_factory=list)
-  adopting: bool = True       # False once a page it computed was cached already
+  eos: int
   gen: List[int] = dataclasses.field(default_factory=list)
   tops: List[float] = dataclasses.field(default_factory=list)
-  first_token_s: float = float("nan")
+  first_token_s: Optional[float] = None
+  computed: int = 0           # KV tokens it held when last retracted (0: never)
+  # On a row (set at admission):
+  row: int = -1
+  fill: Tuple[int, ...] = ()  # tokens to prefill: the prompt, then what it generated
+  done: int = 0               # tokens in its KV cache (table.lens)
+  owned_from: int = 0         # page columns the prefix cache holds (borrowed or adopted)
+  chain: List[Node] = dataclasses.field(default_factory=list)
+  adopting: bool = True       # False once a page it computed was cached already
 
   @property
   def prefilling(self) -> bool:
-    return self.done < len(self.req.prompt)
+    return self.done < len(self.fill)
+
+  @property
+  def tokens(self) -> List[int]:
+    return list(self.req.prompt) + self.gen
 
   @property
   def finished(self) -> bool:
     if self.prefilling or not self.gen:
       return False
-    eos_hit = not self.req.ignore_eos and self.gen[-1] == self._eos
+    eos_hit = not self.req.ignore_eos and self.gen[-1] == self.eos
     return len(self.gen) >= self.req.max_new_tokens or eos_hit
 
-  _eos: int = 2
+  def worst_kv(self) -> int:
+    """KV tokens it holds at most: its prompt and every new token but the last."""
+    return len(self.req.prompt) + self.req.max_new_tokens - 1
 
-  def worst_pages(self, ps: int) -> int:
-    """Pages this row may still allocate (its tokens' worst case minus what it has)."""
-    worst = len(self.req.prompt) + self.req.max_new_tokens - 1
-    return _cdiv(worst, ps) - _cdiv(self.done, ps)
+  def next_tokens(self, ecfg: EngineConfig) -> int:
+    """KV tokens its next step of its kind adds (a chunk, or a decode round trip)."""
+    if self.prefilling:
+      return min(ecfg.chunk, len(self.fill) - self.done)
+    return min(ecfg.decode_steps, self.req.max_new_tokens - len(self.gen))
+
+  def planned_pages(self, ecfg: EngineConfig, ratio: float) -> int:
+    """Pages it may still allocate under the estimate: the rest of its prefill, then its
+    next decode round trip or `ratio` of its remaining new tokens, whichever is more."""
+    ps = ecfg.page_size
+    base = len(self.fill) if self.prefilling else self.done
+    rest = self.worst_kv() - base
+    est = min(rest, max(ecfg.decode_steps, int(np.ceil(ratio * rest))))
+    return _cdiv(base + est, ps) - _cdiv(self.done, ps)
 
 
 @dataclasses.dataclass
@@ -403,13 +447,17 @@ class Result:
 
 
 class Engine:
-  """Serves requests through the jitted steps (see the module docstring)."""
+  """Serves requests through the jitted steps (see the module docstring).
 
-  def __init__(self, cfg: LlamaConfig, params, ecfg: EngineConfig, dtype=jnp.float32):
+  `model` replaces the Llama forward pass (tests: a stand-in, see StandIn)."""
+
+  def __init__(self, cfg: LlamaConfig, params, ecfg: EngineConfig, dtype=jnp.float32,
+               model: Optional[StandIn] = None):
     self.cfg, self.ecfg, self.dtype = cfg, ecfg, dtype
     if params is not None and ecfg.layers == "unroll":
       params = llama.unstack_layers(params)
     self.params = params
+    self.model = True if model is None else model
     self.log: List[Dict[str, Any]] = []
 
   # -- device state --
@@ -451,55 +499,78 @@ class Engine:
     """The housekeeping part of a step's batch (both kinds): releases, and the prefix
     cache's adoptions, evictions and loans."""
     e = self.ecfg
-    x = {"release": _pad(hk["release"], e.max_reqs), "n_release": len(hk["release"])}
+    x = {"release": _pad(hk["release"], e.max_reqs, "release"),
+         "n_release": len(hk["release"])}
     if e.cached:
       slots = np.zeros((e.max_reqs, e.max_pages_per_req), np.int32)
       for b, r in enumerate(hk["borrow"]):
         slots[b, :r.owned_from] = [node.slot for node in r.chain[:r.owned_from]]
-      x.update(adopt_row=_pad([a[0] for a in hk["adopt"]], e.adopt_cap),
-               adopt_col=_pad([a[1] for a in hk["adopt"]], e.adopt_cap),
-               adopt_slot=_pad([a[2] for a in hk["adopt"]], e.adopt_cap),
-               n_adopt=len(hk["adopt"]), evict_slot=_pad(hk["evict"], e.evict_cap),
+      adopt = hk["adopt"]
+      x.update(adopt_row=_pad([a[0] for a in adopt], e.adopt_cap, "adopt"),
+               adopt_col=_pad([a[1] for a in adopt], e.adopt_cap, "adopt"),
+               adopt_slot=_pad([a[2] for a in adopt], e.adopt_cap, "adopt"),
+               n_adopt=len(adopt), evict_slot=_pad(hk["evict"], e.evict_cap, "evict"),
                n_evict=len(hk["evict"]),
-               borrow_row=_pad([r.row for r in hk["borrow"]], e.max_reqs),
+               borrow_row=_pad([r.row for r in hk["borrow"]], e.max_reqs, "borrow"),
                borrow_slot=slots,
-               borrow_n=_pad([r.owned_from for r in hk["borrow"]], e.max_reqs),
+               borrow_n=_pad([r.owned_from for r in hk["borrow"]], e.max_reqs, "borrow"),
                n_borrow=len(hk["borrow"]))
     return x
 
-  def _run_step(self, kind: str, x: Dict[str, Any]) -> np.ndarray:
+  def _run_step(self, kind: str, x: Dict[str, Any], flush: bool = False) -> np.ndarray:
     flat, layout = pack(x)
-    fn = jitted_step(self.cfg, self.ecfg, kind, layout)
+    fn = jitted_step(self.cfg, self.ecfg, kind, layout, self.model)
     before = compile_count()
     t0 = time.perf_counter()
     self.carry, out = fn(self.params, self.carry, jax.device_put(flat))
     out = np.asarray(jax.device_get(out))
     seconds = time.perf_counter() - t0
-    self.log.append(dict(kind=kind, x=flat, layout=layout, s=seconds,
+    self.log.append(dict(kind=kind, x=flat, layout=layout, s=seconds, flush=flush,
                          compiles=compile_count() - before))
     if not out[-1]:
       raise RuntimeError(f"the {kind} step's table work was refused (the host's admission "
                          "and the device disagree)")
     return out
 
+  def _flush(self, hk: Dict[str, list]) -> None:
+    """A decode step with no rows: only the housekeeping (releases, adoptions,
+    evictions) runs."""
+    r_ = self.ecfg.max_reqs
+    x = self._base(hk)
+    x.update(rows=_pad([], r_), n_rows=0, tokens=_pad([], r_), start=_pad([], r_),
+             remaining=_pad([], r_), ignore_eos=_pad([], r_))
+    self._run_step("decode", x, flush=True)
+
   def run(self, requests: Sequence[Request]) -> Result:
-    """Serves every request; returns their new tokens in input order."""
+    """Serves every request; returns their new tokens in input order.
+
+    Admission (paged), in queue order: a request joins while the pages that the running
+    requests and it are planned to allocate (`_Seq.planned_pages`: the rest of each
+    prefill, then a decode round trip or the estimated share of the remaining new
+    tokens) fit the free and evictable pages. The estimate is the mean share of their
+    budget that finished requests produced (before any finished: new_token_ratio). Before each step,
+    while the pool cannot cover the step, the running request with the least progress
+    (fewest new tokens, then most KV) is retracted: its whole pages go to the prefix
+    cache, its row and other pages are released, and it waits first in line; readmitted,
+    it prefills its prompt and new tokens again (through its cached pages)."""
     self.check(requests)
     e, ps = self.ecfg, self.ecfg.page_size
     self.carry = self._fresh_carry()
     self.log = []
     cache = PrefixCache(ps, e.num_pages) if e.cached else None
-    waiting = collections.deque(enumerate(requests))
-    running: List[_Running] = []
+    waiting = collections.deque(_Seq(i, r, self.cfg.eos_id) for i, r in enumerate(requests))
+    running: List[_Seq] = []
     free_rows = list(range(e.max_reqs))
     free_pages = e.num_pages            # host mirror of the pool's free pages
     fresh = lambda: dict(adopt=[], evict=[], release=[], borrow=[])
     hk = fresh()
-    finished: Dict[int, _Running] = {}
+    finished: Dict[int, _Seq] = {}
+    shares: List[float] = []            # finished requests' new tokens / their budget
+    counts = dict(retractions=0, recomputed_tokens=0, flushes=0)
     prefer_decode = False
     t_start = time.perf_counter()
 
-    def adopt(run: _Running, upto_tokens: int, tokens: Sequence[int]):
+    def adopt(run: _Seq, upto_tokens: int, tokens: Sequence[int]):
       """Offers run's whole pages below upto_tokens to the cache (contiguous from its
       owned_from; stops at a page that is cached already)."""
       while run.adopting and run.owned_from < min(upto_tokens // ps, e.max_pages_per_req):
@@ -512,146 +583,191 @@ class Engine:
         run.chain.append(node)
         run.owned_from = k + 1
 
-    def reserved() -> int:
-      return sum(r.worst_pages(ps) for r in running)
+    def spare() -> int:
+      return free_pages + (cache.evictable() if cache is not None else 0)
+
+    def leave(run: _Seq) -> None:
+      """run's row and pages go (next step's housekeeping); whole pages to the cache."""
+      nonlocal free_pages
+      if cache is not None:
+        adopt(run, run.done, run.tokens)
+        cache.let_go(run.chain)
+      hk["release"].append(run.row)
+      free_pages += _cdiv(run.done, ps) - run.owned_from
+      running.remove(run)
+
+    def waits_for_a_row(seq: _Seq, limit: int, cached: int) -> bool:
+      """A running row is prefilling more of seq's leading pages than the cache holds
+      (and will cache them): seq waits for them rather than computing them again."""
+      return any(r.prefilling and r.adopting and min(
+          _shared_pages(seq.fill, r.fill, limit * ps) // ps, limit) > cached
+                 for r in running)
 
     while waiting or running:
-      # Admission, in arrival order: a free row, and the pool's worst case still covered.
-      # A new row borrows its cached prefix in the next step's housekeeping.
+      ratio = float(np.mean(shares)) if shares else e.new_token_ratio
+      # Admission, in queue order; a request whose prefix a running row is computing is
+      # passed over (the next ones may go); one that does not fit stops admission.
+      passed: List[_Seq] = []
       while waiting and free_rows:
-        index, req = waiting[0]
-        limit = (len(req.prompt) - 1) // ps
-        chain = cache.match(req.prompt, limit) if cache is not None else []
-        if cache is not None and any(
-            min(_shared_pages(req.prompt, r.req.prompt, limit * ps) // ps, limit) > len(chain)
-            for r in running if r.prefilling):
-          break  # a running row is computing more of this prompt's pages: wait for them
-        if cache is not None:
-          cache.acquire(chain)
-        run = _Running(index=index, req=req, row=free_rows[0], done=len(chain) * ps,
-                       owned_from=len(chain), chain=list(chain), _eos=self.cfg.eos_id)
-        spare = free_pages + (cache.evictable() if cache is not None else 0)
-        if reserved() + run.worst_pages(ps) > spare:
+        seq = waiting.popleft()
+        seq.fill = tuple(seq.tokens)
+        limit = (len(seq.fill) - 1) // ps
+        chain = cache.match(seq.fill, limit) if cache is not None else []
+        if cache is not None and waits_for_a_row(seq, limit, len(chain)):
+          passed.append(seq)
+          continue
+        seq.row, seq.done, seq.owned_from = free_rows[0], len(chain) * ps, len(chain)
+        seq.chain, seq.adopting = list(chain), True
+        if e.paged:
           if cache is not None:
-            cache.let_go(chain)
-          break
-        waiting.popleft()
+            cache.acquire(chain)
+          planned = sum(r.planned_pages(e, ratio) for r in running + [seq])
+          if planned > spare():
+            if cache is not None:
+              cache.let_go(chain)
+            waiting.appendleft(seq)
+            break
         free_rows.pop(0)
-        running.append(run)
+        running.append(seq)
+        if seq.computed:
+          counts["recomputed_tokens"] += max(0, seq.computed - seq.done)
+          seq.computed = 0
         if chain:
-          hk["borrow"].append(run)
+          hk["borrow"].append(seq)
           cache.hits += len(chain)
-      prefilling = [r for r in running if r.prefilling][:e.prefill_rows]
-      decoding = [r for r in running if not r.prefilling]
-      kind = "prefill" if prefilling and not (decoding and prefer_decode) else "decode"
-      if not prefilling and not decoding:
-        raise RuntimeError("nothing can run: the pool cannot hold the next request")
+      waiting.extendleft(reversed(passed))
+
+      def plan():
+        prefilling = [r for r in running if r.prefilling][:e.prefill_rows]
+        decoding = [r for r in running if not r.prefilling]
+        kind = "prefill" if prefilling and not (decoding and prefer_decode) else "decode"
+        rows = prefilling if kind == "prefill" else decoding
+        need = sum(_cdiv(r.done + r.next_tokens(e), ps) - _cdiv(r.done, ps) for r in rows)
+        return kind, rows, need
+
+      kind, rows, need = plan()
+      # Retraction: the pool cannot cover this step.
+      retracted: List[_Seq] = []
+      while e.paged and rows and need > spare():
+        victim = min(running, key=lambda r: (len(r.gen), -r.done, -r.index))
+        leave(victim)
+        victim.computed = victim.done
+        retracted.append(victim)
+        counts["retractions"] += 1
+        kind, rows, need = plan()
+      waiting.extendleft(sorted(retracted, key=lambda r: r.index, reverse=True))
+      if not rows:
+        if not (hk["release"] or hk["adopt"] or hk["evict"]):
+          raise RuntimeError("nothing can run and nothing is pending: an engine bug")
+        # Every running request left in the last step: release their rows, then admit.
+        self._flush(hk)
+        free_rows += hk["release"]
+        hk = fresh()
+        counts["flushes"] += 1
+        continue
       # Pages this step may allocate; evict cached pages until they are free.
-      if kind == "prefill":
-        chunks = [min(e.chunk, len(r.req.prompt) - r.done) for r in prefilling]
-        need = sum(_cdiv(r.done + n, ps) - _cdiv(r.done, ps) for r, n in zip(prefilling, chunks))
-      else:
-        need = sum(_cdiv(r.done + min(e.decode_steps, r.req.max_new_tokens - len(r.gen)), ps)
-                   - _cdiv(r.done, ps) for r in decoding)
       if need > free_pages and cache is not None:
         slots = cache.evict(need - free_pages)
         hk["evict"] += slots
         free_pages += len(slots)
-      if need > free_pages:
+      if e.paged and need > free_pages:
         raise RuntimeError(f"the pool is short ({free_pages} free pages, {need} needed): "
-                           "admission should have prevented this")
+                           "admission and retraction should have prevented this")
       x = self._base(hk)
       released = list(hk["release"])
       hk = fresh()
-      pad = _pad
       if kind == "prefill":
-        toks = np.zeros((e.prefill_rows, e.chunk), np.int32)
-        for b, (r, n) in enumerate(zip(prefilling, chunks)):
-          toks[b, :n] = r.req.prompt[r.done:r.done + n]
-        x.update(rows=pad([r.row for r in prefilling], e.prefill_rows),
-                 n=pad(chunks, e.prefill_rows), n_rows=len(prefilling), tokens=toks,
-                 start=pad([r.done for r in prefilling], e.prefill_rows))
+        chunks = [r.next_tokens(e) for r in rows]
+        bp = e.prefill_rows
+        toks = np.zeros((bp, e.chunk), np.int32)
+        for b, (r, n) in enumerate(zip(rows, chunks)):
+          toks[b, :n] = r.fill[r.done:r.done + n]
+        x.update(rows=_pad([r.row for r in rows], bp), n=_pad(chunks, bp), n_rows=len(rows),
+                 tokens=toks, start=_pad([r.done for r in rows], bp))
         out = self._run_step("prefill", x)
         now = time.perf_counter()
         self.log[-1]["tokens"] = sum(chunks)
-        bp = e.prefill_rows
-        for b, (r, n) in enumerate(zip(prefilling, chunks)):
-          free_pages -= _cdiv(r.done + n, ps) - _cdiv(r.done, ps)
+        for b, (r, n) in enumerate(zip(rows, chunks)):
+          if e.paged:
+            free_pages -= _cdiv(r.done + n, ps) - _cdiv(r.done, ps)
           r.done += n
           if not r.prefilling:
             r.gen.append(int(out[b]))
             r.tops.append(float(out[bp + b:bp + b + 1].view(np.float32)[0]))
-            r.first_token_s = now - t_start
+            if r.first_token_s is None:
+              r.first_token_s = now - t_start
           if cache is not None:
-            adopt(r, r.done, r.req.prompt)
+            adopt(r, r.done, r.fill)
         prefer_decode = True
       else:
         r_, k_ = e.max_reqs, e.decode_steps
-        x.update(rows=pad([r.row for r in decoding], r_), n_rows=len(decoding),
-                 tokens=pad([r.gen[-1] for r in decoding], r_),
-                 start=pad([r.done for r in decoding], r_),
-                 remaining=pad([r.req.max_new_tokens - len(r.gen) for r in decoding], r_),
-                 ignore_eos=pad([int(r.req.ignore_eos) for r in decoding], r_))
+        x.update(rows=_pad([r.row for r in rows], r_), n_rows=len(rows),
+                 tokens=_pad([r.gen[-1] for r in rows], r_),
+                 start=_pad([r.done for r in rows], r_),
+                 remaining=_pad([r.req.max_new_tokens - len(r.gen) for r in rows], r_),
+                 ignore_eos=_pad([int(r.req.ignore_eos) for r in rows], r_))
         out = self._run_step("decode", x)
         toks = out[:k_ * r_].reshape(k_, r_)
         tops = out[k_ * r_:2 * k_ * r_].reshape(k_, r_).view(np.float32)
         emitted = 0
-        for b, r in enumerate(decoding):
+        for b, r in enumerate(rows):
           got = [int(t) for t in toks[:, b] if t >= 0]
           emitted += len(got)
-          free_pages -= _cdiv(r.done + len(got), ps) - _cdiv(r.done, ps)
+          if e.paged:
+            free_pages -= _cdiv(r.done + len(got), ps) - _cdiv(r.done, ps)
           r.done += len(got)
           r.gen += got
           r.tops += [float(v) for v in tops[:len(got), b]]
         self.log[-1]["tokens"] = emitted
-        self.log[-1]["rows"] = len(decoding)
+        self.log[-1]["rows"] = len(rows)
         prefer_decode = False
       # Finished requests: their whole pages go to the cache, their rows are released
       # in the next step (and free after it).
       for r in list(running):
         if r.finished:
-          if cache is not None:
-            adopt(r, r.done, list(r.req.prompt) + r.gen)
-            cache.let_go(r.chain)
-          hk["release"].append(r.row)
-          free_pages += _cdiv(r.done, ps) - r.owned_from
-          running.remove(r)
+          leave(r)
           finished[r.index] = r
+          shares.append(len(r.gen) / r.req.max_new_tokens)
       free_rows += released
-    # Release the last rows, then empty the cache: the pool must be whole again.
+    # Release the last rows, then empty the cache (at most evict_cap pages a step): the
+    # pool must be whole again.
     if self.ecfg.paged:
-      if cache is not None:
-        slots = cache.evict(len(cache))
-        hk["evict"] += slots
-        free_pages += len(slots)
-      x = self._base(hk)
-      r_ = e.max_reqs
-      pad = _pad
-      x.update(rows=pad([], r_), n_rows=0, tokens=pad([], r_), start=pad([], r_),
-               remaining=pad([], r_), ignore_eos=pad([], r_))
-      self._run_step("decode", x)
-      self.log.pop()
+      while True:
+        if cache is not None:
+          slots = cache.evict(min(len(cache), e.evict_cap))
+          hk["evict"] += slots
+          free_pages += len(slots)
+          if len(cache) and not slots:
+            raise RuntimeError("cached pages are still held after the run")
+        self._flush(hk)
+        self.log.pop()
+        hk = fresh()
+        if cache is None or not len(cache):
+          break
       avail = int(kv.available_size(e.alloc_config(), self.carry.state)) // ps
       if avail != e.num_pages or free_pages != e.num_pages:
         raise RuntimeError(f"pages leaked: {e.num_pages - avail} held on the device, host "
                            f"mirror {e.num_pages - free_pages}")
     wall = time.perf_counter() - t_start
     order = [finished[i] for i in range(len(requests))]
-    return Result(new_ids=[r.gen for r in order], tops=[r.tops for r in order],
-                  stats=self._stats(order, wall, cache))
+    stats = self._stats(order, wall, cache)
+    stats.update(counts)
+    return Result(new_ids=[r.gen for r in order], tops=[r.tops for r in order], stats=stats)
 
-  def _stats(self, runs: List[_Running], wall: float, cache) -> Dict[str, Any]:
+  def _stats(self, runs: List[_Seq], wall: float, cache) -> Dict[str, Any]:
+    """The run's figures; None where one does not exist (e.g. a rate with no warm step)."""
     late = {}
     seen = set()
     for entry in self.log:
       if entry["kind"] in seen:
         late[entry["kind"]] = late.get(entry["kind"], 0) + entry["compiles"]
       seen.add(entry["kind"])
-    by = {k: [x for x in self.log if x["kind"] == k] for k in ("prefill", "decode")}
+    steps = [x for x in self.log if not x["flush"]]
+    by = {k: [x for x in steps if x["kind"] == k] for k in ("prefill", "decode")}
     warm = {k: v[1:] for k, v in by.items()}
     secs = lambda v: sum(x["s"] for x in v)
     toks = lambda v: sum(x.get("tokens", 0) for x in v)
-    rate = lambda v: toks(v) / secs(v) if v and secs(v) > 0 else float("nan")
+    rate = lambda v: toks(v) / secs(v) if v and secs(v) > 0 else None
     return dict(
         requests=len(runs), generated=sum(len(r.gen) for r in runs),
         prompt_tokens=sum(len(r.req.prompt) for r in runs), wall_s=wall,

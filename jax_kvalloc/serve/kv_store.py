@@ -128,6 +128,19 @@ def pallas_decode(q: Array, kp: Array, vp: Array, tables: Array, kv_len: Array, 
   return o.reshape(b, 1, hq, dh)
 
 
+def write_and_gather(layout: str, cache: Tuple[Array, Array], addr: StepAddress, k: Array,
+                     v: Array) -> Tuple[Tuple[Array, Array], Array, Array]:
+  """Writes a step's k, v f[B, C, Hkv, Dh] into one layer's cache (at the table's slots,
+  or each row's positions), then reads every entry's row back.
+
+  Returns (cache, keys, values), keys and values f[B, L, Hkv, Dh] with row b's token j at
+  [b, j] (L: the table width times ps, or max_len); entries past kv_len hold anything."""
+  paged = layout == "paged"
+  cache = (_write_paged if paged else _write_contiguous)(cache, addr, k, v)
+  gather = _gather_paged if paged else _gather_contiguous
+  return cache, gather(cache[0], addr), gather(cache[1], addr)
+
+
 def attention_fn(layout: str, impl: str, addr: StepAddress) -> llama.Attention:
   """The Attention of jax_kvalloc.serve.llama for one step: writes the step's K/V into a
   layer's cache, then attends over it."""

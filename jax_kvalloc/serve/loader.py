@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any, Dict, Optional
+import zipfile
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -233,7 +234,11 @@ def load(path: str, *, weights: bool = True) -> ModelFile:
   reader = _reader(path)
   meta = metadata(reader)
   cfg = config_from_metadata(meta, path)
-  if not weights:
+  if not weights:   # the tensors' names and shapes, not their data
+    shapes = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}
+    if "token_embd.weight" in shapes:
+      cfg = dataclasses.replace(cfg, tied_embeddings="output.weight" not in shapes,
+                                vocab_size=shapes["token_embd.weight"][0])
     return ModelFile(path, cfg, meta, None)
   tensors = _tensors(reader)
   try:
@@ -260,3 +265,90 @@ def random_params(cfg: LlamaConfig, key: jax.Array, dtype) -> Dict[str, Any]:
   layers["ffn_norm"] = jnp.ones((n, d), dtype)
   embed = (0.02 * jax.random.normal(keys[0], (cfg.vocab_size, d), jnp.float32)).astype(dtype)
   return {"embed": embed, "norm": jnp.ones((d,), dtype), "layers": layers}
+
+
+def params_cache_file(folder: str, gguf_path: str, dtype_name: str) -> str:
+  """Where the dequantized parameters of gguf_path in dtype_name are kept in folder: the
+  file's name, size and modification time (ns) and the dtype make the name, so a changed
+  file misses. (dtype_name "meta": its config and metadata, a JSON file.)"""
+  st = os.stat(gguf_path)
+  name = os.path.splitext(os.path.basename(gguf_path))[0]
+  ext = "json" if dtype_name == "meta" else "npz"
+  return os.path.join(folder, f"{name}-{st.st_size}-{st.st_mtime_ns}-{dtype_name}.{ext}")
+
+
+def load_meta(path: str, folder: Optional[str]) -> ModelFile:
+  """`load(path, weights=False)`, kept in folder as JSON (its JSON-able metadata: the
+  tokenizer's included) and read from there when the file is unchanged; folder None:
+  nothing is kept."""
+  import json  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(path):
+    raise ModelFileError(f"no such file: {path}")
+  kept = params_cache_file(folder, path, "meta") if folder else None
+  if kept and os.path.isfile(kept):
+    try:
+      with open(kept, encoding="utf-8") as f:
+        doc = json.load(f)
+      return ModelFile(path, LlamaConfig(**doc["config"]), doc["meta"], None)
+    except (OSError, ValueError, KeyError, TypeError):
+      pass   # unreadable: read the GGUF again
+  mf = load(path, weights=False)
+  if kept:
+    meta = {}
+    for key, value in mf.meta.items():
+      try:
+        json.dumps(value)
+      except (TypeError, ValueError):
+        continue
+      meta[key] = value
+    _write_atomic(kept, lambda f: f.write(json.dumps(
+        {"config": dataclasses.asdict(mf.config), "meta": meta}).encode()))
+  return mf
+
+
+def _write_atomic(path: str, write) -> None:
+  """write(binary file) into a temporary file renamed to path: whole or not at all."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def save_params(path: str, cfg: LlamaConfig, params: Dict[str, Any]) -> None:
+  """Writes cfg and the parameter pytree (stacked layers) to path, whole or not at all
+  (bfloat16 arrays as their uint16 bits)."""
+  import json  # pylint: disable=g-import-not-at-top
+  flat = {"config": np.array(json.dumps(dataclasses.asdict(cfg)))}
+  for key, leaf in [("embed", params["embed"]), ("norm", params["norm"]),
+                    ("lm_head", params.get("lm_head"))] + [
+                        ("layers." + k, v) for k, v in params["layers"].items()]:
+    if leaf is not None:
+      a = np.asarray(leaf)
+      flat[key] = a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
+  _write_atomic(path, lambda f: np.savez(f, **flat))
+
+
+def load_params(path: str, dtype) -> Optional[Tuple[LlamaConfig, Dict[str, Any]]]:
+  """(cfg, params in dtype) from save_params' file; None when it is missing or
+  unreadable (the caller dequantizes again)."""
+  import json  # pylint: disable=g-import-not-at-top
+  try:
+    with np.load(path) as z:
+      cfg = LlamaConfig(**json.loads(str(z["config"])))
+      arrays = {k: z[k] for k in z.files if k != "config"}
+  except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):
+    return None
+  def leaf(a):
+    return jnp.asarray(a.view(jnp.bfloat16) if dtype == jnp.bfloat16 else a, dtype)
+  params = {"embed": leaf(arrays.pop("embed")), "norm": leaf(arrays.pop("norm"))}
+  if "lm_head" in arrays:
+    params["lm_head"] = leaf(arrays.pop("lm_head"))
+  params["layers"] = {k.split(".", 1)[1]: leaf(v) for k, v in arrays.items()}
+  return cfg, params
