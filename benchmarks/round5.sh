@@ -43,6 +43,7 @@
 #                        extend and free)
 #      fallback-table    the table step with Triton hidden (Mosaic GPU table kernel)
 set -uf
+{   # parsed whole before it runs: an edit of this file during a run changes nothing
 cd "$(dirname "$0")/.." || exit 2
 DRY=()
 CPU=0
@@ -100,3 +101,4 @@ if [ "$CPU" = 1 ] && [ ${#DRY[@]} = 0 ]; then   # not figures: out of benchmarks
   done
 fi
 exit $rc
+}
