@@ -7,9 +7,10 @@ kernel), B requests of a `--prompt-len`-token prompt (default 512) each generate
 `--new-tokens` (default 128, eos ignored), all arriving at once. The engine runs them
 twice: the first run compiles, the second (warm) is measured:
 
-  decode tokens/s     tokens emitted by the warm decode round trips in which all B
-                      requests decode / their time (each round trip is `--decode-steps`
-                      device steps of every row)
+  decode tokens/s     tokens emitted by the warm decode round trips in which the most
+                      requests decode (all B, unless the first finish before the last
+                      leave prefill, or the pool is small) / their time (each round trip
+                      is `--decode-steps` device steps of every row)
   decode step         a round trip's median time / its steps (one token per row)
   prefill tokens/s    prompt tokens / the warm prefill steps' time
   TTFT                each request's first token after the warm run's start (queueing
@@ -24,7 +25,7 @@ twice: the first run compiles, the second (warm) is measured:
 --pool-fraction F sizes the pool at F of every request's worst case (at least one
 request's), so that admission and retraction work under a small pool. A configuration the
 engine refuses (e.g. a page size the Pallas kernel cannot run) is a case with an "error"
-(its ValueError), not a crash; a figure with no step to measure it is null.
+(its ValueError), not a crash; a rate with no step to measure it is null.
 
 Writes <out>/serve.json and <out>/manifest.json (jax_kvalloc.tools.bench.manifest) and,
 with $OUT set (the device tool), <out>.tgz into $OUT; or, with --json FILE, that file
