@@ -30,6 +30,12 @@
 #   TIMEOUT_<STEP>  its time limit in seconds (defaults below)
 #   BUDGET          seconds for all steps (default 560); a step gets at most what is left
 #                   and one with under 20 s left is skipped (its manifest entry says so)
+#
+# Round 5's device runs (issue 46) are three lines of steps: benchmarks/round5.sh says
+# which and runs one (`bash benchmarks/round5.sh a|b|c`, `--dry-run` first). Steps that
+# hide Pallas' Triton backend (fallback-*) set JAX_KVALLOC_NO_TRITON=1 (jax_kvalloc.kernels).
+# A test's time limit is pytest-timeout's ini option (-o timeout=S): where that plugin is
+# missing, pytest warns and the step's own limit is the only one.
 set -uf   # -f: no globbing of the commands (jnp[free=sort])
 PY=${PYTHON:-python3}
 KV="$PY -m jax_kvalloc"
@@ -43,7 +49,7 @@ SGJ_MODEL=${SGLJAX_MODEL:-/tmp/smollm2-hf}
 GUARD_EXTEND=16x8192,64x32768,256x65536,1024x65536,4096x262144   # issue 32: extend bs 16-4096
 
 # name | seconds | command (the step's record: $DIR/<name>.json)
-STEPS="gpu-tests|420|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -m gpu -p no:cacheprovider -rA -n 4 --dist load --timeout 300 tests
+STEPS="gpu-tests|420|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -m gpu -p no:cacheprovider -v -rA -n 8 --dist load -o timeout=300 --durations=30 tests
 decode|240|$B kernels --ops decode --impls pallas,torch_ref,sglang $BARE --json \$DIR/decode.json
 extend|150|$B kernels --ops extend --impls pallas,torch_ref,sglang $BARE --json \$DIR/extend.json
 free|150|$B kernels --ops free --impls jnp,pallas,eager,torch_ref --min-time 0.02 --json \$DIR/free.json
@@ -61,6 +67,17 @@ mosaic-gpu-decode|300|$B kernels --ops decode --impls jnp,triton,mosaic_gpu --ba
 mosaic-gpu-table|420|$B table --impls step[kernel=jnp],none,step[kernel=triton],step[kernel=mosaic_gpu] --page-sizes 64 --min-time 0.02 --reps 7 --json \$DIR/mosaic-gpu-table.json
 mosaic-gpu-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_mosaic_gpu.py
 serve|240|$PY -m jax_kvalloc.serve.bench --json \$DIR/serve.json
+serve-retract|150|$PY -m jax_kvalloc.serve.bench --batches 64,256 --layouts paged --pool-fraction 0.5 --json \$DIR/serve-retract.json
+serve-ps24|90|$PY -m jax_kvalloc.serve.bench --batches 64 --layouts paged --page-size 24 --json \$DIR/serve-ps24.json
+no-wait|150|env JAX_KVALLOC_SGLANG_BUNDLE=$SGB $PY -m pytest -o addopts= -p no:cacheprovider -v -rA -o timeout=120 tests/test_no_wait.py tests/test_swa_no_wait.py
+r5-guard-decode|150|$B kernels --ops decode --impls auto --guard on,off --batch-sizes 64,256,1024,4096,16384 --bare --min-time 0.02 --json \$DIR/r5-guard-decode.json
+r5-guard-extend|120|$B kernels --ops extend --impls auto --guard on,off --extend-cases 64x32768,256x65536,4096x262144 --bare --min-time 0.02 --json \$DIR/r5-guard-extend.json
+r5-guard-free|100|$B kernels --ops free --impls auto,eager,jnp[free=sort],jnp[free=bitmap] --guard on,off --extend-cases $GUARD_EXTEND --min-time 0.02 --json \$DIR/r5-guard-free.json
+r5-guard-table|170|$B table --impls none,calls,step --guard on,off --page-sizes 64 --batch-sizes 64,256,1024 --budget-s 150 --min-time 0.02 --json \$DIR/r5-guard-table.json
+r5-mosaic-gpu-table|150|$B table --impls none,step[kernel=triton],step[kernel=mosaic_gpu] --page-sizes 64 --batch-sizes 64,256,1024 --budget-s 130 --min-time 0.02 --reps 5 --json \$DIR/r5-mosaic-gpu-table.json
+auto-kernels|90|$B kernels --ops decode,extend,free --impls auto --batch-sizes 1,64,1024,16384 --extend-cases 16x8192,256x65536,4096x262144 --min-time 0.02 --json \$DIR/auto-kernels.json
+fallback-kernels|90|env JAX_KVALLOC_NO_TRITON=1 $B kernels --ops decode,extend,free --impls auto --batch-sizes 1,64,1024,16384 --extend-cases 16x8192,256x65536,4096x262144 --min-time 0.02 --json \$DIR/fallback-kernels.json
+fallback-table|90|env JAX_KVALLOC_NO_TRITON=1 $B table --impls none,step,calls --page-sizes 64 --batch-sizes 64,256 --budget-s 70 --min-time 0.02 --json \$DIR/fallback-table.json
 guard-decode|220|$B kernels --ops decode --impls auto --guard on,off --bare --min-time 0.02 --json \$DIR/guard-decode.json
 guard-extend|180|$B kernels --ops extend --impls auto --guard on,off --extend-cases $GUARD_EXTEND --bare --min-time 0.02 --json \$DIR/guard-extend.json
 guard-free|150|$B kernels --ops free --impls auto,eager --guard on,off --extend-cases $GUARD_EXTEND --min-time 0.02 --json \$DIR/guard-free.json

@@ -47,7 +47,8 @@ a launch of its own. A need_sort merge stays with the caller, before them.
 
 "auto" on a GPU never breaks: a family that this process cannot use is skipped (Pallas'
 Triton backend missing, or failing to lower a probe kernel: `usable`; Mosaic GPU before
-jax 0.11 or on a GPU older than Hopper), and the choice is said once, as a log line of
+jax 0.11 or on a GPU older than Hopper; JAX_KVALLOC_NO_TRITON=1 in the environment makes
+Triton unusable, to run or measure that fallback), and the choice is said once, as a log line of
 the "jax_kvalloc" logger, not a warning per compile. Pallas' Triton backend is deprecated
 by jax (0.11 on); our kernels silence jax's warning about it (pallas_kernels._util.
 quiet_triton), and the first "auto" that picks it logs one note.
@@ -67,6 +68,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
 import jax
@@ -214,7 +216,10 @@ def _triton_problem() -> Optional[str]:
   """None when Pallas' Triton backend works here, else why not (once per process): it
   must import, its deprecation must not have been made an error, and a small kernel of
   ours must lower for an abstract H200 (no GPU needed; in a thread of its own, so that a
-  first use inside a trace starts from a clean trace state)."""
+  first use inside a trace starts from a clean trace state). JAX_KVALLOC_NO_TRITON=1
+  makes it unusable whatever jax has."""
+  if os.environ.get("JAX_KVALLOC_NO_TRITON", "0") not in ("", "0"):
+    return "JAX_KVALLOC_NO_TRITON is set"
   try:
     from jax.experimental.pallas import triton  # pylint: disable=g-import-not-at-top,unused-import
   except Exception as e:  # pylint: disable=broad-except

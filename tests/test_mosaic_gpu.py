@@ -233,6 +233,27 @@ def test_triton_is_usable_where_it_lowers():
   assert kernels.usable("mosaic_gpu") == mosaic_gpu_common.available()
 
 
+def test_no_triton_in_the_environment_makes_auto_fall_back(monkeypatch):
+  # JAX_KVALLOC_NO_TRITON=1: Triton unusable whatever jax has (benchmarks/run_device.sh's
+  # fallback steps measure that path on a GPU); "0" or unset: the probe decides.
+  monkeypatch.setattr(kernels, "_mosaic_gpu_problem", lambda: None)
+  try:
+    for value, hidden in (("1", True), ("0", False), ("yes", True)):
+      monkeypatch.setenv("JAX_KVALLOC_NO_TRITON", value)
+      kernels._triton_problem.cache_clear()  # pylint: disable=protected-access
+      kernels._say_fallback.cache_clear()  # pylint: disable=protected-access
+      assert kernels.usable("triton") is not hidden
+      got = {op: kernels.for_platform("auto", "cuda", op) for op in kernels.GPU_PREFERENCE}
+      assert got == {op: prefs[0] if not hidden else
+                     "mosaic_gpu" if "mosaic_gpu" in prefs else "jnp"
+                     for op, prefs in kernels.GPU_PREFERENCE.items()}
+      if hidden:
+        assert "JAX_KVALLOC_NO_TRITON" in kernels.unavailable("triton", "cuda")
+  finally:
+    kernels._triton_problem.cache_clear()  # pylint: disable=protected-access
+    kernels._say_fallback.cache_clear()  # pylint: disable=protected-access
+
+
 def _serve(cfg, state, pre, seq, last, dseq, dlast, ids, n):
   state, out, ok = kv.alloc_extend(cfg, state, pre, seq, last, max_tokens=1024, num_reqs=n)
   state, dout, dok = kv.alloc_decode(cfg, state, dseq, dlast, num_reqs=n)

@@ -191,6 +191,26 @@ def test_runner_passes_per_step_arguments():
   assert words[:2] == ["timeout", "7"] and words[-2:] == ["--steps", "10"]
 
 
+def test_round5_lines_name_runner_steps():
+  # benchmarks/round5.sh: three lines of existing steps (the runner refuses an unknown
+  # one), each into its own folder; the CPU forms' arguments come last.
+  script = str(ROOT / "benchmarks" / "round5.sh")
+  counts = {}
+  for line in "abc":
+    for cpu in ([], ["--cpu"]):
+      out = subprocess.run(["bash", script, "--dry-run", *cpu, line], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30, check=False)
+      assert out.returncode == 0, out.stderr
+      lines = out.stdout.splitlines()
+      assert lines and all(f"-r5{line}" in ln for ln in lines if "--json" in ln)
+      counts.setdefault(line, set()).add(len(lines))
+      if cpu:
+        assert all(ln.startswith("timeout 900 ") for ln in lines)
+  assert all(len(c) == 1 for c in counts.values()), counts
+  assert subprocess.run(["bash", script, "x"], cwd=ROOT, capture_output=True,
+                        timeout=30, check=False).returncode == 2
+
+
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
   """The CLI tests add --plot only where matplotlib imports; without it, --plot fails up
   front with this message (so those tests' other branch is this behaviour)."""

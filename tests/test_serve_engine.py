@@ -210,3 +210,43 @@ def test_bench_writes_a_result_folder(tmp_path):
   assert paged["decode_tokens_per_s"] > 0 and contiguous["prefill_tokens_per_s"] > 0
   assert "| 3 | paged |" in bench.table(doc)
   assert (out / "manifest.json").exists()
+
+
+def test_bench_figures_from_any_log():
+  # Decode figures come from the round trips with the most rows (no trip had every
+  # request decoding at batch 256 on the H200: a division by zero); a log without a
+  # decode trip gives null rates, not an exception; housekeeping-only steps are no trips.
+  from jax_kvalloc.serve import bench  # pylint: disable=g-import-not-at-top
+  pre = dict(kind="prefill", s=0.5, tokens=100)
+  log = [pre, dict(kind="decode", s=0.01, tokens=8, rows=2),
+         dict(kind="decode", s=0.02, tokens=12, rows=3),
+         dict(kind="decode", s=0.04, tokens=12, rows=3),
+         dict(kind="decode", s=9.0, flush=True)]
+  f = bench.step_figures(log)
+  assert (f["decode_rows"], f["decode_trips"], f["decode_trips_all"]) == (3, 2, 3)
+  assert f["decode_tokens_per_s"] == pytest.approx(24 / 0.06)
+  assert f["decode_step_median_s"] == pytest.approx(0.03 / 4)
+  assert f["prefill_tokens_per_s"] == pytest.approx(200) and f["prefill_steps"] == 1
+  none = bench.step_figures([pre])
+  assert none["decode_tokens_per_s"] is None and none["decode_trips"] == 0
+  assert bench.step_figures([])["prefill_tokens_per_s"] is None
+  case = dict(batch=4, layout="paged", page_size=16, prefill_rows=2, **none,
+              ttft_median_s=0.1, ttft_max_s=0.2, late_compiles_cold=0, compiles_warm_run=0)
+  doc = dict(model="tiny", dtype="float32", device="cpu", cases=[case],
+             paged_over_contiguous_decode={})
+  assert "| 4 | paged | 0 | - | - ms | 200 |" in bench.table(doc)
+
+
+def test_bench_records_a_refused_configuration():
+  # An EngineConfig that refuses its arguments (e.g. a page size the Pallas kernel cannot
+  # run) is a case with its error, before any weights or compiles are needed.
+  from jax_kvalloc.serve import bench  # pylint: disable=g-import-not-at-top
+  case = bench.run_case(bench.TINY, None, batch=4, layout="paged", prompt_len=12,
+                        new_tokens=6, decode_steps=2, page_size=16, prefill_rows=2,
+                        impl="nosuch", layers="scan", seed=0, pool_fraction=0.5)
+  assert case["error"].startswith("ValueError: impl must be one of")
+  assert case["num_pages"] == 4 and case["pool_fraction"] == 0.5   # half of 4 rows x 2 pages
+  doc = dict(model="tiny", dtype="float32", device="cpu", cases=[case],
+             paged_over_contiguous_decode={})
+  assert "refused: ValueError: impl must be one of" in bench.table(doc)
+  assert "refused" in bench.summary(case)
