@@ -196,13 +196,14 @@ def main() -> int:
     for name, per_file in results.items():
       with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(per_file, f, indent=1, sort_keys=True)
-    manifest = {"command": " ".join(sys.argv), "python": sys.version,
-                "platform": platform.platform(), "configs": configs, "files": files,
-                "sglang_jax": _commit(root), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "jobs": args.jobs, "cpus": os.cpu_count(),
-                "totals": {n: {k: sum(r[k] for r in per.values())
-                               for k in ("passed", "failed", "errors", "skipped")}
-                           for n, per in results.items()}}
+    from jax_kvalloc.tools import bench  # the result folders' one manifest format
+    manifest = bench.manifest(args.out, " ".join(sys.argv))
+    manifest.update({"python": sys.version, "platform": platform.platform(),
+                     "configs": configs, "test_files": files, "sglang_jax": _commit(root),
+                     "jobs": args.jobs,
+                     "totals": {n: {k: sum(r[k] for r in per.values())
+                                    for k in ("passed", "failed", "errors", "skipped")}
+                                for n, per in results.items()}})
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
       json.dump(manifest, f, indent=1, sort_keys=True)
   print("totals:")
