@@ -251,14 +251,13 @@ class BaseAllocator:
         pool.poll(self._calls, everything)
 
   def _settled(self, dp_rank: Any = 0) -> int:
-    """`_pool_index` for a call that returns a host value: every status read first
-    (SPEC 14: a refusal raises here at the latest)."""
+    """`_pool_index` for a call that reads the device anyway (the views): every status
+    read first."""
     return self._pool_index(dp_rank, everything=True)
 
   def available_size(self, dp_rank: int = 0) -> int:
-    """Free slots, released ones included, from the host mirror (no wait once the
-    statuses of earlier calls have landed)."""
-    return self._pools[self._settled(dp_rank)].available_size()
+    """Free slots, released ones included, from the host mirror (no wait: SPEC 14)."""
+    return self._pools[self._pool_index(dp_rank)].available_size()
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -421,10 +420,11 @@ class BaseAllocator:
 
   def free_group_end(self) -> None:
     """Closes the free group: on each held rank, the queued slot frees as one `free`,
-    then the queued page-id frees as one block in front (SPEC 7 and 10)."""
-    self._poll(everything=True)
-    validate.group_end(self._group)
-    queued, self._group = self._group, None
+    then the queued page-id frees as one block in front (SPEC 7 and 10). The group is
+    closed whatever it raises: after a refusal its queue is dropped (nothing freed)."""
+    queued, self._group = self._group, None  # closed even when a refusal raises below
+    self._poll()
+    validate.group_end(queued)
     for pool, q in zip(self._pools, queued):
       self._flush(pool, q)
 
@@ -454,8 +454,9 @@ class BaseAllocator:
   def backup_state(self):
     """A snapshot that `restore_state` puts back exactly (SPEC 8): an AllocatorSnapshot,
     or with dp_size > 1 a RankedSnapshot of every held rank. O(1) per rank: the snapshot
-    holds the current rings, which are copied only if a later free writes them."""
-    self._poll(everything=True)
+    holds the current rings, which are copied only if a later free writes them. No
+    wait: lengths from the host mirror."""
+    self._poll()
     snaps = tuple(pool.snapshot() for pool in self._pools)
     if self._dp_size == 1:
       return snaps[0]
@@ -484,7 +485,7 @@ class BaseAllocator:
     for pool, snap in zip(self._pools, snaps):
       pool.check_snapshot(snap)
     for pool, snap in zip(self._pools, snaps):
-      pool.restore(snap)
+      pool.restore(snap, self._calls)
 
   @property
   def state(self):
@@ -493,7 +494,7 @@ class BaseAllocator:
     With dp_size > 1, every held rank's state stacked along a leading axis in dp_ranks
     order (a new array, O(pool): the state jax_kvalloc.ranks works on; ranks on
     different devices cannot be stacked)."""
-    self._poll(everything=True)
+    self._poll()
     states = [pool.hold() for pool in self._pools]
     return states[0] if self._dp_size == 1 else _ranks.stack_ranks(states)
 
@@ -565,8 +566,8 @@ class BaseAllocator:
     host mirror: no wait). Returns the string (as SGLang's does). With dp_size > 1 and
     dp_rank None, one line per held rank, prefixed "rank r:"."""
     if dp_rank is not None or self._dp_size == 1:
-      return self._debug_line(self._settled(0 if dp_rank is None else dp_rank))
-    self._poll(everything=True)
+      return self._debug_line(self._pool_index(0 if dp_rank is None else dp_rank))
+    self._poll()
     return "\n".join(f"rank {r}: {self._debug_line(i)}"
                      for i, r in enumerate(self._dp_ranks))
 
