@@ -4,12 +4,17 @@ merge after a snapshot wrote inside the snapshot; (2) a refusal raised at
 refused left its SWA side freed; (4) borrowing a page that is not held was accepted;
 (5) a device-backend free of host data naming a page never handed out raises at the
 first call after its status has landed, not at once (the README says so)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
+from jax_kvalloc import ranks
+from jax_kvalloc import request_table as rt
 from jax_kvalloc import state as st
 from jax_kvalloc import swa as core
 from jax_kvalloc import swa_table
@@ -183,3 +188,60 @@ def test_swa_class_free_refused_by_the_full_pool_changes_nothing(backend, op):
       a.free_segment(held, start_pos=0)
     settle(a)
   assert _swa_contents(a) == before
+
+
+# -- 4. borrows consult the ownership record ------------------------------------------------
+def _table_case():
+  """A pool of 16 pages with row 0 holding pages 1, 2 (8 tokens), and a table of 4 rows."""
+  cfg = kv.AllocatorConfig(size=16 * PS, page_size=PS, kernel="jnp", debug=False)
+  state, table = kv.init(cfg), rt.init_table(cfg, 4, 4)
+  state, table, _, ok = rt.extend_rows(cfg, state, table, jnp.array([0]),
+                                       jnp.array([2 * PS]), max_tokens=2 * PS)
+  assert bool(ok)
+  return cfg, state, table
+
+
+@pytest.mark.parametrize("ranked", [False, True])
+def test_borrow_pages_refuses_a_page_that_is_not_held(ranked):
+  cfg, state, table = _table_case()
+  borrow = jax.jit(rt.borrow_pages, static_argnums=0)
+  if ranked:
+    borrow = jax.jit(ranks.borrow_pages, static_argnums=0)
+    state, table = ranks.stack_ranks([state, state]), jax.tree.map(
+        lambda x: jnp.stack([x, x]), table)
+    cfg = dataclasses.replace(cfg, size=2 * cfg.size)
+  lead = (lambda x: jnp.stack([x, x])) if ranked else (lambda x: x)
+  for ids, good in (([1, 2], True),        # held by row 0
+                    ([1, 5], False),       # page 5 is free
+                    ([3, 0], False)):      # page 3 is free
+    t2, ok = borrow(cfg, state, table, lead(jnp.array([1])), lead(jnp.array([ids])),
+                    lead(jnp.array([2])))
+    assert np.asarray(ok).all() == good, ids
+    if not good:
+      chex_equal(t2, table)
+  # Only the pages borrowed count: page 5 beyond num_pages is not looked at.
+  _, ok = borrow(cfg, state, table, lead(jnp.array([1])), lead(jnp.array([[1, 5]])),
+                 lead(jnp.array([1])))
+  assert np.asarray(ok).all()
+
+
+def test_borrow_from_rows_refuses_a_page_that_is_not_held():
+  cfg, state, table = _table_case()
+  borrow = jax.jit(rt.borrow_from_rows, static_argnums=0, static_argnames="hand_over")
+  _, ok = borrow(cfg, state, table, jnp.array([1]), jnp.array([0]), jnp.array([2]))
+  assert bool(ok)
+  freed, table_freed, ok = rt.release_rows(cfg, state, table, jnp.array([0]))
+  assert bool(ok)
+  # Row 0's pages freed behind a stale table (its row still listing them): refused.
+  t2, ok = borrow(cfg, freed, table, jnp.array([1]), jnp.array([0]), jnp.array([2]))
+  assert not bool(ok)
+  chex_equal(t2, table)
+  t2, ok = borrow(cfg, freed, table, jnp.array([1]), jnp.array([0]), jnp.array([2]),
+                  hand_over=True)
+  assert not bool(ok)
+  del table_freed
+
+
+def chex_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
