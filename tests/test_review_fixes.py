@@ -245,3 +245,34 @@ def test_borrow_from_rows_refuses_a_page_that_is_not_held():
 def chex_equal(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# -- 5. what the README says of a free of host data never handed out -------------------------
+@pytest.mark.parametrize("backend", ["host", "device"])
+@pytest.mark.parametrize("form", ["numpy", "list"])
+@pytest.mark.parametrize("cls", ["paged", "token"])
+def test_free_of_host_data_never_handed_out(backend, form, cls):
+  # Host backend: raises at once. Device backend (the record is on the device): not at
+  # the call, but at the first call after its status has landed (README, SPEC 14).
+  if cls == "paged":
+    a, page = _paged(backend), 12
+    a.alloc(2 * PS)
+  else:
+    a = kvs.TokenToKVPoolAllocator(16, kernel="jnp", debug=False, backend=backend)
+    a.alloc(2)
+    page = 12
+  slots = [page * a.page_size]
+  arg = np.array(slots, np.int64) if form == "numpy" else slots
+  before = a.available_size()
+  if backend == "host":
+    with pytest.raises(ValueError, match=rf"^free: page {page} {NOT_HELD}"):
+      a.free(arg)
+  else:
+    a.free(arg)                        # returns: the record is on the device
+    _wait_for_statuses(a)
+    with pytest.raises(ValueError, match=rf"^free: page {page} {NOT_HELD}"):
+      a.available_size()               # the first call after it landed
+  with pytest.raises(ValueError, match=rf"^free: page {page}"):
+    a.available_size()                 # sticky
+  a.clear()
+  assert a.available_size() == before + 2 * a.page_size

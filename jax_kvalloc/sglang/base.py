@@ -13,15 +13,16 @@ Backends (`backend=` on every constructor):
     ownership record does not cover (a last_loc in a page the request does not hold,
     say); the call was refused inside, so the state is as it was.
 
-Waits (device backend). None in the steady state: `available_size()` reads the host
-mirror (once the statuses of earlier calls have landed, see below); allocations, `free`
-of host data, and `free_page_ids` / `free_segment(s)` of host data or of device arrays
-launch and return (a device array's count is its shape; its values are checked on the
-device, a refusal coming back as the call's status). What still reads the device:
+Waits (device backend). No call waits for an earlier call's status (SPEC 14), even with
+a model step queued before it: `available_size()` and the other sizes, `backup_state`,
+`free_group_end` and `debug_print` read the host mirror; allocations, `free` of host
+data, and `free_page_ids` / `free_segment(s)` of host data or of device arrays launch
+and return (a device array's count is its shape; its values are checked on the device,
+a refusal coming back as the call's status). What still reads the device:
 `free` of a device array (the count of distinct pages needs its values, as SGLang's
 `free` reads them in torch.unique); the `free_pages`/`release_pages` views;
-`restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); and
-debug mode.
+`restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); debug
+mode; and the 8th call after a call whose status has not landed (below).
 
 Bad input raises before anything changes (jax_kvalloc.validate: TypeError, ValueError or
 RuntimeError naming the argument and value), so after an exception the allocator is as
@@ -33,16 +34,17 @@ that is not held (free, released, never handed out, or named twice by a call tha
 not de-duplicate: the token `free`, `free_page_ids`, `free_segment(s)`) is refused
 whole, and the class raises ValueError naming the operation and the page, e.g.
 `free: page 4 is not held (free, released, or never handed out); nothing was freed`.
-The host backend and debug mode find it at once. What only the device can find (a
-refusal of the record, a device array naming page 0) comes back as each call's status
+The host backend and debug mode find it at once. On the device backend the record
+lives on the device, so every refusal of the record (for host inputs too: a free of a
+page never handed out) and a device array naming page 0 come back as the call's status
 (jax_kvalloc.sglang.backends.status), read without waiting (jax_kvalloc.sglang.pool):
-it raises at the latest at the next call that returns a host value (`available_size`
-and the other sizes, `backup_state`, `free_group_end`, `debug_print`, the views,
-`state`) and within 8 calls; the refused call changed nothing and the host mirror is
-rolled back to the state's lengths. On every backend, every call then raises until
+it raises at the first class call after that status has landed on the host, and within
+8 calls (the 8th call waits for it if it has not landed); the refused call changed
+nothing and the host mirror is rolled back to the state's lengths. A snapshot taken
+before the refusal was read carries the status along (restoring it raises it too). On every backend, every call then raises until
 `clear()` or `restore_state` (bad input the host checks find, above, is not a refusal:
 it raises once). `status_waits` counts the statuses a call had to wait for (none in a
-steady serving loop, where each has landed long before it is needed). A free group's
+steady serving loop, where each lands within 8 calls). A free group's
 end frees its queue in SPEC 7's order; a refused part frees nothing, and neither do
 the parts after it.
 

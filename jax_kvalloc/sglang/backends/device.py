@@ -399,19 +399,12 @@ class RunningStatus:
   running: Array
 
   def _start_running(self, device: Any) -> None:
-    self._copy_status = copies_status(device)
     self._zero = zero_status(device)
     self.running = self._zero
 
   def reset_running(self) -> None:
     """The running status back to no refusal (the pool's clear and restore)."""
     self.running = self._zero
-
-  def running_status(self) -> Array:
-    """The running status with its copy to the host started (no wait)."""
-    if self._copy_status:
-      _status.start_copy(self.running)
-    return self.running
 
 
 class DeviceBackend(PagedStateReads, RunningStatus):
@@ -577,12 +570,6 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     return warmup_programs(self.ops, state, max_batch=max_batch, max_tokens=max_tokens,
                            max_free=max_free, exact_sizes=exact_sizes, extend=extend,
                            device_last_loc=device_last_loc, device=self.device)
-
-
-def copies_status(device: Any) -> bool:
-  """Whether a status on `device` (None: the default one) needs its copy to the host
-  started: not on the CPU, where the host reads the device's own buffer."""
-  return (device or jax.devices()[0]).platform != "cpu"
 
 
 def zero_status(device: Any) -> Array:
