@@ -36,15 +36,21 @@ computation and the ring write:
     last_loc comes from the host or the device; `warmup` compiles the programs ahead.
 
 Programs are cached per (config, operation, shape) across instances and devices
-(`Programs.for_config`); jax_kvalloc.sglang.backends.device_swa adds the SWA pool's
-programs to the same machinery.
+(`Programs.for_config`) while a pool of that config lives, and for the RECENT configs
+used last: a process that makes and drops pools of many configs keeps the programs of
+the live ones and of RECENT others (SPEC 14; a live config's are never dropped).
+jax_kvalloc.sglang.backends.device_swa adds the SWA pool's programs to the same
+machinery.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
+import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import jax
@@ -113,9 +119,20 @@ def pack(rows_: int, bs: int, *columns: Any) -> np.ndarray:
   return packed
 
 
+RECENT = 8  # configs whose programs are kept after their last pool is dropped
+
+_LIVE: "weakref.WeakValueDictionary[Tuple[type, Any], Programs]" = (
+    weakref.WeakValueDictionary())  # (class, config) -> programs, while anything holds them
+_RECENT: "collections.OrderedDict[Tuple[type, Any], Programs]" = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
 class Programs:
   """Jitted programs of one config, compiled once per shape: `fn((op, *shape))` builds
-  with `_build(op, *shape)` (subclasses add operations) and caches."""
+  with `_build(op, *shape)` (subclasses add operations) and caches. `init_state` is the
+  functional core's init of the config (subclasses set it)."""
+
+  init_state: Callable[..., Any] = staticmethod(st.init)
 
   def __init__(self, config: Any):
     self.config = config
@@ -123,10 +140,21 @@ class Programs:
     self._jit = functools.partial(jax.jit, compiler_options=compiler_options())
 
   @classmethod
-  @functools.lru_cache(maxsize=None)
   def for_config(cls, config: Any) -> "Programs":
-    """The (shared) programs of one config."""
-    return cls(config)
+    """The (shared) programs of one config: the same object while any pool holds it
+    (each backend keeps a reference), and kept for the RECENT configs asked for last;
+    once neither holds it, it is dropped with its jitted functions, whose compiled
+    programs jax then releases."""
+    key = (cls, config)
+    with _LOCK:
+      programs = _LIVE.get(key)
+      if programs is None:
+        programs = _LIVE[key] = cls(config)
+      _RECENT[key] = programs
+      _RECENT.move_to_end(key)
+      while len(_RECENT) > RECENT:
+        _RECENT.popitem(last=False)
+    return programs
 
   def fn(self, key: Tuple[Any, ...]) -> Callable[..., Any]:
     fn = self._fns.get(key)
@@ -145,6 +173,10 @@ class Programs:
     return self._jit(run, donate_argnums=tuple(i + 1 for i in donate))
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
+    if op == "init":  # the config's initial state
+      return self._jit(functools.partial(type(self).init_state, self.config))
+    if op == "copy":  # a pytree copied (a record held outside)
+      return self._jit(lambda x: jax.tree.map(jnp.copy, x))
     if op == "slice":
       n = shape[1]
       return self._jit(lambda x: x[:n])
@@ -387,9 +419,7 @@ class DeviceOps(Programs):
     return snap._replace(guard=GuardState(*record))
 
 
-_INIT = jax.jit(st.init, static_argnames=("config",))
 _ZEROS = jax.jit(lambda: jnp.zeros((3,), jnp.int32))
-_COPY = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
 
 class RunningStatus:
@@ -432,7 +462,7 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     return tuple(out)
 
   def init(self) -> AllocatorState:
-    state = _INIT(self.config)
+    state = self.ops.fn(("init",))()
     return state if self.device is None else jax.device_put(state, self.device)
 
   def adopt(self, state: AllocatorState) -> AllocatorState:
@@ -460,7 +490,8 @@ class DeviceBackend(PagedStateReads, RunningStatus):
   def own_record(self, state: AllocatorState) -> AllocatorState:
     """The state with a record of its own (the old one is held outside: the programs
     donate it)."""
-    return state if state.guard is None else state._replace(guard=_COPY(state.guard))
+    return state if state.guard is None else state._replace(
+        guard=self.ops.fn(("copy",))(state.guard))
 
   def empty(self) -> Array:
     if self._empty is None:
