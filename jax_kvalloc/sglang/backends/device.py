@@ -556,6 +556,10 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     if checked:
       pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
       return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+    if isinstance(last, jax.Array):
+      plan = self._device_last_decode_plan(seq, last)
+      if plan is not None:
+        return plan
     last, dev = self._stand_in(last, seq, 2)
     sseq = host.small_ints(seq)
     slast = host.small_ints(last) if sseq is not None else None
@@ -571,6 +575,25 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     if plan is None:
       return None
     return Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last if dev is None else dev))
+
+  def _device_last_decode_plan(self, seq: Any, last: Array) -> Any:
+    """The plan of a device int32 last_loc of len(seq) rows beside host seq_lens (a 1-D
+    integer numpy array), as SGLang passes them: only seq_lens is checked here (in
+    1..INT32_MAX) and counted; last_loc's alignment is the device's to check (a
+    refusal). None for any other input (the general plans then check it)."""
+    if (type(seq) is not np.ndarray or seq.ndim != 1 or seq.dtype.kind not in "iu"
+        or not seq.shape[0] or last.dtype != jnp.int32 or last.shape != seq.shape):
+      return None
+    n, ps = seq.shape[0], self.config.page_size
+    if n <= host.SMALL_BATCH:  # Python ints beat numpy's per-call costs here
+      ints = seq.tolist()
+      if min(ints) < 1 or max(ints) > host.INT32_MAX:
+        return None
+      return Plan(n, sum((v - 1) % ps == 0 for v in ints), n, (ints, last))  # SPEC 4.3
+    if seq.min() < 1 or seq.max() > host.INT32_MAX:
+      return None
+    pages = int(np.count_nonzero(seq % ps == 1 % ps))  # (seq - 1) % ps == 0: SPEC 4.3
+    return Plan(n, pages, n, (seq.astype(np.int64), last))
 
   def alloc_decode(self, state, plan, fits):
     if not fits:
