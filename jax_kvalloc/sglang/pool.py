@@ -187,7 +187,7 @@ class Pool:
     if not pending:
       return
     if everything or pending[-1][3].is_ready():  # (the common case: all landed)
-      self._read_check(len(pending))
+      self._read_check(len(pending), everything)
       return
     # Programs run in order, so those that landed are a prefix; the calls kept
     # WITHIN_CALLS or more calls ago are read now, landed or not (the one wait).
@@ -195,16 +195,16 @@ class Pool:
     while k < len(pending) and (pending[k][0] <= old or pending[k][3].is_ready()):
       k += 1
     if k:
-      self._read_check(k)
+      self._read_check(k, True)
 
-  def _read_check(self, k: int) -> None:
+  def _read_check(self, k: int, check: bool) -> None:
     """Reads the running status after the k-th kept call (a wait, counted, if it has
-    not landed): no refusal drops the first k kept calls; a refusal reads their own
-    statuses in order (waits: the error path) and raises the first one's
-    (ValueError)."""
+    not landed; `check`: it may not have): no refusal drops the first k kept calls; a
+    refusal reads their own statuses in order (waits: the error path) and raises the
+    first one's (ValueError)."""
     pending = self.pending
     running = pending[k - 1][3]
-    if not running.is_ready():
+    if check and not running.is_ready():
       self.waits += 1
     values = _status.read(running)
     if not values[0]:

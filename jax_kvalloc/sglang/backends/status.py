@@ -65,6 +65,8 @@ def _own_transfer() -> Any:
 
 def read(status: Any) -> np.ndarray:
   """A status as host ints (a device one: its host copy once landed, else a wait)."""
+  if _GUARD is None or _GUARD.value in (None, "allow"):
+    return np.asarray(status)
   with _own_transfer():
     return np.asarray(status)
 
