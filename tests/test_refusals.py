@@ -1,8 +1,8 @@
 """No refused call is reported as a success (SPEC 14's reporting contract, issue 31),
 the SWA class's review regressions, and the ownership record's misuse cases (SPEC 14,
 issue 32) on the paged, token and SWA classes: every case raises ValueError on every
-backend (device: at the latest at the next call that returns a host value, and within 8
-calls; host and debug mode: at once), naming the operation and the page; leaves the
+backend (device: at the first call after its status has landed, and within 8 calls;
+host and debug mode: at once), naming the operation and the page; leaves the
 pool as it was (lists, mapping, its ownership record equal to its lists, its host mirror
 equal to its state's lengths); and a refusal is sticky: every call raises until
 `restore_state` or `clear()`."""

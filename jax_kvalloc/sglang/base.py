@@ -220,7 +220,7 @@ class BaseAllocator:
   @property
   def status_waits(self) -> int:
     """How many reads of a device pool's running status came before it had landed (each
-    a wait): the 8-call limit, or a call returning a host value right after a launch."""
+    a wait): the 8-call limit, the views, or a refusal's error path."""
     return sum(pool.waits for pool in self._pools)
 
   def _pool_index(self, dp_rank: Any, everything: bool = False) -> int:
@@ -246,7 +246,7 @@ class BaseAllocator:
 
   def _poll(self, everything: bool = False) -> None:
     """Counts a class call and reads the device statuses that have landed (every one
-    when `everything`: the call returns a host value); raises a refusal."""
+    when `everything`: the views, which read the device anyway); raises a refusal."""
     self._calls += 1
     for pool in self._pools:
       if pool.pending or pool.error is not None:

@@ -382,8 +382,8 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     Device backend: never waits; free_index may be a device array (taken as it is). The
     SWA pool's mirror counts one page per full page of the segment, so each must have
     its SWA peer (SGLang's invariant): a page without one refuses the call (ValueError
-    naming it: at once on the host backend, at the latest at the next call returning a
-    host value on the device).
+    naming it: at once on the host backend, at the first call after its status has
+    landed on the device, within 8 calls).
     """
     r = self._pool_index(dp_rank)
     idx = self._segment_arg(self._pools[r], free_index, start_pos, full=False)

@@ -27,7 +27,7 @@ computation and the ring write:
   * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
     status): what it refused of what the mirror counted on; and takes and returns the
     pool's running status (the first refusal since the last reset), kept by the
-    backend (`running`), the one status the class reads back (every few calls);
+    backend (`running`), the one status the class reads back (once landed);
   * alloc_extend's row counts, token and free counts pad to a power-of-two bucket
     (jax_kvalloc.buckets), alloc_decode's rows to `decode_rows`; an output
     longer than asked is cut by `exact`, a cached jitted slice (a second, tiny launch;
