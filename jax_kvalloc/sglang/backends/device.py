@@ -339,10 +339,9 @@ class DeviceOps(Programs):
     head, length, held, out, status, running = self.fn(key)(
         prev, state.free_ring, state.free_head, state.free_len,
         None if rec is None else rec.held, packed, *extra)
-    if rec is not None:
-      state = state._replace(guard=rec._replace(held=held))
-    return (state._replace(free_head=head, free_len=length), self.exact(out, n), status,
-            running)
+    state = state._replace(free_head=head, free_len=length,  # (one copy of the tuple)
+                           guard=None if rec is None else GuardState(held, rec.status))
+    return state, self.exact(out, n), status, running
 
   def alloc(self, prev: Array, state: AllocatorState, need_size: int):
     size = buckets.bucket(need_size, buckets.MIN_TOKENS)
