@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-MIN_SECONDS = 1.0
+MIN_SECONDS = 0.5
 _SIDE = 256
 
 

@@ -354,9 +354,10 @@ def _make_class(kind, backend, dp_size):
                                        **common)
 
 
-@pytest.mark.parametrize("backend", ["device", "host"])
-@pytest.mark.parametrize("kind,dp_size", [("paged", 1), ("token", 1), ("swa", 1),
-                                          ("paged", 2), ("swa", 2)])
+@pytest.mark.parametrize("kind,dp_size,backend", [
+    ("paged", 1, "device"), ("token", 1, "device"), ("swa", 1, "device"),
+    ("paged", 2, "device"), ("swa", 2, "device"), ("paged", 1, "host"),
+    ("swa", 2, "host")])
 def test_no_call_waits_with_a_model_step_queued(kind, dp_size, backend):
   # Every per-step call returns while a model step queued before it still runs (a call
   # that waited for the device could not). Statuses that have not landed are not waited

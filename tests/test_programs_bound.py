@@ -14,6 +14,8 @@ MAPS = "/proc/self/maps"
 
 
 def _maps() -> int:
+  if not os.path.exists(MAPS):
+    return 0
   with open(MAPS) as f:
     return sum(1 for _ in f)
 
@@ -32,31 +34,21 @@ def test_programs_of_dropped_configs_are_released_and_live_ones_kept():
   kept.alloc(8)
   ops = kept._pools[0].backend.ops  # pylint: disable=protected-access
   compiled = dict(ops._fns)         # pylint: disable=protected-access
-  for size in range(10, 10 + 3 * device_module.RECENT):
-    _use(size)
-  gc.collect()
-  live = [k for k in device_module._LIVE.keys()]  # pylint: disable=protected-access
-  assert len(live) <= device_module.RECENT + 1
-  # The config in use: the same programs object, its compiled functions all still there.
+  recent = device_module.RECENT
+  counts = []
+  for i in range(3 * recent):
+    _use(200 + i)
+    if i % recent == recent - 1:
+      gc.collect()
+      counts.append(_maps())
+  # What is kept: the live config's programs and the RECENT configs asked for last.
+  assert len(device_module._LIVE) <= recent + 1  # pylint: disable=protected-access
   assert device_module.DeviceOps.for_config(kept.config) is ops
   assert all(ops._fns[k] is fn for k, fn in compiled.items())  # pylint: disable=protected-access
   kept.alloc(8)
   assert kept.available_size() == 64 - 16
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(MAPS), reason="needs /proc/self/maps")
-def test_memory_maps_stay_bounded_as_pools_of_many_configs_come_and_go():
-  # Each config compiles its programs (XLA maps memory for each); once dropped and out
-  # of the RECENT kept, they are released: the maps stop growing.
-  n = 4 * device_module.RECENT
-  counts = []
-  for i in range(n):
-    _use(200 + i)
-    if i % device_module.RECENT == device_module.RECENT - 1:
-      gc.collect()
-      counts.append(_maps())
-  # After the first RECENT configs fill what is kept, more configs add (almost) nothing:
-  # without the release each config added ~200 maps (8 configs: ~1,600).
-  growth = counts[-1] - counts[1]
-  assert growth < 100, counts
+  # Memory maps (XLA maps memory for each compiled program): once the first RECENT
+  # configs fill what is kept, more configs add (almost) nothing; without the release
+  # each config added ~100-200 maps (8 configs: ~1,000 or more).
+  if os.path.exists(MAPS):
+    assert counts[-1] - counts[1] < 100, counts
