@@ -25,7 +25,8 @@ Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call retur
 it refused. The host backend raises at once. A device backend also keeps a running
 status on the device (the first refusal since `clear` or `restore`, passed from program
 to program), and the pool reads only that one, without waiting: `record` keeps each
-call's own status unread, with the running status after it; `poll` (at every class
+call's own status unread, with the running status after it (off the CPU its copy to
+the host started at once); `poll` (at every class
 call) reads the newest running status that has landed (programs run in order: those
 landed are a prefix), and waits only for one kept WITHIN_CALLS or more class calls ago,
 so that a refusal raises at the first call after its status has landed and at the latest
@@ -174,7 +175,10 @@ class Pool:
     if not self.backend.defers_status:
       self._check(op, _status.read(status), rollback=False)
       return
-    self.pending.append((call, op, status, self.backend.running))
+    running = self.backend.running
+    if self.backend.copies_status:
+      _status.start_copy(running)
+    self.pending.append((call, op, status, running))
 
   def poll(self, call: int, everything: bool = False) -> None:
     """At class call number `call` (before it runs): raises the refusal seen earlier,

@@ -91,8 +91,10 @@ class Backend(Protocol):
               same_lineage: bool) -> Any: ...
   def own_record(self, state: Any) -> Any: ...
   # defers_status only: `running`, the running status after the last call (i32[3] on
-  # the device; jax_kvalloc.sglang.backends.status), and its reset
+  # the device; jax_kvalloc.sglang.backends.status), whether its copy to the host is
+  # started at each launch (`copies_status`), and its reset
   running: Any
+  copies_status: bool
   def reset_running(self) -> None: ...
   def warmup(self, state: Any, *, max_batch: int, max_tokens: int, max_free: int,
              exact_sizes: Sequence[int], extend: bool,

@@ -429,6 +429,9 @@ class RunningStatus:
 
   def _start_running(self, device: Any) -> None:
     self._zero = zero_status(device)
+    # Off the CPU (where the host reads the device's own buffer), each running status's
+    # copy to the host starts at its launch, so reading it once landed costs no transfer.
+    self.copies_status = (device or jax.devices()[0]).platform != "cpu"
     self.running = self._zero
 
   def reset_running(self) -> None:

@@ -27,7 +27,7 @@ same status as a host array (the class raises at once). A device program also ta
 pool's running status, `prev: i32[3]`, and returns the new one, `running(prev, status)`:
 the first refusal since the pool's last reset (clear, restore), all 0 while there is
 none. The device backend's class reads only that running status, once it has landed
-(`read`; jax_kvalloc.sglang.pool), and
+(`start_copy` at the launch off the CPU, `read`; jax_kvalloc.sglang.pool), and
 reads the per-call statuses it kept only when the running one shows a refusal, to name
 the call. An OWNED refusal is sticky on every backend (as the record's own status is):
 every later call raises until `clear()` or `restore_state()`.
@@ -61,6 +61,12 @@ def _own_transfer() -> Any:
   if _GUARD is None or _GUARD.value in (None, "allow"):
     return contextlib.nullcontext()
   return jax.transfer_guard_device_to_host("allow")
+
+
+def start_copy(status: jax.Array) -> None:
+  """Starts a device status's copy to the host (no wait)."""
+  with _own_transfer():
+    status.copy_to_host_async()
 
 
 def read(status: Any) -> np.ndarray:
