@@ -25,15 +25,15 @@ Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call retur
 it refused. The host backend raises at once. A device backend also keeps a running
 status on the device (the first refusal since `clear` or `restore`, passed from program
 to program), and the pool reads only that one, without waiting: `record` keeps each
-call's own status unread, with the running status after it (off the CPU its copy to
-the host started at once); `poll` (at every class
-call) reads the newest running status that has landed (programs run in order: those
-landed are a prefix), and waits only for one kept WITHIN_CALLS or more class calls ago,
-so that a refusal raises at the first call after its status has landed and at the latest
-WITHIN_CALLS class calls after its call; `poll` with `everything` (the views, which read
-the device anyway) reads the newest at once. A running status showing no refusal
-clears the calls it covers; one showing a refusal has the kept statuses read in order
-(waits: the error path) to name the call that refused. A refusal
+call's own status unread, with the running status after it (off the CPU its copy to the
+host started at once); `poll` (at every class call) reads the newest running status
+that has landed (programs run in order: those landed are a prefix), and waits only for
+one kept WITHIN_CALLS or more class calls ago, so that a refusal raises at the first
+call after its status has landed and at the latest WITHIN_CALLS class calls after its
+call; `poll` with `everything` (the views, which read the device anyway) reads the
+newest at once. A running status showing no refusal clears the calls it covers; one
+showing a refusal has the kept statuses read in order (waits: the error path) to name
+the call that refused. A refusal
 rolls the mirror back to the state's lengths (one read) and raises ValueError; the pool
 then refuses every call until `clear` or `restore`. So does a refusal read at once (host
 backend, debug mode), as the ownership record's own status is sticky: the backends
