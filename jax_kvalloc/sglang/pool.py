@@ -33,11 +33,10 @@ call after its status has landed and at the latest WITHIN_CALLS class calls afte
 call; `poll` with `everything` (the views, which read the device anyway) reads the
 newest at once. A running status showing no refusal clears the calls it covers; one
 showing a refusal has the kept statuses read in order (waits: the error path) to name
-the call that refused. A refusal
-rolls the mirror back to the state's lengths (one read) and raises ValueError; the pool
-then refuses every call until `clear` or `restore`. So does a refusal read at once (host
-backend, debug mode), as the ownership record's own status is sticky: the backends
-agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
+the call that refused. A refusal rolls the mirror back to the state's lengths (one
+read) and raises ValueError; the pool then refuses every call until `clear` or
+`restore`. So does a refusal read at once (host backend, debug mode), as the ownership
+record's own status is sticky: the backends agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
 """
 from __future__ import annotations
 
