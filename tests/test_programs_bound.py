@@ -29,7 +29,8 @@ def _use(size: int) -> None:
 
 
 @pytest.mark.slow  # (each config compiles its programs: ~1 s here)
-def test_programs_of_dropped_configs_are_released_and_live_ones_kept():
+def test_programs_of_dropped_configs_are_released_and_live_ones_kept(monkeypatch):
+  monkeypatch.setattr(device_module, "RECENT", 4)  # fewer configs to make and drop
   kept = kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=False)
   kept.alloc(8)
   ops = kept._pools[0].backend.ops  # pylint: disable=protected-access

@@ -119,7 +119,9 @@ def pack(rows_: int, bs: int, *columns: Any) -> np.ndarray:
   return packed
 
 
-RECENT = 8  # configs whose programs are kept after their last pool is dropped
+# Configs whose programs are kept after their last pool is dropped (a test suite, a
+# server that resizes, come back to recent ones): each holds ~100-200 memory maps here.
+RECENT = 32
 
 _LIVE: "weakref.WeakValueDictionary[Tuple[type, Any], Programs]" = (
     weakref.WeakValueDictionary())  # (class, config) -> programs, while anything holds them
