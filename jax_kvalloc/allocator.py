@@ -53,14 +53,14 @@ class Allocator(NamedTuple):
   extend_rows: Callable[..., Any]         # (state, table, rows, n, *, max_tokens, num_rows=None) -> (state, table, slots, ok)
   decode_rows: Callable[..., Any]         # (state, table, rows, *, num_rows=None) -> (state, table, slots, ok)
   release_rows: Callable[..., Any]        # (state, table, rows, *, num_rows=None) -> (state, table, ok)
-  borrow_pages: Callable[..., Any]        # (table, rows, page_ids, num_pages, *, num_rows=None) -> (table, ok)
+  borrow_pages: Callable[..., Any]        # (state, table, rows, page_ids, num_pages, *, num_rows=None) -> (table, ok)
   admit_rows: Callable[..., Any]          # (state, table, rows, n, *, num_rows=None, max_tokens=None) -> i32[]
   attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None) -> AttentionInputs
   # A decode step's free_page_ids then alloc_decode (one kernel launch on GPU).
   release_and_alloc_decode: Callable[..., Any]  # (state, page_ids, seq_lens, last_loc, *, num=None, num_reqs=None)
   # A serving step's table work, release + extend + decode (one kernel launch on GPU).
   step_rows: Callable[..., Any]           # (state, table, *, release=, extend=, n=, decode=, max_tokens=, num_*=) -> (state, table, StepOutputs)
-  borrow_from_rows: Callable[..., Any]    # (table, rows, src, num_pages, *, num_rows=None, hand_over=False) -> (table, ok)
+  borrow_from_rows: Callable[..., Any]    # (state, table, rows, src, num_pages, *, num_rows=None, hand_over=False) -> (table, ok)
 
 
 def _bind(config: AllocatorConfig) -> Allocator:

@@ -396,8 +396,9 @@ def release_rows(config: AllocatorConfig, state: AllocatorState,
   return jax.vmap(lambda s, t, r, m: fn(s, t, r, num_rows=m))(state, table, rows, num_rows)
 
 
-def borrow_pages(config: AllocatorConfig, table: request_table.RequestTable, rows: Array,
-                 page_ids: Array, num_pages: Array, *, num_rows: Optional[Array] = None
+def borrow_pages(config: AllocatorConfig, state: AllocatorState,
+                 table: request_table.RequestTable, rows: Array, page_ids: Array,
+                 num_pages: Array, *, num_rows: Optional[Array] = None
                  ) -> Tuple[request_table.RequestTable, Array]:
   """`request_table.borrow_pages` on every rank. rows, num_pages: i32[dp_size, B];
   page_ids: i32[dp_size, B, W] rank-local ids. Returns (table, bool[dp_size] ok)."""
@@ -405,12 +406,13 @@ def borrow_pages(config: AllocatorConfig, table: request_table.RequestTable, row
   _leading(table.pages.shape[0], rows=rows, page_ids=page_ids, num_pages=num_pages,
            num_rows=num_rows)
   fn = functools.partial(request_table.borrow_pages, rc)
-  return jax.vmap(lambda t, r, p, k, m: fn(t, r, p, k, num_rows=m))(
-      table, rows, page_ids, num_pages, num_rows)
+  return jax.vmap(lambda s, t, r, p, k, m: fn(s, t, r, p, k, num_rows=m))(
+      state, table, rows, page_ids, num_pages, num_rows)
 
 
-def borrow_from_rows(config: AllocatorConfig, table: request_table.RequestTable,
-                     rows: Array, src: Array, num_pages: Array, *,
+def borrow_from_rows(config: AllocatorConfig, state: AllocatorState,
+                     table: request_table.RequestTable, rows: Array, src: Array,
+                     num_pages: Array, *,
                      num_rows: Optional[Array] = None, hand_over: bool = False
                      ) -> Tuple[request_table.RequestTable, Array]:
   """`request_table.borrow_from_rows` on every rank. rows, src, num_pages: i32[dp_size,
@@ -419,8 +421,8 @@ def borrow_from_rows(config: AllocatorConfig, table: request_table.RequestTable,
   _leading(table.pages.shape[0], rows=rows, src=src, num_pages=num_pages,
            num_rows=num_rows)
   fn = functools.partial(request_table.borrow_from_rows, rc, hand_over=hand_over)
-  return jax.vmap(lambda t, r, c, k, m: fn(t, r, c, k, num_rows=m))(
-      table, rows, src, num_pages, num_rows)
+  return jax.vmap(lambda s, t, r, c, k, m: fn(s, t, r, c, k, num_rows=m))(
+      state, table, rows, src, num_pages, num_rows)
 
 
 def admit_rows(config: AllocatorConfig, state: AllocatorState,
@@ -529,8 +531,8 @@ class RankedAllocator(NamedTuple):
   extend_rows: Callable[..., Any]         # (state, table, rows, n, *, max_tokens, num_rows=None)
   decode_rows: Callable[..., Any]         # (state, table, rows, *, num_rows=None)
   release_rows: Callable[..., Any]        # (state, table, rows, *, num_rows=None)
-  borrow_pages: Callable[..., Any]        # (table, rows, page_ids, num_pages, *, num_rows=None)
-  borrow_from_rows: Callable[..., Any]    # (table, rows, src, num_pages, *, num_rows=None, hand_over=False)
+  borrow_pages: Callable[..., Any]        # (state, table, rows, page_ids, num_pages, *, num_rows=None)
+  borrow_from_rows: Callable[..., Any]    # (state, table, rows, src, num_pages, *, num_rows=None, hand_over=False)
   admit_rows: Callable[..., Any]          # (state, table, rows, n, *, num_rows=None, max_tokens=None)
   attention_inputs: Callable[..., Any]    # (table, rows, q_lens, *, num_rows=None)
 

@@ -486,9 +486,9 @@ def step_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTabl
   return kernels.by_device(config.kernel, state.free_ring, run, "table")
 
 
-def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
-                 page_ids: Array, num_pages: Array, *, num_rows: Optional[Array] = None
-                 ) -> Tuple[RequestTable, Array]:
+def borrow_pages(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                 rows: Array, page_ids: Array, num_pages: Array, *,
+                 num_rows: Optional[Array] = None) -> Tuple[RequestTable, Array]:
   """Starts empty rows from whole pages that someone else owns (a shared prefix).
 
   Row rows[b] gets pages page_ids[b, :num_pages[b]], lens = num_pages[b] * page_size and
@@ -498,6 +498,8 @@ def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
 
   Args:
     config: static configuration.
+    state: the pool (not changed): with the ownership record (config.guard) every page
+      lent must be held.
     table: the request table.
     rows: i32[B] distinct, empty (lens == 0) table rows.
     page_ids: i32[B, W] page ids (W <= max_pages_per_req, static).
@@ -506,8 +508,9 @@ def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
 
   Returns:
     (table, bool[] ok). ok is False, table unchanged, when a row is not empty, repeats or
-    leaves the table, a count is out of range, or a borrowed id is not a page of the pool.
-    On the Triton family (any pool kind; up to pallas_kernels.borrow_supported's rows)
+    leaves the table, a count is out of range, a borrowed id is not a page of the pool,
+    or (with the ownership record) a borrowed page is not held (SPEC 14: free, released
+    or never handed out). On the Triton family (any pool kind; up to pallas_kernels.borrow_supported's rows)
     one launch, pallas_kernels.borrow_triton; elsewhere XLA's ops.
 
   Raises:
@@ -519,11 +522,13 @@ def borrow_pages(config: AllocatorConfig, table: RequestTable, rows: Array,
   if page_ids.ndim != 2 or page_ids.shape[0] != num or page_ids.shape[1] > width:
     raise ValueError(f"page_ids must be i32[B, W] with B={num} rows and "
                      f"W <= max_pages_per_req={width}, got shape {page_ids.shape}")
-  return _borrow(config, table, rows, a["num_pages"], num_rows, page_ids=page_ids)
+  return _borrow(config, state, table, rows, a["num_pages"], num_rows,
+                 page_ids=page_ids)
 
 
-def borrow_from_rows(config: AllocatorConfig, table: RequestTable, rows: Array,
-                     src: Array, num_pages: Array, *, num_rows: Optional[Array] = None,
+def borrow_from_rows(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+                     rows: Array, src: Array, num_pages: Array, *,
+                     num_rows: Optional[Array] = None,
                      hand_over: bool = False) -> Tuple[RequestTable, Array]:
   """Starts empty rows from the first whole pages of other rows: `borrow_pages` with
   page_ids = table.pages[src, :max_pages_per_req], read by the call itself.
@@ -537,6 +542,8 @@ def borrow_from_rows(config: AllocatorConfig, table: RequestTable, rows: Array,
 
   Args:
     config: static configuration.
+    state: the pool (not changed): with the ownership record every page taken must be
+      held.
     table: the request table.
     rows: i32[B] distinct, empty (lens == 0) table rows.
     src: i32[B] table rows to take pages from (may repeat, unless hand_over).
@@ -548,8 +555,9 @@ def borrow_from_rows(config: AllocatorConfig, table: RequestTable, rows: Array,
   Returns:
     (table, bool[] ok). ok is False, table unchanged, when a row is not empty, repeats or
     leaves the table, a source leaves the table, a count is out of range, a page taken
-    is not a page of the pool (0 included), or, with hand_over, a source repeats or does
-    not own its first columns (owned_from[src] != 0). On the Triton family (any pool
+    is not a page of the pool (0 included) or (with the ownership record) not held, or,
+    with hand_over, a source repeats or does not own its first columns
+    (owned_from[src] != 0). On the Triton family (any pool
     kind; up to pallas_kernels.borrow_supported's rows) one launch,
     pallas_kernels.borrow_triton, with no gather before it; elsewhere XLA's ops.
 
@@ -557,15 +565,48 @@ def borrow_from_rows(config: AllocatorConfig, table: RequestTable, rows: Array,
     TypeError / ValueError naming the argument for a non-integer dtype or a bad shape.
   """
   rows, a, _ = _static_batch(table, rows, src=src, num_pages=num_pages)
-  return _borrow(config, table, rows, a["num_pages"], num_rows, src=a["src"],
+  return _borrow(config, state, table, rows, a["num_pages"], num_rows, src=a["src"],
                  hand_over=bool(hand_over))
 
 
-def _borrow(config: AllocatorConfig, table: RequestTable, rows: Array, num_pages: Array,
-            num_rows: Optional[Array], *, page_ids: Optional[Array] = None,
-            src: Optional[Array] = None, hand_over: bool = False):
+def _lent_held(state: AllocatorState, table: RequestTable, rows: Array,
+               num_pages: Array, num_rows: Optional[Array], page_ids: Optional[Array],
+               src: Optional[Array]) -> Array:
+  """bool[]: every page a borrow takes (the first num_pages[b] of page_ids[b] or of row
+  src[b], real rows only) is held in the ownership record (True without one). Ids
+  outside the pool count as held here: the borrow refuses them itself."""
+  if state.guard is None:
+    return jnp.ones((), bool)
+  held = state.guard.held
+  if src is not None:
+    page_ids = table.pages[jnp.clip(src, 0, table.pages.shape[0] - 1)]
+  real = jnp.arange(rows.shape[0]) < _count(num_rows, rows.shape[0])
+  used = (jnp.arange(page_ids.shape[1])[None, :] < num_pages[:, None]) & real[:, None]
+  inside = (page_ids >= 1) & (page_ids < held.shape[0])
+  lent = held[jnp.where(inside, page_ids, 0)] != 0
+  return jnp.all(~used | ~inside | lent)
+
+
+def _borrow(config: AllocatorConfig, state: AllocatorState, table: RequestTable,
+            rows: Array, num_pages: Array, num_rows: Optional[Array], *,
+            page_ids: Optional[Array] = None, src: Optional[Array] = None,
+            hand_over: bool = False):
   """borrow_pages (page_ids) or borrow_from_rows (src): one Triton launch where the
-  table's device and config.kernel select the Triton family, else `_borrow_jnp`."""
+  table's device and config.kernel select the Triton family, else `_borrow_jnp`; with
+  the ownership record, a borrow naming a page that is not held is refused (ok False,
+  table unchanged: it runs with no rows)."""
+  held = _lent_held(state, table, rows, num_pages, num_rows, page_ids, src)
+  table, ok = _borrow_rows(config, table, rows, num_pages,
+                           jnp.where(held, _count(num_rows, rows.shape[0]), 0),
+                           page_ids=page_ids, src=src, hand_over=hand_over)
+  return table, ok & held
+
+
+def _borrow_rows(config: AllocatorConfig, table: RequestTable, rows: Array,
+                 num_pages: Array, num_rows: Optional[Array], *,
+                 page_ids: Optional[Array] = None, src: Optional[Array] = None,
+                 hand_over: bool = False):
+  """`_borrow` without the ownership record."""
   max_reqs, width = table.pages.shape
   num = rows.shape[0]
 

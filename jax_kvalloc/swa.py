@@ -17,10 +17,10 @@ single pool when the config has debug=True.
 
 Ownership (SPEC 14; config.guard): each pool keeps its own record and refuses its own
 part of a free whole. A free of both pools (`free`, `free_segment`) frees the SWA side
-first; when that part is refused, the full side is refused too (nothing freed). When the
-full side alone is refused, the SWA side stays freed, and those tokens' mapping stays
-cleared, so no later free reaches those SWA pages again: nothing is lost or handed out
-twice. The mapping of a refused SWA free is kept as it was.
+first; when that part is refused, the full side is refused too. When the full side
+alone is refused, the SWA side and the mapping are put back as they were
+(`undo_swa_side`): a refused free changes nothing but the refusing pool's status
+(SPEC 14). The mapping of a refused SWA free is kept as it was.
 """
 from __future__ import annotations
 
@@ -520,27 +520,40 @@ def free_full_segment(config: SWAConfig, state: SWAState, free_index: Array,
                                                   start_pos, num))
 
 
+def undo_swa_side(before: SWAState, after: SWAState, full: Any, swa_refused: Array,
+                  full_refused: Array) -> SWAState:
+  """`after` (whose SWA side, pool and mapping, was freed) with the full pool `full`;
+  when the full side alone was refused (bool[]), the SWA pool and mapping as `before`
+  had them: the free changed nothing but the full pool's status (SPEC 14)."""
+  undo = full_refused & ~swa_refused
+  return SWAState(full, _select(undo, before.swa, after.swa),
+                  jnp.where(undo, before.mapping, after.mapping))
+
+
 def free(config: SWAConfig, state: SWAState, free_index: Array,
          num: Optional[Array] = None) -> SWAState:
   """`free_swa` then `free_full` of these full slots (SPEC 13). Padding: 0 and >= num.
-  A refused SWA side refuses the full side too (module docstring)."""
-  state, refused = _free_swa(config, state, free_index, num)
+  A refusal of either side frees nothing (module docstring)."""
+  after, refused = _free_swa(config, state, free_index, num)
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
   given = _given(free_index.shape[0], num)
-  full, _ = freeing.free_refused(config.full, state.full,
-                                 jnp.where(given, free_index, 0), also_refuse=refused)
-  return state._replace(full=full)
+  full, full_refused = freeing.free_refused(config.full, after.full,
+                                            jnp.where(given, free_index, 0),
+                                            also_refuse=refused)
+  return undo_swa_side(state, after, full, refused, full_refused)
 
 
 def free_segment(config: SWAConfig, state: SWAState, free_index: Array, start_pos: Array,
                  num: Optional[Array] = None) -> SWAState:
-  """`free_swa_segment` then the full pool's `free_segment` (SPEC 13). A refused SWA side
-  refuses the full side too (module docstring)."""
-  state, refused = _free_swa_segment(config, state, free_index, start_pos, num)
+  """`free_swa_segment` then the full pool's `free_segment` (SPEC 13). A refusal of
+  either side frees nothing (module docstring)."""
+  after, refused = _free_swa_segment(config, state, free_index, start_pos, num)
   free_index = validate.as_i32(free_index, "free_index").reshape(-1)
-  return free_full_segment(config, state, free_index, start_pos,
-                           jnp.where(refused, 0, free_index.shape[0] if num is None
-                                     else validate.as_i32(num, "num")))
+  full, full_refused = freeing.free_segment_refused(
+      config.full, after.full, free_index, start_pos,
+      jnp.where(refused, 0, free_index.shape[0] if num is None
+                else validate.as_i32(num, "num")))
+  return undo_swa_side(state, after, full, refused, full_refused)
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,9 +20,8 @@ nothing changes)::
   release_rows                each row as `free_segment` inside one free group: its SWA
                               pages from swa_from (one free_page_ids, row order), then its
                               full pages (one free_page_ids, row order); rows cleared.
-                              Refused by either pool's record: ok False, rows kept (as
-                              jax_kvalloc.swa's free, the SWA side of a refused full
-                              side stays freed and unmapped).
+                              Refused by either pool's record: ok False, rows kept,
+                              nothing freed (as jax_kvalloc.swa's free).
   attention_inputs            full-layer page indices, and for SWA layers the rows' SWA
                               page indices (translated) of the pages inside the window.
 
@@ -217,16 +216,16 @@ def release_rows(config: SWAConfig, state: SWAState, table: SWATable, rows: Arra
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]
   held = (cols < cdiv(lens, ps)[:, None]) & (real & ok)[:, None]
   page_rows = table.pages[rows]
-  state, refused = _free_swa_columns(
+  after, swa_refused = _free_swa_columns(
       config, state, page_rows, held & (cols >= table.swa_from[rows][:, None]),
       guard.OP_RELEASE_ROWS)
   flat = page_rows.reshape(-1)
   values, count = st.compact(flat, held.reshape(-1) & (flat > 0))
-  full, refused = freeing.free_page_ids_refused(config.full, state.full, values, count,
+  full, refused = freeing.free_page_ids_refused(config.full, after.full, values, count,
                                                 op=guard.OP_RELEASE_ROWS,
-                                                also_refuse=refused)
-  state = state._replace(full=full)
-  ok = ok & ~refused  # refused: the rows stay (an SWA side already freed stays unmapped)
+                                                also_refuse=swa_refused)
+  state = core.undo_swa_side(state, after, full, swa_refused, refused)
+  ok = ok & ~refused  # refused: nothing freed, the rows stay
   r = jnp.where(real & ok, rows, table.lens.shape[0])
   table = SWATable(table.pages.at[r].set(0, mode="drop"),
                    table.lens.at[r].set(0, mode="drop"),

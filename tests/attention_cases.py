@@ -106,8 +106,8 @@ def make_case(page_size: int, seed: int) -> Case:
     extend([1, 3], [len(chunk), int(rng.integers(1, 8))])
   # Row 2 borrows row 1's whole pages.
   w = src_len // ps
-  table, ok = _borrow(config, table, np.int32([2]),
-                              np.asarray(table.pages[1:2, :w]), np.int32([w]))
+  table, ok = _borrow(config, state, table, np.int32([2]),
+                      np.asarray(table.pages[1:2, :w]), np.int32([w]))
   assert bool(ok)
   keys[2], values[2] = keys[1][:w * ps].copy(), values[1][:w * ps].copy()
   extend([6], [int(rng.integers(1, 12))])      # row 6: real, but idle this step

@@ -476,15 +476,17 @@ class RankTrace:
     put_rows = lambda d: self.put(_pad([d[r] for r in mine], 1))
     counts = self.put([len(rows[r]) for r in mine])
     if self.schedule.count(op) % 2:  # every other borrow: the call reads the source rows
-      self.table, ok = self.r.borrow_from_rows(self.table, put_rows(rows), put_rows(srcs),
-                                               put_rows(num), num_rows=counts)
+      self.table, ok = self.r.borrow_from_rows(self.state, self.table, put_rows(rows),
+                                               put_rows(srcs), put_rows(num),
+                                               num_rows=counts)
     else:
       page_ids = np.zeros((len(mine), 1, width), np.int32)
       for i, rank in enumerate(mine):
         if ids[rank]:
           page_ids[i, 0, :len(ids[rank][0])] = ids[rank][0]
-      self.table, ok = self.r.borrow_pages(self.table, put_rows(rows), self.put(page_ids),
-                                           put_rows(num), num_rows=counts)
+      self.table, ok = self.r.borrow_pages(self.state, self.table, put_rows(rows),
+                                           self.put(page_ids), put_rows(num),
+                                           num_rows=counts)
     self._keep(step, op, ok)
     assert self.get(ok).all(), (step, op)
 

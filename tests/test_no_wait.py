@@ -21,7 +21,10 @@ import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
 from jax_kvalloc.sglang.backends import status as status_module
 import jax.numpy as jnp
+from jax_kvalloc.sglang import pool as pool_module
+from landed import settle
 from model import ModelAllocator
+from model_step import ModelStep
 from serving_driver import run_workload
 from gpu import needs_gpu
 
@@ -253,3 +256,146 @@ def test_host_mirror_is_exact_on_random_traces(kind, ps, num_pages, need_sort, b
   run_workload(checked, size=num_pages * ps, page_size=ps, need_sort=need_sort, kind=kind,
                steps=150, seed=3)
   assert checked.checks > 100
+
+
+# -- with a model step queued before them, no class call waits (SPEC 14) ---------------------
+
+class _Replay:
+  """Host copies of a sequence's outputs: read in a first pass (`recording`), given back
+  in a second pass of the same sequence from the same state, which reads nothing."""
+
+  def __init__(self):
+    self.recording = True
+    self.host = {}
+
+  def out(self, name, value):
+    if self.recording:
+      self.host[name] = np.asarray(value)
+    return value
+
+
+def _pool_calls(a, k, r, token):
+  """A scheduler's per-step calls on a token or paged class (rank r), host inputs only."""
+  ps, kw, h = a.page_size, dict(dp_rank=r), k.host
+  keep = {}
+  if token:
+    calls = [
+        ("alloc", lambda: k.out("x", a.alloc(5, **kw))),
+        ("alloc", lambda: k.out("y", a.alloc(3, **kw))),
+    ]
+  else:
+    z, seq, last = np.zeros(2, np.int64), np.array([5, 3]), np.full(2, -1)
+    calls = [
+        ("alloc_extend", lambda: k.out("x", a.alloc_extend(z, z, seq, seq, last, 8, **kw))),
+        ("alloc_decode", lambda: k.out("d", a.alloc_decode(
+            seq + 1, seq + 1, np.array([h["x"][4], h["x"][7]]), **kw))),
+    ]
+  first = (lambda: h["x"]) if token else (lambda: np.append(h["x"][:5], h["d"][0]))
+  second = (lambda: h["y"]) if token else (lambda: np.append(h["x"][5:], h["d"][1]))
+  calls += [
+      ("available_size", lambda: a.available_size(**kw)),
+      ("backup_state", lambda: keep.update(snap=a.backup_state())),
+      ("alloc", lambda: a.alloc(2 * ps, **kw)),
+      ("restore_state", lambda: a.restore_state(keep["snap"])),
+      ("free_group_begin", a.free_group_begin),
+      ("free", lambda: a.free(first(), **kw)),
+      ("free_group_end", a.free_group_end),
+      ("is_not_in_free_group", lambda: a.is_not_in_free_group),
+      ("free_segment", lambda: a.free_segment(second(), start_pos=0, **kw)),
+      ("alloc", lambda: k.out("b", a.alloc(2 * ps, **kw))),
+      ("free_page_ids", lambda: a.free_page_ids(np.unique(h["b"] // ps)[::-1].copy(),
+                                                **kw)),
+      ("merge_and_sort_free", lambda: a.merge_and_sort_free(**kw)),
+      ("debug_print", lambda: a.debug_print(**kw)),
+      ("available_size", lambda: a.available_size(**kw)),
+  ]
+  return calls
+
+
+def _swa_calls(a, k, r):
+  """A scheduler's per-step calls on the SWA class (rank r), host inputs only. Its
+  `free` / `free_swa` at page size > 1 count the SWA pages from the mapping's values on
+  the device (a wait, as SGLang's own free_swa synchronizes there): the segment frees
+  stand in for them."""
+  kw, h = dict(dp_rank=r), k.host
+  z, seq, last = np.zeros(2, np.int64), np.array([5, 3]), np.full(2, -1)
+  keep = {}
+  return [
+      ("alloc_extend", lambda: k.out("x", a.alloc_extend(z, z, seq, seq, last, 8, **kw))),
+      ("alloc_decode", lambda: k.out("d", a.alloc_decode(
+          seq + 1, seq + 1, np.array([h["x"][4], h["x"][7]]), **kw))),
+      ("full_available_size", lambda: a.full_available_size(**kw)),
+      ("swa_available_size", lambda: a.swa_available_size(**kw)),
+      ("new_pages_available", lambda: a.new_pages_available(1, 1, **kw)),
+      ("backup_state", lambda: keep.update(snap=a.backup_state())),
+      ("alloc_extend", lambda: a.alloc_extend(z, z, seq, seq, last, 8, **kw)),
+      ("restore_state", lambda: a.restore_state(keep["snap"])),
+      ("free_group_begin", a.free_group_begin),
+      ("free_segment", lambda: a.free_segment(np.append(h["x"][:5], h["d"][0]),
+                                              start_pos=0, **kw)),
+      ("free_group_end", a.free_group_end),
+      ("free_swa_segment", lambda: a.free_swa_segment(np.append(h["x"][5:], h["d"][1]),
+                                                      start_pos=0, **kw)),
+      ("free_full_segment", lambda: a.free_full_segment(
+          np.append(h["x"][5:], h["d"][1]), start_pos=0, **kw)),
+      ("merge_and_sort_free", lambda: a.merge_and_sort_free(**kw)),
+      ("debug_print", lambda: a.debug_print(**kw)),
+      ("available_size", lambda: a.available_size(**kw)),
+  ]
+
+
+def _make_class(kind, backend, dp_size):
+  common = dict(kernel="jnp", debug=False, backend=backend, dp_size=dp_size)
+  if kind == "token":
+    return kvs.TokenToKVPoolAllocator(64 * dp_size, need_sort=True, **common)
+  if kind == "paged":
+    return kvs.PagedTokenToKVPoolAllocator(64 * dp_size, 4, need_sort=True, **common)
+  return kvs.SWATokenToKVPoolAllocator(64 * dp_size, 64 * dp_size, 4, need_sort=True,
+                                       **common)
+
+
+@pytest.mark.parametrize("kind,dp_size,backend", [
+    ("paged", 1, "device"), ("token", 1, "device"), ("swa", 1, "device"),
+    ("paged", 2, "device"), ("swa", 2, "device"), ("paged", 1, "host"),
+    ("swa", 2, "host")])
+def test_no_call_waits_with_a_model_step_queued(kind, dp_size, backend):
+  # Every per-step call returns while a model step queued before it still runs (a call
+  # that waited for the device could not). Statuses that have not landed are not waited
+  # for until the 8th call (SPEC 14): so a step is queued for every 7 calls, and let
+  # finish after them. Outputs are checked against a first, unblocked pass.
+  a = _make_class(kind, backend, dp_size)
+  r = dp_size - 1
+  k = _Replay()
+  calls = (_swa_calls(a, k, r) if kind == "swa"
+           else _pool_calls(a, k, r, token=kind == "token"))
+  for _, call in calls:                 # the first pass: compiles, records the outputs
+    call()
+  first = (k.host, a.available_size(dp_rank=r))
+  a.clear()
+  k.recording = False
+  window = pool_module.WITHIN_CALLS - 1
+  for start in range(0, len(calls), window):
+    step = ModelStep()
+    try:
+      assert step.running()
+      for name, call in calls[start:start + window]:
+        call()
+        assert step.running(), f"{name} waited for the model step"
+    finally:
+      step.finish()
+  assert settle(a, r) == first[1]
+  assert a.status_waits == 0
+
+
+def test_a_read_of_an_output_waits_for_the_model_step():
+  # The negative control: the step is ahead of the allocator's programs on the device.
+  a = _make_class("paged", "device", 1)
+  np.asarray(a.alloc(8))                # compiled
+  step = ModelStep()
+  try:
+    out = a.alloc(8)
+    assert step.running()
+    np.asarray(out)                     # waits for the step
+    assert not step.running()
+  finally:
+    step.finish()

@@ -1,8 +1,8 @@
 """No refused call is reported as a success (SPEC 14's reporting contract, issue 31),
 the SWA class's review regressions, and the ownership record's misuse cases (SPEC 14,
 issue 32) on the paged, token and SWA classes: every case raises ValueError on every
-backend (device: at the latest at the next call that returns a host value, and within 8
-calls; host and debug mode: at once), naming the operation and the page; leaves the
+backend (device: at the first call after its status has landed, and within 8 calls;
+host and debug mode: at once), naming the operation and the page; leaves the
 pool as it was (lists, mapping, its ownership record equal to its lists, its host mirror
 equal to its state's lengths); and a refusal is sticky: every call raises until
 `restore_state` or `clear()`."""
@@ -27,6 +27,7 @@ from jax_kvalloc.sglang.backends import device as device_module
 from jax_kvalloc.sglang.backends import status as status_module
 from jax_kvalloc.sglang.swa import SWADebugError
 from gpu import needs_gpu
+from landed import settle
 
 PS = 4
 BACKENDS = ["device", "host", "debug"]
@@ -265,7 +266,7 @@ def _check_case(case, backend):
   snap = a.backup_state() if a.is_not_in_free_group else None
   with pytest.raises(ValueError, match=match) as raised:
     misuse(a, context)
-    a.available_size()  # the device's refusal raises here at the latest
+    settle(a)  # the device's refusal raises at the first call after it landed
   assert _contents(a) == before  # nothing changed, the mirror rolled back
   if backend in sticky and not _own_error(raised.value):
     for call in (a.available_size, lambda: a.alloc(a.page_size), a.backup_state,
@@ -313,7 +314,7 @@ def test_snapshots_put_the_record_back(backend):
   assert _contents(a) == after_free
   with pytest.raises(ValueError, match=rf"^free: page 2 {NOT_HELD}"):
     a.free(out[:1])                          # freed before `later`: not held
-    a.available_size()
+    settle(a)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -323,7 +324,7 @@ def test_a_refusal_names_its_rank_and_clear_of_that_rank_ends_it(backend):
   a.free(kept[1], dp_rank=1)
   with pytest.raises(ValueError, match=rf"^dp_rank=1: free: page 1 {NOT_HELD}"):
     a.free(kept[1], dp_rank=1)
-    a.available_size(dp_rank=1)
+    settle(a, dp_rank=1)
   with pytest.raises(ValueError, match="dp_rank=1: free"):
     a.available_size(dp_rank=0)                  # every call, on any rank
   a.clear(dp_rank=1)
@@ -337,9 +338,6 @@ class _NeverReady:
   def __init__(self, status):
     self.status = status
 
-  def copy_to_host_async(self):
-    pass
-
   def is_ready(self):
     return False
 
@@ -350,45 +348,53 @@ class _NeverReady:
 
 @pytest.fixture
 def slow_device(monkeypatch):
-  """The running status the pools read never lands before a read waits for it."""
-  backend = device_module.DeviceBackend
-  running = backend.running_status
-  monkeypatch.setattr(backend, "running_status", lambda self: _NeverReady(running(self)))
+  """The running statuses the pools keep never land before a read waits for them."""
+  record = pool_module.Pool.record
+
+  def never_ready(self, op, status, call):
+    record(self, op, status, call)
+    if self.pending and not isinstance(self.pending[-1][3], _NeverReady):
+      *rest, running = self.pending[-1]
+      self.pending[-1] = (*rest, _NeverReady(running))
+  monkeypatch.setattr(pool_module.Pool, "record", never_ready)
 
 
-@pytest.mark.parametrize("before", range(pool_module.CHECK_EVERY - 1, -1, -1))
-def test_device_refusal_raises_within_8_calls(slow_device, before):
-  # The running status is read only every few calls; whatever the phase of the refused
-  # call against those reads, it raises at the latest 8 class calls later, naming it.
+HOST_VALUE_CALLS = ("available_size", "debug_print", "backup_state", "merge_and_sort_free")
+
+
+@pytest.mark.parametrize("before", [0, 1, 5])
+def test_device_refusal_raises_at_the_8th_call(slow_device, before):
+  # A status that has not landed is not waited for, by any call (those returning host
+  # values included), until the 8th class call after the refused one: that call waits
+  # and raises, naming the refused call.
   del slow_device
   a = _make(kvs.PagedTokenToKVPoolAllocator, "device", 16 * PS, PS)
   a.alloc(4 * PS)
-  a.available_size()                             # reads the running status: one wait
-  assert a.status_waits == 1
-  for _ in range(before):                        # valid calls, read in the same copy
+  for _ in range(before):                        # valid calls, unread
     a.alloc(PS)
-  a.free_page_ids(jnp.array([9]))                # refused by the device: not held
+  a.free_page_ids(jnp.array([15]))               # refused by the device: not held
+  waits = a.status_waits
   later = 0
-  with pytest.raises(ValueError, match=rf"^free_page_ids: page 9 {NOT_HELD}"):
+  with pytest.raises(ValueError, match=rf"^free_page_ids: page 15 {NOT_HELD}"):
     for later in range(1, pool_module.WITHIN_CALLS + 1):
-      a.merge_and_sort_free()                    # calls that return no host value
-  assert later <= pool_module.WITHIN_CALLS == 8
-  assert 2 <= a.status_waits <= 3                # each copy read: none ever lands
+      getattr(a, HOST_VALUE_CALLS[later % len(HOST_VALUE_CALLS)])()
+  assert later == pool_module.WITHIN_CALLS == 8
+  assert a.status_waits > waits                  # the 8th call waited
 
 
-def test_device_refusal_raises_at_the_next_host_value(slow_device):
-  del slow_device
+def test_device_refusal_raises_at_the_first_call_after_it_landed():
   a = _paged("device")
   a.alloc(4 * PS)
   a.free_page_ids(jnp.array([3, 0]))
+  jax.block_until_ready(a._pools[0].backend.running)  # pylint: disable=protected-access
   with pytest.raises(ValueError, match=r"^free_page_ids: page_ids\[1\]=0"):
-    a.debug_print()                              # waits for the running status
-  assert a.status_waits == 1
+    a.available_size()                           # landed: read, no wait
+  assert a.status_waits == 0
 
 
 def _steady_reads(monkeypatch, **kw):
-  """How many statuses 40 valid device class calls (frees and allocations, no host
-  value) read."""
+  """(statuses read, class calls) over 40 valid device class calls (frees and
+  allocations)."""
   reads = []
   read = status_module.read
   monkeypatch.setattr(status_module, "read", lambda x: reads.append(x) or read(x))
@@ -397,17 +403,19 @@ def _steady_reads(monkeypatch, **kw):
   for _ in range(20):
     a.free(np.asarray(out))
     out = a.alloc(2 * PS)
-  return len(reads)
+  return len(reads), 41
 
 
-def test_steady_device_calls_read_the_status_once_every_few_calls(monkeypatch):
-  assert 0 < _steady_reads(monkeypatch, kernel=KERNEL) <= 40 // pool_module.CHECK_EVERY + 1
+def test_steady_device_calls_read_at_most_one_status_per_call(monkeypatch):
+  reads, calls = _steady_reads(monkeypatch, kernel=KERNEL)
+  assert 0 < reads <= calls
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_steady_device_calls_read_the_status_once_every_few_calls_on_gpu(monkeypatch):
-  assert 0 < _steady_reads(monkeypatch, device="cuda") <= 40 // pool_module.CHECK_EVERY + 1
+def test_steady_device_calls_read_at_most_one_status_per_call_on_gpu(monkeypatch):
+  reads, calls = _steady_reads(monkeypatch, device="cuda")
+  assert 0 < reads <= calls
 
 
 def test_valid_calls_never_wait_for_a_status():

@@ -152,7 +152,8 @@ def test_hand_worked_ps4():
   state, table, slots, ok = op["decode"](state, table, jnp.array([0, 1]))
   np.testing.assert_array_equal(slots, [10, 15])
   # Row 2 borrows row 0's first page (4 tokens), then adds 5: new pages 4, 5.
-  table, ok = op["borrow"](table, jnp.array([2]), table.pages[:1, :2], jnp.array([1]))
+  table, ok = op["borrow"](state, table, jnp.array([2]), table.pages[:1, :2],
+                           jnp.array([1]))
   assert bool(ok) and int(table.lens[2]) == 4 and int(table.owned_from[2]) == 1
   state, table, slots, ok = op["extend"](state, table, jnp.array([2]), jnp.array([5]),
                                          max_tokens=8)
@@ -181,7 +182,9 @@ def test_borrow_from_rows_hand_worked(kernel):
   cfg = kv.AllocatorConfig(size=64, page_size=4, kernel=kernel, debug=False)
   table = rt.RequestTable(jnp.array([[1, 2, 3, 0], [0] * 4, [5, 6, 0, 0], [0] * 4]),
                           jnp.array([10, 0, 8, 0]), jnp.array([0, 0, 1, 0]))
-  take = jax.jit(kv.paged_allocator(cfg).borrow_from_rows, static_argnames="hand_over")
+  take = functools.partial(  # the table alone: a state without the ownership record
+      jax.jit(kv.paged_allocator(cfg).borrow_from_rows, static_argnames="hand_over"),
+      kv.init(cfg)._replace(guard=None))
   pad = lambda x: jnp.array(list(x) + [0] * (2 - len(x)))  # one shape: two compiles
   # Rows 1 and 3 borrow row 0's first two pages and one of row 2's.
   t, ok = take(table, pad([1, 3]), pad([0, 2]), pad([2, 1]), num_rows=2)
@@ -236,8 +239,8 @@ def test_refusals_change_nothing():
   chex.assert_trees_all_equal((s2, t2), (state, table))
   for row, page in ((1, 3),            # row 1 is not empty
                     (2, 5)):           # page 5 is not in the pool
-    t2, ok = op["borrow"](table, _pad2([row]), jnp.array([[page], [0]]), _pad2([1]),
-                          num_rows=1)
+    t2, ok = op["borrow"](state, table, _pad2([row]), jnp.array([[page], [0]]),
+                          _pad2([1]), num_rows=1)
     assert not bool(ok)
     chex.assert_trees_all_equal(t2, table)
   # A pool shortfall is alloc_extend's: the triggered merge stays, the table does not move.
@@ -260,7 +263,8 @@ def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="differ in length"):
     rt.extend_rows(cfg, state, table, jnp.array([0, 1]), jnp.array([1]), max_tokens=4)
   with pytest.raises(ValueError, match="page_ids"):
-    rt.borrow_pages(cfg, table, jnp.array([0]), jnp.zeros((1, 9), jnp.int32), jnp.array([1]))
+    rt.borrow_pages(cfg, state, table, jnp.array([0]), jnp.zeros((1, 9), jnp.int32),
+                    jnp.array([1]))
   with pytest.raises(TypeError, match="RequestTable"):
     rt.decode_rows(cfg, state, (table.pages, table.lens), jnp.array([0]))
 
@@ -359,7 +363,7 @@ def _apply_jax(fns, state, table, op):
     return fns["release"](state, table, rows, num_rows=num)
   if kind == "borrow":
     row, src, k = args
-    t, ok = fns["borrow"](table, rows, table.pages[jnp.full((B,), src)],
+    t, ok = fns["borrow"](state, table, rows, table.pages[jnp.full((B,), src)],
                           _pad([k]), num_rows=num)
     return state, t, ok
   return fns["admit"](state, table, rows, _pad(args[1]), num_rows=num)

@@ -1,8 +1,8 @@
 """The SWA class's device backend launches one program per steady serving call.
 
 Every program the class can start is counted: every program of the device backends'
-program caches (device.Programs.fn: the SWA programs of backends.device_swa with the pad
-/ slice programs they share) and the SWA backend's own jitted helpers. At bucket sizes,
+program caches (device.Programs.fn: the SWA programs of backends.device_swa, its
+translate and segment-pages helpers, and the pad / slice programs they share). At bucket sizes,
 alloc_extend, alloc_extend_swa_tail, alloc_decode (host or device last_loc), free_swa
 (the window free), free, free_swa_segment and free_segment (device free_index) are one
 launch each, and sizes within a bucket compile nothing new. Outputs are checked against
@@ -15,7 +15,6 @@ import pytest
 
 from jax_kvalloc.sglang import swa as swa_cls
 from jax_kvalloc.sglang.backends import device as dev_backend
-from jax_kvalloc.sglang.backends import device_swa
 
 PS = 4
 
@@ -34,8 +33,6 @@ def count(monkeypatch):
   orig_fn = dev_backend.Programs.fn
   monkeypatch.setattr(dev_backend.Programs, "fn",
                       lambda self, key: counted(orig_fn(self, key)))
-  for name in ("_TRANSLATE", "_SEGMENT_PAGES"):
-    monkeypatch.setattr(device_swa, name, counted(getattr(device_swa, name)))
   return lambda: n[0]
 
 

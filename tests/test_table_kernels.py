@@ -598,9 +598,10 @@ def borrow_case(rng, ps, n, max_reqs, width, b, ids_width, mode):
 def _borrow_fn(cfg, mode):
   def fn(pages, lens, owned, rows, num, src, ids, k):
     table = rt.RequestTable(pages, lens, owned)
+    state = kv.init(cfg)._replace(guard=None)  # the table kernels alone: no record
     if mode == "ids":
-      return rt.borrow_pages(cfg, table, rows, ids, k, num_rows=num)
-    return rt.borrow_from_rows(cfg, table, rows, src, k, num_rows=num,
+      return rt.borrow_pages(cfg, state, table, rows, ids, k, num_rows=num)
+    return rt.borrow_from_rows(cfg, state, table, rows, src, k, num_rows=num,
                                hand_over=mode == "hand_over")
   return fn
 

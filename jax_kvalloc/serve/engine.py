@@ -220,7 +220,7 @@ def _housekeeping(ecfg: EngineConfig, carry: Carry, x: Dict[str, Array]):
   cache_pages = cache_pages.at[slot].set(0, mode="drop")
   # Lend: new rows start from cached pages.
   ids = cache_pages[x["borrow_slot"]]
-  table, ok = kv.borrow_pages(acfg, table, x["borrow_row"], ids, x["borrow_n"],
+  table, ok = kv.borrow_pages(acfg, state, table, x["borrow_row"], ids, x["borrow_n"],
                               num_rows=x["n_borrow"])
   return Carry(state, table, caches, cache_pages), ok & evict_ok
 

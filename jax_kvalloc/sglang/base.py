@@ -13,15 +13,16 @@ Backends (`backend=` on every constructor):
     ownership record does not cover (a last_loc in a page the request does not hold,
     say); the call was refused inside, so the state is as it was.
 
-Waits (device backend). None in the steady state: `available_size()` reads the host
-mirror (once the statuses of earlier calls have landed, see below); allocations, `free`
-of host data, and `free_page_ids` / `free_segment(s)` of host data or of device arrays
-launch and return (a device array's count is its shape; its values are checked on the
-device, a refusal coming back as the call's status). What still reads the device:
+Waits (device backend). No call waits for an earlier call's status (SPEC 14), even with
+a model step queued before it: `available_size()` and the other sizes, `backup_state`,
+`free_group_end` and `debug_print` read the host mirror; allocations, `free` of host
+data, and `free_page_ids` / `free_segment(s)` of host data or of device arrays launch
+and return (a device array's count is its shape; its values are checked on the device,
+a refusal coming back as the call's status). What still reads the device:
 `free` of a device array (the count of distinct pages needs its values, as SGLang's
 `free` reads them in torch.unique); the `free_pages`/`release_pages` views;
-`restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); and
-debug mode.
+`restore_state` of a snapshot built by hand; `set_state` (it checks the lengths); debug
+mode; and the 8th call after a call whose status has not landed (below).
 
 Bad input raises before anything changes (jax_kvalloc.validate: TypeError, ValueError or
 RuntimeError naming the argument and value), so after an exception the allocator is as
@@ -33,16 +34,17 @@ that is not held (free, released, never handed out, or named twice by a call tha
 not de-duplicate: the token `free`, `free_page_ids`, `free_segment(s)`) is refused
 whole, and the class raises ValueError naming the operation and the page, e.g.
 `free: page 4 is not held (free, released, or never handed out); nothing was freed`.
-The host backend and debug mode find it at once. What only the device can find (a
-refusal of the record, a device array naming page 0) comes back as each call's status
+The host backend and debug mode find it at once. On the device backend the record
+lives on the device, so every refusal of the record (for host inputs too: a free of a
+page never handed out) and a device array naming page 0 come back as the call's status
 (jax_kvalloc.sglang.backends.status), read without waiting (jax_kvalloc.sglang.pool):
-it raises at the latest at the next call that returns a host value (`available_size`
-and the other sizes, `backup_state`, `free_group_end`, `debug_print`, the views,
-`state`) and within 8 calls; the refused call changed nothing and the host mirror is
-rolled back to the state's lengths. On every backend, every call then raises until
+it raises at the first class call after that status has landed on the host, and within
+8 calls (the 8th call waits for it if it has not landed); the refused call changed
+nothing and the host mirror is rolled back to the state's lengths. A snapshot taken
+before the refusal was read carries the status along (restoring it raises it too). On every backend, every call then raises until
 `clear()` or `restore_state` (bad input the host checks find, above, is not a refusal:
 it raises once). `status_waits` counts the statuses a call had to wait for (none in a
-steady serving loop, where each has landed long before it is needed). A free group's
+steady serving loop, where each lands within 8 calls). A free group's
 end frees its queue in SPEC 7's order; a refused part frees nothing, and neither do
 the parts after it.
 
@@ -218,7 +220,7 @@ class BaseAllocator:
   @property
   def status_waits(self) -> int:
     """How many reads of a device pool's running status came before it had landed (each
-    a wait): the 8-call limit, or a call returning a host value right after a launch."""
+    a wait): the 8-call limit, the views, or a refusal's error path."""
     return sum(pool.waits for pool in self._pools)
 
   def _pool_index(self, dp_rank: Any, everything: bool = False) -> int:
@@ -244,21 +246,20 @@ class BaseAllocator:
 
   def _poll(self, everything: bool = False) -> None:
     """Counts a class call and reads the device statuses that have landed (every one
-    when `everything`: the call returns a host value); raises a refusal."""
+    when `everything`: the views, which read the device anyway); raises a refusal."""
     self._calls += 1
     for pool in self._pools:
       if pool.pending or pool.error is not None:
         pool.poll(self._calls, everything)
 
   def _settled(self, dp_rank: Any = 0) -> int:
-    """`_pool_index` for a call that returns a host value: every status read first
-    (SPEC 14: a refusal raises here at the latest)."""
+    """`_pool_index` for a call that reads the device anyway (the views): every status
+    read first."""
     return self._pool_index(dp_rank, everything=True)
 
   def available_size(self, dp_rank: int = 0) -> int:
-    """Free slots, released ones included, from the host mirror (no wait once the
-    statuses of earlier calls have landed)."""
-    return self._pools[self._settled(dp_rank)].available_size()
+    """Free slots, released ones included, from the host mirror (no wait: SPEC 14)."""
+    return self._pools[self._pool_index(dp_rank)].available_size()
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -421,10 +422,11 @@ class BaseAllocator:
 
   def free_group_end(self) -> None:
     """Closes the free group: on each held rank, the queued slot frees as one `free`,
-    then the queued page-id frees as one block in front (SPEC 7 and 10)."""
-    self._poll(everything=True)
-    validate.group_end(self._group)
-    queued, self._group = self._group, None
+    then the queued page-id frees as one block in front (SPEC 7 and 10). The group is
+    closed whatever it raises: after a refusal its queue is dropped (nothing freed)."""
+    queued, self._group = self._group, None  # closed even when a refusal raises below
+    self._poll()
+    validate.group_end(queued)
     for pool, q in zip(self._pools, queued):
       self._flush(pool, q)
 
@@ -454,8 +456,9 @@ class BaseAllocator:
   def backup_state(self):
     """A snapshot that `restore_state` puts back exactly (SPEC 8): an AllocatorSnapshot,
     or with dp_size > 1 a RankedSnapshot of every held rank. O(1) per rank: the snapshot
-    holds the current rings, which are copied only if a later free writes them."""
-    self._poll(everything=True)
+    holds the current rings, which are copied only if a later free writes them. No
+    wait: lengths from the host mirror."""
+    self._poll()
     snaps = tuple(pool.snapshot() for pool in self._pools)
     if self._dp_size == 1:
       return snaps[0]
@@ -484,7 +487,7 @@ class BaseAllocator:
     for pool, snap in zip(self._pools, snaps):
       pool.check_snapshot(snap)
     for pool, snap in zip(self._pools, snaps):
-      pool.restore(snap)
+      pool.restore(snap, self._calls)
 
   @property
   def state(self):
@@ -493,7 +496,7 @@ class BaseAllocator:
     With dp_size > 1, every held rank's state stacked along a leading axis in dp_ranks
     order (a new array, O(pool): the state jax_kvalloc.ranks works on; ranks on
     different devices cannot be stacked)."""
-    self._poll(everything=True)
+    self._poll()
     states = [pool.hold() for pool in self._pools]
     return states[0] if self._dp_size == 1 else _ranks.stack_ranks(states)
 
@@ -565,8 +568,8 @@ class BaseAllocator:
     host mirror: no wait). Returns the string (as SGLang's does). With dp_size > 1 and
     dp_rank None, one line per held rank, prefixed "rank r:"."""
     if dp_rank is not None or self._dp_size == 1:
-      return self._debug_line(self._settled(0 if dp_rank is None else dp_rank))
-    self._poll(everything=True)
+      return self._debug_line(self._pool_index(0 if dp_rank is None else dp_rank))
+    self._poll()
     return "\n".join(f"rank {r}: {self._debug_line(i)}"
                      for i, r in enumerate(self._dp_ranks))
 

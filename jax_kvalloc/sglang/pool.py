@@ -25,17 +25,18 @@ Statuses (SPEC 14; jax_kvalloc.sglang.backends.status): every backend call retur
 it refused. The host backend raises at once. A device backend also keeps a running
 status on the device (the first refusal since `clear` or `restore`, passed from program
 to program), and the pool reads only that one, without waiting: `record` keeps each
-call's own status unread; `poll` (at every class call) starts the running status's copy
-to the host (`copy_to_host_async`) at most once every CHECK_EVERY class calls, reads a
-copy once it has landed, and blocks only on one started CHECK_EVERY or more calls ago, so
-that a refusal raises at the latest WITHIN_CALLS class calls after its call; `poll` with
-`everything` (at every call that returns a host value) reads the running status at once.
-A copy showing no refusal clears the calls it covers; one showing a refusal has the kept
-statuses read in order (waits: the error path) to name the call that refused. A refusal
-rolls the mirror back to the state's lengths (one read) and raises ValueError; the pool
-then refuses every call until `clear` or `restore`. So does a refusal read at once (host
-backend, debug mode), as the ownership record's own status is sticky: the backends
-agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
+call's own status unread, with the running status after it (off the CPU its copy to the
+host started at once); `poll` (at every class call) reads the newest running status
+that has landed (programs run in order: those landed are a prefix), and waits only for
+one kept WITHIN_CALLS or more class calls ago, so that a refusal raises at the first
+call after its status has landed and at the latest WITHIN_CALLS class calls after its
+call; `poll` with `everything` (the views, which read the device anyway) reads the
+newest at once. A running status showing no refusal clears the calls it covers; one
+showing a refusal has the kept statuses read in order (waits: the error path) to name
+the call that refused. A refusal rolls the mirror back to the state's lengths (one
+read) and raises ValueError; the pool then refuses every call until `clear` or
+`restore`. So does a refusal read at once (host backend, debug mode), as the ownership
+record's own status is sticky: the backends agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
 """
 from __future__ import annotations
 
@@ -50,18 +51,21 @@ from jax_kvalloc.sglang.backends import Backend
 from jax_kvalloc.sglang.backends import status as _status
 
 WITHIN_CALLS = 8  # a device refusal raises at the latest this many class calls later
-CHECK_EVERY = WITHIN_CALLS // 2  # class calls between two reads of the running status
 
 
 class AllocatorSnapshot(NamedTuple):
   """What `backup_state` returns: the state, the config it belongs to and the lengths
   (free_len, release_len; an SWA pool's: full then SWA) as host ints, so that restoring
   it needs no device read. A single pool's state is detached (no ownership record: the
-  pool puts it back on restore); `origin` is the lineage of the pool that took it."""
+  pool puts it back on restore); `origin` is the lineage of the pool that took it;
+  `running`: a device pool's running status after its last call not yet known clean
+  (None: every earlier call was), so that a refusal not yet read when the snapshot was
+  taken (its lengths counted the refused call) still raises after a restore."""
   config: Any
   state: Any
   lengths: Optional[Tuple[int, ...]] = None
   origin: Any = None
+  running: Any = None
 
 
 class Lists:
@@ -120,9 +124,8 @@ class Pool:
     self.backend = backend
     self.label = label  # prefixed to its refusals' messages (a rank's: "dp_rank=r: ")
     self.sides = tuple(Lists(c) for c in backend.pools)
-    self.pending: collections.deque = collections.deque()  # (call, op, status array)
-    self.checks: collections.deque = collections.deque()  # (call, running status)
-    self.checked_to = 0  # the call of the last check: it covers the calls before it
+    # (call, op, status, running status after it), one per call not known clean
+    self.pending: collections.deque = collections.deque()
     self.waits = 0       # statuses read before they had landed (each a wait)
     self.error: Optional[ValueError] = None
     self.record_shared = False  # the ownership record is held outside (copy first)
@@ -156,7 +159,6 @@ class Pool:
 
   def _drop(self) -> None:
     self.pending.clear()
-    self.checks.clear()
 
   def available_size(self, side: int = 0) -> int:
     lists = self.sides[side]
@@ -165,55 +167,59 @@ class Pool:
   # -- statuses ------------------------------------------------------------------------
   def record(self, op: str, status: Any, call: int) -> None:
     """Keeps the status of the backend call just made (class call number `call`): read
-    at once where the backend does not defer it (host, debug mode), else kept unread
-    until the running status says whether some call refused."""
+    at once where the backend does not defer it (host, debug mode), else kept unread,
+    with the running status after it, until that has landed."""
     if status is None:
       return
     if not self.backend.defers_status:
       self._check(op, _status.read(status), rollback=False)
       return
-    self.pending.append((call, op, status))
+    running = self.backend.running
+    if self.backend.copies_status:
+      _status.start_copy(running)
+    self.pending.append((call, op, status, running))
 
   def poll(self, call: int, everything: bool = False) -> None:
     """At class call number `call` (before it runs): raises the refusal seen earlier,
-    reads the running status's copies that have landed, waits for one started
-    CHECK_EVERY calls ago, and starts a new copy when the last one is CHECK_EVERY calls
-    old and calls since are unchecked. `everything` (a call that returns a host value):
-    reads the running status now (a wait if the last call has not run yet)."""
+    then reads the newest running status that has landed (covering every kept call up
+    to it), and waits only for one kept WITHIN_CALLS or more calls ago. `everything`
+    (a call that reads the device anyway): reads the newest running status now."""
     if self.error is not None:
       raise ValueError(str(self.error))
-    if everything:
-      if self.pending:
-        self._read_check(call, self.backend.running_status())
-      self.checks.clear()  # (covered)
-      self.checked_to = call
+    pending = self.pending
+    if not pending:
       return
-    checks = self.checks
-    while checks:
-      at, running = checks[0]
-      if not running.is_ready() and call - at < CHECK_EVERY:
-        break
-      checks.popleft()
-      self._read_check(at, running)
-    if (self.pending and self.pending[-1][0] >= self.checked_to
-        and call - self.checked_to >= CHECK_EVERY):
-      checks.append((call, self.backend.running_status()))
-      self.checked_to = call
+    if everything or pending[-1][3].is_ready():  # (the common case: all landed)
+      self._read_check(len(pending), everything)
+      return
+    # Programs run in order, so those that landed are a prefix; the calls kept
+    # WITHIN_CALLS or more calls ago are read now, landed or not (the one wait).
+    k, old = 0, call - WITHIN_CALLS
+    while k < len(pending) and (pending[k][0] <= old or pending[k][3].is_ready()):
+      k += 1
+    if k:
+      self._read_check(k, True)
 
-  def _read_check(self, at: int, running: Any) -> None:
-    """Reads a running status taken before class call `at` (a wait, counted, if it has
-    not landed): no refusal clears the kept statuses of the calls before `at`; a refusal
-    reads them in order and raises the first one's (ValueError)."""
-    if not running.is_ready():
+  def _read_check(self, k: int, check: bool) -> None:
+    """Reads the running status after the k-th kept call (a wait, counted, if it has
+    not landed; `check`: it may not have): no refusal drops the first k kept calls; a
+    refusal reads their own statuses in order (waits: the error path) and raises the
+    first one's (ValueError)."""
+    pending = self.pending
+    running = pending[k - 1][3]
+    if check and not running.is_ready():
       self.waits += 1
     values = _status.read(running)
-    pending = self.pending
     if not values[0]:
-      while pending and pending[0][0] < at:
-        pending.popleft()
+      if k == len(pending):
+        pending.clear()
+      else:
+        for _ in range(k):
+          pending.popleft()
       return
-    for _, op, status in list(pending):  # the error path: waits
-      self._check(op, _status.read(status), rollback=True)
+    for _, op, status, _ in list(pending)[:k]:  # the error path: waits
+      if status is not None:
+        self._check(op, _status.read(status), rollback=True)
     self._check("an earlier call", values, rollback=True)  # (kept statuses all clean)
 
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
@@ -256,11 +262,12 @@ class Pool:
       side.free_shared = side.release_shared = True
 
   def snapshot(self) -> AllocatorSnapshot:
+    running = self.pending[-1][3] if self.pending else None
     if not self.backend.patches_record:
-      return AllocatorSnapshot(self.config, self.hold(), self.lengths())
+      return AllocatorSnapshot(self.config, self.hold(), self.lengths(), None, running)
     self._hold_rings()  # the record stays the pool's (detached from the snapshot)
     return AllocatorSnapshot(self.config, self.backend.detach(self.state), self.lengths(),
-                             self.lineage)
+                             self.lineage, running)
 
   def check_snapshot(self, snap: Any) -> None:
     """`restore_state`'s checks of one rank's snapshot (TypeError / ValueError)."""
@@ -269,10 +276,12 @@ class Pool:
       raise ValueError(f"state.lengths={snap.lengths} must hold {2 * len(self.sides)} "
                        f"ints (free_len, release_len per allocator)")
 
-  def restore(self, snap: AllocatorSnapshot) -> None:
+  def restore(self, snap: AllocatorSnapshot, call: int = 0) -> None:
     """Puts back a checked snapshot. O(1) on the host (a single pool's record: O(pages
     taken since), see the module docstring); a snapshot without lengths (built by hand)
-    has them read from its state (a wait). Forgets the calls since and any refusal."""
+    has them read from its state (a wait). Forgets the calls since and any refusal
+    read since; one the snapshot's running status holds is kept as class call `call`'s
+    (read without waiting, as any)."""
     if self.backend.patches_record:
       same = snap.origin is self.lineage and snap.lengths is not None
       self.own_record()  # patched or rebuilt in place
@@ -288,6 +297,10 @@ class Pool:
       lengths = self.backend.lengths(self.state)
     self.set_lengths(tuple(lengths), shared=True)
     self._forget()
+    running = getattr(snap, "running", None)
+    if running is not None and self.backend.defers_status:
+      self.backend.running = running
+      self.pending.append((call, "a call before the snapshot", None, running))
 
   def check_state(self, state: Any) -> Tuple[int, ...]:
     """`set_state`'s checks (shapes, dtypes, then the lengths and heads: a wait).

@@ -99,19 +99,19 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     return self.config.size_swa
 
   def full_available_size(self, dp_rank: int = 0) -> int:
-    return self._pools[self._settled(dp_rank)].available_size(FULL)
+    return self._pools[self._pool_index(dp_rank)].available_size(FULL)
 
   def swa_available_size(self, dp_rank: int = 0) -> int:
-    return self._pools[self._settled(dp_rank)].available_size(SWA)
+    return self._pools[self._pool_index(dp_rank)].available_size(SWA)
 
   def available_size(self, dp_rank: int = 0) -> int:
     """min(full, SWA) available slots, from the host mirrors."""
-    pool = self._pools[self._settled(dp_rank)]
+    pool = self._pools[self._pool_index(dp_rank)]
     return min(pool.available_size(FULL), pool.available_size(SWA))
 
   def new_pages_available(self, num_full_pages: int, num_swa_pages: int,
                           dp_rank: int = 0) -> bool:
-    return self._fits(self._pools[self._settled(dp_rank)], num_full_pages,
+    return self._fits(self._pools[self._pool_index(dp_rank)], num_full_pages,
                       num_swa_pages)
 
   @staticmethod
@@ -157,7 +157,7 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     """i32[size + page_size + 1]: the SWA slot of each full slot (0: none), last -1 (a
     list per rank with dp_size > 1, None at ranks held elsewhere). Held from now on:
     the next write copies it."""
-    self._poll(everything=True)
+    self._poll()
     return self._per_rank([pool.backend.mapping(pool.hold()) for pool in self._pools])
 
   def set_full_to_swa_mapping(self, full_indices, swa_indices, dp_rank: int = 0) -> None:
@@ -382,8 +382,8 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     Device backend: never waits; free_index may be a device array (taken as it is). The
     SWA pool's mirror counts one page per full page of the segment, so each must have
     its SWA peer (SGLang's invariant): a page without one refuses the call (ValueError
-    naming it: at once on the host backend, at the latest at the next call returning a
-    host value on the device).
+    naming it: at once on the host backend, at the first call after its status has
+    landed on the device, within 8 calls).
     """
     r = self._pool_index(dp_rank)
     idx = self._segment_arg(self._pools[r], free_index, start_pos, full=False)
@@ -496,7 +496,7 @@ class _PoolView:
     return _PoolView(self._owner, self._side, dp_rank)
 
   def _pool(self) -> Pool:
-    return self._owner._pools[self._owner._settled(self._rank)]  # pylint: disable=protected-access
+    return self._owner._pools[self._owner._pool_index(self._rank)]  # pylint: disable=protected-access
 
   @property
   def page_size(self) -> int:

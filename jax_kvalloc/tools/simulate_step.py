@@ -620,7 +620,7 @@ def _table_step(lay: Layout, state, table, p: Plan):
     ok = jnp.ones((), bool)
     if not swa:
       with jax.named_scope("borrow"):
-        t, ok = rt.borrow_from_rows(cfg, t, p.borrow_rows, p.borrow_src, p.borrow_pages,
+        t, ok = rt.borrow_from_rows(cfg, s, t, p.borrow_rows, p.borrow_src, p.borrow_pages,
                                     num_rows=p.num_borrow)
     if fused:  # the three pool phases in one step_rows
       s, t, o = jax.named_scope("step_rows")(rt.step_rows)(
@@ -646,7 +646,7 @@ def _table_step(lay: Layout, state, table, p: Plan):
       s, ok, slots = _hide_release(s2, hide, keep=s), ok & ok_e, (slots_e,)
     if not swa:
       with jax.named_scope("hand_over"):
-        t, ok_h = rt.borrow_from_rows(cfg, t, p.ins_dst, p.ins_rows, p.ins_pages,
+        t, ok_h = rt.borrow_from_rows(cfg, s, t, p.ins_dst, p.ins_rows, p.ins_pages,
                                       num_rows=p.num_ins, hand_over=True)
       ok = ok & ok_h
     return (s, t, ok) + slots

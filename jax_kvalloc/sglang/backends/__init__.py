@@ -90,9 +90,11 @@ class Backend(Protocol):
   def restore(self, live: Any, snap: Any, lengths: Any, snap_lengths: Any,
               same_lineage: bool) -> Any: ...
   def own_record(self, state: Any) -> Any: ...
-  # defers_status only: the running status of the calls since the last reset (i32[3],
-  # its copy to the host started), and its reset (jax_kvalloc.sglang.backends.status)
-  def running_status(self) -> Any: ...
+  # defers_status only: `running`, the running status after the last call (i32[3] on
+  # the device; jax_kvalloc.sglang.backends.status), whether its copy to the host is
+  # started at each launch (`copies_status`), and its reset
+  running: Any
+  copies_status: bool
   def reset_running(self) -> None: ...
   def warmup(self, state: Any, *, max_batch: int, max_tokens: int, max_free: int,
              exact_sizes: Sequence[int], extend: bool,

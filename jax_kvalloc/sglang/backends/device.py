@@ -27,7 +27,7 @@ computation and the ring write:
   * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
     status): what it refused of what the mirror counted on; and takes and returns the
     pool's running status (the first refusal since the last reset), kept by the
-    backend (`running`), the one status the class reads back (every few calls);
+    backend (`running`), the one status the class reads back (once landed);
   * alloc_extend's row counts, token and free counts pad to a power-of-two bucket
     (jax_kvalloc.buckets), alloc_decode's rows to `decode_rows`; an output
     longer than asked is cut by `exact`, a cached jitted slice (a second, tiny launch;
@@ -36,15 +36,21 @@ computation and the ring write:
     last_loc comes from the host or the device; `warmup` compiles the programs ahead.
 
 Programs are cached per (config, operation, shape) across instances and devices
-(`Programs.for_config`); jax_kvalloc.sglang.backends.device_swa adds the SWA pool's
-programs to the same machinery.
+(`Programs.for_config`) while a pool of that config lives, and for the RECENT configs
+used last: a process that makes and drops pools of many configs keeps the programs of
+the live ones and of RECENT others (SPEC 14; a live config's are never dropped).
+jax_kvalloc.sglang.backends.device_swa adds the SWA pool's programs to the same
+machinery.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
+import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import jax
@@ -113,9 +119,22 @@ def pack(rows_: int, bs: int, *columns: Any) -> np.ndarray:
   return packed
 
 
+# Configs whose programs are kept after their last pool is dropped (a test suite, a
+# server that resizes, come back to recent ones): each holds ~100-200 memory maps here.
+RECENT = 32
+
+_LIVE: "weakref.WeakValueDictionary[Tuple[type, Any], Programs]" = (
+    weakref.WeakValueDictionary())  # (class, config) -> programs, while anything holds them
+_RECENT: "collections.OrderedDict[Tuple[type, Any], Programs]" = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
 class Programs:
   """Jitted programs of one config, compiled once per shape: `fn((op, *shape))` builds
-  with `_build(op, *shape)` (subclasses add operations) and caches."""
+  with `_build(op, *shape)` (subclasses add operations) and caches. `init_state` is the
+  functional core's init of the config (subclasses set it)."""
+
+  init_state: Callable[..., Any] = staticmethod(st.init)
 
   def __init__(self, config: Any):
     self.config = config
@@ -123,10 +142,21 @@ class Programs:
     self._jit = functools.partial(jax.jit, compiler_options=compiler_options())
 
   @classmethod
-  @functools.lru_cache(maxsize=None)
   def for_config(cls, config: Any) -> "Programs":
-    """The (shared) programs of one config."""
-    return cls(config)
+    """The (shared) programs of one config: the same object while any pool holds it
+    (each backend keeps a reference), and kept for the RECENT configs asked for last;
+    once neither holds it, it is dropped with its jitted functions, whose compiled
+    programs jax then releases."""
+    key = (cls, config)
+    with _LOCK:
+      programs = _LIVE.get(key)
+      if programs is None:
+        programs = _LIVE[key] = cls(config)
+      _RECENT[key] = programs
+      _RECENT.move_to_end(key)
+      while len(_RECENT) > RECENT:
+        _RECENT.popitem(last=False)
+    return programs
 
   def fn(self, key: Tuple[Any, ...]) -> Callable[..., Any]:
     fn = self._fns.get(key)
@@ -145,6 +175,10 @@ class Programs:
     return self._jit(run, donate_argnums=tuple(i + 1 for i in donate))
 
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
+    if op == "init":  # the config's initial state
+      return self._jit(functools.partial(type(self).init_state, self.config))
+    if op == "copy":  # a pytree copied (a record held outside)
+      return self._jit(lambda x: jax.tree.map(jnp.copy, x))
     if op == "slice":
       n = shape[1]
       return self._jit(lambda x: x[:n])
@@ -307,10 +341,9 @@ class DeviceOps(Programs):
     head, length, held, out, status, running = self.fn(key)(
         prev, state.free_ring, state.free_head, state.free_len,
         None if rec is None else rec.held, packed, *extra)
-    if rec is not None:
-      state = state._replace(guard=rec._replace(held=held))
-    return (state._replace(free_head=head, free_len=length), self.exact(out, n), status,
-            running)
+    state = state._replace(free_head=head, free_len=length,  # (one copy of the tuple)
+                           guard=None if rec is None else GuardState(held, rec.status))
+    return state, self.exact(out, n), status, running
 
   def alloc(self, prev: Array, state: AllocatorState, need_size: int):
     size = buckets.bucket(need_size, buckets.MIN_TOKENS)
@@ -387,9 +420,7 @@ class DeviceOps(Programs):
     return snap._replace(guard=GuardState(*record))
 
 
-_INIT = jax.jit(st.init, static_argnames=("config",))
 _ZEROS = jax.jit(lambda: jnp.zeros((3,), jnp.int32))
-_COPY = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
 
 class RunningStatus:
@@ -399,19 +430,15 @@ class RunningStatus:
   running: Array
 
   def _start_running(self, device: Any) -> None:
-    self._copy_status = copies_status(device)
     self._zero = zero_status(device)
+    # Off the CPU (where the host reads the device's own buffer), each running status's
+    # copy to the host starts at its launch, so reading it once landed costs no transfer.
+    self.copies_status = (device or jax.devices()[0]).platform != "cpu"
     self.running = self._zero
 
   def reset_running(self) -> None:
     """The running status back to no refusal (the pool's clear and restore)."""
     self.running = self._zero
-
-  def running_status(self) -> Array:
-    """The running status with its copy to the host started (no wait)."""
-    if self._copy_status:
-      _status.start_copy(self.running)
-    return self.running
 
 
 class DeviceBackend(PagedStateReads, RunningStatus):
@@ -439,7 +466,7 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     return tuple(out)
 
   def init(self) -> AllocatorState:
-    state = _INIT(self.config)
+    state = self.ops.fn(("init",))()
     return state if self.device is None else jax.device_put(state, self.device)
 
   def adopt(self, state: AllocatorState) -> AllocatorState:
@@ -467,7 +494,8 @@ class DeviceBackend(PagedStateReads, RunningStatus):
   def own_record(self, state: AllocatorState) -> AllocatorState:
     """The state with a record of its own (the old one is held outside: the programs
     donate it)."""
-    return state if state.guard is None else state._replace(guard=_COPY(state.guard))
+    return state if state.guard is None else state._replace(
+        guard=self.ops.fn(("copy",))(state.guard))
 
   def empty(self) -> Array:
     if self._empty is None:
@@ -532,6 +560,10 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     if checked:
       pages = int(np.count_nonzero((seq - 1) % self.config.page_size == 0))  # SPEC 4.3
       return Plan(seq.shape[0], pages, seq.shape[0], (seq, last))
+    if isinstance(last, jax.Array):
+      plan = self._device_last_decode_plan(seq, last)
+      if plan is not None:
+        return plan
     last, dev = self._stand_in(last, seq, 2)
     sseq = host.small_ints(seq)
     slast = host.small_ints(last) if sseq is not None else None
@@ -547,6 +579,25 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     if plan is None:
       return None
     return Plan(seq.shape[0], plan[2], seq.shape[0], (seq, last if dev is None else dev))
+
+  def _device_last_decode_plan(self, seq: Any, last: Array) -> Any:
+    """The plan of a device int32 last_loc of len(seq) rows beside host seq_lens (a 1-D
+    integer numpy array), as SGLang passes them: only seq_lens is checked here (in
+    1..INT32_MAX) and counted; last_loc's alignment is the device's to check (a
+    refusal). None for any other input (the general plans then check it)."""
+    if (type(seq) is not np.ndarray or seq.ndim != 1 or seq.dtype.kind not in "iu"
+        or not seq.shape[0] or last.dtype != jnp.int32 or last.shape != seq.shape):
+      return None
+    n, ps = seq.shape[0], self.config.page_size
+    if n <= host.SMALL_BATCH:  # Python ints beat numpy's per-call costs here
+      ints = seq.tolist()
+      if min(ints) < 1 or max(ints) > host.INT32_MAX:
+        return None
+      return Plan(n, sum((v - 1) % ps == 0 for v in ints), n, (ints, last))  # SPEC 4.3
+    if seq.min() < 1 or seq.max() > host.INT32_MAX:
+      return None
+    pages = int(np.count_nonzero(seq % ps == 1 % ps))  # (seq - 1) % ps == 0: SPEC 4.3
+    return Plan(n, pages, n, (seq.astype(np.int64), last))
 
   def alloc_decode(self, state, plan, fits):
     if not fits:
@@ -577,12 +628,6 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     return warmup_programs(self.ops, state, max_batch=max_batch, max_tokens=max_tokens,
                            max_free=max_free, exact_sizes=exact_sizes, extend=extend,
                            device_last_loc=device_last_loc, device=self.device)
-
-
-def copies_status(device: Any) -> bool:
-  """Whether a status on `device` (None: the default one) needs its copy to the host
-  started: not on the CPU, where the host reads the device's own buffer."""
-  return (device or jax.devices()[0]).platform != "cpu"
 
 
 def zero_status(device: Any) -> Array:

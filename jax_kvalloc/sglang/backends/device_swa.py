@@ -169,9 +169,16 @@ class SWAOps(Programs):
   """The SWA pool pair's programs of one SWAConfig (see the module docstring), keyed by
   (op, *shape, donate)."""
 
+  init_state = staticmethod(core.init)
+
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
-    if op in ("slice", "pad"):
+    if op in ("slice", "pad", "init", "copy"):
       return super()._build(op, *shape)
+    if op == "translate":
+      return self._jit(core.translate)
+    if op == "segment_pages":
+      ps = self.config.page_size
+      return self._jit(lambda x: x[::ps] // ps)
     *args, donate = shape
     if op in NO_STATUS:  # (state, ...) -> state
       return self._jit(getattr(self, f"_{op}")(*args),
@@ -358,9 +365,6 @@ class SWAOps(Programs):
                                                                          full))
 
 
-_INIT = jax.jit(core.init, static_argnames=("config",))
-_TRANSLATE = jax.jit(core.translate)
-_SEGMENT_PAGES = jax.jit(lambda x, ps: x[::ps] // ps, static_argnums=1)
 
 
 class DeviceSWABackend(RunningStatus):
@@ -382,7 +386,7 @@ class DeviceSWABackend(RunningStatus):
 
   # -- state -----------------------------------------------------------------------------
   def init(self) -> SWAState:
-    state = _INIT(self.config)
+    state = self.ops.fn(("init",))()
     return state if self.device is None else jax.device_put(state, self.device)
 
   def adopt(self, state: SWAState) -> SWAState:
@@ -488,7 +492,7 @@ class DeviceSWABackend(RunningStatus):
     array: one cached program per length, no wait)."""
     ps = self.config.page_size
     if isinstance(idx, jax.Array):
-      return _SEGMENT_PAGES(idx, ps)
+      return self.ops.fn(("segment_pages",))(idx)
     return idx[::ps] // ps
 
   def merge_and_sort_free(self, state, side, shared):
@@ -511,7 +515,7 @@ class DeviceSWABackend(RunningStatus):
                      self.device_ints(full, "full_indices"))
 
   def translate(self, state, loc):
-    return _TRANSLATE(state.mapping, self.device_ints(loc, "kv_indices"))
+    return self.ops.fn(("translate",))(state.mapping, self.device_ints(loc, "kv_indices"))
 
   def mapping(self, state) -> Array:
     return state.mapping
@@ -596,7 +600,7 @@ class DebugSWABackend(DeviceSWABackend):
     """SWADebugError unless every slot of `idx` has an SWA peer (`mapped`) / none."""
     if idx.size == 0:
       return
-    peers = np.asarray(_TRANSLATE(state.mapping, idx.astype(np.int32)))
+    peers = np.asarray(self.ops.fn(("translate",))(state.mapping, idx.astype(np.int32)))
     bad = np.flatnonzero((peers <= 0) if mapped else (peers != 0))
     if bad.size:
       i = int(bad[0])

@@ -486,7 +486,7 @@ def restore_record(config: AllocatorConfig, live: AllocatorState, snap: Allocato
 SMALL_BATCH = 8
 SMALL_PAGES = 64  # alloc_extend_small walks the new pages in Python: keep them few
 _ARANGE_RUNS = 5  # alloc_extend_small: up to this many runs, an arange per run
-_INT32_MAX = 2**31 - 1
+INT32_MAX = _INT32_MAX = 2**31 - 1
 
 
 def small_ints(x) -> "list | None":

@@ -269,7 +269,10 @@ class HostSWABackend:
     return idx[::self.ps] // self.ps
 
   def merge_and_sort_free(self, state, side, shared):
-    del shared  # a merge builds fresh rings
+    # The merge builds fresh rings for its pool only; the class then counts the whole
+    # state fresh, so a part a snapshot holds (the other pool, the records, the mapping)
+    # is copied first.
+    state = self._own(state, shared)
     if side == 0:
       return state._replace(full=host.merge_and_sort_free(self.config.full, state.full,
                                                           False))
