@@ -1,5 +1,7 @@
 """The sglang-jax flavour of jax_kvalloc's classes (SPEC 15), and patch() / unpatch().
 
+Modules::
+
   allocators.py    TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator and
                    SWATokenToKVPoolAllocator with sglang-jax's constructors, signatures,
                    attributes and NumPy results, over jax_kvalloc.sglang's pools

@@ -3,6 +3,7 @@
 TokenToKVPoolAllocator and PagedTokenToKVPoolAllocator are the classes of
 jax_kvalloc.sglang with sglang-jax's constructors, signatures and attributes: every
 allocation, free, free group, snapshot and refusal is theirs. What changes:
+
   * results are NumPy int32 on every backend (sglang-jax's callers do NumPy work on
     them); on the device backend each allocation therefore reads its result back;
   * alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, dp_rank=0) and
@@ -29,6 +30,7 @@ sliding-window allocator of the classes above (`full_attn_allocator`,
 `full_to_swa_index_mapping`, the host int32 array (length size_per_rank + page_size, one
 per rank when dp_size > 1) that sglang-jax's KV pool and attention read by reference; it
 is the mapping itself, written on every change. Its semantics (SPEC 15):
+
   * page_size defaults to 1; `alloc` at page_size > 1 takes whole pages in both pools;
   * every allocation takes both pools or neither (checked before either changes);
     sglang-jax allocates the full side first and frees it back when the SWA side is
