@@ -164,12 +164,18 @@ class PagedTokenToKVPoolAllocator(_Flavour, _paged.PagedTokenToKVPoolAllocator):
         pool, "alloc_decode", plan.pages > pool.sides[0].free_len, plan.pages,
         lambda s, fits: pool.backend.alloc_decode(s, plan, fits)))
 
+  def _free_small(self, pool, x: np.ndarray, slots: list) -> bool:
+    """guard=False: `_free_now` drops the pages already listed (the small path cannot)."""
+    return self.config.guard and super()._free_small(pool, x, slots)
+
   def _free_now(self, pool, idx: np.ndarray, op: str = "free") -> None:
     """guard=False: sglang-jax's setdiff1d, pages already free or released dropped."""
     if not self.config.guard:
       pages = np.unique(idx // self.page_size)
-      known = np.concatenate([_live(pool.state, "free"), _live(pool.state, "release")])
-      pages = np.setdiff1d(pages, known)
+      listed = np.zeros((pool.config.num_pages + 1,), bool)
+      listed[_live(pool.state, "free")] = True
+      listed[_live(pool.state, "release")] = True
+      pages = pages[~listed[pages]]
       if pages.size == 0:
         return
       idx = pages * self.page_size

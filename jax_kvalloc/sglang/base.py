@@ -228,7 +228,14 @@ class BaseAllocator:
     otherwise, and ValueError for a rank held by another process). Every call goes
     through here first: it reads the statuses that have landed (`_poll`; all of them
     when `everything`)."""
-    self._poll(everything)
+    self._calls += 1  # `_poll`, inlined: every class call passes here
+    for pool in self._pools:
+      if pool.pending or pool.error is not None:
+        pool.poll(self._calls, everything)
+    if type(dp_rank) is int:
+      i = self._index.get(dp_rank)
+      if i is not None:
+        return i  # the common case (`_rank_index`'s), without a call
     return self._rank_index(dp_rank)
 
   def _rank_index(self, dp_rank: Any) -> int:
@@ -259,7 +266,8 @@ class BaseAllocator:
 
   def available_size(self, dp_rank: int = 0) -> int:
     """Free slots, released ones included, from the host mirror (no wait: SPEC 14)."""
-    return self._pools[self._pool_index(dp_rank)].available_size()
+    lists = self._pools[self._pool_index(dp_rank)].sides[0]
+    return (lists.free_len + lists.release_len) * lists.page_size
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -271,7 +279,9 @@ class BaseAllocator:
     non-ints, ValueError for negative sizes and sizes beyond int32.
     """
     pool = self._pools[self._pool_index(dp_rank)]
-    need_size = validate.need_size(need_size, self.page_size)
+    if not (type(need_size) is int and 0 < need_size <= validate.INT32_MAX
+            and need_size % pool.sides[0].page_size == 0):  # (else the checks that name it)
+      need_size = validate.need_size(need_size, self.page_size)
     if need_size == 0:
       return pool.backend.empty()
     pages = need_size // self.page_size
@@ -362,11 +372,25 @@ class BaseAllocator:
     its values; `free_page_ids` / `free_segment` take device arrays without a read.
     """
     r = self._pool_index(dp_rank)
+    pool = self._pools[r]
+    if pool.small:  # a host pool: small frees of checked slots on Python ints
+      slots = pool.backend.small_slots(free_index)
+      if slots is not None:
+        if self._group is not None:
+          self._group[r].slots.append(free_index.astype(np.int64))  # a copy (SPEC 7)
+          return
+        if self._free_small(pool, free_index, slots):
+          return
     idx = validate.host_ints(free_index, "free_index")
     if idx.size == 0:
       return
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
     self._queue_or_free(r, idx, "free")
+
+  def _free_small(self, pool: Pool, x: np.ndarray, slots: list) -> bool:
+    """`_free_now` of checked small host slots on the host backend's Python-int path:
+    True when it ran, False (nothing changed) where `_free_now` must decide."""
+    return pool.free_small(x, slots)
 
   def _queue_or_free(self, r: int, idx: np.ndarray, op: str) -> None:
     """Checked host slots freed now (`op` names the class call in a refusal), or queued
@@ -433,7 +457,10 @@ class BaseAllocator:
   def _flush(self, pool: Pool, q: _Queued) -> None:
     """One rank's queued frees, in SPEC 7 and 10's order."""
     if q.slots:
-      self._free_now(pool, np.concatenate(q.slots), "free_group_end")
+      idx = q.slots[0] if len(q.slots) == 1 else np.concatenate(q.slots)
+      slots = pool.backend.small_slots(idx) if pool.small else None
+      if slots is None or not self._free_small(pool, idx, slots):
+        self._free_now(pool, idx, "free_group_end")
     if q.page_ids:
       self._free_page_ids_now(pool, concat(q.page_ids), "free_group_end")
 
