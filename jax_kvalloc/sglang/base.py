@@ -154,7 +154,7 @@ class _Queued(NamedTuple):
 
   @classmethod
   def empty(cls) -> "_Queued":
-    return cls([], [], [], [])
+    return tuple.__new__(cls, ([], [], [], []))  # (without namedtuple's Python __new__)
 
 
 class BaseAllocator:
@@ -279,14 +279,16 @@ class BaseAllocator:
     non-ints, ValueError for negative sizes and sizes beyond int32.
     """
     pool = self._pools[self._pool_index(dp_rank)]
+    side = pool.sides[0]
     if not (type(need_size) is int and 0 < need_size <= validate.INT32_MAX
-            and need_size % pool.sides[0].page_size == 0):  # (else the checks that name it)
-      need_size = validate.need_size(need_size, self.page_size)
-    if need_size == 0:
-      return pool.backend.empty()
-    pages = need_size // self.page_size
-    return self._allocate(pool, "alloc", pages > pool.sides[0].free_len, pages,  # SPEC 4.1
-                          lambda s, fits: pool.backend.alloc(s, need_size, fits))
+            and need_size % side.page_size == 0):  # (else the checks that name it)
+      need_size = validate.need_size(need_size, side.page_size)
+      if need_size == 0:
+        return pool.backend.empty()
+    pages = need_size // side.page_size
+    backend = pool.backend
+    return self._allocate(pool, "alloc", pages > side.free_len, pages,  # SPEC 4.1
+                          lambda s, fits: backend.alloc(s, need_size, fits))
 
   def _allocate(self, pool: Pool, op: str, trigger: bool, pages: int,
                 run: Callable[[Any, bool], Tuple[Any, Any, Any]]) -> Any:
@@ -441,8 +443,11 @@ class BaseAllocator:
     """Opens a free group on every held rank: frees are queued until free_group_end
     (SPEC 7; page-id frees in a second queue, SPEC 10)."""
     self._poll()
-    validate.group_begin(self._group)
-    self._group = [_Queued.empty() for _ in self._pools]
+    if self._group is not None:
+      validate.group_begin(self._group)  # raises
+    pools = self._pools
+    self._group = ([_Queued.empty()] if len(pools) == 1
+                   else [_Queued.empty() for _ in pools])
 
   def free_group_end(self) -> None:
     """Closes the free group: on each held rank, the queued slot frees as one `free`,

@@ -657,8 +657,8 @@ def small_slots(hc: HostConfig, x: Any) -> "list | None":
 
 def free_small(hc: HostConfig, state: AllocatorState, x: np.ndarray, slots: list,
                room: int, shared: bool) -> "Tuple[AllocatorState, int] | None":
-  """`free` of checked small slots (`small_slots` of x), as `HostBackend.free` would run
-  it: the sorted unique pages prepended (paged) or the slots appended (token), to
+  """`free` of checked small slots (`small_slots` of x; a token free writes x, a paged
+  one reads `slots` only), as `HostBackend.free` would run it: the sorted unique pages prepended (paged) or the slots appended (token), to
   release_pages (need_sort) or free_pages, and cleared in the ownership record. Returns
   (state, entries that reached the list), or None, with nothing changed, when the record
   would refuse it (a page not held; a token free naming a slot twice) or the entries
