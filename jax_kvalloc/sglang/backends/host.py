@@ -25,6 +25,7 @@ Backend interface over these functions.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Tuple
 
 import numpy as np
@@ -727,6 +728,10 @@ class HostBackend(PagedStateReads):
     self.config = config
     self.pools = (config,)
     self.hc = host_config(config)
+    # small_slots(x) and free_small(state, x, slots, room, shared) of this config, bound
+    # as partials (no method call on the hot path of every small free)
+    self.small_slots = functools.partial(small_slots, self.hc)
+    self.free_small = functools.partial(free_small, self.hc)
 
   def init(self) -> AllocatorState:
     return init(self.config)
@@ -768,11 +773,6 @@ class HostBackend(PagedStateReads):
       return state, None, None
     return alloc(self.config, state, need_size) + (None,)
 
-  def small_slots(self, x):
-    return small_slots(self.hc, x)
-
-  def free_small(self, state, x, slots, room, shared):
-    return free_small(self.hc, state, x, slots, room, shared)
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     del checked  # the host plans check everything themselves
