@@ -220,10 +220,11 @@ def test_small_free_and_alloc_paths_match_the_general_path(kind, ps, need_sort, 
         pick.append(int(rng.choice([0, ps - 1 if ps > 1 else 0, slots_total,
                                     slots_total + 7, -1, int(rng.integers(ps, slots_total))]
                                    + pick[:1])))
-      if not pick:
-        continue
       dtype = rng.choice([np.int32, np.int64, np.uint32, object])
-      if dtype is object:
+      if not pick:  # a free of nothing, of any dtype, or of a 2-D empty array
+        arg = np.zeros((0,) if rng.random() < 0.8 else (0, 3),
+                       rng.choice([np.int32, np.float64, bool]))
+      elif dtype is object:
         arg = [int(v) for v in pick]
       elif dtype == np.uint32 and min(pick) < 0:
         arg = np.array(pick, np.int64)

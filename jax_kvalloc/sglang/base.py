@@ -378,6 +378,8 @@ class BaseAllocator:
     if pool.small:  # a host pool: small frees of checked slots on Python ints
       slots = pool.backend.small_slots(free_index)
       if slots is not None:
+        if not slots:
+          return  # nothing to free
         if self._group is not None:
           self._group[r].slots.append(free_index.astype(np.int64))  # a copy (SPEC 7)
           return

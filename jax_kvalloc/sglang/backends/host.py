@@ -645,10 +645,15 @@ SMALL_FREE = 64  # frees of up to this many slots run on Python ints
 
 def small_slots(hc: HostConfig, x: Any) -> "list | None":
   """x as a list of Python ints when it is a 1-D integer numpy array of 1..SMALL_FREE
-  allocatable slots (page_size..num_slots-1); None otherwise (the general path's checks
-  raise or convert)."""
-  if (type(x) is not np.ndarray or x.ndim != 1 or x.dtype.kind not in "iu"
-      or not 0 < x.shape[0] <= SMALL_FREE):
+  allocatable slots (page_size..num_slots-1), [] when it is an empty 1-D numpy array (of
+  any dtype, as validate.host_ints takes it: a free of nothing); None otherwise (the
+  general path's checks raise or convert)."""
+  if type(x) is not np.ndarray or x.ndim != 1:
+    return None
+  m = x.shape[0]
+  if m == 0:
+    return []
+  if x.dtype.kind not in "iu" or m > SMALL_FREE:
     return None
   slots = x.tolist()
   if min(slots) < hc.ps or max(slots) >= hc.slots:
