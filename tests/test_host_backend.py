@@ -152,3 +152,110 @@ def test_parity_with_host_backend_leading():
   from jax_kvalloc.tools import cli  # pylint: disable=g-import-not-at-top
   assert cli.main(["parity", "--impls", "jax-host,jax,torch", "--torch-kernel", "torch",
                    "--generate", "2", "--steps", "120", "--quiet"]) == 0
+
+
+def _outcome(fn):
+  try:
+    return ("ok", fn())
+  except Exception as e:  # pylint: disable=broad-except
+    return (type(e).__name__, str(e))
+
+
+def _same_pools(a, b):
+  for pa, pb in zip(a._pools, b._pools):  # pylint: disable=protected-access
+    assert pa.lengths() == pb.lengths()
+    for which in ("free", "release"):
+      np.testing.assert_array_equal(getattr(a, which + "_pages"), getattr(b, which + "_pages"))
+    ga, gb = pa.state.guard, pb.state.guard
+    assert (ga is None) == (gb is None)
+    if ga is not None:
+      np.testing.assert_array_equal(ga.held, gb.held)
+
+
+@pytest.mark.parametrize("kind,ps,need_sort,guard", [
+    ("token", 1, False, True), ("token", 1, True, True), ("token", 1, False, False),
+    ("paged", 4, True, True), ("paged", 4, False, True), ("paged", 4, True, False),
+    ("paged", 1, False, True)])
+def test_small_free_and_alloc_paths_match_the_general_path(kind, ps, need_sort, guard):
+  """The host backend's Python-int frees (`free_small`, queued group frees) and record
+  writes against the general path (pools with `small` off), on random frees of held,
+  free, never-allocated, repeated, reserved and out-of-range slots, in and out of free
+  groups, across snapshots: same results, same exceptions and messages, same lists and
+  ownership record."""
+  rng = np.random.default_rng([ps, need_sort, guard, kind == "token"])
+  num_pages = 24
+
+  def make():
+    if kind == "token":
+      return kvs.TokenToKVPoolAllocator(num_pages, need_sort=need_sort, backend="host",
+                                        debug=False, guard=guard)
+    return kvs.PagedTokenToKVPoolAllocator(num_pages * ps, ps, need_sort=need_sort,
+                                           backend="host", debug=False, guard=guard)
+  fast, general = make(), make()
+  for pool in general._pools:  # pylint: disable=protected-access
+    pool.small = False
+  assert all(p.small for p in fast._pools)  # pylint: disable=protected-access
+  held, snaps, slots_total = [], [], (num_pages + 1) * ps
+  for _ in range(400):
+    r = rng.random()
+    if r < 0.3:
+      n = int(rng.integers(0, 6)) * ps
+      outs = [_outcome(lambda a=a: a.alloc(n)) for a in (fast, general)]
+      assert outs[0][0] == outs[1][0]
+      if outs[0][0] == "ok":
+        x, y = outs[0][1], outs[1][1]
+        assert (x is None) == (y is None)
+        if x is not None:
+          np.testing.assert_array_equal(x, y)
+          held += np.asarray(x).tolist()
+      else:
+        assert outs[0] == outs[1]
+    elif r < 0.75:
+      m = int(rng.integers(1, 12))
+      if held and rng.random() < 0.8:
+        pick = list(rng.choice(held, size=min(m, len(held)), replace=False))
+      else:
+        pick = []
+      if rng.random() < 0.25:  # a misuse: free, reserved, out of range or repeated
+        pick.append(int(rng.choice([0, ps - 1 if ps > 1 else 0, slots_total,
+                                    slots_total + 7, -1, int(rng.integers(ps, slots_total))]
+                                   + pick[:1])))
+      dtype = rng.choice([np.int32, np.int64, np.uint32, object])
+      if not pick:  # a free of nothing, of any dtype, or of a 2-D empty array
+        arg = np.zeros((0,) if rng.random() < 0.8 else (0, 3),
+                       rng.choice([np.int32, np.float64, bool]))
+      elif dtype is object:
+        arg = [int(v) for v in pick]
+      elif dtype == np.uint32 and min(pick) < 0:
+        arg = np.array(pick, np.int64)
+      else:
+        arg = np.array(pick, dtype)
+      outs = [_outcome(lambda a=a: a.free(arg.copy() if isinstance(arg, np.ndarray)
+                                          else list(arg))) for a in (fast, general)]
+      assert outs[0] == outs[1]
+      if outs[0][0] == "ok":
+        held = [s for s in held if s not in set(int(v) for v in pick)]
+    elif r < 0.82:
+      op = "free_group_begin" if fast.is_not_in_free_group else "free_group_end"
+      outs = [_outcome(getattr(a, op)) for a in (fast, general)]
+      assert outs[0] == outs[1]
+    elif r < 0.88:
+      if fast.is_not_in_free_group:
+        snaps.append((fast.backup_state(), general.backup_state(), list(held)))
+    elif r < 0.93 and snaps:
+      if fast.is_not_in_free_group:
+        sf, sg, h = snaps[int(rng.integers(len(snaps)))]
+        fast.restore_state(sf)
+        general.restore_state(sg)
+        held = list(h)
+    else:
+      outs = [_outcome(a.available_size) for a in (fast, general)]
+      assert outs[0] == outs[1]
+    if fast._pools[0].error is not None:  # pylint: disable=protected-access
+      assert general._pools[0].error is not None  # pylint: disable=protected-access
+      assert str(fast._pools[0].error) == str(general._pools[0].error)  # pylint: disable=protected-access
+      fast.clear()
+      general.clear()
+      held, snaps = [], []
+    if fast.is_not_in_free_group:
+      _same_pools(fast, general)

@@ -47,6 +47,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from jax_kvalloc import state as st
 from jax_kvalloc import validate
 from jax_kvalloc.sglang import paged as _paged
 from jax_kvalloc.sglang import token as _token
@@ -166,16 +167,40 @@ class PagedTokenToKVPoolAllocator(_Flavour, _paged.PagedTokenToKVPoolAllocator):
         pool, "alloc_decode", plan.pages > pool.sides[0].free_len, plan.pages,
         lambda s, fits: pool.backend.alloc_decode(s, plan, fits)))
 
+  def _free_small(self, pool, x: np.ndarray, slots: list) -> bool:
+    """guard=False: the pages already listed dropped first, as `_free_now`."""
+    if self.config.guard:
+      return super()._free_small(pool, x, slots)
+    ps = self.page_size
+    pages = sorted({s // ps for s in slots})
+    listed = _listed(pool)
+    keep = [p * ps for p, known in zip(pages, listed[pages].tolist()) if not known]
+    return not keep or super()._free_small(pool, None, keep)
+
   def _free_now(self, pool, idx: np.ndarray, op: str = "free") -> None:
     """guard=False: sglang-jax's setdiff1d, pages already free or released dropped."""
     if not self.config.guard:
       pages = np.unique(idx // self.page_size)
-      known = np.concatenate([_live(pool.state, "free"), _live(pool.state, "release")])
-      pages = np.setdiff1d(pages, known)
+      pages = pages[~_listed(pool)[pages]]
       if pages.size == 0:
         return
       idx = pages * self.page_size
     super()._free_now(pool, idx, op)
+
+
+def _listed(pool) -> np.ndarray:
+  """bool[num_pages + 1]: the pages on the pool's free or release list (a read of both
+  lists: a wait on the device backend)."""
+  listed = np.zeros((pool.config.num_pages + 1,), bool)
+  state = pool.state
+  if isinstance(state.free_ring, np.ndarray):  # host: the rings' windows, no copies
+    for ring, head, length in ((state.free_ring, state.free_head, state.free_len),
+                               (state.release_ring, state.release_head, state.release_len)):
+      listed[st.ring_window(ring, head, length, length, xp=np)] = True
+  else:
+    listed[_live(state, "free")] = True
+    listed[_live(state, "release")] = True
+  return listed
 
 
 class SWATokenToKVPoolAllocator:

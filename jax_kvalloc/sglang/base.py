@@ -154,7 +154,7 @@ class _Queued(NamedTuple):
 
   @classmethod
   def empty(cls) -> "_Queued":
-    return cls([], [], [], [])
+    return tuple.__new__(cls, ([], [], [], []))  # (without namedtuple's Python __new__)
 
 
 class BaseAllocator:
@@ -228,7 +228,14 @@ class BaseAllocator:
     otherwise, and ValueError for a rank held by another process). Every call goes
     through here first: it reads the statuses that have landed (`_poll`; all of them
     when `everything`)."""
-    self._poll(everything)
+    self._calls += 1  # `_poll`, inlined: every class call passes here
+    for pool in self._pools:
+      if pool.pending or pool.error is not None:
+        pool.poll(self._calls, everything)
+    if type(dp_rank) is int:
+      i = self._index.get(dp_rank)
+      if i is not None:
+        return i  # the common case (`_rank_index`'s), without a call
     return self._rank_index(dp_rank)
 
   def _rank_index(self, dp_rank: Any) -> int:
@@ -259,7 +266,8 @@ class BaseAllocator:
 
   def available_size(self, dp_rank: int = 0) -> int:
     """Free slots, released ones included, from the host mirror (no wait: SPEC 14)."""
-    return self._pools[self._pool_index(dp_rank)].available_size()
+    lists = self._pools[self._pool_index(dp_rank)].sides[0]
+    return (lists.free_len + lists.release_len) * lists.page_size
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -271,12 +279,16 @@ class BaseAllocator:
     non-ints, ValueError for negative sizes and sizes beyond int32.
     """
     pool = self._pools[self._pool_index(dp_rank)]
-    need_size = validate.need_size(need_size, self.page_size)
-    if need_size == 0:
-      return pool.backend.empty()
-    pages = need_size // self.page_size
-    return self._allocate(pool, "alloc", pages > pool.sides[0].free_len, pages,  # SPEC 4.1
-                          lambda s, fits: pool.backend.alloc(s, need_size, fits))
+    side = pool.sides[0]
+    if not (type(need_size) is int and 0 < need_size <= validate.INT32_MAX
+            and need_size % side.page_size == 0):  # (else the checks that name it)
+      need_size = validate.need_size(need_size, side.page_size)
+      if need_size == 0:
+        return pool.backend.empty()
+    pages = need_size // side.page_size
+    backend = pool.backend
+    return self._allocate(pool, "alloc", pages > side.free_len, pages,  # SPEC 4.1
+                          lambda s, fits: backend.alloc(s, need_size, fits))
 
   def _allocate(self, pool: Pool, op: str, trigger: bool, pages: int,
                 run: Callable[[Any, bool], Tuple[Any, Any, Any]]) -> Any:
@@ -362,11 +374,27 @@ class BaseAllocator:
     its values; `free_page_ids` / `free_segment` take device arrays without a read.
     """
     r = self._pool_index(dp_rank)
+    pool = self._pools[r]
+    if pool.small:  # a host pool: small frees of checked slots on Python ints
+      slots = pool.backend.small_slots(free_index)
+      if slots is not None:
+        if not slots:
+          return  # nothing to free
+        if self._group is not None:
+          self._group[r].slots.append(free_index.astype(np.int64))  # a copy (SPEC 7)
+          return
+        if self._free_small(pool, free_index, slots):
+          return
     idx = validate.host_ints(free_index, "free_index")
     if idx.size == 0:
       return
     validate.free_index(idx, page_size=self.page_size, num_slots=self.config.num_slots)
     self._queue_or_free(r, idx, "free")
+
+  def _free_small(self, pool: Pool, x: np.ndarray, slots: list) -> bool:
+    """`_free_now` of checked small host slots on the host backend's Python-int path:
+    True when it ran, False (nothing changed) where `_free_now` must decide."""
+    return pool.free_small(x, slots)
 
   def _queue_or_free(self, r: int, idx: np.ndarray, op: str) -> None:
     """Checked host slots freed now (`op` names the class call in a refusal), or queued
@@ -417,8 +445,11 @@ class BaseAllocator:
     """Opens a free group on every held rank: frees are queued until free_group_end
     (SPEC 7; page-id frees in a second queue, SPEC 10)."""
     self._poll()
-    validate.group_begin(self._group)
-    self._group = [_Queued.empty() for _ in self._pools]
+    if self._group is not None:
+      validate.group_begin(self._group)  # raises
+    pools = self._pools
+    self._group = ([_Queued.empty()] if len(pools) == 1
+                   else [_Queued.empty() for _ in pools])
 
   def free_group_end(self) -> None:
     """Closes the free group: on each held rank, the queued slot frees as one `free`,
@@ -433,7 +464,10 @@ class BaseAllocator:
   def _flush(self, pool: Pool, q: _Queued) -> None:
     """One rank's queued frees, in SPEC 7 and 10's order."""
     if q.slots:
-      self._free_now(pool, np.concatenate(q.slots), "free_group_end")
+      idx = q.slots[0] if len(q.slots) == 1 else np.concatenate(q.slots)
+      slots = pool.backend.small_slots(idx) if pool.small else None
+      if slots is None or not self._free_small(pool, idx, slots):
+        self._free_now(pool, idx, "free_group_end")
     if q.page_ids:
       self._free_page_ids_now(pool, concat(q.page_ids), "free_group_end")
 

@@ -130,6 +130,7 @@ class Pool:
     self.error: Optional[ValueError] = None
     self.record_shared = False  # the ownership record is held outside (copy first)
     self.lineage = object()     # see the module docstring
+    self.small = getattr(backend, "small", False)  # has small_slots / free_small
     self.clear()
 
   def clear(self) -> None:
@@ -356,6 +357,23 @@ class Pool:
       for side, pages in zip(self.sides, takes):
         side.free_len -= pages
     return out
+
+  def free_small(self, x: Any, slots: list) -> bool:
+    """A free of checked small host slots (`backend.small_slots(x)`) on the backend's
+    Python-int path (a single pool whose backend has one, `small`). True when it ran
+    (state and mirror updated); False, with nothing changed, where `write` must run it
+    (a refusal, or more entries than the room left)."""
+    side = self.sides[0]
+    self.own_record()
+    got = self.backend.free_small(
+        self.state, x, slots, side.num_pages - side.free_len - side.release_len,
+        side.written_shared())
+    if got is None:
+      return False
+    self.state, count = got
+    side.give(count)
+    side.written(count)
+    return True
 
   def write(self, op: str, call: int, counts: Tuple[Optional[int], ...],
             free: Callable[[Any, Tuple[Optional[int], ...], bool], Tuple[Any, Any, Any]]

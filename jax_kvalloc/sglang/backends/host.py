@@ -25,6 +25,7 @@ Backend interface over these functions.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Tuple
 
 import numpy as np
@@ -42,6 +43,7 @@ from jax_kvalloc.warmup import WarmupReport
 
 _STATE_NEW = tuple.__new__  # AllocatorState without its Python-level __new__
 _GUARD = AllocatorState._fields.index("guard")
+_SCALAR_TAKE = 16  # up to this many pages, `_take` writes the record page by page
 
 
 def init(config: AllocatorConfig) -> AllocatorState:
@@ -70,8 +72,14 @@ def _take(state: AllocatorState, k: int) -> Tuple[AllocatorState, np.ndarray]:
     pages = ring[head:head + k]
   else:
     pages = st.ring_window(ring, head, length, k, xp=np)
-  if state[_GUARD] is not None:
-    state[_GUARD].held[_intp(pages)] = 1
+  rec = state[_GUARD]
+  if rec is not None:
+    if k <= _SCALAR_TAKE:  # scalar writes: a fraction of a fancy-indexed store's cost
+      held = memoryview(rec.held)
+      for p in pages.tolist():
+        held[p] = 1
+    else:
+      rec.held[_intp(pages)] = 1
   # The state rebuilt without namedtuple's _replace (a Python-level call).
   return _STATE_NEW(AllocatorState, (ring, (head + k) % cap, length - k) + state[3:]), pages
 
@@ -316,9 +324,10 @@ def _release(state: AllocatorState, pages: np.ndarray) -> None:
   if state.guard is None:
     return
   held = state.guard.held
-  if pages.shape[0] <= _SCALAR_PAGES:
+  if pages.shape[0] <= _SCALAR_TAKE:
+    view = memoryview(held)
     for p in pages.tolist():
-      held[p] = 0
+      view[p] = 0
   else:
     held[_intp(pages)] = 0
 
@@ -561,9 +570,10 @@ def _take_list(state: AllocatorState, k: int) -> Tuple[AllocatorState, list]:
   rec = state[_GUARD]
   if rec is not None:
     held = rec.held
-    if k <= _SCALAR_PAGES:  # a numpy scalar store: a tenth of a fancy-indexed one
+    if k <= _SCALAR_TAKE:  # scalar stores: a fraction of a fancy-indexed one
+      view = memoryview(held)
       for p in pages:
-        held[p] = 1
+        view[p] = 1
     elif head + k <= cap:
       held[_intp(ring[head:head + k])] = 1
     else:
@@ -620,6 +630,87 @@ def alloc_extend_small(hc: HostConfig, state: AllocatorState, pre: list,
   return state, out
 
 
+# ---------------------------------------------------------------------------------------
+# Small frees and allocations as Python ints: a serving loop frees and allocates a few
+# slots per call, where numpy's fixed cost per call is most of the time. `small_slots`
+# checks a free's argument (as validate.host_ints and validate.free_index do),
+# and `free_small` runs a free that needs no decision the general path makes (a
+# refusal, a cut to the room left). Each returns None where the general path must run,
+# before anything has changed. tests/test_host_backend.py
+# checks them against the general path.
+# ---------------------------------------------------------------------------------------
+
+SMALL_FREE = 64  # frees of up to this many slots run on Python ints
+
+
+def small_slots(hc: HostConfig, x: Any) -> "list | None":
+  """x as a list of Python ints when it is a 1-D integer numpy array of 1..SMALL_FREE
+  allocatable slots (page_size..num_slots-1), [] when it is an empty 1-D numpy array (of
+  any dtype, as validate.host_ints takes it: a free of nothing); None otherwise (the
+  general path's checks raise or convert)."""
+  if type(x) is not np.ndarray or x.ndim != 1:
+    return None
+  m = x.shape[0]
+  if m == 0:
+    return []
+  if x.dtype.kind not in "iu" or m > SMALL_FREE:
+    return None
+  slots = x.tolist()
+  if min(slots) < hc.ps or max(slots) >= hc.slots:
+    return None
+  return slots
+
+
+def free_small(hc: HostConfig, state: AllocatorState, x: np.ndarray, slots: list,
+               room: int, shared: bool) -> "Tuple[AllocatorState, int] | None":
+  """`free` of checked small slots (`small_slots` of x; a token free writes x, a paged
+  one reads `slots` only), as `HostBackend.free` would run it: the sorted unique pages prepended (paged) or the slots appended (token), to
+  release_pages (need_sort) or free_pages, and cleared in the ownership record. Returns
+  (state, entries that reached the list), or None, with nothing changed, when the record
+  would refuse it (a page not held; a token free naming a slot twice) or the entries
+  exceed `room` (the general path refuses or cuts)."""
+  config = hc.config
+  paged = config.kind == "paged"
+  m = len(slots)
+  if paged:
+    ps = hc.ps
+    pages = [slots[0] // ps] if m == 1 else sorted({s // ps for s in slots})
+  else:
+    pages = slots
+  n = len(pages)
+  if n > room:
+    return None
+  rec = state[_GUARD]
+  if rec is not None:
+    held = memoryview(rec.held)  # scalar reads and writes at a fraction of numpy's cost
+    for p in pages:
+      if held[p] != 1:
+        return None
+    if not paged and m > 1 and len(set(slots)) != m:
+      return None
+    for p in pages:
+      held[p] = 0
+  k = 3 if config.need_sort else 0  # release_pages (need_sort) or free_pages
+  ring, head, length = state[k:k + 3]
+  if shared:
+    ring = ring.copy()
+  cap = ring.shape[0]
+  if paged:  # prepended (LIFO, SPEC 4.4)
+    head = (head - n) % cap
+    at = head
+  else:      # appended (FIFO, SPEC 3)
+    at = (head + length) % cap
+  end = at + n
+  if end <= cap:
+    ring[at:end] = x if pages is slots else pages
+  else:
+    ring[at:] = pages[:cap - at]
+    ring[:end - cap] = pages[cap - at:]
+  fields = list(state)
+  fields[k:k + 3] = ring, head, length + n
+  return _STATE_NEW(AllocatorState, fields), n
+
+
 class HostBackend(PagedStateReads):
   """The Backend (jax_kvalloc.sglang.backends) of a NumPy state: every call on the host.
 
@@ -636,11 +727,16 @@ class HostBackend(PagedStateReads):
   defers_status = False
   writes_whole_state = False
   patches_record = True  # snapshots are detached: restore patches the live record
+  small = True           # small_slots / free_small / alloc take Python-int paths
 
   def __init__(self, config: AllocatorConfig):
     self.config = config
     self.pools = (config,)
     self.hc = host_config(config)
+    # small_slots(x) and free_small(state, x, slots, room, shared) of this config, bound
+    # as partials (no method call on the hot path of every small free)
+    self.small_slots = functools.partial(small_slots, self.hc)
+    self.free_small = functools.partial(free_small, self.hc)
 
   def init(self) -> AllocatorState:
     return init(self.config)
@@ -681,6 +777,7 @@ class HostBackend(PagedStateReads):
     if not fits:
       return state, None, None
     return alloc(self.config, state, need_size) + (None,)
+
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     del checked  # the host plans check everything themselves
