@@ -5,6 +5,9 @@
                                      jax_kvalloc.serve), torch_ref, torch or triton
   class layer (jax_kvalloc.sglang)   may import the core and pallas_kernels; never the
                                      tooling, torch_ref, torch or triton
+  sglang-jax flavour                 the class layer on top of jax_kvalloc.sglang: may
+    (jax_kvalloc.sgl_jax)            import it, the core and pallas_kernels; never the
+                                     tooling, torch_ref, torch or triton (nor the reverse)
   pallas_kernels                     imports nothing of ours (kernels in, arrays out)
   torch_ref                          imports nothing of ours (an independent reference)
   jax_kvalloc.tools                  may import all three
@@ -44,12 +47,15 @@ def _forbidden(module: str):
   if module.startswith(("jax_kvalloc.tools", "jax_kvalloc.serve")) or (
       module == "jax_kvalloc.__main__"):
     return (), "tooling"
-  if module.startswith("jax_kvalloc.sglang"):
+  if module.startswith("jax_kvalloc.sgl_jax"):
     return ("jax_kvalloc.tools", "jax_kvalloc.serve", "torch_ref", "torch", "triton"), (
+        "sglang-jax flavour")
+  if module.startswith("jax_kvalloc.sglang"):
+    return ("jax_kvalloc.sgl_jax", "jax_kvalloc.tools", "jax_kvalloc.serve", "torch_ref", "torch", "triton"), (
         "class layer")
   if module.startswith("jax_kvalloc"):
-    return ("jax_kvalloc.sglang", "jax_kvalloc.tools", "jax_kvalloc.serve", "torch_ref",
-            "torch", "triton"), "allocator core"
+    return ("jax_kvalloc.sglang", "jax_kvalloc.sgl_jax", "jax_kvalloc.tools",
+            "jax_kvalloc.serve", "torch_ref", "torch", "triton"), "allocator core"
   if module.startswith("pallas_kernels"):
     return tuple(o for o in ours if o != "pallas_kernels") + ("torch", "triton"), "pallas_kernels"
   if module.startswith("torch_ref"):

@@ -356,7 +356,10 @@ def decode_step(cfg: LlamaConfig, ecfg: EngineConfig, layout: tuple, params, car
   return Carry(state, table, caches, cache_pages), out
 
 
-@functools.lru_cache(maxsize=None)
+# Bounded: each compiled step holds ~100-200 memory maps on XLA:CPU, and a process that
+# builds engines of many configs (a test suite, a server that resizes) must not exhaust
+# them (vm.max_map_count); one engine uses far fewer than this many step programs.
+@functools.lru_cache(maxsize=48)
 def jitted_step(cfg: LlamaConfig, ecfg: EngineConfig, kind: str, layout: tuple,
                 model: Any = True):
   """step(params, carry, flat) -> (carry, out), compiled once per config, kind and batch
