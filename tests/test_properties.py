@@ -27,6 +27,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, rule,
 import jax_kvalloc as kv
 import jax_kvalloc.sglang as kvs
 from jax_kvalloc import debug
+from landed import settle
 from model import ModelAllocator
 
 # (kind, page_size, num_pages, need_sort, debug): every page size class, both flags.
@@ -253,7 +254,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
   def _ownership_misuse(self, data):
     """A free the ownership record refuses, mixed with a valid entry where there is one:
-    it raises (the device backend: at the latest at available_size), nothing changes,
+    it raises (the device backend: once its status has landed), nothing changes,
     every call raises until restore_state."""
     gone = self.model.free_pages + self.model.release_pages  # free or released pages
     held = self.reqs + self.raw
@@ -285,7 +286,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     lists, snap = self._lists(), self.impl.backup_state()
     with pytest.raises(ValueError):
       call()
-      self.impl.available_size()
+      settle(self.impl)  # a device refusal raises once its status has landed (SPEC 14)
     pool = self.impl._pools[0]  # pylint: disable=protected-access
     assert (_st.live_free_pages(pool.state).tolist(),
             _st.live_release_pages(pool.state).tolist()) == lists[:2]

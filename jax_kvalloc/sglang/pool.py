@@ -36,7 +36,14 @@ showing a refusal has the kept statuses read in order (waits: the error path) to
 the call that refused. A refusal rolls the mirror back to the state's lengths (one
 read) and raises ValueError; the pool then refuses every call until `clear` or
 `restore`. So does a refusal read at once (host backend, debug mode), as the ownership
-record's own status is sticky: the backends agree. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
+record's own status is sticky: the backends agree. A device status may be i32[6], the
+running status then the call's own (one array fewer a launch): `poll` reads the first
+three, the error path the last three.
+
+A backend may keep part of the state beside it between its calls (the device backend's
+list scalars, one array fewer each way a launch): `state` reads it in (`unpacked`, one
+launch) for everything but the per-step calls, which pass `_state` as it is; a
+snapshot keeps that part too (`packed`), so its restore needs no launch for it. (Debug mode's own checks, beyond the record, raise at once and are not sticky.)
 """
 from __future__ import annotations
 
@@ -60,12 +67,14 @@ class AllocatorSnapshot(NamedTuple):
   pool puts it back on restore); `origin` is the lineage of the pool that took it;
   `running`: a device pool's running status after its last call not yet known clean
   (None: every earlier call was), so that a refusal not yet read when the snapshot was
-  taken (its lengths counted the refused call) still raises after a restore."""
+  taken (its lengths counted the refused call) still raises after a restore; `packed`:
+  what the backend keeps beside the state (the device backend's list scalars), or None."""
   config: Any
   state: Any
   lengths: Optional[Tuple[int, ...]] = None
   origin: Any = None
   running: Any = None
+  packed: Any = None
 
 
 class Lists:
@@ -131,7 +140,21 @@ class Pool:
     self.record_shared = False  # the ownership record is held outside (copy first)
     self.lineage = object()     # see the module docstring
     self.small = getattr(backend, "small", False)  # has small_slots / free_small
+    self._unpacked = getattr(backend, "unpacked", None)
     self.clear()
+
+  @property
+  def state(self) -> Any:
+    """The pool's state. A backend that keeps some of it beside the state between its
+    calls (the device backend's list scalars, `unpacked`) has them read in first (one
+    launch); the per-step calls use `_state` as the backend left it."""
+    if self._unpacked is not None:
+      self._state = self._unpacked(self._state)
+    return self._state
+
+  @state.setter
+  def state(self, state: Any) -> None:
+    self._state = state
 
   def clear(self) -> None:
     """Back to the initial state (SPEC 2); forgets any refusal."""
@@ -149,7 +172,7 @@ class Pool:
     """Before a call that writes the ownership record in place: a copy of its own when
     it is held outside."""
     if self.record_shared:
-      self.state = self.backend.own_record(self.state)
+      self._state = self.backend.own_record(self._state)
       self.record_shared = False
 
   def _forget(self) -> None:
@@ -210,7 +233,7 @@ class Pool:
     running = pending[k - 1][3]
     if check and not running.is_ready():
       self.waits += 1
-    values = _status.read(running)
+    values = _status.read(running)[:3]  # (i32[6]: the running status, then the call's)
     if not values[0]:
       if k == len(pending):
         pending.clear()
@@ -220,7 +243,7 @@ class Pool:
       return
     for _, op, status, _ in list(pending)[:k]:  # the error path: waits
       if status is not None:
-        self._check(op, _status.read(status), rollback=True)
+        self._check(op, _status.read(status)[-3:], rollback=True)
     self._check("an earlier call", values, rollback=True)  # (kept statuses all clean)
 
   def _check(self, op: str, values: np.ndarray, rollback: bool) -> None:
@@ -267,8 +290,10 @@ class Pool:
     if not self.backend.patches_record:
       return AllocatorSnapshot(self.config, self.hold(), self.lengths(), None, running)
     self._hold_rings()  # the record stays the pool's (detached from the snapshot)
-    return AllocatorSnapshot(self.config, self.backend.detach(self.state), self.lengths(),
-                             self.lineage, running)
+    state = self.state
+    kept = getattr(self.backend, "kept", None)
+    return AllocatorSnapshot(self.config, self.backend.detach(state), self.lengths(),
+                             self.lineage, running, kept and kept(state))
 
   def check_snapshot(self, snap: Any) -> None:
     """`restore_state`'s checks of one rank's snapshot (TypeError / ValueError)."""
@@ -285,10 +310,13 @@ class Pool:
     (read without waiting, as any)."""
     if self.backend.patches_record:
       same = snap.origin is self.lineage and snap.lengths is not None
-      self.own_record()  # patched or rebuilt in place
-      self.state = self.backend.restore(self.state, snap.state, self.lengths(),
+      self.own_record()  # patched or rebuilt in place (the live list scalars unread)
+      self.state = self.backend.restore(self._state, snap.state, self.lengths(),
                                         snap.lengths and tuple(snap.lengths), same)
-      if not same:
+      keep = getattr(self.backend, "keep", None)
+      if same and keep:  # (the same pool's: its list scalars are on this device)
+        keep(self._state, getattr(snap, "packed", None))
+      else:
         self._new_lineage(shared=snap.state.guard is not None)  # (a hand-built one's)
     else:
       self.state = self.backend.adopt(snap.state)
@@ -350,7 +378,7 @@ class Pool:
     pages `takes[i]` leave allocator i's mirror when slots come back."""
     whole = self.backend.writes_whole_state
     self.own_record()
-    self.state, out, status = run(self.state, whole and self.any_shared())
+    self._state, out, status = run(self._state, whole and self.any_shared())
     self.record(op, status, call)
     if out is not None:
       self._wrote(whole)
@@ -389,7 +417,7 @@ class Pool:
     else:  # (a ring nothing reaches is written too: the record refuses such a free)
       shared = any(s.written_shared() for s in self.sides)
     self.own_record()
-    self.state, out, status = free(self.state, cut, shared)
+    self._state, out, status = free(self._state, cut, shared)
     self.record(op, status, call)
     got = tuple(out[i] if c is None else c for i, c in enumerate(cut))
     self._wrote(whole)

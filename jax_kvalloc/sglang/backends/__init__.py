@@ -91,7 +91,8 @@ class Backend(Protocol):
               same_lineage: bool) -> Any: ...
   def own_record(self, state: Any) -> Any: ...
   # defers_status only: `running`, the running status after the last call (i32[3] on
-  # the device; jax_kvalloc.sglang.backends.status), whether its copy to the host is
+  # the device, or i32[6]: it, then that call's own status, which the call returns as
+  # its status too; jax_kvalloc.sglang.backends.status), whether its copy to the host is
   # started at each launch (`copies_status`), and its reset
   running: Any
   copies_status: bool

@@ -11,10 +11,17 @@ computation and the ring write:
     (SGLang computes it on the device) is not read back but passed as a second input,
     padded to the row bucket on the device by a cached tiny program (`padded`); page ids
     that are a device array (free_page_ids, free_segment) are padded the same way;
-  * an allocation takes only (free_ring, free_head, free_len) and the ownership record's
-    `held` (SPEC 14), and returns the new head, length, held and indices: it never
-    writes a ring, so a snapshot that holds the rings stays valid for free; `held` is
-    donated (snapshots do not keep it: a restore patches the live one, `restore`);
+  * each array in or out costs a launch ~0.5 us on a CPU, so the four list scalars
+    (free_head, free_len, release_head, release_len) travel as one i32[4], `meta`,
+    kept by the backend beside the state it returned (whose own scalars are then
+    stale: `unpacked` reads them out, one launch, when the pool's `state` is read:
+    views, snapshots, `state`); a snapshot keeps its meta too (`kept`), so a restore
+    needs no `pack` launch; only a state from elsewhere (clear, set_state, a merge)
+    is packed, at its first call;
+  * an allocation takes only free_ring, meta and the ownership record's `held` (SPEC
+    14), and returns the new meta, held and indices: it never writes a ring, so a
+    snapshot that holds the rings stays valid for free; `held` is donated (snapshots
+    do not keep it: a restore patches the live one, `restore`);
   * a free takes and returns only the ring it writes, donated unless a snapshot still
     holds it (then that one ring is copied: copy-on-write), and the record (donated);
     the entries it writes lie outside the live list until its new head and length take
@@ -25,9 +32,10 @@ computation and the ring write:
   * the merge runs as its own call, only when the host's mirror says it triggers, so the
     allocation programs carry no merge branch (config.need_sort is off inside them);
   * every program but the merge also returns a status (jax_kvalloc.sglang.backends.
-    status): what it refused of what the mirror counted on; and takes and returns the
-    pool's running status (the first refusal since the last reset), kept by the
-    backend (`running`), the one status the class reads back (once landed);
+    status): what it refused of what the mirror counted on; and takes the pool's
+    running status (the first refusal since the last reset) and returns the new one
+    with its own status as one i32[6] (running, then its own: `_jit_packed`), kept by
+    the backend (`running`), the one status the class reads back (once landed);
   * alloc_extend's row counts, token and free counts pad to a power-of-two bucket
     (jax_kvalloc.buckets), alloc_decode's rows to `decode_rows`; an output
     longer than asked is cut by `exact`, a cached jitted slice (a second, tiny launch;
@@ -244,6 +252,12 @@ def _held(s: AllocatorState) -> Any:
   return None if s.guard is None else s.guard.held
 
 
+def _taken(meta: Array, s: AllocatorState) -> Array:
+  """meta (i32[4]: free head, free length, release head, release length) after an
+  allocation left the free list at s.free_head, s.free_len."""
+  return meta.at[0].set(s.free_head).at[1].set(s.free_len)
+
+
 class DeviceOps(Programs):
   """Jitted programs of one pool config, compiled once per shape bucket."""
 
@@ -252,20 +266,38 @@ class DeviceOps(Programs):
     # The host runs any merge as its own call first, so allocations need no merge branch.
     self._alloc_cfg = dataclasses.replace(config, need_sort=False)
 
+  def _jit_packed(self, fn: Callable[..., Any],
+                  donate: Tuple[int, ...] = ()) -> Callable[..., Any]:
+    """fn(*args) -> (..., status) jitted as fn(prev, *args) -> (..., both), `prev` the
+    running status before the call (i32[3], or i32[6] whose first three are it) and
+    `both` i32[6]: the running status after the call, then the call's own status (the
+    pool reads both[:3] and both[3:]); `donate`: the indices of fn's donated arguments.
+    Fewer arrays in and out than `_jit_status`: each costs the launch ~0.5 us."""
+    def run(prev, *args):
+      *out, status = fn(*args)
+      return (*out, jnp.concatenate([_status.running(prev[:3], status), status]))
+    return self._jit(run, donate_argnums=tuple(i + 1 for i in donate))
+
   def _build(self, op: str, *shape: Any) -> Callable[..., Any]:
     acfg, cfg = self._alloc_cfg, self.config
-    # Allocations and frees donate the record's held (argument 3, 4): the class keeps
-    # it owned (Pool.own_record).
-    held_arg = (3,) if cfg.guard else ()
+    # Allocations and frees donate the record's held (argument 2): the class keeps it
+    # owned (Pool.own_record). The list scalars (`meta`, argument 1) are not donated: a
+    # snapshot may keep them (DeviceBackend.kept).
+    held_arg = (2,) if cfg.guard else ()
+    if op == "pack":  # the four list scalars as one meta i32[4]
+      return self._jit(lambda *scalars: jnp.stack(
+          [jnp.asarray(x, jnp.int32) for x in scalars]))
+    if op == "unpack":  # meta i32[4] as its four scalars
+      return self._jit(lambda meta: tuple(meta[i] for i in range(4)))
     if op == "decode_on_device":  # seq_lens and last_loc device arrays of `rows` rows
-      def decode_fn(ring, head, length, held, seq, last):
-        s, out, ok = allocation.alloc_decode(acfg, _alloc_state(ring, head, length, held),
-                                             seq, last)
-        return s.free_head, s.free_len, _held(s), out, _status.make(_status.REFUSED, ~ok)
-      return self._jit_status(decode_fn, held_arg)
+      def decode_fn(ring, meta, held, seq, last):
+        s, out, ok = allocation.alloc_decode(
+            acfg, _alloc_state(ring, meta[0], meta[1], held), seq, last)
+        return (_taken(meta, s), _held(s), out, _status.make(_status.REFUSED, ~ok))
+      return self._jit_packed(decode_fn, held_arg)
     if op in ("alloc", "extend", "decode"):
-      def alloc_fn(ring, head, length, held, packed, last=None):
-        s = _alloc_state(ring, head, length, held)
+      def alloc_fn(ring, meta, held, packed, last=None):
+        s = _alloc_state(ring, meta[0], meta[1], held)
         if op == "alloc":
           s, out, ok = allocation.alloc(acfg, s, packed[0], max_size=shape[0])
         elif op == "extend":
@@ -278,14 +310,16 @@ class DeviceOps(Programs):
           last = packed[r:2 * r] if last is None else last
           s, out, ok = allocation.alloc_decode(acfg, s, packed[:r], last,
                                                num_reqs=packed[2 * r])
-        return (s.free_head, s.free_len, _held(s), out,
-                _status.make(_status.REFUSED, ~ok))
-      return self._jit_status(alloc_fn, held_arg)
+        return _taken(meta, s), _held(s), out, _status.make(_status.REFUSED, ~ok)
+      return self._jit_packed(alloc_fn, held_arg)
     if op in ("free", "free_page_ids"):
       _, donate = shape
       body = freeing.free if op == "free" else freeing.free_page_ids
+      mine_at = 2 if cfg.need_sort else 0  # meta's (head, length) of the written list
 
-      def free_fn(ring, head, length, other_len, held, sticky, values, count=None):
+      def free_fn(ring, meta, held, sticky, values, count=None):
+        head, length = meta[mine_at], meta[mine_at + 1]
+        other_len = meta[3 - mine_at]
         if count is None:  # host values: the counts ride at their end (one transfer)
           values, count = values[:-2], values[-2:]
         lo = cfg.page_size if op == "free" else 1  # free: slots; else page ids
@@ -300,16 +334,17 @@ class DeviceOps(Programs):
         short = count[0] - (new_len - length)
         bad = short != 0  # refused whole: the entries written lie outside the list
         status = _status.unlisted(values, given, listed, short)
+        meta = meta.at[mine_at].set(jnp.where(bad, head, new_head)).at[mine_at + 1].set(
+            jnp.where(bad, length, new_len))
         if held is None:
-          return (ring, jnp.where(bad, head, new_head), jnp.where(bad, length, new_len),
-                  None, None, status)
+          return ring, meta, None, None, status
         mine = s.guard.status  # this call's refusal: named before a short count
         status = jnp.where((status[0] != 0) & (status[1] >= 0), status,
                            _status.first(_status.owned(mine), status))
-        return (ring, jnp.where(bad, head, new_head), jnp.where(bad, length, new_len),
-                s.guard.held, guard.record_status(sticky, mine[0] != 0, mine), status)
-      donated = ((0,) if donate else ()) + ((4,) if cfg.guard else ())
-      return self._jit_status(free_fn, donated)
+        return (ring, meta, s.guard.held, guard.record_status(sticky, mine[0] != 0, mine),
+                status)
+      donated = ((0,) if donate else ()) + held_arg
+      return self._jit_packed(free_fn, donated)
     if op == "patch":  # held[ring window] = 0: a restore's record (restore_record)
       (n,) = shape
 
@@ -332,26 +367,40 @@ class DeviceOps(Programs):
     return super()._build(op, *shape)
 
   # -- operations (the class has validated the input and decided that it fits) ---------
-  # Each takes the running status `prev` (i32[3]) and returns (state, slots i32[n],
-  # status, running), or a free's (state, status, running).
+  # Each takes the running status `prev` (i32[3] or i32[6], see _jit_packed), the state
+  # and its list scalars `meta` (i32[4], `pack`; the state's own scalars are not read),
+  # and returns (state, meta, slots i32[n], both: i32[6] running status and the call's),
+  # or a free's (state, meta, both). The state returned keeps the scalars it had: meta
+  # holds the new ones (DeviceBackend keeps it beside the state; `unpack`).
+  def pack(self, state: AllocatorState) -> Array:
+    """The state's list scalars as one meta i32[4] (one launch)."""
+    return self.fn(("pack",))(state.free_head, state.free_len, state.release_head,
+                              state.release_len)
+
+  def unpack(self, state: AllocatorState, meta: Array) -> AllocatorState:
+    """The state with the list scalars of `meta` (one launch)."""
+    head, length, rhead, rlen = self.fn(("unpack",))(meta)
+    return state._replace(free_head=head, free_len=length, release_head=rhead,
+                          release_len=rlen)
+
   def _allocate(self, key: Tuple[Any, ...], prev: Array, state: AllocatorState,
-                packed: np.ndarray, extra: Tuple[Any, ...], n: int
+                meta: Array, packed: np.ndarray, extra: Tuple[Any, ...], n: int
                 ) -> Tuple[AllocatorState, Array, Array, Array]:
     rec = state.guard
-    head, length, held, out, status, running = self.fn(key)(
-        prev, state.free_ring, state.free_head, state.free_len,
-        None if rec is None else rec.held, packed, *extra)
-    state = state._replace(free_head=head, free_len=length,  # (one copy of the tuple)
-                           guard=None if rec is None else GuardState(held, rec.status))
-    return state, self.exact(out, n), status, running
+    meta, held, out, both = self.fn(key)(
+        prev, state.free_ring, meta, None if rec is None else rec.held, packed, *extra)
+    # A new state object either way: meta belongs to it alone (DeviceBackend._meta_of),
+    # not to the one a snapshot may hold.
+    state = state._replace(guard=None if rec is None else GuardState(held, rec.status))
+    return state, meta, self.exact(out, n), both
 
-  def alloc(self, prev: Array, state: AllocatorState, need_size: int):
+  def alloc(self, prev: Array, state: AllocatorState, meta: Array, need_size: int):
     size = buckets.bucket(need_size, buckets.MIN_TOKENS)
-    return self._allocate(("alloc", size), prev, state, np.array([need_size], np.int32),
-                          (), need_size)
+    return self._allocate(("alloc", size), prev, state, meta,
+                          np.array([need_size], np.int32), (), need_size)
 
-  def alloc_extend(self, prev: Array, state: AllocatorState, pre: Any, seq: Any,
-                   last: Any, total: int):
+  def alloc_extend(self, prev: Array, state: AllocatorState, meta: Array, pre: Any,
+                   seq: Any, last: Any, total: int):
     """pre, seq: host ints[bs] (int64 arrays or lists); `last`: the same, or a device
     i32[bs] (jax.Array) taken as it is: padded on the device, never read back."""
     r = rows(len(pre))
@@ -359,10 +408,10 @@ class DeviceOps(Programs):
     packed = pack(r, len(pre), pre, seq, None if on_device else last)
     extra = (self.padded(last, r, -1),) if on_device else ()
     return self._allocate(("extend", r, buckets.bucket(total, buckets.MIN_TOKENS)), prev,
-                          state, packed, extra, total)
+                          state, meta, packed, extra, total)
 
-  def alloc_decode(self, prev: Array, state: AllocatorState, seq: Any, last: Any,
-                   seq_dev: Any = None):
+  def alloc_decode(self, prev: Array, state: AllocatorState, meta: Array, seq: Any,
+                   last: Any, seq_dev: Any = None):
     """seq: host ints[bs] (an int64 array or a list); `last`: the same, or a device
     i32[bs] (jax.Array) taken as it is: padded on the device, never read back.
     `seq_dev`: seq as a device i32[bs], or None; with a device `last` at an exact row
@@ -371,13 +420,14 @@ class DeviceOps(Programs):
     r = decode_rows(bs)
     on_device = isinstance(last, jax.Array)
     if on_device and seq_dev is not None and r == bs:
-      return self._allocate(("decode_on_device", r), prev, state, seq_dev, (last,), bs)
+      return self._allocate(("decode_on_device", r), prev, state, meta, seq_dev, (last,),
+                            bs)
     packed = pack(r, bs, seq, None if on_device else last)
     extra = (self.padded(last, r, -1),) if on_device else ()
-    return self._allocate(("decode", r), prev, state, packed, extra, bs)
+    return self._allocate(("decode", r), prev, state, meta, packed, extra, bs)
 
-  def free(self, op: str, prev: Array, state: AllocatorState, values: Any, count: int,
-           shared: bool) -> Tuple[AllocatorState, Array, Array]:
+  def free(self, op: str, prev: Array, state: AllocatorState, meta: Array, values: Any,
+           count: int, shared: bool) -> Tuple[AllocatorState, Array, Array]:
     """A free of validated values (host ints, or a device i32[n] padded with 0 on the
     device, never read): `free` slots or `free_page_ids` page ids. `count`: the entries
     that must reach the list (else the free is refused); `shared`: the ring it writes
@@ -385,13 +435,16 @@ class DeviceOps(Programs):
     n = values.shape[0]
     m = buckets.bucket(n, buckets.MIN_FREE)
     rec = state.guard
-    ring, head, length, held, sticky, status, running = self.fn((op, m, not shared))(
-        prev, *st.freed_list(self.config.need_sort, state)[:4],
+    ring, meta, held, sticky, both = self.fn((op, m, not shared))(
+        prev, st.freed_list(self.config.need_sort, state)[0], meta,
         *((None, None) if rec is None else rec), *self.with_counts(values, m, count, n))
-    state = st.with_freed_list(self.config.need_sort, state, ring, head, length)
+    if self.config.need_sort:
+      state = state._replace(release_ring=ring)
+    else:
+      state = state._replace(free_ring=ring)
     if rec is not None:
       state = state._replace(guard=GuardState(held, sticky))
-    return state, status, running
+    return state, meta, both
 
   def merge_and_sort_free(self, state: AllocatorState, shared: bool) -> AllocatorState:
     """The merge (SPEC 6); `shared`: the free ring is held by a snapshot."""
@@ -426,11 +479,12 @@ _ZEROS = jax.jit(lambda: jnp.zeros((3,), jnp.int32))
 class RunningStatus:
   """A device backend's running status (status.running): i32[3] on its device, the
   first refusal of the calls launched since `reset_running` (0 if none), passed to and
-  returned by each status-returning program."""
+  returned by each status-returning program; `_start_running(device, 6)`: i32[6], the
+  running status then the last call's own (DeviceOps._jit_packed)."""
   running: Array
 
-  def _start_running(self, device: Any) -> None:
-    self._zero = zero_status(device)
+  def _start_running(self, device: Any, size: int = 3) -> None:
+    self._zero = zero_status(device, size)
     # Off the CPU (where the host reads the device's own buffer), each running status's
     # copy to the host starts at its launch, so reading it once landed costs no transfer.
     self.copies_status = (device or jax.devices()[0]).platform != "cpu"
@@ -457,13 +511,46 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     self.ops = DeviceOps.for_config(config)
     self._hc = host.host_config(config)
     self._empty = None
-    self._start_running(self.device)
+    self._start_running(self.device, 6)
+    # The list scalars of the state last returned, as one i32[4] that the programs
+    # take and return (DeviceOps.pack); that state's own scalars are stale until
+    # `unpacked` reads them out (the pool's `state`).
+    self._meta_state: Any = None
+    self._meta: Any = None
+    self._stale = False
 
-  def _landing(self, result: Tuple[Any, ...]) -> Tuple[Any, Any, Array]:
-    """A call's (state, output, status, running): keeps the running status, returns
-    (state, output, status)."""
-    *out, self.running = result
-    return tuple(out)
+  def _meta_of(self, state: AllocatorState) -> Array:
+    """The list scalars of `state` the programs take: the kept ones, else packed."""
+    if state is self._meta_state:
+      return self._meta
+    return self.ops.pack(state)
+
+  def _landing(self, state: AllocatorState, meta: Array, out: Any,
+               both: Array) -> Tuple[Any, Any, Array]:
+    """A call's results: keeps meta beside the (stale) state and the running status,
+    returns (state, output, status)."""
+    self._meta_state, self._meta, self._stale = state, meta, True
+    self.running = both
+    return state, out, both
+
+  def kept(self, state: AllocatorState) -> Any:
+    """The list scalars kept beside `state` (an i32[4] no program writes), or None: a
+    snapshot of `state` keeps them, so that its restore needs no `pack` launch."""
+    return self._meta if state is self._meta_state and not self._stale else None
+
+  def keep(self, state: AllocatorState, meta: Any) -> None:
+    """`meta` (`kept`'s, or None: nothing) describes `state`, the pool's new state."""
+    if meta is not None:
+      self._meta_state, self._meta, self._stale = state, meta, False
+
+  def unpacked(self, state: AllocatorState) -> AllocatorState:
+    """The state with its own list scalars: those kept in meta read out (one launch)
+    when it is the stale state last returned; else itself."""
+    if state is not self._meta_state or not self._stale:
+      return state
+    state = self.ops.unpack(state, self._meta)
+    self._meta_state, self._stale = state, False  # (meta still describes it)
+    return state
 
   def init(self) -> AllocatorState:
     state = self.ops.fn(("init",))()
@@ -493,9 +580,13 @@ class DeviceBackend(PagedStateReads, RunningStatus):
 
   def own_record(self, state: AllocatorState) -> AllocatorState:
     """The state with a record of its own (the old one is held outside: the programs
-    donate it)."""
-    return state if state.guard is None else state._replace(
-        guard=self.ops.fn(("copy",))(state.guard))
+    donate it); the list scalars kept beside it stay with it."""
+    if state.guard is None:
+      return state
+    new = state._replace(guard=self.ops.fn(("copy",))(state.guard))
+    if state is self._meta_state:
+      self._meta_state = new
+    return new
 
   def empty(self) -> Array:
     if self._empty is None:
@@ -505,7 +596,8 @@ class DeviceBackend(PagedStateReads, RunningStatus):
   def alloc(self, state, need_size, fits):
     if not fits:
       return state, None, None
-    return self._landing(self.ops.alloc(self.running, state, need_size))
+    return self._landing(*self.ops.alloc(self.running, state, self._meta_of(state),
+                                         need_size))
 
   def extend_plan(self, pre, seq, last, extend_num_tokens, checked):
     """Checked input (`checked`: validate.extend_args' result), or host data the host
@@ -551,8 +643,8 @@ class DeviceBackend(PagedStateReads, RunningStatus):
     if not fits:
       return state, None, None
     pre, seq, last = plan.data
-    return self._landing(self.ops.alloc_extend(self.running, state, pre, seq, last,
-                                               plan.tokens))
+    return self._landing(*self.ops.alloc_extend(self.running, state, self._meta_of(state),
+                                                pre, seq, last, plan.tokens))
 
   def decode_plan(self, seq, last, checked):
     """Checked input (host int64 seq_lens; last_loc host int64 or device i32), or host
@@ -602,8 +694,8 @@ class DeviceBackend(PagedStateReads, RunningStatus):
   def alloc_decode(self, state, plan, fits):
     if not fits:
       return state, None, None
-    return self._landing(self.ops.alloc_decode(self.running, state, *plan.data,
-                                               plan.seq_lens))
+    return self._landing(*self.ops.alloc_decode(self.running, state, self._meta_of(state),
+                                                *plan.data, plan.seq_lens))
 
   def free(self, state, idx, values, counts, shared):
     del values  # the program finds the sorted unique pages itself
@@ -615,9 +707,9 @@ class DeviceBackend(PagedStateReads, RunningStatus):
   def _free(self, op, state, values, counts, shared):
     if counts[0] == 0 and state.guard is None:  # no room: every page is listed already
       return state, None, None  # (only a double free; with a record, it refuses it)
-    state, status, running = self.ops.free(op, self.running, state, values, counts[0],
-                                           shared)
-    return self._landing((state, None, status, running))
+    state, meta, both = self.ops.free(op, self.running, state, self._meta_of(state),
+                                      values, counts[0], shared)
+    return self._landing(state, meta, None, both)
 
   def merge_and_sort_free(self, state, side, shared):
     del side  # one allocator
@@ -630,10 +722,11 @@ class DeviceBackend(PagedStateReads, RunningStatus):
                            device_last_loc=device_last_loc, device=self.device)
 
 
-def zero_status(device: Any) -> Array:
-  """A running status of no refusal, i32[3] zeros, placed as a backend's state on
-  `device` (None: jax's default device)."""
-  zero = _ZEROS()
+def zero_status(device: Any, size: int = 3) -> Array:
+  """A running status of no refusal, i32[size] zeros (3; 6: with a call's own status,
+  DeviceOps._jit_packed), placed as a backend's state on `device` (None: jax's
+  default device)."""
+  zero = _ZEROS() if size == 3 else jnp.zeros((size,), jnp.int32)
   return zero if device is None else jax.device_put(zero, device)
 
 
@@ -667,29 +760,31 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
   outs: List[Any] = []
   ring, head, length = state.free_ring, state.free_head, state.free_len
   rec = state.guard
-  # The programs donate the record's held: each run gets a copy of it.
+  # The programs donate the record's held and the list scalars: each run gets its own.
   held = lambda: None if rec is None else jnp.copy(rec.held)
+  meta = lambda: ops.pack(state)
+  outs.append(ops.unpack(state, meta()))
   token_list = _warmup.bucket_sizes(max_tokens, buckets.MIN_TOKENS)
-  prev = zero_status(device)  # the running status, placed as the backend's
+  prev = zero_status(device, 6)  # the running status, placed as the backend's
   for size in token_list:
-    outs.append(ops.fn(("alloc", size))(prev, ring, head, length, held(),
+    outs.append(ops.fn(("alloc", size))(prev, ring, meta(), held(),
                                         np.zeros((1,), np.int32)))
   # Extra arguments of each variant: none (last_loc packed), or a device last_loc.
   put = placer(device)
   lasts = lambda r: [()] + ([(put(np.zeros(r)),)] if device_last_loc else [])
   for r in decode_row_sizes(max_batch):
     for last in lasts(r):
-      outs.append(ops.fn(("decode", r))(prev, ring, head, length, held(),
+      outs.append(ops.fn(("decode", r))(prev, ring, meta(), held(),
                                         np.zeros((2 * r + 1,), np.int32), *last))
     if device_last_loc and r <= EXACT_ROWS:  # seq_lens on the device too
       outs.append(ops.fn(("decode_on_device", r))(
-          prev, ring, head, length, held(), put(np.ones(r)), put(np.full(r, -1))))
+          prev, ring, meta(), held(), put(np.ones(r)), put(np.full(r, -1))))
   for r in _warmup.bucket_sizes(max_batch, buckets.MIN_BATCH):
     for last in lasts(r) if extend and cfg.kind == "paged" else ():
       for tokens in token_list:
         outs.append(ops.fn(("extend", r, tokens))(
-            prev, ring, head, length, held(), np.zeros((3 * r + 1,), np.int32), *last))
-  w_ring, w_head, w_len, other = st.freed_list(cfg.need_sort, state)
+            prev, ring, meta(), held(), np.zeros((3 * r + 1,), np.int32), *last))
+  w_ring = st.freed_list(cfg.need_sort, state)[0]
   names = ["free"] + (["free_page_ids"] if cfg.kind == "paged" else [])
   for m in _warmup.bucket_sizes(max_free, buckets.MIN_FREE):
     for name in names:  # host values; device page ids (free_page_ids, free_segment)
@@ -700,8 +795,7 @@ def warmup_programs(ops: DeviceOps, state: AllocatorState, *, max_batch: int,
         for donate in (True, False):
           target = jnp.copy(w_ring) if donate else w_ring
           outs.append(ops.fn((name, m, donate))(
-              prev, target, w_head, w_len, other, held(), None if rec is None else rec.status,
-              *args))
+              prev, target, meta(), held(), None if rec is None else rec.status, *args))
   if cfg.need_sort:
     for donate in (True, False):
       target = jnp.copy(ring) if donate else ring
