@@ -358,9 +358,9 @@ def pytest_sessionfinish(session):
   """The session's garbage collected, then every object left frozen (`gc.freeze`), before
   this process reports its session finished: pytest collects once more at unconfigure
   (for unraisable exceptions), a full pass over the ~10^6 objects a session of jax
-  programs holds (about 1 s here, more on a loaded machine). A pytest-xdist worker still
+  programs holds (about a second). A pytest-xdist worker still
   busy 5 s after the controller ends the session is sent SIGINT by execnet; landing in
-  that pass, it was the KeyboardInterrupt "in hypothesis' gc callback" reported as a
+  that pass, it becomes the KeyboardInterrupt "in hypothesis' gc callback" reported as a
   PytestUnraisableExceptionWarning. Collected here, while the controller still waits for
   the worker, unraisable exceptions are still reported, and the last pass is instant."""
   del session

