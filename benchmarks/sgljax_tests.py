@@ -195,7 +195,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     for name, per_file in results.items():
       with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(per_file, f, indent=1, sort_keys=True)
+        json.dump(per_file, f, indent=1, sort_keys=True, allow_nan=False)
     from jax_kvalloc.tools import bench  # the result folders' one manifest format
     manifest = bench.manifest(args.out, " ".join(sys.argv))
     manifest.update({"python": sys.version, "platform": platform.platform(),
@@ -205,7 +205,7 @@ def main() -> int:
                                     for k in ("passed", "failed", "errors", "skipped")}
                                 for n, per in results.items()}})
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
-      json.dump(manifest, f, indent=1, sort_keys=True)
+      json.dump(manifest, f, indent=1, sort_keys=True, allow_nan=False)
   print("totals:")
   for n, per in results.items():
     print(f"  {n:15s} " + " ".join(f"{k}={sum(r[k] for r in per.values())}"

@@ -99,7 +99,7 @@ def write(folder: str, mf: Any, tok: Any, dtype: str = "float32") -> None:
                     ("tokenizer_config.json", tokenizer_config(mf.meta)),
                     ("generation_config.json", gen)):
     with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-      json.dump(doc, f, indent=1)
+      json.dump(doc, f, indent=1, allow_nan=False)
       f.write("\n")
 
 
