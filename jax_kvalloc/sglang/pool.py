@@ -68,13 +68,16 @@ class AllocatorSnapshot(NamedTuple):
   `running`: a device pool's running status after its last call not yet known clean
   (None: every earlier call was), so that a refusal not yet read when the snapshot was
   taken (its lengths counted the refused call) still raises after a restore; `packed`:
-  what the backend keeps beside the state (the device backend's list scalars), or None."""
+  what the backend keeps beside the state (the device backend's list scalars), or None;
+  `peers`: an SWA pool pair's record of live SWA mappings (jax_kvalloc.sglang.swa_peers),
+  or None."""
   config: Any
   state: Any
   lengths: Optional[Tuple[int, ...]] = None
   origin: Any = None
   running: Any = None
   packed: Any = None
+  peers: Any = None
 
 
 class Lists:
@@ -141,6 +144,7 @@ class Pool:
     self.lineage = object()     # see the module docstring
     self.small = getattr(backend, "small", False)  # has small_slots / free_small
     self._unpacked = getattr(backend, "unpacked", None)
+    self.peers: Any = None  # an SWA pair's PeerRecord (jax_kvalloc.sglang.swa_peers)
     self.clear()
 
   @property
@@ -161,6 +165,8 @@ class Pool:
     self.state = self.backend.init()
     for side in self.sides:
       side.reset(side.num_pages, 0)
+    if self.peers is not None:
+      self.peers.reset()
     self._new_lineage(shared=False)
     self._forget()
 
@@ -257,6 +263,8 @@ class Pool:
       raise ValueError(message)
     self._drop()
     self.set_lengths(self.backend.lengths(self.state))  # one read: the state's counts
+    if self.peers is not None:
+      self.peers.rebuild(self.state)
     self.error = ValueError(f"{message} (found after the call: a device status is read "
                             f"without waiting; every call raises until clear() or "
                             f"restore_state())")
@@ -288,7 +296,9 @@ class Pool:
   def snapshot(self) -> AllocatorSnapshot:
     running = self.pending[-1][3] if self.pending else None
     if not self.backend.patches_record:
-      return AllocatorSnapshot(self.config, self.hold(), self.lengths(), None, running)
+      peers = None if self.peers is None else self.peers.snapshot()
+      return AllocatorSnapshot(self.config, self.hold(), self.lengths(), None, running,
+                               peers=peers)
     self._hold_rings()  # the record stays the pool's (detached from the snapshot)
     state = self.state
     kept = getattr(self.backend, "kept", None)
@@ -325,6 +335,11 @@ class Pool:
     if lengths is None:
       lengths = self.backend.lengths(self.state)
     self.set_lengths(tuple(lengths), shared=True)
+    if self.peers is not None:
+      if getattr(snap, "peers", None) is not None:
+        self.peers.restore(snap.peers)
+      else:  # a snapshot built by hand: from its state (a wait)
+        self.peers.rebuild(self.state)
     self._forget()
     running = getattr(snap, "running", None)
     if running is not None and self.backend.defers_status:
@@ -341,6 +356,8 @@ class Pool:
     self.state = self.backend.adopt(state)
     self._new_lineage(shared=True)
     self.set_lengths(lengths, shared=True)
+    if self.peers is not None:
+      self.peers.rebuild(self.state)
 
   # -- operations ------------------------------------------------------------------------
   def merge_if(self, shortfall: bool, side: int = 0) -> None:

@@ -41,6 +41,7 @@ from jax_kvalloc.sglang.backends.device_swa import SWADebugError
 from jax_kvalloc.sglang.base import BaseAllocator
 from jax_kvalloc.sglang.base import concat
 from jax_kvalloc.sglang.pool import Pool
+from jax_kvalloc.sglang.swa_peers import PeerRecord
 from jax_kvalloc.sglang.token import _pair
 
 __all__ = ["SWADebugError", "SWATokenToKVPoolAllocator"]
@@ -75,6 +76,9 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
+    for pool in self._pools:  # a deferring backend's SWA counts (swa_peers)
+      if pool.backend.defers_status and page_size > 1:
+        pool.peers = PeerRecord(pool.backend.pools[FULL].num_pages, page_size)
 
   @staticmethod
   def _rank_config(config: core.SWAConfig, dp_size: int) -> core.SWAConfig:
@@ -169,6 +173,7 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     full = self._checked_slots(pool, full_indices, "full_indices")
     if full.shape[0]:
       pool.update(lambda s, shared: pool.backend.set_mapping(s, full, swa_indices, shared))
+      self._irregular(pool)
 
   def clear_full_to_swa_mapping(self, full_indices, dp_rank: int = 0) -> None:
     """mapping[full_indices] = 0."""
@@ -176,6 +181,14 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     full = self._checked_slots(pool, full_indices, "full_indices")
     if full.shape[0]:
       pool.update(lambda s, shared: pool.backend.clear_mapping(s, full, shared))
+      self._irregular(pool)
+
+  @staticmethod
+  def _irregular(pool: Pool) -> None:
+    """A mapping written by hand: SWA counts come from the device until the pairing is
+    regular again (jax_kvalloc.sglang.swa_peers)."""
+    if pool.peers is not None:
+      pool.peers.irregular_now()
 
   def translate_loc_from_full_to_swa(self, kv_indices, dp_rank: int = 0):
     """mapping[kv_indices] (-1 stays -1): a jax array (device backend, no wait) or
@@ -272,9 +285,22 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       return None
     # Each pool's SPEC 4.2 trigger, the SWA pool's only when it is called (tail > 0).
     triggers = (ext // ps + 2, tail // ps + 2 if tail else 0)
-    return self._launch(pool, "alloc_extend_swa_tail", (plan.pages, swa_pages), triggers,
-                        lambda s, shared: pool.backend.alloc_extend_swa_tail(
-                            s, plan, tail, shared))
+    out = self._launch(pool, "alloc_extend_swa_tail", (plan.pages, swa_pages), triggers,
+                       lambda s, shared: pool.backend.alloc_extend_swa_tail(
+                           s, plan, tail, shared))
+    if out is not None and pool.peers is not None:
+      self._tail_peers(pool, int(plan.data[0][0]), ext - tail, out)
+    return out
+
+  def _tail_peers(self, pool: Pool, pre: int, head: int, out: Any) -> None:
+    """The record after an SWA tail (swa_peers): its tail pages pair as any
+    allocation's when the tail starts a page of a request that starts one; whole head
+    pages have no SWA KV (their ids read once `out` has landed); else irregular."""
+    ps = self.page_size
+    if pre % ps or head % ps:
+      pool.peers.irregular_now()
+    elif head:
+      pool.peers.mark(out, False, ps, head)
 
   def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, dp_rank: int = 0):
     """One slot per request in both pools (SPEC 13), or None.
@@ -324,21 +350,48 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
 
   def _free(self, pool: Pool, op: str, idx: Any, start: int,
             counts: Tuple[Optional[int], Optional[int]], name: Optional[str] = None) -> None:
-    """The backend's free `op`; a refusal names the class call `name` (default op)."""
+    """The backend's free `op`; a refusal names the class call `name` (default op). A
+    count left to the backend (None) was read: the record is rebuilt after it."""
     pool.write(name or op, self._calls, counts, lambda s, cut, shared: pool.backend.free(
         s, op, idx, start, cut, shared))
+    if pool.peers is not None and None in counts:
+      pool.peers.rebuild(pool.state)
+
+  def _release(self, pool: Pool, idx: np.ndarray, value: bool) -> Optional[int]:
+    """The SWA pages a free_swa of host slots `idx` (page size > 1) releases, from the
+    record (swa_peers), its pages then set to `value`; None where only the device
+    knows (host backend, debug mode, an irregular pairing)."""
+    if pool.peers is None:
+      return None
+    return pool.peers.release(np.unique(idx // self.page_size), value)
+
+  def _mark(self, pool: Pool, idx: Any, value: bool, pages: bool = False) -> None:
+    """The record's full pages of a segment `idx` (slots from a page start; `pages`:
+    page ids) set to `value`: True freed in the full pool, False their SWA KV freed."""
+    if pool.peers is None:
+      return
+    step = 1 if pages else self.page_size
+    if isinstance(idx, np.ndarray):
+      pool.peers.mark(idx[::step] // step, value)
+    else:
+      pool.peers.mark(idx, value, step, idx.shape[0])
 
   def _take(self, r: int, op: str, idx: Any, name: str) -> None:
     """Inside a free group: the SWA half resolved now (mapping read and cleared), its
     SWA page ids ("take_pages", counted: one per full page) or slots ("take_peers")
     queued (SPEC 13)."""
     pool = self._pools[r]
+    count = None
+    if op == "take_pages":
+      self._mark(pool, idx, False)
+    else:
+      count = self._release(pool, idx, False)
     out = pool.allocate(name, self._calls, (0, 0),
                         lambda s, shared: pool.backend.take(s, op, idx, shared, name))
     if op == "take_pages":
       self._group[r].swa_page_ids.append((out, -(-idx.shape[0] // self.page_size)))
     else:
-      self._group[r].swa_slots.append(out)
+      self._group[r].swa_slots.append((out, count))
 
   def free(self, free_index, dp_rank: int = 0) -> None:
     """free_swa then free_full of these full slots (SPEC 13)."""
@@ -352,7 +405,8 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       self._take(r, "take_pages" if ps == 1 else "take_peers", idx, "free_swa")
       self._group[r].slots.append(np.array(idx, copy=True))
       return
-    self._free(pool, "free", idx, 0, (self._full_pages(idx), idx.size if ps == 1 else None))
+    swa = idx.size if ps == 1 else self._release(pool, idx, True)
+    self._free(pool, "free", idx, 0, (self._full_pages(idx), swa))
 
   def free_swa(self, free_index, dp_rank: int = 0) -> None:
     """Frees the SWA peers of these full slots and clears their mapping (SPEC 13).
@@ -372,7 +426,7 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     elif self._group is not None:
       self._take(r, "take_peers", idx, "free_swa")
     else:
-      self._free(pool, "free_swa", idx, 0, (0, None))
+      self._free(pool, "free_swa", idx, 0, (0, self._release(pool, idx, False)))
 
   def free_swa_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
     """Frees the SWA pages of one request's tokens start_pos, start_pos + 1, ...:
@@ -394,7 +448,9 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     if self._group is not None:
       self._take(r, "take_pages", idx, op)
       return
-    self._free(self._pools[r], op, idx, start_pos, (0, -(-idx.shape[0] // self.page_size)))
+    pool = self._pools[r]
+    self._mark(pool, idx, False)
+    self._free(pool, op, idx, start_pos, (0, -(-idx.shape[0] // self.page_size)))
 
   def free_full(self, free_index, dp_rank: int = 0) -> None:
     """The full pool's free alone; the slots must have no SWA peer left."""
@@ -405,7 +461,9 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     if self._group is not None:
       self._group[r].slots.append(np.array(idx, copy=True))
       return
-    self._free(self._pools[r], "free_full", idx, 0, (self._full_pages(idx), 0))
+    pool = self._pools[r]
+    self._mark(pool, np.unique(idx // self.page_size), True, pages=True)
+    self._free(pool, "free_full", idx, 0, (self._full_pages(idx), 0))
 
   def free_segment(self, free_index, *, start_pos: int, dp_rank: int = 0) -> None:
     """free_swa_segment, then the full pool's free_segment (SPEC 13). Device backend:
@@ -427,6 +485,7 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       return
     pages = -(-n // self.page_size)
     if self._group is None:
+      self._mark(pool, idx, True)
       self._free(pool, "free_segment" if swa else "free_full_segment", idx, start_pos,
                  (pages, pages if swa else 0))
       return
@@ -476,12 +535,16 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
       self._free(pool, "swa_free_page_ids", ids, 0, (0, sum(c for _, c in q.swa_page_ids)),
                  end)
     if q.swa_slots:
-      self._free(pool, "swa_free", concat(q.swa_slots), 0, (0, None), end)
+      counts = [c for _, c in q.swa_slots]
+      self._free(pool, "swa_free", concat([s for s, _ in q.swa_slots]), 0,
+                 (0, None if None in counts else sum(counts)), end)
     if q.slots:
       idx = concat(q.slots)
+      self._mark(pool, np.unique(idx // self.page_size), True, pages=True)
       self._free(pool, "full_free", idx, 0, (self._full_pages(idx), 0), end)
     if q.page_ids:
       ids = concat(q.page_ids)
+      self._mark(pool, ids, True, pages=True)
       self._free(pool, "full_free_page_ids", ids, 0, (ids.shape[0], 0), end)
 
 

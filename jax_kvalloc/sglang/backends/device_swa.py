@@ -267,8 +267,10 @@ class SWAOps(Programs):
         reps = jnp.arange(idx.shape[0]) % ps == 0
         bad, i = _peerless(state.mapping, idx, given & reps)
         n = jnp.where(bad, 0, n)
-      if op in ("free", "free_segment"):  # the full pool refuses before the SWA frees
-        state, refused = _full_refusal(cfg, state, op, idx, jnp.arange(idx.shape[0]) < n)
+      if op in ("free", "free_segment") or (op == "free_swa" and not segment):
+        # the full pool refuses (free_swa: pages it does not hold) before the SWA frees
+        state, refused = _full_refusal(cfg, state, "free" if op == "free_swa" else op,
+                                       idx, jnp.arange(idx.shape[0]) < n)
         n = jnp.where(refused, 0, n)
       if op == "free":
         new = core.free(cfg, state, idx, n)
@@ -308,18 +310,24 @@ class SWAOps(Programs):
 
   def _take_peers(self):
     """(state, idx, info) -> (state with the idx's pages' mapping cleared, their SWA
-    slots i32[m * ps] (0 where none), status 0): free_swa's first half."""
-    ps = self.config.page_size
+    slots i32[m * ps] (0 where none), status): free_swa's first half. A full page the
+    full pool does not hold refuses it (OWNED; nothing taken)."""
+    cfg, ps = self.config, self.config.page_size
 
     def fn(state, idx, info=None):
       if info is None:
         idx, info = idx[:-4], idx[-4:]
-      given = jnp.repeat((jnp.arange(idx.shape[0]) < info[0]) & (idx > 0), ps)
+      state, sticky = _fresh(state)
+      n = jnp.where(_dead(sticky), 0, info[0])
+      state, refused = _full_refusal(cfg, state, "free", idx, jnp.arange(idx.shape[0]) < n)
+      n = jnp.where(refused, 0, n)
+      given = jnp.repeat((jnp.arange(idx.shape[0]) < n) & (idx > 0), ps)
       wide = ((idx // ps) * ps)[:, None] + jnp.arange(ps, dtype=jnp.int32)[None, :]
       wide = wide.reshape(-1)
       peers = jnp.where(given, core.translate(state.mapping, jnp.where(given, wide, 0)), 0)
-      mapping = core.clear_mapping(state.mapping, wide, given)
-      return state._replace(mapping=mapping), jnp.maximum(peers, 0), _status.make(0, False)
+      state, owned = _settle(state._replace(
+          mapping=core.clear_mapping(state.mapping, wide, given)), sticky)
+      return state, jnp.maximum(peers, 0), owned
     return fn
 
   def _pool_free(self, side: str, page_ids: bool):

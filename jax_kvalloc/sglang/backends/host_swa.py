@@ -193,11 +193,23 @@ class HostSWABackend:
       state = self._own(state, shared)
       state.mapping[self._page_slots(idx[::self.ps])] = 0
       return state, pages, None
+    refused = self._not_held(state, idx)
+    if refused is not None:
+      return state, None, refused
     wide = self._page_slots(idx)
     peers = self._translate(state, wide)
     state = self._own(state, shared)
     state.mapping[wide] = 0
     return state, peers[peers > 0], None
+
+  def _not_held(self, state: SWAState, idx: np.ndarray) -> Any:
+    """free_swa's check (page size > 1): the OWNED status of the first full page of
+    `idx` the full pool does not hold, else None (no record: None)."""
+    if state.full.guard is None:
+      return None
+    ps = self.ps
+    return host.refusal(state.full.guard.held, np.unique(idx // ps), False,
+                        lambda: idx // ps, 1)
 
   def free(self, state, op, idx, start, counts, shared):
     """`op` of checked slots, pages or page ids (see DeviceSWABackend.free); the
@@ -209,6 +221,8 @@ class HostSWABackend:
     segment = op in ("free_swa_segment", "free_segment") or (
         ps == 1 and op in ("free", "free_swa"))
     swa_pages, refused = self._segment_pages(state, idx) if segment else (None, None)
+    if op == "free_swa" and not segment:
+      refused = self._not_held(state, idx)
     if refused is not None:
       return state, (0, 0), refused
     full_in = swa_in = wide = None  # (values, page_ids) each pool's list gets
