@@ -26,6 +26,7 @@ from jax_kvalloc.sglang import pool as pool_module
 from jax_kvalloc.sglang.backends import device as device_module
 from jax_kvalloc.sglang.backends import status as status_module
 from jax_kvalloc.sglang.swa import SWADebugError
+from jax_kvalloc.sglang.swa_peers import PeerRecord
 from gpu import needs_gpu
 from landed import settle
 
@@ -69,6 +70,12 @@ def _contents(a, r=0):
   if isinstance(state, core.SWAState):
     lists.append(state.mapping.tolist())
   assert pool.lengths() == pool.backend.lengths(pool.state), "mirror != state"
+  if pool.peers is not None:  # the SWA record of live mappings (swa_peers): the state's
+    pool.peers.resolve(block=True)
+    lists.append((pool.peers.live.tolist(), pool.peers.irregular))
+    fresh = PeerRecord(pool.peers.num_pages, pool.peers.page_size)
+    fresh.rebuild(state)
+    assert pool.peers.irregular or (fresh.live == pool.peers.live).all(), "peers != state"
   return lists
 
 
@@ -228,6 +235,20 @@ CASES = {
         _in_group([lambda a, _: a.free_full(np.array([2])),
                    lambda a, _: a.free_full(np.array([2]))]),
         rf"^free_group_end: page 2 {TWICE} in the full pool", ALL),
+    "swa_free_swa_of_a_freed_request": (  # page size > 1: the full page is not held
+        _swa, lambda a: _freed(a, 2),
+        lambda a, c: a.free_swa(np.append(c[0][:1], c[1][5:6])),
+        rf"(^free_swa: page 4 {NOT_HELD} in the full pool|free_index\[1\]=17 has no "
+        r"SWA peer \(call free_full\))", ALL),
+    "swa_free_swa_of_a_freed_request_in_a_group": (
+        _swa, lambda a: _freed(a, 2),
+        _in_group([lambda a, c: a.free_swa(c[1][:2])]),
+        rf"(^free_swa: page 3 {NOT_HELD} in the full pool|free_index\[0\]=12 has no "
+        r"SWA peer \(call free_full\))", ALL),
+    "swa_free_of_part_of_a_freed_page": (
+        _swa, lambda a: _freed(a, 2), lambda a, c: a.free(np.append(c[0][:2], c[1][6:7])),
+        rf"(^free: page 4 {NOT_HELD} in the full pool|^free_swa: free_index\[2\]=18 has "
+        r"no SWA peer \(call free_full\))", ALL),
     "swa_mapping_to_a_free_swa_slot": (  # the SWA pool's record
         lambda b: _swa(b, ps=1),
         lambda a: (a.alloc(3), a.set_full_to_swa_mapping(np.array([2]), np.array([7]))),

@@ -41,6 +41,11 @@ import numpy as np
 from jax_kvalloc import state as st
 
 
+def read(x: jax.Array) -> np.ndarray:
+  """A device array of the queue on the host (a wait unless it has landed)."""
+  return np.asarray(x)
+
+
 class PeerSnapshot(NamedTuple):
   """The record as a snapshot keeps it (never written after it is taken)."""
   live: np.ndarray   # bool[num_pages + 1]
@@ -102,7 +107,7 @@ class PeerRecord:
         try:
           if not block and not pages.is_ready():
             return
-          pages = np.asarray(pages)[:n][::step] // step
+          pages = read(pages)[:n][::step] // step
         except RuntimeError:  # deleted (donated) before it was read
           self.irregular_now()
           return
