@@ -22,6 +22,7 @@ import jax_kvalloc.sglang as kvs
 from jax_kvalloc.sglang.backends import status as status_module
 import jax.numpy as jnp
 from jax_kvalloc.sglang import pool as pool_module
+from jax_kvalloc.sglang import swa_peers
 from landed import settle
 from model import ModelAllocator
 from model_step import ModelStep
@@ -35,6 +36,12 @@ _READ_STATUS = lambda status, _asarray=np.asarray: _asarray(status)  # noqa: E73
 
 class DeviceRead(AssertionError):
   """A device-to-host read inside `no_device_reads`."""
+
+
+def _read_landed(x, _asarray=np.asarray):
+  if not x.is_ready():
+    raise DeviceRead("device read: an SWA record's array that has not landed (a wait)")
+  return _asarray(x)
 
 
 @contextlib.contextmanager
@@ -63,6 +70,8 @@ def no_device_reads():
     # The statuses of earlier calls (SPEC 14): read once landed, without a wait in a
     # steady loop (the classes count any wait in `status_waits`).
     mp.setattr(status_module, "read", _READ_STATUS)
+    # The SWA record's queue (swa_peers) reads arrays that have landed: not a wait.
+    mp.setattr(swa_peers, "read", _read_landed)
     yield
   finally:
     mp.undo()
@@ -313,14 +322,22 @@ def _pool_calls(a, k, r, token):
 
 
 def _swa_calls(a, k, r):
-  """A scheduler's per-step calls on the SWA class (rank r), host inputs only. Its
-  `free` / `free_swa` at page size > 1 count the SWA pages from the mapping's values on
-  the device (a wait, as SGLang's own free_swa synchronizes there): the segment frees
-  stand in for them."""
+  """A scheduler's per-step calls on the SWA class (rank r, page size 4), host inputs
+  only: `free` and `free_swa` of part of a page too, inside a free group and outside
+  (their SWA counts from the host record, jax_kvalloc.sglang.swa_peers), and the
+  segment frees."""
   kw, h = dict(dp_rank=r), k.host
   z, seq, last = np.zeros(2, np.int64), np.array([5, 3]), np.full(2, -1)
   keep = {}
   return [
+      ("alloc_extend", lambda: k.out("f", a.alloc_extend(z, z, seq, seq, last, 8, **kw))),
+      ("free_group_begin", a.free_group_begin),
+      ("free_swa", lambda: a.free_swa(h["f"][1:2], **kw)),
+      ("free", lambda: a.free(h["f"][:5], **kw)),
+      ("free_group_end", a.free_group_end),
+      ("free_swa", lambda: a.free_swa(h["f"][6:7], **kw)),
+      ("swa_available_size", lambda: a.swa_available_size(**kw)),
+      ("free", lambda: a.free(h["f"][5:], **kw)),
       ("alloc_extend", lambda: k.out("x", a.alloc_extend(z, z, seq, seq, last, 8, **kw))),
       ("alloc_decode", lambda: k.out("d", a.alloc_decode(
           seq + 1, seq + 1, np.array([h["x"][4], h["x"][7]]), **kw))),
@@ -399,3 +416,23 @@ def test_a_read_of_an_output_waits_for_the_model_step():
     assert not step.running()
   finally:
     step.finish()
+
+
+def test_an_swa_count_only_the_device_knows_waits_for_the_model_step():
+  # The negative control of the SWA class's free_swa at page size 4: after a mapping set
+  # by hand the host record cannot count the SWA pages it frees (swa_peers), so the
+  # count is read, after the step. That read rebuilds the record: the next one does not.
+  a = _make_class("swa", "device", 1)
+  z, seq = np.zeros(1, np.int64), np.array([16])
+  out = np.asarray(a.alloc_extend(z, z, seq, seq, np.array([-1]), 16))
+  a.free_swa(out[:1])                   # compiled
+  a.set_full_to_swa_mapping(out[4:5], a.translate_loc_from_full_to_swa(out[4:5]))
+  for i, waits in ((8, True), (12, False)):
+    step = ModelStep()
+    try:
+      assert step.running()
+      a.free_swa(out[i:i + 1])
+      assert step.running() != waits, f"free_swa({out[i]}) waits: {waits}"
+    finally:
+      step.finish()
+  assert a.swa_available_size() == a.size_swa - 4

@@ -7,8 +7,11 @@ free_swa_segment, finishes through free_segment (the SWA part) and free_full_seg
 (the part whose window KV is gone), and full-only frees (free_full, free_full_segment),
 inside free groups and outside, all run inside `no_device_reads` with the SPEC 13 model in
 lock step; with `device_inputs`, last_loc and every segment free's free_index are device
-arrays (as SGLang passes them). free_swa / free at page size > 1 read the mapping once (as
-SGLang's free_swa synchronizes): the last tests show it, and that debug mode checks
+arrays (as SGLang passes them). Finishes also go through free_swa of a request's last
+token and free of its host slots, whose SWA counts come from the host record
+(jax_kvalloc.sglang.swa_peers), full-only requests through free. The last tests show
+that free_swa and free of host slots read nothing, that a mapping set by hand makes
+free_swa read the count (once: the record is rebuilt then), and that debug mode checks
 device segments' peers.
 """
 import contextlib
@@ -90,19 +93,29 @@ def _serve(a, m, outputs, guard, device_inputs, steps=24):
       if full_only and step % 3 == 2:  # tokens without SWA KV leave the full pool only
         on = group(step % 6 == 2)
         slots = full_only.pop(0)
-        a.free_full(np.asarray(slots[:ps], np.int64))
-        m.free_full(slots[:ps])
-        a.free_full_segment(put(slots[ps:]), start_pos=ps)
-        m.free_full_segment(slots[ps:], ps)
+        if step % 4 == 1:  # or through free: no SWA page to count (swa_peers)
+          a.free(np.asarray(slots, np.int64))
+          m.free(slots)
+        else:
+          a.free_full(np.asarray(slots[:ps], np.int64))
+          m.free_full(slots[:ps])
+          a.free_full_segment(put(slots[ps:]), start_pos=ps)
+          m.free_full_segment(slots[ps:], ps)
         end(on)
       if len(reqs) > 4:  # finish the oldest: its window-freed head, then the rest
         on = group(step % 2 == 0)
         r = reqs.pop(0)
-        if r.swa_start:
-          a.free_full_segment(put(r.slots[:r.swa_start]), start_pos=0)
-          m.free_full_segment(r.slots[:r.swa_start], 0)
-        a.free_segment(put(r.slots[r.swa_start:]), start_pos=r.swa_start)
-        m.free_segment(r.slots[r.swa_start:], r.swa_start)
+        if step % 3 == 0:  # host slots: free_swa of its last token, then free of all
+          a.free_swa(np.asarray(r.slots[-1:], np.int64))
+          m.free_swa(r.slots[-1:])
+          a.free(np.asarray(r.slots, np.int64))
+          m.free(r.slots)
+        else:
+          if r.swa_start:
+            a.free_full_segment(put(r.slots[:r.swa_start]), start_pos=0)
+            m.free_full_segment(r.slots[:r.swa_start], 0)
+          a.free_segment(put(r.slots[r.swa_start:]), start_pos=r.swa_start)
+          m.free_segment(r.slots[r.swa_start:], r.swa_start)
         end(on)
       assert a.available_size() == m.available_size()
       assert a.full_available_size() == m.full_available_size()
@@ -131,13 +144,23 @@ def test_swa_device_class_serving_does_not_wait(need_sort, device_inputs):
     np.testing.assert_array_equal(mine.release_pages, model.release_pages)
 
 
-def test_swa_free_swa_reads_the_mapping_at_page_size_above_1():
+def test_swa_free_swa_and_free_of_host_slots_read_nothing():
   a = _new(PS, False)
   z = np.zeros(1, np.int64)
-  a.alloc_extend(z, z, np.array([12]), np.array([12]), np.array([-1]), 12)
+  a.alloc_extend(z, z, np.array([16]), np.array([16]), np.array([-1]), 16)  # pages 1-4
   a.free_swa(np.arange(4, 8))  # compile outside the guard
+  a.free(np.arange(4, 8))
+  with no_device_reads():
+    a.free_swa(np.arange(9, 10))   # part of page 2: its SWA KV
+    a.free_swa(np.arange(8, 12))   # none left there: nothing
+    assert a.swa_available_size() == 24 * PS - 8
+    a.free(np.arange(8, 16))       # page 2 (no SWA KV left) and page 3 (SWA KV)
+    assert (a.full_available_size(), a.swa_available_size()) == (48 * PS - 4,
+                                                                 24 * PS - 4)
+  peer = np.asarray(a.translate_loc_from_full_to_swa(np.array([17])))
+  a.set_full_to_swa_mapping(np.array([17]), peer)  # by hand: the record cannot count
   with no_device_reads(), pytest.raises(DeviceRead):
-    a.free_swa(np.arange(8, 12))
+    a.free_swa(np.arange(16, 20))
 
 
 def test_swa_debug_mode_checks_device_segments():
