@@ -16,10 +16,14 @@ Waits (device backend). Allocations, the segment frees (free_swa_segment, free_s
 free_full_segment, device-array free_index too) and free_full never wait: each pool's
 mirror counts one page per full page of a segment, so each must have its SWA peer (as
 SGLang's `swa.peer_mapped` invariant says; a page without one is refused). free_swa and
-free at page size > 1 read back once, as SGLang's own free_swa synchronizes there: the
-SWA pool frees the sorted unique pages of the peers found, a count only the device
-knows. free / free_swa / free_full of a device array read it (the host checks need the
-values).
+free of host slots at page size > 1 free the sorted unique SWA pages of the peers
+found; each rank's pool keeps a host record of which full pages still have SWA KV
+(jax_kvalloc.sglang.swa_peers), and the count comes from it, without a wait. Where the
+record cannot know (a mapping set by hand, an SWA tail not aligned to the pages) the
+count is read, as SGLang's own free_swa synchronizes there, and the record is rebuilt
+from the state then. free / free_swa / free_full of a device array read it (the host
+checks need the values). free_swa at page size > 1 refuses a full page the full pool
+does not hold (SPEC 14's ownership record), as free does.
 
 One deliberate difference (SPEC 13): `alloc_decode` allocates in neither pool unless
 both fit (SGLang keeps what the fitting pool took). Debug mode (`debug=True`) also
@@ -413,8 +417,11 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
 
     Page size 1: as free_swa_segment(free_index, start_pos=0). Page size > 1: every slot
     of their full pages; the SWA pool frees the sorted unique pages of the peers found
-    (SPEC 4.4), whose count needs their values: one read (device: a wait), as SGLang's
-    own free_swa synchronizes at page size > 1.
+    (SPEC 4.4), counted from the host record of live SWA mappings (swa_peers: device
+    backend, no wait; a read where it cannot know). A full page the full pool does not
+    hold refuses the call (ValueError naming free_swa and the page: at once on the host
+    backend, within 8 calls on the device); one still held whose SWA KV is gone frees
+    nothing.
     """
     r = self._pool_index(dp_rank)
     pool = self._pools[r]

@@ -20,9 +20,11 @@ peer (NO_PEER: SGLang's own `swa.peer_mapped` invariant), and a free whose entri
 reach their list (NOT_LISTED).
 
 Ownership (SPEC 14, each pool's record): a free program reads this call's refusal apart
-from the sticky status (`_fresh`, `_settle`) and returns it as an OWNED status; `free`
-and `free_segment` check the full pool's record first (`_full_refusal`), so that a call
-either pool refuses frees nothing in either.
+from the sticky status (`_fresh`, `_settle`) and returns it as an OWNED status; `free`,
+`free_segment` and free_swa at page size > 1 (its free group half too) check the full
+pool's record first (`_full_refusal`), so that a call either pool refuses frees nothing
+in either. The SWA count a free's entries must reach (`_listed`) is the class's, from
+its host record (jax_kvalloc.sglang.swa_peers), or -1 where only the program knows.
 
 Debug mode (`DebugSWABackend`): the same programs with each pool's debug record
 (double frees and the like, jax_kvalloc.debug), every status and record read after each
