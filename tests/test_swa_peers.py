@@ -260,3 +260,31 @@ def test_device_swa_counts_equal_the_host_backends(ps, need_sort):
       getattr(driver, op)(data)
       driver.check()
   run()
+
+
+def test_record_queue_snapshots_and_a_deleted_array():
+  """PeerRecord alone: device arrays wait in order in its queue (bounded: read once
+  landed beyond QUEUE_READ), a snapshot is copied before the next write, and an array
+  deleted before it was read leaves the pairing unknown (counts from the device)."""
+  import jax.numpy as jnp
+  from jax_kvalloc.sglang import swa_peers
+  rec = PeerRecord(8, 4)
+  rec.mark(np.array([1, 2]), False)          # host pages: at once
+  snap = rec.snapshot()
+  rec.mark(jnp.arange(12, 20, dtype=jnp.int32), False, 4, 8)  # slots of pages 3, 4
+  rec.mark(np.array([3]), True)              # after it, in order: queued too
+  assert len(rec.queue) == 2 and rec.live[3] and rec.live[4]
+  assert rec.release(np.array([1, 3, 4, 5]), True) == 2   # pages 3 and 5 are live
+  assert rec.live[[1, 3, 4, 5]].all() and not rec.live[2]
+  assert not snap.live[1] and snap.live[3]   # the snapshot kept its array
+  rec.restore(snap)
+  assert not rec.live[1] and rec.live[4] and not rec.queue
+  rec.release(np.array([1]), True)           # copied first
+  assert rec.live[1] and not snap.live[1]
+  for i in range(3 * swa_peers.QUEUE_READ):  # landed arrays do not pile up
+    rec.mark(jnp.array([4 * (i % 8 + 1)], jnp.int32), bool(i % 2), 4, 1)
+  assert len(rec.queue) <= swa_peers.QUEUE_READ + 1
+  x = jnp.arange(4, 8, dtype=jnp.int32)
+  rec.mark(x, False, 4, 4)
+  x.delete()
+  assert rec.release(np.array([2]), False) is None and rec.irregular

@@ -41,6 +41,9 @@ import numpy as np
 from jax_kvalloc import state as st
 
 
+QUEUE_READ = 32  # queued arrays beyond this many are read as they land (bounded)
+
+
 def read(x: jax.Array) -> np.ndarray:
   """A device array of the queue on the host (a wait unless it has landed)."""
   return np.asarray(x)
@@ -90,7 +93,8 @@ class PeerRecord:
       self._set(pages, value)
       return
     self.queue.append((pages, value, step, n))
-    self.resolve(block=False)
+    if len(self.queue) > QUEUE_READ:
+      self.resolve(block=False)
 
   def irregular_now(self) -> None:
     """The pairing is no longer regular: counts come from the device until `rebuild`."""
