@@ -79,10 +79,11 @@ class _Flavour:
 
   @property
   def free_group(self) -> List[List[np.ndarray]]:
-    """free_group[r]: the frees queued for rank r in the open free group (else [])."""
+    """free_group[r]: the frees queued for rank r in the open free group (else []), as
+    copies (the queue is the class's: its lists are reused by the next group)."""
     if self._group is None:
       return [[] for _ in range(self.dp_size)]
-    return self._per_rank([q.slots for q in self._group])
+    return self._per_rank([[x.copy() for x in q.slots] for q in self._group])  # copies
 
   def alloc(self, need_size: int, dp_rank: int = 0) -> Optional[np.ndarray]:
     """need_size slots (whole pages when paged), NumPy int32, or None if short."""

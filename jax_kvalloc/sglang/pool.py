@@ -137,6 +137,10 @@ class Pool:
     self.pending: collections.deque = collections.deque()
     self.waits = 0       # statuses read before they had landed (each a wait)
     self.error: Optional[ValueError] = None
+    # The allocator's hot paths read `quiet` alone: allocator 0's mirror while this
+    # pool's statuses are read at once (host, debug mode) and no refusal is sticky,
+    # else None (a deferred status or a refusal: the full poll must run).
+    self.quiet: Optional[Lists] = None
     self.record_shared = False  # the ownership record is held outside (copy first)
     self.lineage = object()     # see the module docstring
     self.small = getattr(backend, "small", False)  # has small_slots / free_small
@@ -180,6 +184,8 @@ class Pool:
     self.error = None
     if self.backend.defers_status:
       self.backend.reset_running()
+    else:
+      self.quiet = self.sides[0]
 
   def _drop(self) -> None:
     self.pending.clear()
@@ -250,6 +256,7 @@ class Pool:
     if not values[0]:  # no refusal
       return
     message = self.label + _status.message(op, values)
+    self.quiet = None  # every call now raises (the full poll)
     if not rollback:  # read at once: the call changed nothing, the mirror is right
       self._drop()  # sticky on every backend (SPEC 14), as the record's status
       self.error = ValueError(f"{message} (every call raises until clear() or "
