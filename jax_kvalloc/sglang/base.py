@@ -289,6 +289,13 @@ class BaseAllocator:
     (ValueError otherwise; SGLang floors silently outside its debug mode). TypeError for
     non-ints, ValueError for negative sizes and sizes beyond int32.
     """
+    pool = self._solo
+    side = pool.quiet
+    if (side is not None and pool.small and type(need_size) is int
+        and type(dp_rank) is int and dp_rank == self._rank0
+        and 0 < need_size <= side.free_len * side.page_size
+        and need_size % side.page_size == 0):
+      return pool.alloc_now(need_size, need_size // side.page_size)  # fits, no merge
     pool = self._pools[self._pool_index(dp_rank)]
     side = pool.sides[0]
     if not (type(need_size) is int and 0 < need_size <= validate.INT32_MAX

@@ -119,6 +119,16 @@ class Lists:
       else:
         self.free_shared = False
 
+  def freed(self, count: int) -> None:
+    """`give` then `written` (a free that wrote its own ring)."""
+    if count:
+      if self.need_sort:
+        self.release_len += count
+        self.release_shared = False
+      else:
+        self.free_len += count
+        self.free_shared = False
+
   def merged(self) -> None:
     self.free_len, self.release_len = self.free_len + self.release_len, 0
     self.free_shared = False
@@ -393,21 +403,30 @@ class Pool:
         side.free_len -= pages
     return out
 
+  def alloc_now(self, need_size: int, pages: int) -> Any:
+    """`alloc` of `need_size` slots (`pages` pages) on a `small` backend's host path,
+    which the class found to fit without a merge: the slots (no status to keep)."""
+    if self.record_shared:
+      self.own_record()
+    self._state, out = self.backend.alloc_now(self._state, need_size)
+    self.sides[0].free_len -= pages
+    return out
+
   def free_small(self, x: Any, slots: list) -> bool:
     """A free of checked small host slots (`backend.small_slots(x)`) on the backend's
     Python-int path (a single pool whose backend has one, `small`). True when it ran
     (state and mirror updated); False, with nothing changed, where `write` must run it
     (a refusal, or more entries than the room left)."""
     side = self.sides[0]
-    self.own_record()
+    if self.record_shared:
+      self.own_record()
     got = self.backend.free_small(
-        self.state, x, slots, side.num_pages - side.free_len - side.release_len,
-        side.written_shared())
+        self._state, x, slots, side.num_pages - side.free_len - side.release_len,
+        side.release_shared if side.need_sort else side.free_shared)
     if got is None:
       return False
-    self.state, count = got
-    side.give(count)
-    side.written(count)
+    self._state, count = got
+    side.freed(count)
     return True
 
   def write(self, op: str, call: int, counts: Tuple[Optional[int], ...],
