@@ -122,3 +122,54 @@ def test_groups_nest_and_end_checks_still_raise(make):
   a.free_group_end()
   with pytest.raises(RuntimeError, match="without free_group_begin"):
     a.free_group_end()
+
+
+@pytest.mark.parametrize("kind,need_sort", [("token", False), ("token", True),
+                                            ("paged", False), ("paged", True)])
+def test_available_size_follows_the_state_on_random_calls(kind, need_sort):
+  """available_size (kept by the mirror as it changes) equals the lists the state holds,
+  after every call of a random sequence: allocations, frees (some refused), groups,
+  merges, snapshots restored, clears."""
+  rng = np.random.default_rng(7 + 2 * need_sort + (kind == "paged"))
+  ps = 1 if kind == "token" else 4
+  a = (TokenToKVPoolAllocator(64, backend="host", need_sort=need_sort) if ps == 1 else
+       PagedTokenToKVPoolAllocator(128, ps, backend="host", need_sort=need_sort))
+  held, snap = [], None
+  for _ in range(400):
+    op = rng.choice(["alloc", "alloc", "free", "free", "group", "merge", "snap",
+                     "restore", "refused", "clear"], p=[.2, .1, .2, .1, .1, .05, .08, .07,
+                                                        .05, .05])
+    if op == "alloc":
+      got = a.alloc(int(rng.integers(0, 6)) * ps)
+      if got is not None and got.size:
+        held.append(got)
+    elif op in ("free", "group") and held:
+      x = held.pop(int(rng.integers(len(held))))
+      if op == "group":
+        a.free_group_begin()
+        a.free(np.zeros((0,), np.int32))
+        a.free(x)
+        a.free_group_end()
+      else:
+        a.free(x)
+    elif op == "merge":
+      a.merge_and_sort_free()
+    elif op == "snap":
+      snap = (a.backup_state(), list(held))
+    elif op == "restore" and snap is not None:
+      a.restore_state(snap[0])
+      held = list(snap[1])
+    elif op == "refused" and held:  # a double free: refused, sticky until clear()
+      x = held.pop(int(rng.integers(len(held))))
+      a.free(x)
+      with pytest.raises(ValueError, match="not held"):
+        a.free(x)
+      with pytest.raises(ValueError, match="not held"):
+        a.available_size()
+      a.clear()
+      held, snap = [], None
+    elif op == "clear":
+      a.clear()
+      held, snap = [], None
+    lists = len(a.free_pages) + len(a.release_pages)
+    assert a.available_size() == lists * ps == a.size - sum(x.size for x in held)

@@ -188,7 +188,9 @@ class BaseAllocator:
     # The fast paths' pool: the one pool of an allocator holding one rank, whose
     # `quiet` (not None: statuses read at once, no sticky refusal) lets a call skip
     # `_pool_index`'s poll; with several pools or deferred statuses, a stand-in whose
-    # `quiet` is None. `_rank0`: the rank it holds.
+    # `quiet` is None. `_rank0`: the rank it holds, an int; a fast path takes a
+    # dp_rank that `is` it (CPython keeps one object per small int; False, numpy ints
+    # and other objects take the full checks).
     self._solo = self._pools[0] if len(self._pools) == 1 else _NO_POOL
     self._rank0 = held[0]
 
@@ -276,9 +278,9 @@ class BaseAllocator:
   def available_size(self, dp_rank: int = 0) -> int:
     """Free slots, released ones included, from the host mirror (no wait: SPEC 14)."""
     lists = self._solo.quiet
-    if lists is None or type(dp_rank) is not int or dp_rank != self._rank0:
+    if lists is None or dp_rank is not self._rank0:
       lists = self._pools[self._pool_index(dp_rank)].sides[0]
-    return (lists.free_len + lists.release_len) * lists.page_size
+    return lists.avail
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -292,7 +294,7 @@ class BaseAllocator:
     pool = self._solo
     side = pool.quiet
     if (side is not None and pool.small and type(need_size) is int
-        and type(dp_rank) is int and dp_rank == self._rank0
+        and dp_rank is self._rank0
         and 0 < need_size <= side.free_len * side.page_size
         and need_size % side.page_size == 0):
       return pool.alloc_now(need_size, need_size // side.page_size)  # fits, no merge
@@ -392,8 +394,11 @@ class BaseAllocator:
     its values; `free_page_ids` / `free_segment` take device arrays without a read.
     """
     pool = self._solo
-    if pool.quiet is not None and type(dp_rank) is int and dp_rank == self._rank0:
-      r = 0  # the fast-path pool, nothing to poll
+    if pool.quiet is not None and dp_rank is self._rank0:
+      if free_index.__class__ is _NDARRAY and free_index.size == 0 and (
+          free_index.ndim == 1):
+        return  # nothing to free (the fast-path pool: nothing to poll)
+      r = 0
     else:
       r = self._pool_index(dp_rank)
       pool = self._pools[r]
@@ -477,8 +482,10 @@ class BaseAllocator:
     then the queued page-id frees as one block in front (SPEC 7 and 10). The group is
     closed whatever it raises: after a refusal its queue is dropped (nothing freed)."""
     queued, self._group = self._group, None  # closed even when a refusal raises below
-    if queued is not None and self._solo.quiet is not None and not any(queued[0]):
-      return  # nothing queued and nothing to poll
+    if queued is not None and self._solo.quiet is not None:
+      q = queued[0]
+      if not (q.slots or q.page_ids or q.swa_page_ids or q.swa_slots):
+        return  # nothing queued and nothing to poll
     try:
       self._poll()
       validate.group_end(queued)
@@ -719,6 +726,9 @@ class BaseAllocator:
     return (f"{type(self).__name__}(size={c.size}{swa}, page_size={c.page_size}, "
             f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
             f"backend={self.backend!r}{dp})")
+
+
+_NDARRAY = np.ndarray
 
 
 class _NoPool(NamedTuple):

@@ -80,7 +80,7 @@ class AllocatorSnapshot(NamedTuple):
 class Lists:
   """The host mirror of one allocator's free and release lists: their lengths, and
   whether a snapshot still holds their rings."""
-  __slots__ = ("num_pages", "page_size", "need_sort", "free_len", "release_len",
+  __slots__ = ("num_pages", "page_size", "need_sort", "free_len", "release_len", "avail",
                "free_shared", "release_shared")
 
   def __init__(self, config: AllocatorConfig):
@@ -90,6 +90,7 @@ class Lists:
 
   def reset(self, free_len: int, release_len: int, shared: bool = False) -> None:
     self.free_len, self.release_len = free_len, release_len
+    self.avail = (free_len + release_len) * self.page_size  # slots free or released
     self.free_shared = self.release_shared = shared
 
   def available(self) -> int:
@@ -106,6 +107,12 @@ class Lists:
       self.release_len += count
     else:
       self.free_len += count
+    self.avail += count * self.page_size
+
+  def take(self, pages: int) -> None:
+    """`pages` left free_pages (an allocation)."""
+    self.free_len -= pages
+    self.avail -= pages * self.page_size
 
   def written_shared(self) -> bool:
     """Whether the ring a free writes (release_pages with need_sort) is held."""
@@ -128,6 +135,7 @@ class Lists:
       else:
         self.free_len += count
         self.free_shared = False
+      self.avail += count * self.page_size
 
   def merged(self) -> None:
     self.free_len, self.release_len = self.free_len + self.release_len, 0
@@ -201,8 +209,7 @@ class Pool:
     self.pending.clear()
 
   def available_size(self, side: int = 0) -> int:
-    lists = self.sides[side]
-    return lists.available() * lists.page_size
+    return self.sides[side].avail
 
   # -- statuses ------------------------------------------------------------------------
   def record(self, op: str, status: Any, call: int) -> None:
@@ -400,7 +407,7 @@ class Pool:
     if out is not None:
       self._wrote(whole)
       for side, pages in zip(self.sides, takes):
-        side.free_len -= pages
+        side.take(pages)
     return out
 
   def alloc_now(self, need_size: int, pages: int) -> Any:
@@ -409,7 +416,7 @@ class Pool:
     if self.record_shared:
       self.own_record()
     self._state, out = self.backend.alloc_now(self._state, need_size)
-    self.sides[0].free_len -= pages
+    self.sides[0].take(pages)
     return out
 
   def free_small(self, x: Any, slots: list) -> bool:
