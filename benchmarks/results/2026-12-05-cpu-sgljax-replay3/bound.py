@@ -14,7 +14,8 @@ For each such row, two plain methods on plain objects, timed alike:
 Each timed call is one perf_counter pair around one method call, as the replay times
 them; a row's cell is the median [q1, q3] over 21 blocks of each block's mean over 400
 calls (state reset between calls, untimed). The replay's own cells for these rows are
-in sgljax-replay.log (this folder).
+in sgljax-replay.log (this folder). "implicit": the allocation with the page-1 record
+kept implicit (`Implicit`), the least any record allows.
 
   /work/venv311/bin/python bound.py > bound.log    (numpy only; imports nothing of ours)
 """
@@ -121,6 +122,21 @@ class Checked:
     self.group = self.spare
 
 
+class Implicit(Checked):
+  """`Checked` with the ownership record implicit at page size 1 (a slot is held when
+  its position in the ring is behind the head: an allocation writes only the head; a
+  free still reads and writes one entry per slot, so only `alloc` changes)."""
+
+  def alloc(self, k, dp_rank=0):
+    if self.refused or dp_rank is not self.rank0 or type(k) is not int:
+      raise ValueError
+    if not 0 < k <= self.free_len:
+      return None
+    h = self.head
+    self.head, self.free_len = h + k, self.free_len - k
+    return self.ring[h:h + k].copy()
+
+
 def timed(make, setup, call, blocks=21, per=400):
   """median [q1, q3] over blocks of each block's mean us per call."""
   clock, means = time.perf_counter, []
@@ -156,6 +172,9 @@ def cases():
                  ("alloc/32-63", 32)):
     call = lambda o, k=k: o.alloc(k, dp_rank=0)
     out.append(("ps1/" + row, f"alloc({k})", (reset, call), (reset, call)))
+  call = lambda o: o.alloc(4, dp_rank=0)
+  out.append(("ps1/alloc/4-7", "alloc(4), implicit", (reset, call), (reset, call),
+              Implicit))
   for row, m in (("free/1", 1), ("free/2-3", 2), ("free/4-7", 5), ("free/8-15", 11)):
     setup = lambda o, m=m: (held_slots(o, m),)
     call = lambda o, x: o.free(x, dp_rank=0)
@@ -183,9 +202,9 @@ def main():
           f"{'floor/unchecked':>15}")
   print(head)
   print("-" * len(head))
-  for row, what, (su, cu), (sc, cc) in cases():
+  for row, what, (su, cu), (sc, cc), *cls in cases():
     u = timed(Unchecked, su, cu)
-    c = timed(Checked, sc, cc)
+    c = timed(cls[0] if cls else Checked, sc, cc)
     cell = lambda v: f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"
     print(f"{row:27} {what:21} {cell(u):>20} {cell(c):>20} {c[0] / u[0]:>14.2f}x")
 
