@@ -12,7 +12,7 @@ For each such row, two plain methods on plain objects, timed alike:
              allocation sets one per page), the queue's copy (SPEC 7: captured at queue
              time), the nesting check of a free group, and the ring write.
 Each timed call is one perf_counter pair around one method call, as the replay times
-them; a row's cell is the median [q1, q3] over 21 blocks of each block's mean over 400
+them; a row's cell is the median [q1, q3] over 31 blocks of each block's mean over 1000
 calls (state reset between calls, untimed). The replay's own cells for these rows are
 in sgljax-replay.log (this folder). "implicit": the allocation with the page-1 record
 kept implicit (`Implicit`), the least any record allows.
@@ -66,10 +66,14 @@ class Checked:
     self.group = None
     self.spare = [[]]
 
-  def alloc(self, k, dp_rank=0):
+  def _fits(self, k, dp_rank):
+    """The allocation's checks: whether k slots fit (raises on bad input or a refusal)."""
     if self.refused or dp_rank is not self.rank0 or type(k) is not int:
       raise ValueError
-    if not 0 < k <= self.free_len:
+    return 0 < k <= self.free_len
+
+  def alloc(self, k, dp_rank=0):
+    if not self._fits(k, dp_rank):
       return None
     h = self.head
     pages = self.ring[h:h + k]
@@ -128,16 +132,14 @@ class Implicit(Checked):
   free still reads and writes one entry per slot, so only `alloc` changes)."""
 
   def alloc(self, k, dp_rank=0):
-    if self.refused or dp_rank is not self.rank0 or type(k) is not int:
-      raise ValueError
-    if not 0 < k <= self.free_len:
+    if not self._fits(k, dp_rank):
       return None
     h = self.head
     self.head, self.free_len = h + k, self.free_len - k
     return self.ring[h:h + k].copy()
 
 
-def timed(make, setup, call, blocks=21, per=400):
+def timed(make, setup, call, blocks=31, per=1000):
   """median [q1, q3] over blocks of each block's mean us per call."""
   clock, means = time.perf_counter, []
   for _ in range(blocks):
