@@ -79,14 +79,16 @@ class _Flavour:
 
   @property
   def free_group(self) -> List[List[np.ndarray]]:
-    """free_group[r]: the frees queued for rank r in the open free group (else [])."""
+    """free_group[r]: the frees queued for rank r in the open free group (else []), as
+    copies (the queue is the class's: its lists are reused by the next group)."""
     if self._group is None:
       return [[] for _ in range(self.dp_size)]
-    return self._per_rank([q.slots for q in self._group])
+    return self._per_rank([[x.copy() for x in q.slots] for q in self._group])  # copies
 
   def alloc(self, need_size: int, dp_rank: int = 0) -> Optional[np.ndarray]:
     """need_size slots (whole pages when paged), NumPy int32, or None if short."""
-    return _host(super().alloc(need_size, dp_rank=dp_rank))
+    out = self._class_alloc(need_size, dp_rank)
+    return out if out.__class__ is np.ndarray else _host(out)  # (host: int32 already)
 
   def check(self) -> None:
     """Raises a refusal still pending (device backend: waits for every status)."""
@@ -113,6 +115,7 @@ class TokenToKVPoolAllocator(_Flavour, _token.TokenToKVPoolAllocator):
                      guard=guard, backend=backend, dp_size=dp_size)
     self.origin_size = self.size_per_rank
 
+  _class_alloc = _token.TokenToKVPoolAllocator.alloc  # (`_Flavour.alloc`, no super())
   free_pages = None     # sglang-jax's token allocator keeps free_slots only
   release_pages = None
 
@@ -141,6 +144,8 @@ class PagedTokenToKVPoolAllocator(_Flavour, _paged.PagedTokenToKVPoolAllocator):
     self.debug_mode = debug_mode
     self.num_pages = size // page_size
     self.pages_per_rank = self.num_pages // dp_size
+
+  _class_alloc = _paged.PagedTokenToKVPoolAllocator.alloc  # (`_Flavour.alloc`)
 
   def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int,
                    dp_rank: int = 0) -> Optional[np.ndarray]:

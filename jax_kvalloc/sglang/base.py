@@ -181,7 +181,18 @@ class BaseAllocator:
                         f"dp_rank={r}: " if dp_size > 1 else "")
                    for r in held]
     self._group: Optional[List[_Queued]] = None  # per held rank, while a group is open
+    # What every free group takes as its queue: its lists are emptied whenever a group
+    # ends or is dropped, so a group opens without building anything.
+    self._spare: List[_Queued] = [_Queued.empty() for _ in self._pools]
     self._calls = 0  # class calls so far: a device refusal raises within 8 of them
+    # The fast paths' pool: the one pool of an allocator holding one rank, whose
+    # `quiet` (not None: statuses read at once, no sticky refusal) lets a call skip
+    # `_pool_index`'s poll; with several pools or deferred statuses, a stand-in whose
+    # `quiet` is None. `_rank0`: the rank it holds, an int; a fast path takes a
+    # dp_rank that `is` it (CPython keeps one object per small int; False, numpy ints
+    # and other objects take the full checks).
+    self._solo = self._pools[0] if len(self._pools) == 1 else _NO_POOL
+    self._rank0 = held[0]
 
   @staticmethod
   def _rank_config(config: Any, dp_size: int) -> Any:
@@ -266,8 +277,10 @@ class BaseAllocator:
 
   def available_size(self, dp_rank: int = 0) -> int:
     """Free slots, released ones included, from the host mirror (no wait: SPEC 14)."""
-    lists = self._pools[self._pool_index(dp_rank)].sides[0]
-    return (lists.free_len + lists.release_len) * lists.page_size
+    lists = self._solo.quiet
+    if lists is None or dp_rank is not self._rank0:
+      lists = self._pools[self._pool_index(dp_rank)].sides[0]
+    return lists.avail
 
   # -- allocation ----------------------------------------------------------------------
   def alloc(self, need_size: int, dp_rank: int = 0):
@@ -278,6 +291,13 @@ class BaseAllocator:
     (ValueError otherwise; SGLang floors silently outside its debug mode). TypeError for
     non-ints, ValueError for negative sizes and sizes beyond int32.
     """
+    pool = self._solo
+    side = pool.quiet
+    if (side is not None and pool.small and type(need_size) is int
+        and dp_rank is self._rank0
+        and 0 < need_size <= side.free_len * side.page_size
+        and need_size % side.page_size == 0):
+      return pool.alloc_now(need_size, need_size // side.page_size)  # fits, no merge
     pool = self._pools[self._pool_index(dp_rank)]
     side = pool.sides[0]
     if not (type(need_size) is int and 0 < need_size <= validate.INT32_MAX
@@ -373,15 +393,22 @@ class BaseAllocator:
     torch.unique): the checks and the paged allocator's count of distinct pages need
     its values; `free_page_ids` / `free_segment` take device arrays without a read.
     """
-    r = self._pool_index(dp_rank)
-    pool = self._pools[r]
+    pool = self._solo
+    if pool.quiet is not None and dp_rank is self._rank0:
+      if free_index.__class__ is _NDARRAY and free_index.size == 0 and (
+          free_index.ndim == 1):
+        return  # nothing to free (the fast-path pool: nothing to poll)
+      r = 0
+    else:
+      r = self._pool_index(dp_rank)
+      pool = self._pools[r]
     if pool.small:  # a host pool: small frees of checked slots on Python ints
       slots = pool.backend.small_slots(free_index)
       if slots is not None:
         if not slots:
           return  # nothing to free
         if self._group is not None:
-          self._group[r].slots.append(free_index.astype(np.int64))  # a copy (SPEC 7)
+          self._group[r].slots.append(free_index.copy())  # a copy (SPEC 7)
           return
         if self._free_small(pool, free_index, slots):
           return
@@ -444,22 +471,34 @@ class BaseAllocator:
   def free_group_begin(self) -> None:
     """Opens a free group on every held rank: frees are queued until free_group_end
     (SPEC 7; page-id frees in a second queue, SPEC 10)."""
-    self._poll()
-    if self._group is not None:
-      validate.group_begin(self._group)  # raises
-    pools = self._pools
-    self._group = ([_Queued.empty()] if len(pools) == 1
-                   else [_Queued.empty() for _ in pools])
+    if self._solo.quiet is None or self._group is not None:  # (else nothing to poll)
+      self._poll()
+      if self._group is not None:
+        validate.group_begin(self._group)  # raises
+    self._group = self._spare  # (empty: see `_drop_queue`)
 
   def free_group_end(self) -> None:
     """Closes the free group: on each held rank, the queued slot frees as one `free`,
     then the queued page-id frees as one block in front (SPEC 7 and 10). The group is
     closed whatever it raises: after a refusal its queue is dropped (nothing freed)."""
     queued, self._group = self._group, None  # closed even when a refusal raises below
-    self._poll()
-    validate.group_end(queued)
-    for pool, q in zip(self._pools, queued):
-      self._flush(pool, q)
+    if queued is not None and self._solo.quiet is not None:
+      q = queued[0]
+      if not (q.slots or q.page_ids or q.swa_page_ids or q.swa_slots):
+        return  # nothing queued and nothing to poll
+    try:
+      self._poll()
+      validate.group_end(queued)
+      for pool, q in zip(self._pools, queued):
+        self._flush(pool, q)
+    finally:
+      self._drop_queue(queued)
+
+  def _drop_queue(self, queued: Optional[List[_Queued]]) -> None:
+    """Empties a queue that is no longer open (the next group reuses its lists)."""
+    for q in queued or ():
+      for part in q:
+        part.clear()
 
   def _flush(self, pool: Pool, q: _Queued) -> None:
     """One rank's queued frees, in SPEC 7 and 10's order."""
@@ -483,7 +522,8 @@ class BaseAllocator:
     for r in targets:
       self._pools[r].clear()
       if self._group is not None:
-        self._group[r] = _Queued.empty()
+        for part in self._group[r]:
+          part.clear()
     if dp_rank is None or self._dp_size == 1:
       self._group = None
 
@@ -686,6 +726,17 @@ class BaseAllocator:
     return (f"{type(self).__name__}(size={c.size}{swa}, page_size={c.page_size}, "
             f"need_sort={c.need_sort}, kernel={c.kernel!r}, debug={c.debug}, "
             f"backend={self.backend!r}{dp})")
+
+
+_NDARRAY = np.ndarray
+
+
+class _NoPool(NamedTuple):
+  """`BaseAllocator._solo` of an allocator without a fast-path pool."""
+  quiet: Any = None
+
+
+_NO_POOL = _NoPool()
 
 
 def _live(state, which: str) -> np.ndarray:

@@ -83,7 +83,7 @@ class AllocatorSnapshot(NamedTuple):
 class Lists:
   """The host mirror of one allocator's free and release lists: their lengths, and
   whether a snapshot still holds their rings."""
-  __slots__ = ("num_pages", "page_size", "need_sort", "free_len", "release_len",
+  __slots__ = ("num_pages", "page_size", "need_sort", "free_len", "release_len", "avail",
                "free_shared", "release_shared")
 
   def __init__(self, config: AllocatorConfig):
@@ -93,6 +93,7 @@ class Lists:
 
   def reset(self, free_len: int, release_len: int, shared: bool = False) -> None:
     self.free_len, self.release_len = free_len, release_len
+    self.avail = (free_len + release_len) * self.page_size  # slots free or released
     self.free_shared = self.release_shared = shared
 
   def available(self) -> int:
@@ -109,6 +110,12 @@ class Lists:
       self.release_len += count
     else:
       self.free_len += count
+    self.avail += count * self.page_size
+
+  def take(self, pages: int) -> None:
+    """`pages` left free_pages (an allocation)."""
+    self.free_len -= pages
+    self.avail -= pages * self.page_size
 
   def written_shared(self) -> bool:
     """Whether the ring a free writes (release_pages with need_sort) is held."""
@@ -121,6 +128,17 @@ class Lists:
         self.release_shared = False
       else:
         self.free_shared = False
+
+  def freed(self, count: int) -> None:
+    """`give` then `written` (a free that wrote its own ring)."""
+    if count:
+      if self.need_sort:
+        self.release_len += count
+        self.release_shared = False
+      else:
+        self.free_len += count
+        self.free_shared = False
+      self.avail += count * self.page_size
 
   def merged(self) -> None:
     self.free_len, self.release_len = self.free_len + self.release_len, 0
@@ -140,6 +158,10 @@ class Pool:
     self.pending: collections.deque = collections.deque()
     self.waits = 0       # statuses read before they had landed (each a wait)
     self.error: Optional[ValueError] = None
+    # The allocator's hot paths read `quiet` alone: allocator 0's mirror while this
+    # pool's statuses are read at once (host, debug mode) and no refusal is sticky,
+    # else None (a deferred status or a refusal: the full poll must run).
+    self.quiet: Optional[Lists] = None
     self.record_shared = False  # the ownership record is held outside (copy first)
     self.lineage = object()     # see the module docstring
     self.small = getattr(backend, "small", False)  # has small_slots / free_small
@@ -186,13 +208,14 @@ class Pool:
     self.error = None
     if self.backend.defers_status:
       self.backend.reset_running()
+    else:
+      self.quiet = self.sides[0]
 
   def _drop(self) -> None:
     self.pending.clear()
 
   def available_size(self, side: int = 0) -> int:
-    lists = self.sides[side]
-    return lists.available() * lists.page_size
+    return self.sides[side].avail
 
   # -- statuses ------------------------------------------------------------------------
   def record(self, op: str, status: Any, call: int) -> None:
@@ -256,6 +279,7 @@ class Pool:
     if not values[0]:  # no refusal
       return
     message = self.label + _status.message(op, values)
+    self.quiet = None  # every call now raises (the full poll)
     if not rollback:  # read at once: the call changed nothing, the mirror is right
       self._drop()  # sticky on every backend (SPEC 14), as the record's status
       self.error = ValueError(f"{message} (every call raises until clear() or "
@@ -400,7 +424,16 @@ class Pool:
     if out is not None:
       self._wrote(whole)
       for side, pages in zip(self.sides, takes):
-        side.free_len -= pages
+        side.take(pages)
+    return out
+
+  def alloc_now(self, need_size: int, pages: int) -> Any:
+    """`alloc` of `need_size` slots (`pages` pages) on a `small` backend's host path,
+    which the class found to fit without a merge: the slots (no status to keep)."""
+    if self.record_shared:
+      self.own_record()
+    self._state, out = self.backend.alloc_now(self._state, need_size)
+    self.sides[0].take(pages)
     return out
 
   def free_small(self, x: Any, slots: list) -> bool:
@@ -409,15 +442,15 @@ class Pool:
     (state and mirror updated); False, with nothing changed, where `write` must run it
     (a refusal, or more entries than the room left)."""
     side = self.sides[0]
-    self.own_record()
+    if self.record_shared:
+      self.own_record()
     got = self.backend.free_small(
-        self.state, x, slots, side.num_pages - side.free_len - side.release_len,
-        side.written_shared())
+        self._state, x, slots, side.num_pages - side.free_len - side.release_len,
+        side.release_shared if side.need_sort else side.free_shared)
     if got is None:
       return False
-    self.state, count = got
-    side.give(count)
-    side.written(count)
+    self._state, count = got
+    side.freed(count)
     return True
 
   def write(self, op: str, call: int, counts: Tuple[Optional[int], ...],

@@ -91,7 +91,7 @@ def alloc(config: AllocatorConfig, state: AllocatorState,
   ps = config.page_size
   state, pages = _take(state, need_size // ps)
   if ps == 1:
-    return state, np.array(pages, np.int32)
+    return state, pages.copy()  # (a view of the ring, or a fresh int32 array)
   out = pages[:, None] * ps + np.arange(ps, dtype=np.int32)
   return state, out.reshape(-1)
 
@@ -124,6 +124,7 @@ class HostConfig(NamedTuple):
   one: np.ndarray      # i64[] 1
   head: np.ndarray     # i64[] 2 * ps - 1
   lanes: np.ndarray    # i32[ps] 0..ps-1
+  paged: bool          # config.kind == "paged"
 
 
 def host_config(config: AllocatorConfig) -> HostConfig:
@@ -138,7 +139,7 @@ def host_config(config: AllocatorConfig) -> HostConfig:
   rem_by, div_by, ps64, one, head = consts
   return HostConfig(config, ps, config.num_slots, np.bitwise_and if pow2 else np.remainder,
                     rem_by, np.right_shift if pow2 else np.floor_divide, div_by, ps64,
-                    ps32, one, head, lanes)
+                    ps32, one, head, lanes, config.kind == "paged")
 
 
 def i64(x: Any) -> "np.ndarray | None":
@@ -648,7 +649,7 @@ def small_slots(hc: HostConfig, x: Any) -> "list | None":
   allocatable slots (page_size..num_slots-1), [] when it is an empty 1-D numpy array (of
   any dtype, as validate.host_ints takes it: a free of nothing); None otherwise (the
   general path's checks raise or convert)."""
-  if type(x) is not np.ndarray or x.ndim != 1:
+  if x.__class__ is not np.ndarray or x.ndim != 1:
     return None
   m = x.shape[0]
   if m == 0:
@@ -656,6 +657,9 @@ def small_slots(hc: HostConfig, x: Any) -> "list | None":
   if x.dtype.kind not in "iu" or m > SMALL_FREE:
     return None
   slots = x.tolist()
+  if m == 1:
+    s = slots[0]
+    return slots if hc.ps <= s < hc.slots else None
   if min(slots) < hc.ps or max(slots) >= hc.slots:
     return None
   return slots
@@ -669,8 +673,7 @@ def free_small(hc: HostConfig, state: AllocatorState, x: np.ndarray, slots: list
   (state, entries that reached the list), or None, with nothing changed, when the record
   would refuse it (a page not held; a token free naming a slot twice) or the entries
   exceed `room` (the general path refuses or cuts)."""
-  config = hc.config
-  paged = config.kind == "paged"
+  paged = hc.paged
   m = len(slots)
   if paged:
     ps = hc.ps
@@ -690,8 +693,8 @@ def free_small(hc: HostConfig, state: AllocatorState, x: np.ndarray, slots: list
       return None
     for p in pages:
       held[p] = 0
-  k = 3 if config.need_sort else 0  # release_pages (need_sort) or free_pages
-  ring, head, length = state[k:k + 3]
+  sort = hc.config.need_sort  # release_pages (need_sort) or free_pages
+  ring, head, length = state[3:6] if sort else state[:3]
   if shared:
     ring = ring.copy()
   cap = ring.shape[0]
@@ -701,13 +704,15 @@ def free_small(hc: HostConfig, state: AllocatorState, x: np.ndarray, slots: list
   else:      # appended (FIFO, SPEC 3)
     at = (head + length) % cap
   end = at + n
-  if end <= cap:
+  if n == 1:
+    ring[at] = pages[0]
+  elif end <= cap:
     ring[at:end] = x if pages is slots else pages
   else:
     ring[at:] = pages[:cap - at]
     ring[:end - cap] = pages[cap - at:]
-  fields = list(state)
-  fields[k:k + 3] = ring, head, length + n
+  lists = (ring, head, length + n)
+  fields = state[:3] + lists + state[6:] if sort else lists + state[3:]
   return _STATE_NEW(AllocatorState, fields), n
 
 
@@ -737,6 +742,7 @@ class HostBackend(PagedStateReads):
     # as partials (no method call on the hot path of every small free)
     self.small_slots = functools.partial(small_slots, self.hc)
     self.free_small = functools.partial(free_small, self.hc)
+    self.alloc_now = functools.partial(alloc, config)  # (state, need) -> (state, slots)
 
   def init(self) -> AllocatorState:
     return init(self.config)
