@@ -112,7 +112,7 @@ class SWADriver:
                      tail)
     if got is not None:
       head = ext - tail
-      odd = head % ps != 0
+      odd = head % ps != 0 and tail > 0
       dead = {self._page(s) for s in got[:head:ps]} if not odd else ()
       self.reqs.append(_Req(got, dead, odd))
 

@@ -293,15 +293,15 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
                        lambda s, shared: pool.backend.alloc_extend_swa_tail(
                            s, plan, tail, shared))
     if out is not None and pool.peers is not None:
-      self._tail_peers(pool, int(plan.data[0][0]), ext - tail, out)
+      self._tail_peers(pool, int(plan.data[0][0]), ext - tail, tail, out)
     return out
 
-  def _tail_peers(self, pool: Pool, pre: int, head: int, out: Any) -> None:
-    """The record after an SWA tail (swa_peers): its tail pages pair as any
-    allocation's when the tail starts a page of a request that starts one; whole head
-    pages have no SWA KV (their ids read once `out` has landed); else irregular."""
+  def _tail_peers(self, pool: Pool, pre: int, head: int, tail: int, out: Any) -> None:
+    """The record after an SWA tail (swa_peers), for a request that starts a page: its
+    tail pages pair as any allocation's when the tail starts a page; the head's pages
+    have no SWA KV (their ids read once `out` has landed). Else irregular."""
     ps = self.page_size
-    if pre % ps or head % ps:
+    if pre % ps or (head % ps and tail):
       pool.peers.irregular_now()
     elif head:
       pool.peers.mark(out, False, ps, head)
