@@ -14,7 +14,12 @@ counts as live because the allocation that takes it always pairs it with a fresh
 page (alloc_extend, alloc_decode; alloc_extend_swa_tail's tail): the record needs no
 page id at allocation time, which only the device knows. An SWA free (free_swa,
 free_swa_segment, a free group's SWA half) sets its pages False; a full free (free,
-free_full, the segments) sets them True again.
+free_full, the segments) sets them True again. A free_swa naming a free page is refused
+by the full pool's ownership record, so a free page's True is never counted. The
+device program checks every count it is given against what its lists took
+(NOT_LISTED): a count that a free breaking SPEC 13's preconditions made wrong (free_full
+of a page whose SWA KV is still held, unchecked outside debug mode; or any misuse with
+guard=False) refuses the call, as any refusal, and is never taken.
 
 What the host cannot know at call time waits in `queue`, in call order: the pages of
 a device free_index (a segment free) and the head pages of alloc_extend_swa_tail
