@@ -288,3 +288,24 @@ def test_record_queue_snapshots_and_a_deleted_array():
   rec.mark(x, False, 4, 4)
   x.delete()
   assert rec.release(np.array([2]), False) is None and rec.irregular
+
+
+@pytest.mark.parametrize("ps", [2, 4])
+def test_without_the_record_free_swa_of_a_free_page_frees_nothing_on_both_backends(ps):
+  """guard=False: no ownership record, so no host record either (a free page could be
+  named): free_swa of a request already freed frees nothing, as SGLang's, and the
+  device backend's counts (read) equal the host backend's."""
+  a = [kvs.SWATokenToKVPoolAllocator(16 * ps, 8 * ps, ps, None, "cpu", None, False,
+                                     kernel="jnp", debug=False, guard=False, backend=b)
+       for b in ("host", "device")]
+  assert all(x._pools[0].peers is None for x in a)
+  n = 3 * ps + 1
+  outs = [np.asarray(x.alloc_extend(np.array([0]), np.array([0]), np.array([n]),
+                                    np.array([n]), np.array([-1]), n)) for x in a]
+  assert outs[0].tolist() == outs[1].tolist()
+  for x, out in zip(a, outs):
+    x.free(out)
+    x.free_swa(out)  # the pages are free: nothing to free, no refusal
+    x.free_swa(out[:ps])
+  sizes = [(x.full_available_size(), x.swa_available_size()) for x in a]
+  assert sizes[0] == sizes[1] == (16 * ps, 8 * ps), sizes

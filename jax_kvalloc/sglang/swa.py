@@ -80,8 +80,9 @@ class SWATokenToKVPoolAllocator(BaseAllocator):
     config = core.SWAConfig(size, size_swa, page_size, need_sort, guard=guard, **extra)
     super().__init__(config, dtype, device, kvcache, backend, dp_size=dp_size,
                      dp_ranks=dp_ranks)
-    for pool in self._pools:  # a deferring backend's SWA counts (swa_peers)
-      if pool.backend.defers_status and page_size > 1:
+    for pool in self._pools:  # a deferring backend's SWA counts (swa_peers); without
+      # the ownership record a free page's SWA count is the mapping's: read, as SGLang
+      if guard and pool.backend.defers_status and page_size > 1:
         pool.peers = PeerRecord(pool.backend.pools[FULL].num_pages, page_size)
 
   @staticmethod
