@@ -15,7 +15,9 @@ free_swa read the count (once: the record is rebuilt then), and that debug mode 
 device segments' peers.
 """
 import contextlib
+import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,7 +45,12 @@ class _Req:
 def _serve(a, m, outputs, guard, device_inputs, steps=24):
   """Serving steps, each inside `guard()`. Appends (device output, model output) pairs."""
   ps = a.page_size
-  put = (lambda x: jnp.asarray(np.asarray(x, np.int32))) if device_inputs else (
+  def landed(x):  # a device input computed before the call (as SGLang's table slices)
+    while not x.is_ready():
+      time.sleep(0)
+    return x
+
+  put = (lambda x: landed(jnp.asarray(np.asarray(x, np.int32)))) if device_inputs else (
       lambda x: np.asarray(x, np.int64))
   rng = np.random.default_rng(0)
   reqs, full_only = [], []
@@ -59,27 +66,14 @@ def _serve(a, m, outputs, guard, device_inputs, steps=24):
       a.free_group_end()
       m.free_group_end()
 
+  tails = []
   for step in range(steps):
+    # A caller that names a request's slots on the host has read them: the SWA tails
+    # of the last step have landed (swa_peers reads their head pages once they have).
+    jax.block_until_ready(tails)
+    tails = []
     with guard():
-      if step % 4 == 0:  # prefill two requests, one SWA-tail request, one full-only
-        seq = rng.integers(1, 3 * ps + 2, 2)
-        z = np.zeros(2, np.int64)
-        out = a.alloc_extend(z, z, seq, seq, put(np.full(2, -1)), int(seq.sum()))
-        want = m.alloc_extend([0, 0], seq.tolist(), [-1, -1])
-        assert (out is None) == (want is None)
-        if want is not None:
-          outputs.append((out, want))
-          reqs += [_Req(want[:seq[0]]), _Req(want[seq[0]:])]
-        one = np.array([0], np.int64)
-        for tail, into in ((ps, reqs), (0, full_only)):  # tail ps: SWA KV of page 3 only
-          n = np.array([3 * ps], np.int64)
-          out = a.alloc_extend_swa_tail(one, one, n, n, np.array([-1]), 3 * ps, tail)
-          want = m.alloc_extend_swa_tail(0, 3 * ps, -1, tail)
-          assert (out is None) == (want is None)
-          if want is not None:
-            outputs.append((out, want))
-            into.append(_Req(want, 2 * ps) if tail else want)
-      elif reqs:
+      if step % 4 and reqs:
         decode_all(a, m, [r.slots for r in reqs], put, outputs, speculative=step % 3 == 1)
       if step % 2 == 1:  # the window: SWA KV of whole pages before len - WINDOW leaves
         on = group(step % 4 == 3)
@@ -117,6 +111,26 @@ def _serve(a, m, outputs, guard, device_inputs, steps=24):
           a.free_segment(put(r.slots[r.swa_start:]), start_pos=r.swa_start)
           m.free_segment(r.slots[r.swa_start:], r.swa_start)
         end(on)
+      if step % 4 == 0:  # prefill two requests, one SWA-tail request, one full-only
+        # (after this step's frees, as a scheduler admits after it has retired)
+        seq = rng.integers(1, 3 * ps + 2, 2)
+        z = np.zeros(2, np.int64)
+        out = a.alloc_extend(z, z, seq, seq, put(np.full(2, -1)), int(seq.sum()))
+        want = m.alloc_extend([0, 0], seq.tolist(), [-1, -1])
+        assert (out is None) == (want is None)
+        if want is not None:
+          outputs.append((out, want))
+          reqs += [_Req(want[:seq[0]]), _Req(want[seq[0]:])]
+        one = np.array([0], np.int64)
+        for tail, into in ((ps, reqs), (0, full_only)):  # tail ps: SWA KV of page 3 only
+          n = np.array([3 * ps], np.int64)
+          out = a.alloc_extend_swa_tail(one, one, n, n, np.array([-1]), 3 * ps, tail)
+          want = m.alloc_extend_swa_tail(0, 3 * ps, -1, tail)
+          assert (out is None) == (want is None)
+          if want is not None:
+            outputs.append((out, want))
+            tails.append(out)
+            into.append(_Req(want, 2 * ps) if tail else want)
       assert a.available_size() == m.available_size()
       assert a.full_available_size() == m.full_available_size()
       assert a.swa_available_size() == m.swa_available_size()
