@@ -2,16 +2,16 @@
 a test makes class calls: a call that waits for the device (for a status, a count, an
 output) cannot return before the step has finished.
 
-On a GPU the step blocks in a host callback (jax.pure_callback) on a threading.Event that
-the test sets (`finish`). JAX's CPU client runs a program with a host callback inline, in
-the dispatching thread, so there the step is a chain of matmuls instead (dispatched
-asynchronously, and the CPU runs the programs queued after it only once it is done); its
-length is fitted once per process to at least MIN_SECONDS, far beyond what a call that
-does not wait takes, and `running()` says whether it is still running. `negative_control`
-shows that a read of an allocator output queued after the step does wait for it.
+The step is a chain of matmuls, dispatched asynchronously; the device runs the programs
+queued after it only once it is done. Its length is fitted once per device to at least
+MIN_SECONDS, far beyond what a call that does not wait takes, and `running()` says
+whether it is still running. A step that blocks in a host callback until the test
+releases it cannot be used: JAX's CPU client runs a program with a host callback inline,
+in the dispatching thread, and on an H200 (2026-12-05-h200-r5a) a test queued behind such
+a step never returned. `negative_control` shows that a read of an allocator output
+queued after the step does wait for it.
 """
 import functools
-import threading
 import time
 
 import jax
@@ -21,15 +21,15 @@ MIN_SECONDS = 0.5
 _SIDE = 256
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _busy(x, n):
+@jax.jit
+def _busy(x, n):  # n: traced (a while loop), so one program serves every length
   return jax.lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a) * 0.5, x)
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_iterations() -> int:
-  """Iterations of `_busy` that take at least MIN_SECONDS here (fitted once)."""
-  x = jnp.full((_SIDE, _SIDE), 0.01, jnp.float32)
+def _iterations(device: jax.Device) -> int:
+  """Iterations of `_busy` that take at least MIN_SECONDS on `device` (fitted once)."""
+  x = jax.device_put(jnp.full((_SIDE, _SIDE), 0.01, jnp.float32), device)
   n = 16
   _busy(x, n).block_until_ready()  # compile
   while True:
@@ -42,29 +42,15 @@ def _cpu_iterations() -> int:
 
 
 class ModelStep:
-  """One queued step: `running()` while it has not finished; `finish()` lets it finish
-  (GPU) and waits for it."""
+  """One queued step: `running()` while it has not finished; `finish()` waits for it."""
 
   def __init__(self, device=None):
     device = device or jax.devices()[0]
-    self._event = threading.Event()
-    if device.platform == "cpu":
-      x = jax.device_put(jnp.full((_SIDE, _SIDE), 0.01, jnp.float32), device)
-      n = _cpu_iterations()
-      self.out = _busy(x, n)
-    else:
-      event = self._event
-
-      def wait(v):
-        event.wait()
-        return v
-      step = jax.jit(lambda v: jax.pure_callback(
-          wait, jax.ShapeDtypeStruct(v.shape, v.dtype), v))
-      self.out = step(jax.device_put(jnp.zeros((4,), jnp.float32), device))
+    x = jax.device_put(jnp.full((_SIDE, _SIDE), 0.01, jnp.float32), device)
+    self.out = _busy(x, _iterations(device))
 
   def running(self) -> bool:
     return not self.out.is_ready()
 
   def finish(self) -> None:
-    self._event.set()
     self.out.block_until_ready()
