@@ -9,19 +9,13 @@ export JAX_KVALLOC_SGLANG_BUNDLE=.sglang_py312
 O=${OUT:-/tmp}/nowait-diag; mkdir -p "$O"
 git rev-parse HEAD > "$O/commit.txt" 2>&1; nvidia-smi -L >> "$O/commit.txt" 2>&1
 P=(python3 -m pytest -o addopts= -p no:cacheprovider -v -rA -o faulthandler_timeout=20)
-for case in "paged-1-device" "token-1-device" "swa-1-device" "paged-1-host"; do
-  timeout 45 "${P[@]}" "tests/test_no_wait.py::test_no_call_waits_with_a_model_step_queued[$case]" \
+for case in ${DIAG_CASES:-paged-1-device swa-1-device}; do
+  timeout 40 "${P[@]}" "tests/test_no_wait.py::test_no_call_waits_with_a_model_step_queued[$case]" \
     > "$O/step-$case.log" 2>&1; echo "step $case: exit $?" | tee -a "$O/summary.txt"
 done
-timeout 60 "${P[@]}" -x tests/test_no_wait.py -k "test_device_class_calls_do_not_wait and not gpu" \
-  > "$O/cpu-form.log" 2>&1; echo "cpu-form: exit $?" | tee -a "$O/summary.txt"
-timeout 60 "${P[@]}" tests/test_no_wait.py -k "read_of_an_output or swa_count" \
-  > "$O/controls.log" 2>&1; echo "controls: exit $?" | tee -a "$O/summary.txt"
-timeout 90 "${P[@]}" tests/test_swa_no_wait.py > "$O/swa.log" 2>&1
-echo "swa: exit $?" | tee -a "$O/summary.txt"
 # Where a device-backend decode call's ~600 us go on this machine (r5a: 630 us against a
 # 55 us trivial jitted call): cProfile of 300 calls, 1 row, page 64, as `bench class`.
-timeout 120 python3 - > "$O/class-profile.log" 2>&1 <<'PY'
+timeout 60 python3 - > "$O/class-profile.log" 2>&1 <<'PY'
 import cProfile, pstats, time
 import jax, jax.numpy as jnp, numpy as np
 import jax_kvalloc.sglang as kvs
@@ -48,3 +42,9 @@ pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 pstats.Stats(pr).sort_stats("cumtime").print_stats(40)
 PY
 echo "class-profile: exit $?" | tee -a "$O/summary.txt"
+timeout 60 "${P[@]}" -x tests/test_no_wait.py -k "test_device_class_calls_do_not_wait and not gpu" \
+  > "$O/cpu-form.log" 2>&1; echo "cpu-form: exit $?" | tee -a "$O/summary.txt"
+timeout 60 "${P[@]}" tests/test_no_wait.py -k "read_of_an_output or swa_count" \
+  > "$O/controls.log" 2>&1; echo "controls: exit $?" | tee -a "$O/summary.txt"
+timeout 90 "${P[@]}" tests/test_swa_no_wait.py > "$O/swa.log" 2>&1
+echo "swa: exit $?" | tee -a "$O/summary.txt"
