@@ -368,6 +368,25 @@ def pytest_sessionfinish(session):
   gc.freeze()
 
 
+# Each compiled program holds memory maps; a worker that runs many modules can near
+# vm.max_map_count (65530), where XLA fails inside, not with an error (a py311 CI worker
+# once died of a segfault while writing the compilation cache, 2026-12-05). Past
+# MAX_MAPS, jax's caches are dropped before the next module (only then: it recompiles).
+_MAPS = pathlib.Path("/proc/self/maps")
+MAX_MAPS = int(os.environ.get("JAX_KVALLOC_TEST_MAX_MAPS", "40000"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+  if _MAPS.exists():
+    with open(_MAPS, "rb") as f:
+      if f.read().count(b"\n") > MAX_MAPS:
+        import jax  # pylint: disable=g-import-not-at-top
+        jax.clear_caches()
+        gc.collect()
+  yield
+
+
 @pytest.fixture(scope="session")
 def golden_path():
   if not GOLDEN.exists():
