@@ -369,9 +369,9 @@ def pytest_sessionfinish(session):
 
 
 # Each compiled program holds memory maps; a worker that runs many modules can near
-# vm.max_map_count (65530), where XLA fails inside, not with an error (a py311 CI worker
-# once died of a segfault while writing the compilation cache, 2026-12-05). Past
-# MAX_MAPS, jax's caches are dropped before the next module (only then: it recompiles).
+# vm.max_map_count (65530), where XLA can fail inside (a segfault), not with an error.
+# Past MAX_MAPS, jax's caches are dropped before the next module (only then: it
+# recompiles).
 _MAPS = pathlib.Path("/proc/self/maps")
 MAX_MAPS = int(os.environ.get("JAX_KVALLOC_TEST_MAX_MAPS", "40000"))
 

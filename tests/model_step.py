@@ -6,9 +6,9 @@ The step is a chain of matmuls, dispatched asynchronously; the device runs the p
 queued after it only once it is done. Its length is fitted once per device to at least
 MIN_SECONDS, far beyond what a call that does not wait takes, and `running()` says
 whether it is still running. A step that blocks in a host callback until the test
-releases it is not used: JAX's CPU client runs a program with a host callback inline,
-in the dispatching thread, and on an H200 (2026-12-05-h200-r5a) a test queued behind such
-a step never returned (a call that waits for this step fails the test instead). `negative_control` shows that a read of an allocator output
+releases it is not used: JAX runs a program with a host callback inline in the
+dispatching thread on the CPU (and may on a GPU), so such a step would hold the test
+itself; with this step, a call that waits fails the test instead of hanging it. `negative_control` shows that a read of an allocator output
 queued after the step does wait for it.
 """
 import functools
